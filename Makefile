@@ -1,0 +1,42 @@
+# The few commands people need. Each creates .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench lint fmt clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+## demo: migrate the embedded database, load demo data, show what is there
+# (always the embedded server: a QO_OPS_DATABASE_URL in your shell is ignored here)
+demo: export QO_OPS_DATABASE_URL :=
+demo: $(STAMP)
+	$(BIN)/qo-ops db upgrade
+	$(BIN)/qo-ops demo-data --tenants 3 --quotes 2000 --seed 1 --reset
+	$(BIN)/qo-ops info
+
+## test: the whole suite on a real PostgreSQL (embedded, or QO_OPS_TEST_DATABASE_URL)
+test: $(STAMP)
+	$(BIN)/pytest
+
+## bench: measured speed, compared with a baseline in the same run
+bench: $(STAMP)
+	$(BIN)/python -m bench.bench_demo_data
+
+## lint: ruff and mypy on the package
+lint: $(STAMP)
+	$(BIN)/ruff check qo_ops qo_ops_tests bench
+	$(BIN)/ruff format --check qo_ops qo_ops_tests bench
+	$(BIN)/mypy
+
+fmt: $(STAMP)
+	$(BIN)/ruff format qo_ops qo_ops_tests bench
+	$(BIN)/ruff check --fix qo_ops qo_ops_tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,32 @@
+"""Settings read from the environment, in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DATABASE_URL_ENV = "QO_OPS_DATABASE_URL"
+HOME_ENV = "QO_OPS_HOME"
+DEFAULT_HOME = ".qo_ops"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where qo-ops keeps its state and which database it talks to."""
+
+    home: Path
+    database_url: str | None
+
+    @property
+    def embedded_pgdata(self) -> Path:
+        """Data directory of the embedded PostgreSQL server (used when no URL is set)."""
+        return self.home / "pgdata"
+
+
+def load_settings(environ: dict[str, str] | None = None) -> Settings:
+    """Read settings from ``environ`` (default: the process environment)."""
+    env = os.environ if environ is None else environ
+    home = Path(env.get(HOME_ENV) or DEFAULT_HOME).expanduser().resolve()
+    url = (env.get(DATABASE_URL_ENV) or "").strip() or None
+    return Settings(home=home, database_url=url)

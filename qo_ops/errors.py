@@ -1,0 +1,52 @@
+"""Errors a user can act on: each carries a one-line message and an exit code."""
+
+from __future__ import annotations
+
+import re
+
+# CLI exit codes shared by every command (run summaries add their own in later layers).
+EXIT_BAD_INPUT = 2
+
+_URL_PASSWORD = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@/\s]*)@", re.I
+)
+_KV_PASSWORD = re.compile(r"(password\s*=\s*)('[^']*'|\S+)", re.I)
+
+
+def redact(text: str) -> str:
+    """Return ``text`` with passwords in URLs and ``password=`` pairs replaced by ``***``."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    return _KV_PASSWORD.sub(lambda m: f"{m.group(1)}***", text)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """Collapse ``text`` to one redacted line of at most ``limit`` characters."""
+    flat = " ".join(redact(str(text)).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+class QoOpsError(Exception):
+    """An error whose message is safe and useful to show a user as one line."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, *, exit_code: int | None = None) -> None:
+        super().__init__(one_line(message))
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class ConfigError(QoOpsError):
+    """The configuration (environment, URL, home directory) is unusable."""
+
+
+class DatabaseUnavailable(QoOpsError):
+    """The configured database cannot be reached."""
+
+
+class SchemaNotReady(QoOpsError):
+    """The database schema is not at the revision this code needs."""
+
+
+class BadInput(QoOpsError):
+    """A command-line or API argument is invalid; nothing was changed."""
