@@ -6,10 +6,14 @@ Errors reach the user as one line on stderr with a non-zero exit code, never a t
 
 from __future__ import annotations
 
+import dataclasses
+import getpass
 import json
+import logging
 import os
 import sys
-from datetime import UTC, datetime
+import uuid
+from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Any
 
 import sqlalchemy as sa
@@ -21,6 +25,7 @@ from qo_ops.db import migrate
 from qo_ops.db.engine import DatabaseTarget, ensure_database, get_engine, resolve_target
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 from qo_ops.errors import EXIT_BAD_INPUT, BadInput, QoOpsError, one_line
+from qo_ops.platform.spec import RunOptions, Scope
 
 EXIT_FAILED = 1
 EXIT_INTERNAL = 70
@@ -219,6 +224,326 @@ def info(as_json: JsonOpt = False) -> None:
     typer.echo(f"schema:   {current or 'empty'} (head {head}, {state})")
     if counts:
         print_table("rows per table", ["table", "rows"], [[k, v] for k, v in counts.items()])
+
+
+# ------------------------------------------------------------------------- jobs
+
+EXIT_BY_STATUS = {
+    "success": 0,
+    "no_work": 0,
+    "failed": 1,
+    "partial_success": 3,
+    "skipped": 4,
+    "timeout": 5,
+    "cancelled": 6,
+}
+SUMMARY_KEYS = (
+    "job_run_id",
+    "job_name",
+    "status",
+    "mode",
+    "scope",
+    "requester",
+    "eligible_count",
+    "processed_count",
+    "mutated_count",
+    "failed_count",
+    "skipped_count",
+    "duration_ms",
+)
+
+
+def _parse_date(value: str, option: str) -> date:
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise BadInput(f"{option} must be a date like 2026-01-31, got {value!r}") from None
+
+
+def _scope(tenant: str, day: str | None, start: str | None, end: str | None) -> Scope:
+    if day and (start or end):
+        raise BadInput("give either --date or --from/--to, not both")
+    if day:
+        d = _parse_date(day, "--date")
+        return Scope(tenant, d, d + timedelta(days=1))
+    if start or end:
+        if not (start and end):
+            raise BadInput("--from and --to go together")
+        first, last = _parse_date(start, "--from"), _parse_date(end, "--to")
+        if last < first:
+            raise BadInput("--to must not be before --from")
+        return Scope(tenant, first, last + timedelta(days=1))  # --to is inclusive
+    return Scope(tenant)
+
+
+def _requester(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        return f"os:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "os:unknown"
+
+
+class _TerminalProgress(logging.Handler):
+    """Renders job.progress events as one updating line on a terminal."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, "event", {})
+        if event.get("event.name") != "job.progress":
+            return
+        done, eligible = event.get("items.processed", 0), self.eligible or 0
+        share = f" of {eligible:,} ({100 * done / eligible:.0f}%)" if eligible else ""
+        rate = event.get("throughput_per_second") or 0
+        sys.stderr.write(
+            f"\r  processed {done:,}{share}, {rate:,.0f}/s, failed {event.get('items.failed', 0):,}   "
+        )
+        sys.stderr.flush()
+
+    eligible: int | None = None
+
+
+@app.command("run")
+def run_command(
+    job: Annotated[str, typer.Argument(help="Job name, e.g. quote_expiration.")],
+    tenant: Annotated[str, typer.Option(help="Tenant id, e.g. tenant-001.")],
+    mode: Annotated[str, typer.Option(help="dry-run (default) or execute.")] = "dry-run",
+    day: Annotated[
+        str | None, typer.Option("--date", help="Window of one day (windowed jobs).")
+    ] = None,
+    start: Annotated[str | None, typer.Option("--from", help="First day of the window.")] = None,
+    end: Annotated[
+        str | None, typer.Option("--to", help="Last day of the window (inclusive).")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Items per batch transaction.")] = None,
+    max_items: Annotated[int | None, typer.Option(help="Stop after this many items.")] = None,
+    throttle_ms: Annotated[int | None, typer.Option(help="Pause between batches.")] = None,
+    deadline_s: Annotated[
+        float | None, typer.Option(help="Stop (status timeout) after this long.")
+    ] = None,
+    lease_ttl_s: Annotated[float | None, typer.Option(help="Lease time-to-live.")] = None,
+    reason: Annotated[str | None, typer.Option(help="Why (required to execute by hand).")] = None,
+    requester: Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")] = None,
+    correlation_id: Annotated[
+        str | None, typer.Option(help="Ties this run to an incident or ticket.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a job by hand over one tenant (and window) and print its summary."""
+    from qo_ops.jobs.catalog import get_spec
+    from qo_ops.platform.runner import run_job
+    from qo_ops.platform.telemetry import EVENT_LOGGER, configure_event_logging
+
+    spec = get_spec(job)
+    normalized_mode = mode.replace("-", "_")
+    if normalized_mode not in ("dry_run", "execute"):
+        raise BadInput(f"--mode must be dry-run or execute, not {mode!r}")
+    scope = _scope(tenant, day, start, end)
+    options = RunOptions(
+        mode=normalized_mode,  # type: ignore[arg-type]
+        trigger="manual",
+        batch_size=batch_size,
+        max_items=max_items,
+        throttle_ms=throttle_ms,
+        deadline_s=deadline_s,
+        lease_ttl_s=lease_ttl_s,
+        requester=_requester(requester),
+        reason=reason,
+        correlation_id=correlation_id or str(uuid.uuid4()),
+        progress_interval_s=1.0 if sys.stderr.isatty() else 10.0,
+    ).validated()
+    engine = get_engine()
+    migrate.require_current(engine)
+    if sys.stderr.isatty() and not as_json:
+        progress = _TerminalProgress()
+        logging.getLogger(EVENT_LOGGER).addHandler(progress)
+        logging.getLogger(EVENT_LOGGER).setLevel(logging.INFO)
+        logging.getLogger(EVENT_LOGGER).propagate = False
+    else:
+        configure_event_logging()
+    summary = run_job(spec, scope, options, engine=engine)
+    if sys.stderr.isatty() and not as_json:
+        sys.stderr.write("\n")
+    if as_json:
+        emit_json(summary.as_dict())
+    else:
+        data = summary.as_dict()
+        for key in SUMMARY_KEYS:
+            typer.echo(f"{key}={'' if data[key] is None else data[key]}")
+        for key in ("status_reason", "error_code", "error_text"):
+            if data[key]:
+                typer.echo(f"{key}={data[key]}")
+        if summary.sample_ids:
+            typer.echo(f"sample_ids={','.join(summary.sample_ids)}")
+        for check in summary.checks:
+            typer.echo(f"check.{check.name}={'passed' if check.passed else 'FAILED'}")
+    raise typer.Exit(EXIT_BY_STATUS[summary.status])
+
+
+def _when(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if value else "-"
+
+
+@app.command("status")
+def status_command(
+    job: Annotated[str | None, typer.Argument(help="One job (default: all).")] = None,
+    tenant: Annotated[str | None, typer.Option(help="One tenant (default: all).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Per job and tenant: last run, last success, lease holder, backlog."""
+    from qo_ops.jobs.catalog import CATALOG, get_spec
+    from qo_ops.platform.status import job_status
+
+    specs = [get_spec(job)] if job else list(CATALOG.values())
+    engine = get_engine()
+    migrate.require_current(engine)
+    rows = [r for spec in specs for r in job_status(engine, spec, tenant)]
+    if as_json:
+        emit_json({"status": [r.as_dict() for r in rows]})
+        return
+    print_table(
+        "job status",
+        ["job", "scope", "last run", "status", "last success", "lease holder", "backlog"],
+        [
+            [
+                r.job_name,
+                r.scope,
+                _when(r.last_run_at),
+                r.last_status or "-",
+                _when(r.last_success_at),
+                r.lease_holder or "-",
+                "-" if r.backlog is None else r.backlog,
+            ]
+            for r in rows
+        ],
+    )
+
+
+@app.command("runs")
+def runs_command(
+    job: Annotated[str, typer.Argument(help="Job name.")],
+    tenant: Annotated[str | None, typer.Option(help="One tenant (scope).")] = None,
+    limit: Annotated[int, typer.Option(help="How many runs, newest first.")] = 20,
+    as_json: JsonOpt = False,
+) -> None:
+    """The run history of a job."""
+    from qo_ops.jobs.catalog import get_spec
+    from qo_ops.platform.runs import list_runs
+
+    spec = get_spec(job)
+    if not 1 <= limit <= 1000:
+        raise BadInput("--limit must be between 1 and 1000")
+    if tenant is not None:
+        Scope(tenant)  # validates the id
+    engine = get_engine()
+    migrate.require_current(engine)
+    history = list_runs(engine, spec.name, tenant, limit)
+    if as_json:
+        emit_json({"runs": [dataclasses.asdict(r) for r in history]})
+        return
+    print_table(
+        f"runs of {spec.name}",
+        [
+            "run id",
+            "scope",
+            "mode",
+            "trigger",
+            "started",
+            "status",
+            "reason",
+            "eligible",
+            "processed",
+            "failed",
+        ],
+        [
+            [
+                str(r.id),
+                r.scope,
+                r.mode,
+                r.trigger_type,
+                _when(r.started_at),
+                r.status,
+                r.status_reason or "-",
+                r.eligible_count,
+                r.processed_count,
+                r.failed_count,
+            ]
+            for r in history
+        ],
+    )
+
+
+@app.command("cancel")
+def cancel_command(
+    run_id: Annotated[str, typer.Argument(help="The job_run id to stop.")],
+    reason: Annotated[str, typer.Option(help="Why (recorded in the audit trail).")],
+    requester: Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")] = None,
+) -> None:
+    """Ask a running run to stop after its current batch (it ends `cancelled`)."""
+    from qo_ops.platform.runs import request_cancel
+
+    try:
+        parsed = uuid.UUID(run_id)
+    except ValueError:
+        raise BadInput(f"{run_id!r} is not a run id (a UUID)") from None
+    if not reason.strip():
+        raise BadInput("--reason must not be empty")
+    engine = get_engine()
+    migrate.require_current(engine)
+    status = request_cancel(engine, parsed, _requester(requester), reason)
+    typer.echo(
+        "cancel requested" if status == "running" else f"run is already {status}; nothing to cancel"
+    )
+
+
+@app.command("requeue")
+def requeue_command(
+    tenant: Annotated[str, typer.Option(help="Tenant whose dead letters to requeue.")],
+    reason: Annotated[str, typer.Option(help="Why (recorded in the audit trail).")],
+    item: Annotated[
+        list[str] | None, typer.Option(help="Only these item ids (repeatable).")
+    ] = None,
+    limit: Annotated[int, typer.Option(help="At most this many items.")] = 1000,
+    requester: Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")] = None,
+) -> None:
+    """Put dead-lettered delivery items back to READY (audited)."""
+    from qo_ops.platform.retry import requeue_dead_letters
+
+    Scope(tenant)
+    if not reason.strip():
+        raise BadInput("--reason must not be empty")
+    if not 1 <= limit <= 100_000:
+        raise BadInput("--limit must be between 1 and 100000")
+    try:
+        ids = [uuid.UUID(i) for i in item] if item else None
+    except ValueError:
+        raise BadInput("--item takes delivery item ids (UUIDs)") from None
+    engine = get_engine()
+    migrate.require_current(engine)
+    count = requeue_dead_letters(
+        engine,
+        tenant_id=tenant,
+        requester=_requester(requester),
+        reason=reason,
+        item_ids=ids,
+        limit=limit,
+    )
+    typer.echo(f"requeued {count} dead-lettered item(s) of {tenant}")
+
+
+@app.command("reap")
+def reap_command(
+    job: Annotated[str | None, typer.Argument(help="One job (default: all).")] = None,
+) -> None:
+    """Mark orphaned `running` runs (no live lease, no heartbeat) as failed/orphaned now."""
+    from qo_ops.jobs.catalog import get_spec
+    from qo_ops.platform.runs import reap_orphans
+
+    name = get_spec(job).name if job else None
+    engine = get_engine()
+    migrate.require_current(engine)
+    reaped = reap_orphans(engine, name)
+    typer.echo(f"reaped {len(reaped)} orphaned run(s)" + "".join(f"\n  {r}" for r in reaped))
 
 
 # ------------------------------------------------------------------------- entry point

@@ -1,0 +1,1 @@
+"""One module per operational job; each declares a ``SPEC`` listed in ``qo_ops.jobs.catalog``."""

@@ -1,0 +1,19 @@
+"""The job catalog: every operational job, declared once. Dagster jobs, schedules, sensors,
+checks, CLI commands, API routes and metrics are derived from this list."""
+
+from __future__ import annotations
+
+from qo_ops.errors import BadInput
+from qo_ops.jobs import quote_expiration
+from qo_ops.platform.spec import JobSpec
+
+CATALOG: dict[str, JobSpec] = {spec.name: spec for spec in (quote_expiration.SPEC,)}
+
+
+def get_spec(name: str) -> JobSpec:
+    """The spec of job ``name``; a one-line error naming the known jobs otherwise."""
+    normalized = name.strip().replace("-", "_")
+    spec = CATALOG.get(normalized)
+    if spec is None:
+        raise BadInput(f"unknown job {name!r}; known jobs: {', '.join(sorted(CATALOG))}")
+    return spec

@@ -1,0 +1,132 @@
+"""quote_expiration: ACTIVE quotes past their expiry become EXPIRED, each with exactly one
+QuoteExpired outbox event, in the same transaction.
+
+No checkpoint: the selection is by state (ACTIVE and past expiry), and the transition
+takes a quote out of it, so a rerun simply finds what is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.db.schema import quote
+from qo_ops.platform.spec import BatchContext, BatchOutcome, JobDefaults, JobSpec, OutcomeCheck
+
+GRACE = "interval '5 minutes'"  # the outcome check forgives quotes that expired this recently
+
+
+def eligible_quotes(ctx: BatchContext) -> sa.Select[Any]:
+    """ACTIVE quotes of the tenant past expiry, oldest first (ix_quote_active_expiry)."""
+    return (
+        sa.select(quote.c.id)
+        .where(
+            quote.c.tenant_id == ctx.scope.tenant_id,
+            quote.c.status == "ACTIVE",
+            quote.c.expires_at < sa.func.now(),
+        )
+        .order_by(quote.c.expires_at, quote.c.id)
+    )
+
+
+# Conditional ACTIVE -> EXPIRED (a quote already expired is not touched again) and its event
+# under a unique business key (a second one is never inserted): safe to run twice.
+EXPIRE_QUOTE_BATCH = sa.text(
+    """
+    WITH expired AS (
+        UPDATE quote
+           SET status = 'EXPIRED', version = version + 1, updated_at = clock_timestamp()
+         WHERE id = ANY(CAST(:ids AS bigint[]))
+           AND tenant_id = :tenant AND status = 'ACTIVE' AND expires_at < now()
+        RETURNING id, tenant_id, expires_at, version
+    ), events AS (
+        INSERT INTO outbox_event (id, business_key, tenant_id, aggregate_type, aggregate_id,
+                                  event_type, payload, created_at, available_at)
+        SELECT gen_random_uuid(), format('quote:%s:expired', id), tenant_id, 'quote', id::text,
+               'QuoteExpired',
+               jsonb_build_object('quote_id', id, 'expired_at', expires_at, 'version', version),
+               clock_timestamp(), clock_timestamp()
+          FROM expired
+        ON CONFLICT (business_key) DO NOTHING
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM expired) AS expired, (SELECT count(*) FROM events) AS events
+    """
+)
+
+
+def expire_quote_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
+    """Expire the selected quotes and append their QuoteExpired events."""
+    row = conn.execute(EXPIRE_QUOTE_BATCH, {"ids": list(ids), "tenant": ctx.scope.tenant_id}).one()
+    return BatchOutcome(
+        succeeded=row.expired,
+        skipped=len(ids) - row.expired,  # changed by someone else since selection
+        events_written=row.events,
+        duplicates_prevented=row.expired - row.events,
+    )
+
+
+def check_quote_expiration(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
+    """No ACTIVE quote past expiry (beyond grace); every EXPIRED quote has one event."""
+    tenant = {"tenant": ctx.scope.tenant_id}
+    overdue = conn.execute(
+        sa.text(
+            f"SELECT count(*) FROM quote WHERE tenant_id = :tenant AND status = 'ACTIVE' "
+            f"AND expires_at < now() - {GRACE}"
+        ),
+        tenant,
+    ).scalar()
+    bad_events = conn.execute(
+        sa.text(
+            """
+            SELECT count(*) FILTER (WHERE n = 0) AS missing, count(*) FILTER (WHERE n > 1) AS duplicated
+              FROM (SELECT q.id, (SELECT count(*) FROM outbox_event e
+                                   WHERE e.aggregate_type = 'quote' AND e.aggregate_id = q.id::text
+                                     AND e.event_type = 'QuoteExpired') AS n
+                      FROM quote q WHERE q.tenant_id = :tenant AND q.status = 'EXPIRED') s
+            """
+        ),
+        tenant,
+    ).one()
+    return [
+        OutcomeCheck(
+            "no_overdue_active_quotes",
+            overdue == 0,
+            "no ACTIVE quote is past its expiry by more than the grace period",
+            {"overdue_active_quotes": overdue},
+        ),
+        OutcomeCheck(
+            "one_event_per_expired_quote",
+            bad_events.missing == 0 and bad_events.duplicated == 0,
+            "every EXPIRED quote has exactly one QuoteExpired event",
+            {"missing_events": bad_events.missing, "duplicated_events": bad_events.duplicated},
+        ),
+    ]
+
+
+def oldest_overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
+    """Seconds since the oldest still-ACTIVE quote of the tenant expired."""
+    value = conn.execute(
+        sa.text(
+            "SELECT extract(epoch FROM now() - min(expires_at)) FROM quote "
+            "WHERE tenant_id = :tenant AND status = 'ACTIVE' AND expires_at < now()"
+        ),
+        {"tenant": ctx.scope.tenant_id},
+    ).scalar()
+    return float(value) if value is not None else None
+
+
+SPEC = JobSpec(
+    name="quote_expiration",
+    kind="sweep",
+    description="Expire ACTIVE quotes past expires_at and emit one QuoteExpired event each",
+    partitioning="tenant",
+    eligible=eligible_quotes,
+    transition=expire_quote_batch,
+    check=check_quote_expiration,
+    lag=oldest_overdue_seconds,
+    defaults=JobDefaults(batch_size=500),
+)

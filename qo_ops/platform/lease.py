@@ -1,0 +1,203 @@
+"""The lease: who may write for a (job, scope), decided by the database clock alone.
+
+A lease is taken by one conditional upsert (free or expired → ours, fencing token + 1),
+kept alive by a heartbeat, and checked — token and fencing token, under a share lock —
+inside every batch transaction, so a holder that was paused or cut off past its expiry
+writes nothing once another run has taken over.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import uuid
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+
+log = logging.getLogger(__name__)
+
+# Free or expired → ours; the fencing token only ever goes up. Safe to race: one wins.
+_ACQUIRE = sa.text(
+    """
+    INSERT INTO job_lease AS l (job_name, scope, owner_id, lease_token, fencing_token,
+                                acquired_at, heartbeat_at, expires_at, job_run_id)
+    VALUES (:job, :scope, :owner, :token, 1, clock_timestamp(), clock_timestamp(),
+            clock_timestamp() + make_interval(secs => :ttl), :run_id)
+    ON CONFLICT (job_name, scope) DO UPDATE
+       SET owner_id = EXCLUDED.owner_id, lease_token = EXCLUDED.lease_token,
+           fencing_token = l.fencing_token + 1, acquired_at = EXCLUDED.acquired_at,
+           heartbeat_at = EXCLUDED.heartbeat_at, expires_at = EXCLUDED.expires_at,
+           job_run_id = EXCLUDED.job_run_id
+     WHERE l.expires_at < clock_timestamp()
+    RETURNING fencing_token
+    """
+)
+
+# Extend only while still ours and unexpired: a lapsed lease is never revived.
+_HEARTBEAT = sa.text(
+    """
+    UPDATE job_lease SET heartbeat_at = clock_timestamp(),
+                         expires_at = clock_timestamp() + make_interval(secs => :ttl)
+     WHERE job_name = :job AND scope = :scope AND lease_token = :token
+       AND fencing_token = :fence AND expires_at > clock_timestamp()
+    RETURNING expires_at
+    """
+)
+
+# The fence: inside the batch transaction, still ours and unexpired, and held (FOR SHARE)
+# so that no one can take the lease over until this transaction ends.
+_GUARD = sa.text(
+    """
+    SELECT 1 FROM job_lease
+     WHERE job_name = :job AND scope = :scope AND lease_token = :token
+       AND fencing_token = :fence AND expires_at > clock_timestamp()
+    FOR SHARE
+    """
+)
+
+# Give the lease back by expiring it; the row (and its fencing token) stays.
+_RELEASE = sa.text(
+    """
+    UPDATE job_lease SET expires_at = clock_timestamp(), heartbeat_at = clock_timestamp()
+     WHERE job_name = :job AND scope = :scope AND lease_token = :token AND fencing_token = :fence
+    """
+)
+
+
+class LeaseLost(Exception):
+    """The run no longer holds its lease: it must write nothing more."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A held lease. ``token`` is secret to its holder and never logged."""
+
+    job_name: str
+    scope: str
+    owner_id: str
+    token: str
+    fencing_token: int
+    ttl_s: float
+
+    def _params(self) -> dict[str, object]:
+        return {
+            "job": self.job_name,
+            "scope": self.scope,
+            "token": self.token,
+            "fence": self.fencing_token,
+            "ttl": self.ttl_s,
+        }
+
+    def guard(self, conn: Connection) -> None:
+        """Raise :class:`LeaseLost` unless this lease is still ours, and hold it until commit."""
+        if conn.execute(_GUARD, self._params()).first() is None:
+            raise LeaseLost(f"lease on {self.job_name}/{self.scope} is no longer held")
+
+    def heartbeat(self, engine: Engine) -> bool:
+        """Extend the lease; False when it has been lost (expired or taken over)."""
+        with engine.begin() as conn:
+            return conn.execute(_HEARTBEAT, self._params()).first() is not None
+
+    def release(self, engine: Engine) -> None:
+        """Give the lease back (a no-op if someone else holds it now)."""
+        with engine.begin() as conn:
+            conn.execute(_RELEASE, self._params())
+
+    def still_held(self, engine: Engine) -> bool:
+        """Whether the lease is still ours and unexpired (no lock taken)."""
+        with engine.connect() as conn:
+            return (
+                conn.execute(
+                    sa.text(
+                        "SELECT 1 FROM job_lease WHERE job_name = :job AND scope = :scope "
+                        "AND lease_token = :token AND fencing_token = :fence "
+                        "AND expires_at > clock_timestamp()"
+                    ),
+                    self._params(),
+                ).first()
+                is not None
+            )
+
+
+def acquire(
+    engine: Engine,
+    job_name: str,
+    scope: str,
+    owner_id: str,
+    ttl_s: float,
+    job_run_id: uuid.UUID,
+    lock_timeout_ms: int = 2000,
+) -> Lease | None:
+    """Take the lease of (job, scope) if it is free or expired; None if someone holds it.
+
+    Waiting is bounded: if a holder's batch transaction keeps the lease row locked longer
+    than ``lock_timeout_ms``, the lease counts as held.
+    """
+    token = secrets.token_hex(16)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}")
+            fence = conn.execute(
+                _ACQUIRE,
+                {
+                    "job": job_name,
+                    "scope": scope,
+                    "owner": owner_id,
+                    "token": token,
+                    "ttl": ttl_s,
+                    "run_id": job_run_id,
+                },
+            ).scalar()
+    except DBAPIError as exc:
+        if "lock timeout" in str(exc.orig):
+            return None
+        raise
+    if fence is None:
+        return None
+    return Lease(job_name, scope, owner_id, token, int(fence), ttl_s)
+
+
+class Heartbeat:
+    """Extends a lease every ``ttl / 3`` seconds in a background thread until stopped.
+
+    When an extension finds the lease gone, ``lost`` is set; the runner checks it between
+    batches (and the guard refuses inside them regardless).
+    """
+
+    def __init__(self, engine: Engine, lease: Lease, job_run_id: uuid.UUID) -> None:
+        self._engine = engine
+        self._lease = lease
+        self._run_id = job_run_id
+        self._stop = threading.Event()
+        self.lost = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="qo-ops-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        interval = max(self._lease.ttl_s / 3.0, 0.2)
+        while not self._stop.wait(interval):
+            try:
+                if not self._lease.heartbeat(self._engine):
+                    self.lost.set()
+                    return
+                with self._engine.begin() as conn:
+                    conn.execute(
+                        sa.text(
+                            "UPDATE job_run SET heartbeat_at = clock_timestamp() WHERE id = :id"
+                        ),
+                        {"id": self._run_id},
+                    )
+            except DBAPIError as exc:  # the database may come back before the lease expires
+                log.warning("heartbeat failed: %s", type(exc.orig).__name__)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)

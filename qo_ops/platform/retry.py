@@ -1,0 +1,125 @@
+"""The retry model for items that call other systems: classify the error, back off
+exponentially with jitter up to a cap, stop after an attempt budget (dead letter), and
+let an operator requeue dead letters with an audit row."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from qo_ops.platform.runs import append_audit
+
+
+class ErrorClass(StrEnum):
+    """How an item failure should be handled."""
+
+    RETRYABLE = "retryable"  # timeouts, resets, 5xx, 429: the next attempt may succeed
+    NON_RETRYABLE = "non_retryable"  # 4xx validation, poison input: retrying cannot help
+    UNKNOWN = "unknown"  # treated as retryable, but counted apart
+
+
+RETRYABLE_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def classify_http_status(status: int) -> ErrorClass:
+    """Classify a downstream HTTP answer that was not a success."""
+    if status in RETRYABLE_HTTP:
+        return ErrorClass.RETRYABLE
+    if 400 <= status < 500:
+        return ErrorClass.NON_RETRYABLE
+    return ErrorClass.UNKNOWN if status < 500 else ErrorClass.RETRYABLE
+
+
+def classify_exception(exc: BaseException) -> ErrorClass:
+    """Classify a transport failure: timeouts and connection errors are retryable."""
+    if isinstance(exc, TimeoutError | ConnectionError):
+        return ErrorClass.RETRYABLE
+    name = type(exc).__name__
+    if any(
+        part in name for part in ("Timeout", "Connect", "RemoteProtocol", "ReadError", "WriteError")
+    ):
+        return ErrorClass.RETRYABLE
+    if isinstance(exc, ValueError | TypeError | KeyError):
+        return ErrorClass.NON_RETRYABLE
+    return ErrorClass.UNKNOWN
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff ``base * 2**(attempt-1)``, capped, with full jitter, and a budget."""
+
+    base: timedelta = timedelta(seconds=30)
+    cap: timedelta = timedelta(hours=1)
+    max_attempts: int = 8
+    jitter: float = 0.5  # the delay is drawn from [delay * (1 - jitter), delay]
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> timedelta:
+        """Delay before attempt ``attempt + 1`` after ``attempt`` failures (attempt ≥ 1)."""
+        if attempt < 1:
+            raise ValueError("attempt counts from 1")
+        raw = min(self.base.total_seconds() * 2 ** (attempt - 1), self.cap.total_seconds())
+        low = raw * (1 - self.jitter)
+        return timedelta(seconds=(rng or random).uniform(low, raw))
+
+    def decide(self, error: ErrorClass, attempts_so_far: int) -> str:
+        """``retry`` or ``dead_letter`` for an item that just failed its ``attempts_so_far``-th try."""
+        if error is ErrorClass.NON_RETRYABLE or attempts_so_far >= self.max_attempts:
+            return "dead_letter"
+        return "retry"
+
+
+def requeue_dead_letters(
+    engine: Engine,
+    *,
+    tenant_id: str,
+    requester: str,
+    reason: str,
+    item_ids: list[uuid.UUID] | None = None,
+    limit: int = 1000,
+) -> int:
+    """Put dead-lettered delivery items of a tenant back to READY (attempts reset), at most
+    ``limit`` of them, oldest first; one audit row records who, why and how many."""
+    with engine.begin() as conn:
+        # Only DEAD_LETTER rows move, so requeueing twice moves nothing the second time.
+        requeued = (
+            conn.execute(
+                sa.text(
+                    """
+                UPDATE delivery_attempt_item
+                   SET status = 'READY', attempt_count = 0, next_attempt_at = clock_timestamp(),
+                       updated_at = clock_timestamp()
+                 WHERE id = ANY(ARRAY(
+                       SELECT id FROM delivery_attempt_item
+                        WHERE tenant_id = :tenant AND status = 'DEAD_LETTER'
+                          AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+                        ORDER BY updated_at, id LIMIT :limit FOR UPDATE))
+                RETURNING id
+                """
+                ),
+                {"tenant": tenant_id, "ids": item_ids, "limit": limit},
+            )
+            .scalars()
+            .all()
+        )
+        append_audit(
+            conn,
+            actor=requester,
+            action="requeue",
+            job_name="delivery_retry",
+            scope=tenant_id,
+            mode="execute",
+            reason=reason,
+            decision=f"requeued {len(requeued)}",
+            details={
+                "requested_ids": len(item_ids or []),
+                "limit": limit,
+                "requeued": len(requeued),
+            },
+        )
+    return len(requeued)

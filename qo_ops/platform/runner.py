@@ -1,0 +1,582 @@
+"""The one runner every trigger calls: ``run_job(spec, scope, options) -> RunSummary``.
+
+    reap orphans -> lease -> bounded batches (guard, select, transition, checkpoint,
+    counters: one transaction each) -> final status -> outcome check -> release
+
+A run stops between batches when its deadline passes (``timeout``), when it is asked to
+(``cancelled``: a flag on its job_run row, or SIGTERM/SIGINT), or when its lease is gone
+(``failed``/``lease_lost``); whatever committed stays, and a rerun carries on from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+
+from qo_ops.db.schema import job_checkpoint
+from qo_ops.errors import BadInput, one_line
+from qo_ops.platform import runs
+from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
+from qo_ops.platform.spec import (
+    BatchContext,
+    BatchOutcome,
+    JobSpec,
+    OutcomeCheck,
+    RunOptions,
+    Scope,
+)
+from qo_ops.platform.telemetry import METRICS, EventContext, JobMetrics
+
+CRASH_ENV = "QO_OPS_CRASH_AT"
+# Test-only fault injection: with QO_OPS_CRASH_AT set to one of these, the process kills
+# itself with SIGKILL at that point, as a crash would (see docs/platform.md).
+CRASH_POINTS = (
+    "after_lease_acquire",
+    "after_batch_select",
+    "before_commit",
+    "after_commit",
+    "before_finalize",
+)
+
+log = logging.getLogger(__name__)
+
+
+def _crash_point(name: str) -> None:
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class RunSummary:
+    """What a run did, as printed by the CLI and returned to Dagster and the API."""
+
+    job_run_id: str
+    job_name: str
+    status: str
+    mode: str
+    scope: str
+    trigger: str
+    requester: str | None
+    eligible_count: int = 0
+    processed_count: int = 0
+    mutated_count: int = 0
+    failed_count: int = 0
+    skipped_count: int = 0
+    retry_scheduled_count: int = 0
+    deadlettered_count: int = 0
+    duplicates_prevented: int = 0
+    batches: int = 0
+    duration_ms: int = 0
+    batch_ms_p50: float | None = None  # batch transaction times (guard to commit)
+    batch_ms_p99: float | None = None
+    batch_ms_max: float | None = None
+    status_reason: str | None = None
+    error_code: str | None = None
+    error_text: str | None = None
+    sample_ids: list[str] = field(default_factory=list)
+    checks: list[OutcomeCheck] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def owner_identity() -> str:
+    """Who holds a lease: host, process and a per-process nonce (no secrets)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_PROCESS_NONCE}"
+
+
+_PROCESS_NONCE = uuid.uuid4().hex[:8]
+
+
+class _StopSignals:
+    """SIGTERM/SIGINT ask the run to stop after the current batch (main thread only)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, lambda *_: self.event.set())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _resolve(spec: JobSpec, options: RunOptions) -> dict[str, Any]:
+    d = spec.defaults
+    return {
+        "batch_size": options.batch_size or d.batch_size,
+        "max_items": options.max_items or d.max_items,
+        "throttle_ms": d.throttle_ms if options.throttle_ms is None else options.throttle_ms,
+        "deadline_s": options.deadline_s or d.deadline_s,
+        "lease_ttl_s": options.lease_ttl_s or d.lease_ttl_s,
+    }
+
+
+def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
+    """Reject a run that cannot be right, before anything is written."""
+    options.validated()
+    windowed = spec.partitioning == "tenant_day"
+    if windowed and scope.window_start is None:
+        raise BadInput(f"{spec.name} is windowed: give --date or --from/--to")
+    if not windowed and scope.window_start is not None:
+        raise BadInput(f"{spec.name} is not windowed: drop --date/--from/--to")
+    with engine.connect() as conn:
+        known = conn.execute(
+            sa.text("SELECT 1 FROM tenant WHERE id = :t"), {"t": scope.tenant_id}
+        ).first()
+    if known is None:
+        raise BadInput(f"unknown tenant {scope.tenant_id}")
+
+
+def _load_cursor(engine: Engine, spec: JobSpec, scope: Scope) -> dict[str, Any] | None:
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.select(job_checkpoint.c.cursor).where(
+                job_checkpoint.c.job_name == spec.name, job_checkpoint.c.scope == scope.key
+            )
+        ).scalar()
+
+
+def _save_cursor(
+    conn: Connection, spec: JobSpec, scope: Scope, run_id: uuid.UUID, cursor: dict[str, Any]
+) -> None:
+    stmt = sa.dialects.postgresql.insert(job_checkpoint).values(
+        job_name=spec.name,
+        scope=scope.key,
+        cursor=cursor,
+        job_run_id=run_id,
+        updated_at=sa.func.clock_timestamp(),
+    )
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["job_name", "scope"],
+            set_={
+                "cursor": stmt.excluded.cursor,
+                "job_run_id": run_id,
+                "updated_at": sa.func.clock_timestamp(),
+            },
+        )
+    )
+
+
+def count_eligible(conn: Connection, spec: JobSpec, ctx: BatchContext) -> int:
+    """How many items the run's selection matches now (the dry-run estimate)."""
+    selection = spec.eligible(ctx).order_by(None).subquery()
+    return int(conn.execute(sa.select(sa.func.count()).select_from(selection)).scalar() or 0)
+
+
+def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int) -> list[Any]:
+    """The next ``limit`` items, locked for this transaction (skipping ones others hold)."""
+    query = spec.eligible(ctx).limit(limit)
+    if spec.compete_with_skip_locked:
+        query = query.with_for_update(skip_locked=True)
+    return list(conn.execute(query).scalars())
+
+
+@contextmanager
+def _batch_transaction(engine: Engine, lease: Lease) -> Iterator[Connection]:
+    with engine.begin() as conn:
+        # a holder frozen mid-transaction is cut off by the server, releasing its locks
+        conn.exec_driver_sql(
+            f"SET LOCAL idle_in_transaction_session_timeout = '{int(lease.ttl_s * 1000)}ms'"
+        )
+        lease.guard(conn)
+        yield conn
+
+
+def run_job(
+    spec: JobSpec,
+    scope: Scope,
+    options: RunOptions,
+    *,
+    engine: Engine,
+    metrics: JobMetrics = METRICS,
+) -> RunSummary:
+    """Run ``spec`` over ``scope`` once, safely; see the module docstring for the shape."""
+    validate_request(engine, spec, scope, options)
+    limits = _resolve(spec, options)
+    started = time.monotonic()
+    owner = owner_identity()
+    run_id = runs.create_run(engine, spec.name, scope, options, owner, limits)
+    ctx = BatchContext(spec.name, scope, options.mode, run_id)
+    summary = RunSummary(
+        job_run_id=str(run_id),
+        job_name=spec.name,
+        status="running",
+        mode=options.mode,
+        scope=scope.key,
+        trigger=options.trigger,
+        requester=options.requester,
+    )
+    events = EventContext(
+        job_name=spec.name,
+        run_id=str(run_id),
+        trigger=options.trigger,
+        scope=scope.tenant_id,
+        mode=options.mode,
+        window_start=scope.window_start.isoformat() if scope.window_start else None,
+        window_end=scope.window_end.isoformat() if scope.window_end else None,
+        progress_interval_s=options.progress_interval_s,
+    )
+    if options.trigger == "manual":
+        with engine.begin() as conn:
+            runs.append_audit(
+                conn,
+                actor=options.requester or "unknown",
+                action="trigger",
+                decision="allowed",
+                job_name=spec.name,
+                scope=scope.key,
+                mode=options.mode,
+                reason=options.reason,
+                correlation_id=options.correlation_id,
+                job_run_id=run_id,
+                details={"limits": limits},
+            )
+    metrics.started.labels(spec.name).inc()
+    events.emit("job.started", scheduled_for=options.scheduled_for, limits=limits)
+    reaped = runs.reap_orphans(engine, spec.name, grace_s=limits["lease_ttl_s"])
+    if reaped:
+        events.emit(
+            "job.orphans.reaped",
+            logging.WARNING,
+            count=len(reaped),
+            run_ids=[str(r) for r in reaped],
+        )
+
+    if options.mode == "dry_run":
+        _dry_run(engine, spec, ctx, options, summary)
+    else:
+        _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
+
+    _crash_point("before_finalize")
+    summary.duration_ms = int((time.monotonic() - started) * 1000)
+    runs.finish_run(
+        engine,
+        run_id,
+        summary.status,
+        summary.status_reason,
+        summary.error_code,
+        summary.error_text,
+    )
+    if summary.status not in ("skipped",):
+        with engine.connect() as conn:
+            summary.checks = spec.check(conn, ctx)
+            lag = spec.lag(conn, ctx) if spec.lag else None
+        metrics.lag.labels(spec.name).set(lag or 0.0)
+    _record_metrics(metrics, spec, summary, time.monotonic() - started)
+    events.emit(
+        "job.finished",
+        logging.INFO if summary.status in ("success", "no_work", "skipped") else logging.WARNING,
+        **{
+            "job.status": summary.status,
+            "job.status_reason": summary.status_reason,
+            "duration_ms": summary.duration_ms,
+            "items.eligible": summary.eligible_count,
+            "items.processed": summary.processed_count,
+            "items.succeeded": summary.mutated_count,
+            "items.failed": summary.failed_count,
+            "items.skipped": summary.skipped_count,
+            "retry.scheduled": summary.retry_scheduled_count,
+            "items.deadlettered": summary.deadlettered_count,
+            "duplicates.prevented": summary.duplicates_prevented,
+            "error.class": summary.error_code,
+            "checks.failed": [c.name for c in summary.checks if not c.passed],
+        },
+    )
+    return summary
+
+
+def _dry_run(
+    engine: Engine, spec: JobSpec, ctx: BatchContext, options: RunOptions, summary: RunSummary
+) -> None:
+    """Count and sample exactly what execute would select; write nothing but the run row."""
+    with engine.connect() as conn:
+        summary.eligible_count = count_eligible(conn, spec, ctx)
+        sample = conn.execute(spec.eligible(ctx).limit(options.sample_size)).scalars()
+        summary.sample_ids = [str(v) for v in sample]
+    runs.set_eligible(engine, uuid.UUID(summary.job_run_id), summary.eligible_count, None)
+    summary.status = "success" if summary.eligible_count else "no_work"
+
+
+def _execute(
+    engine: Engine,
+    spec: JobSpec,
+    ctx: BatchContext,
+    options: RunOptions,
+    limits: dict[str, Any],
+    owner: str,
+    summary: RunSummary,
+    events: EventContext,
+    metrics: JobMetrics,
+) -> None:
+    run_id = ctx.job_run_id
+    lease = acquire(engine, spec.name, ctx.scope.key, owner, limits["lease_ttl_s"], run_id)
+    if lease is None:
+        metrics.lock_failed.labels(spec.name).inc()
+        events.emit(
+            "job.lock.acquire.failed",
+            logging.WARNING,
+            **{"lock.name": f"{spec.name}:{ctx.scope.key}"},
+        )
+        summary.status, summary.status_reason = "skipped", "lease-not-acquired"
+        return
+    events.emit(
+        "job.lock.acquire.succeeded",
+        **{
+            "lock.name": f"{spec.name}:{ctx.scope.key}",
+            "lock.ttl_ms": int(lease.ttl_s * 1000),
+            "lock.fencing_token": lease.fencing_token,
+        },
+    )
+    _crash_point("after_lease_acquire")
+    if spec.uses_checkpoint:
+        ctx.params["cursor"] = _load_cursor(engine, spec, ctx.scope)
+    with engine.connect() as conn:
+        summary.eligible_count = count_eligible(conn, spec, ctx)
+    runs.set_eligible(engine, run_id, summary.eligible_count, lease.fencing_token)
+
+    heartbeat = Heartbeat(engine, lease, run_id).start()
+    deadline = time.monotonic() + limits["deadline_s"]
+    try:
+        with _StopSignals() as stop:
+            _batches(
+                engine,
+                spec,
+                ctx,
+                limits,
+                lease,
+                heartbeat,
+                stop.event,
+                deadline,
+                summary,
+                events,
+                metrics,
+            )
+    except LeaseLost as exc:
+        summary.status, summary.status_reason, summary.error_code = (
+            "failed",
+            "lease_lost",
+            "lease_lost",
+        )
+        summary.error_text = str(exc)
+        events.emit("job.lock.lost", logging.ERROR, **{"lock.name": f"{spec.name}:{ctx.scope.key}"})
+    except Exception as exc:  # any failure ends the run as failed, with a safe one-line reason
+        lost = not _still_held(engine, lease)
+        summary.status = "failed"
+        summary.error_code = "lease_lost" if lost else _error_class(exc)
+        summary.status_reason = summary.error_code
+        summary.error_text = one_line(
+            f"{type(exc).__name__}: {getattr(exc, 'orig', exc)}", runs.ERROR_TEXT_LIMIT
+        )
+        log.debug("run failed", exc_info=True)
+    finally:
+        heartbeat.stop()
+        try:
+            lease.release(engine)
+            events.emit("job.lock.released", **{"lock.name": f"{spec.name}:{ctx.scope.key}"})
+        except DBAPIError:
+            pass  # it expires by itself
+    if summary.status == "running":
+        summary.status = _final_status(summary)
+
+
+def _batches(
+    engine: Engine,
+    spec: JobSpec,
+    ctx: BatchContext,
+    limits: dict[str, Any],
+    lease: Lease,
+    heartbeat: Heartbeat,
+    stop: threading.Event,
+    deadline: float,
+    summary: RunSummary,
+    events: EventContext,
+    metrics: JobMetrics,
+) -> None:
+    batch_ms: list[float] = []
+    try:
+        _batch_loop(
+            engine,
+            spec,
+            ctx,
+            limits,
+            lease,
+            heartbeat,
+            stop,
+            deadline,
+            summary,
+            events,
+            metrics,
+            batch_ms,
+        )
+    finally:
+        if batch_ms:
+            ordered = sorted(batch_ms)
+            summary.batch_ms_p50 = round(ordered[len(ordered) // 2], 2)
+            summary.batch_ms_p99 = round(
+                ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 2
+            )
+            summary.batch_ms_max = round(ordered[-1], 2)
+
+
+def _batch_loop(
+    engine: Engine,
+    spec: JobSpec,
+    ctx: BatchContext,
+    limits: dict[str, Any],
+    lease: Lease,
+    heartbeat: Heartbeat,
+    stop: threading.Event,
+    deadline: float,
+    summary: RunSummary,
+    events: EventContext,
+    metrics: JobMetrics,
+    batch_ms: list[float],
+) -> None:
+    run_id, started = ctx.job_run_id, time.monotonic()
+    while True:
+        if heartbeat.lost.is_set():
+            raise LeaseLost("heartbeat found the lease taken over or expired")
+        if stop.is_set() or _cancel_requested(engine, run_id):
+            summary.status, summary.status_reason = "cancelled", "cancel requested"
+            return
+        if time.monotonic() >= deadline:
+            summary.status, summary.status_reason = "timeout", "deadline reached"
+            return
+        room = limits["max_items"] - summary.processed_count
+        if room <= 0:
+            summary.status_reason = "max items reached"
+            return
+        batch_started = time.perf_counter()
+        with _batch_transaction(engine, lease) as conn:
+            items = select_batch(conn, spec, ctx, min(limits["batch_size"], room))
+            if not items:
+                return
+            _crash_point("after_batch_select")
+            outcome = spec.transition(conn, ctx, items)
+            _crash_point("before_commit")
+            if spec.uses_checkpoint and outcome.cursor is not None:
+                _save_cursor(conn, spec, ctx.scope, run_id, outcome.cursor)
+            runs.add_counts(
+                conn,
+                run_id,
+                processed_count=len(items),
+                succeeded_count=outcome.succeeded,
+                failed_count=outcome.failed,
+                skipped_count=outcome.skipped,
+                retry_scheduled_count=outcome.retry_scheduled,
+                deadlettered_count=outcome.deadlettered,
+            )
+        _crash_point("after_commit")
+        batch_ms.append((time.perf_counter() - batch_started) * 1000)
+        _account(summary, outcome, len(items), spec, metrics)
+        if spec.uses_checkpoint and outcome.cursor is not None:
+            ctx.params["cursor"] = outcome.cursor
+            events.emit(
+                "job.checkpoint.updated",
+                **{"checkpoint.updated": True, "batch_number": summary.batches},
+            )
+        for item_id, error_class in outcome.failed_items:
+            events.emit(
+                "job.item.failed",
+                logging.WARNING,
+                **{"item.id": item_id, "error.type": error_class},
+            )
+        elapsed = time.monotonic() - started
+        events.progress(
+            **{
+                "batch_number": summary.batches,
+                "items.processed": summary.processed_count,
+                "items.succeeded": summary.mutated_count,
+                "items.failed": summary.failed_count,
+                "elapsed_ms": int(elapsed * 1000),
+                "throughput_per_second": round(summary.processed_count / elapsed, 1)
+                if elapsed
+                else None,
+            }
+        )
+        if limits["throttle_ms"] and stop.wait(limits["throttle_ms"] / 1000.0):
+            continue  # woken by a stop signal: the loop head ends the run as cancelled
+
+
+def _account(
+    summary: RunSummary, outcome: BatchOutcome, selected: int, spec: JobSpec, metrics: JobMetrics
+) -> None:
+    summary.batches += 1
+    summary.processed_count += selected
+    summary.mutated_count += outcome.succeeded
+    summary.failed_count += outcome.failed
+    summary.skipped_count += outcome.skipped
+    summary.retry_scheduled_count += outcome.retry_scheduled
+    summary.deadlettered_count += outcome.deadlettered
+    summary.duplicates_prevented += outcome.duplicates_prevented
+    metrics.items_processed.labels(spec.name).inc(selected)
+    for _, error_class in outcome.failed_items:
+        metrics.items_failed.labels(spec.name, error_class).inc()
+    if outcome.failed and not outcome.failed_items:
+        metrics.items_failed.labels(spec.name, "unknown").inc(outcome.failed)
+    metrics.retry_scheduled.labels(spec.name).inc(outcome.retry_scheduled)
+    metrics.deadletter.labels(spec.name).inc(outcome.deadlettered)
+    metrics.duplicates_prevented.labels(spec.name).inc(outcome.duplicates_prevented)
+
+
+def _final_status(summary: RunSummary) -> str:
+    if summary.processed_count == 0:
+        return "no_work"
+    if summary.failed_count == 0:
+        return "success"
+    if summary.mutated_count > 0:
+        return "partial_success"
+    summary.error_code = summary.error_code or "items_failed"
+    return "failed"
+
+
+def _cancel_requested(engine: Engine, run_id: uuid.UUID) -> bool:
+    with engine.connect() as conn:
+        return runs.cancel_requested(conn, run_id)
+
+
+def _still_held(engine: Engine, lease: Lease) -> bool:
+    try:
+        return lease.still_held(engine)
+    except DBAPIError:
+        return False
+
+
+def _error_class(exc: BaseException) -> str:
+    if isinstance(exc, DBAPIError):
+        return "database_error"
+    return "internal_error"
+
+
+def _record_metrics(
+    metrics: JobMetrics, spec: JobSpec, summary: RunSummary, seconds: float
+) -> None:
+    metrics.completed.labels(spec.name, summary.status).inc()
+    metrics.duration.labels(spec.name, summary.status).observe(seconds)
+    if summary.status == "skipped":
+        metrics.skipped.labels(spec.name).inc()
+    if summary.status == "failed":
+        metrics.failed.labels(spec.name, summary.error_code or "unknown").inc()
+    if summary.status in ("success", "no_work"):
+        metrics.last_success.labels(spec.name).set(time.time())

@@ -1,0 +1,276 @@
+"""The run record (``job_run``), the orphan reaper, cancel requests, and the audit trail.
+
+This module and the jobs' own modules are the only places that write these tables.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from qo_ops.db.schema import job_audit, job_run
+from qo_ops.errors import BadInput, one_line
+from qo_ops.platform.spec import RunOptions, Scope
+
+FINAL_STATUSES = (
+    "success",
+    "partial_success",
+    "failed",
+    "timeout",
+    "cancelled",
+    "skipped",
+    "no_work",
+)
+COUNTERS = (
+    "eligible_count",
+    "processed_count",
+    "succeeded_count",
+    "failed_count",
+    "skipped_count",
+    "retry_scheduled_count",
+    "deadlettered_count",
+)
+ERROR_TEXT_LIMIT = 500
+
+
+def create_run(
+    engine: Engine,
+    job_name: str,
+    scope: Scope,
+    options: RunOptions,
+    owner_id: str,
+    resolved: dict[str, Any],
+) -> uuid.UUID:
+    """Insert the ``running`` row of a new run, or adopt the one pre-created by the API."""
+    values = {
+        "job_name": job_name,
+        "scope": scope.key,
+        "window_start": scope.window_start,
+        "window_end": scope.window_end,
+        "mode": options.mode,
+        "trigger_type": options.trigger,
+        "requester": options.requester,
+        "reason": options.reason,
+        "correlation_id": options.correlation_id,
+        "scheduled_for": options.scheduled_for,
+        "dagster_run_id": options.dagster_run_id,
+        "owner_id": owner_id,
+        "options": resolved,
+        "status": "running",
+    }
+    with engine.begin() as conn:
+        if options.job_run_id is not None:
+            adopted = conn.execute(
+                sa.update(job_run)
+                .where(job_run.c.id == options.job_run_id, job_run.c.job_name == job_name)
+                .where(job_run.c.finished_at.is_(None))
+                .values(
+                    **values,
+                    started_at=sa.func.clock_timestamp(),
+                    heartbeat_at=sa.func.clock_timestamp(),
+                )
+                .returning(job_run.c.id)
+            ).scalar()
+            if adopted is None:
+                raise BadInput(
+                    f"job run {options.job_run_id} does not exist or has already finished"
+                )
+            return adopted
+        run_id = uuid.uuid4()
+        conn.execute(
+            sa.insert(job_run).values(
+                id=run_id,
+                started_at=sa.func.clock_timestamp(),
+                heartbeat_at=sa.func.clock_timestamp(),
+                **values,
+            )
+        )
+        return run_id
+
+
+def add_counts(conn: Connection, run_id: uuid.UUID, **deltas: int) -> None:
+    """Add to a run's counters, inside the caller's (batch) transaction."""
+    changes = {name: job_run.c[name] + value for name, value in deltas.items() if value}
+    if changes:
+        conn.execute(
+            sa.update(job_run)
+            .where(job_run.c.id == run_id)
+            .values(**changes, heartbeat_at=sa.func.clock_timestamp())
+        )
+
+
+def set_eligible(
+    engine: Engine, run_id: uuid.UUID, eligible: int, fencing_token: int | None
+) -> None:
+    """Record how many items the run found eligible when it started."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(job_run)
+            .where(job_run.c.id == run_id)
+            .values(eligible_count=eligible, fencing_token=fencing_token)
+        )
+
+
+def finish_run(
+    engine: Engine,
+    run_id: uuid.UUID,
+    status: str,
+    reason: str | None = None,
+    error_code: str | None = None,
+    error_text: str | None = None,
+) -> None:
+    """Write the final status; only a ``running`` row is finished (never twice)."""
+    assert status in FINAL_STATUSES, status
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(job_run)
+            .where(job_run.c.id == run_id, job_run.c.status == "running")
+            .values(
+                status=status,
+                status_reason=reason,
+                finished_at=sa.func.clock_timestamp(),
+                last_error_code=error_code,
+                last_error_text=one_line(error_text, ERROR_TEXT_LIMIT) if error_text else None,
+            )
+        )
+
+
+# A run is orphaned when it says `running` but holds no live lease and has not beaten
+# its heartbeat for a whole grace period (a fresh run has not acquired yet: not orphaned).
+_REAP = sa.text(
+    """
+    UPDATE job_run r
+       SET status = 'failed', status_reason = 'orphaned', finished_at = clock_timestamp(),
+           last_error_code = 'orphaned',
+           last_error_text = 'run stopped without finishing (process killed or lost); reaped'
+     WHERE r.status = 'running'
+       AND (CAST(:job AS text) IS NULL OR r.job_name = :job)
+       AND r.heartbeat_at < clock_timestamp() - make_interval(secs => :grace)
+       AND NOT EXISTS (SELECT 1 FROM job_lease l
+                        WHERE l.job_name = r.job_name AND l.scope = r.scope
+                          AND l.job_run_id = r.id AND l.expires_at > clock_timestamp())
+    RETURNING r.id
+    """
+)
+
+
+def reap_orphans(
+    engine: Engine, job_name: str | None = None, grace_s: float = 30.0
+) -> list[uuid.UUID]:
+    """Turn orphaned ``running`` rows into ``failed``/``orphaned``; returns their ids."""
+    with engine.begin() as conn:
+        return list(conn.execute(_REAP, {"job": job_name, "grace": grace_s}).scalars())
+
+
+def cancel_requested(conn: Connection, run_id: uuid.UUID) -> bool:
+    """Whether someone asked this run to stop."""
+    return bool(
+        conn.execute(
+            sa.select(job_run.c.cancel_requested_at.is_not(None)).where(job_run.c.id == run_id)
+        ).scalar()
+    )
+
+
+def request_cancel(engine: Engine, run_id: uuid.UUID, requester: str, reason: str) -> str:
+    """Ask a running run to stop after its current batch; audited. Returns its status."""
+    with engine.begin() as conn:
+        row = conn.execute(
+            sa.select(job_run.c.job_name, job_run.c.scope, job_run.c.mode, job_run.c.status)
+            .where(job_run.c.id == run_id)
+            .with_for_update()
+        ).first()
+        if row is None:
+            raise BadInput(f"no job run {run_id}")
+        decision = "requested" if row.status == "running" else f"ignored: run is {row.status}"
+        if row.status == "running":
+            conn.execute(
+                sa.update(job_run)
+                .where(job_run.c.id == run_id)
+                .values(cancel_requested_at=sa.func.clock_timestamp())
+            )
+        append_audit(
+            conn,
+            actor=requester,
+            action="cancel",
+            job_name=row.job_name,
+            scope=row.scope,
+            mode=row.mode,
+            reason=reason,
+            decision=decision,
+            job_run_id=run_id,
+        )
+        return row.status
+
+
+def append_audit(
+    conn: Connection,
+    *,
+    actor: str,
+    action: str,
+    decision: str,
+    job_name: str | None = None,
+    scope: str | None = None,
+    mode: str | None = None,
+    reason: str | None = None,
+    correlation_id: str | None = None,
+    job_run_id: uuid.UUID | None = None,
+    details: dict[str, Any] | None = None,
+) -> None:
+    """Append one row to the append-only audit trail."""
+    conn.execute(
+        sa.insert(job_audit).values(
+            actor=actor,
+            action=action,
+            decision=decision,
+            job_name=job_name,
+            scope=scope,
+            mode=mode,
+            reason=reason,
+            correlation_id=correlation_id,
+            job_run_id=job_run_id,
+            details=details or {},
+        )
+    )
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """A run as stored (for status and history)."""
+
+    id: uuid.UUID
+    job_name: str
+    scope: str
+    mode: str
+    trigger_type: str
+    status: str
+    status_reason: str | None
+    requester: str | None
+    started_at: datetime
+    finished_at: datetime | None
+    eligible_count: int
+    processed_count: int
+    succeeded_count: int
+    failed_count: int
+    skipped_count: int
+    last_error_code: str | None
+
+
+def list_runs(
+    engine: Engine, job_name: str, scope: str | None = None, limit: int = 20
+) -> list[RunRow]:
+    """Most recent runs of a job (optionally of one scope), newest first."""
+    query = (
+        sa.select(*(job_run.c[f] for f in RunRow.__dataclass_fields__))
+        .where(job_run.c.job_name == job_name)
+        .order_by(job_run.c.started_at.desc())
+        .limit(limit)
+    )
+    if scope is not None:
+        query = query.where(job_run.c.scope == scope)
+    with engine.connect() as conn:
+        return [RunRow(**row._mapping) for row in conn.execute(query)]

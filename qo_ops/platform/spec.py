@@ -1,0 +1,172 @@
+"""What a job is: its declaration (``JobSpec``), the scope it runs on, the options of one run,
+and the summary a run returns. Plain data; no Dagster, no I/O."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import date, datetime
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.errors import BadInput
+
+Mode = Literal["dry_run", "execute"]
+Trigger = Literal["schedule", "sensor", "manual", "backfill", "retry", "api"]
+Partitioning = Literal["tenant", "tenant_day"]
+TRIGGERS: tuple[str, ...] = ("schedule", "sensor", "manual", "backfill", "retry", "api")
+
+TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+MAX_BATCH_SIZE = 10_000
+MAX_ITEMS = 100_000_000
+MAX_THROTTLE_MS = 60_000
+MAX_DEADLINE_S = 7 * 24 * 3600
+MAX_LEASE_TTL_S = 3600
+MAX_TEXT = 500  # reason, requester, correlation id
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The part of the world a run may touch: a tenant, and for windowed jobs a date range
+    (``window_start`` inclusive, ``window_end`` exclusive)."""
+
+    tenant_id: str
+    window_start: date | None = None
+    window_end: date | None = None
+
+    def __post_init__(self) -> None:
+        if not TENANT_ID.match(self.tenant_id):
+            raise BadInput(
+                "tenant must be a short key of lowercase letters, digits and '-' (e.g. tenant-001)"
+            )
+        if (self.window_start is None) != (self.window_end is None):
+            raise BadInput("a window needs both a start and an end date")
+        if self.window_start and self.window_end and self.window_end <= self.window_start:
+            raise BadInput("the window's end date must be after its start date")
+
+    @property
+    def key(self) -> str:
+        """The lease and checkpoint key: ``tenant-001`` or ``tenant-001/2026-01-01..2026-01-02``."""
+        if self.window_start is None:
+            return self.tenant_id
+        return f"{self.tenant_id}/{self.window_start.isoformat()}..{self.window_end.isoformat()}"  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How one run should behave; ``None`` limits take the job's defaults."""
+
+    mode: Mode = "dry_run"
+    trigger: Trigger = "manual"
+    batch_size: int | None = None
+    max_items: int | None = None
+    throttle_ms: int | None = None
+    deadline_s: float | None = None
+    lease_ttl_s: float | None = None
+    requester: str | None = None
+    reason: str | None = None
+    correlation_id: str | None = None
+    scheduled_for: datetime | None = None
+    dagster_run_id: str | None = None
+    job_run_id: uuid.UUID | None = None  # adopt a row pre-created by the API
+    progress_interval_s: float = 10.0
+    sample_size: int = 10
+
+    def validated(self) -> RunOptions:
+        """Raise :class:`BadInput` (changing nothing) for impossible or absurd options."""
+        if self.mode not in ("dry_run", "execute"):
+            raise BadInput(f"mode must be dry-run or execute, not {self.mode!r}")
+        if self.trigger not in TRIGGERS:
+            raise BadInput(f"trigger must be one of {', '.join(TRIGGERS)}")
+        _check_range("batch size", self.batch_size, 1, MAX_BATCH_SIZE)
+        _check_range("max items", self.max_items, 1, MAX_ITEMS)
+        _check_range("throttle (ms)", self.throttle_ms, 0, MAX_THROTTLE_MS)
+        _check_range("deadline (s)", self.deadline_s, 0.001, MAX_DEADLINE_S)
+        _check_range("lease TTL (s)", self.lease_ttl_s, 1, MAX_LEASE_TTL_S)
+        for name in ("requester", "reason", "correlation_id"):
+            value = getattr(self, name)
+            if value is not None and (len(value) > MAX_TEXT or not value.strip()):
+                raise BadInput(f"{name.replace('_', ' ')} must be 1 to {MAX_TEXT} characters")
+        if self.mode == "execute" and self.trigger == "manual" and not (self.reason or "").strip():
+            raise BadInput('a manual execute needs a reason (--reason "…")')
+        return self
+
+
+def _check_range(name: str, value: float | None, lo: float, hi: float) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise BadInput(f"{name} must be between {lo:g} and {hi:g}, got {value:g}")
+
+
+@dataclass(frozen=True)
+class JobDefaults:
+    """Limits a run takes unless told otherwise."""
+
+    batch_size: int = 500
+    max_items: int = 10_000_000
+    throttle_ms: int = 0
+    deadline_s: float = 3600.0
+    lease_ttl_s: float = 30.0
+
+
+@dataclass
+class BatchContext:
+    """What a job's selection and transition see of the run they belong to."""
+
+    job_name: str
+    scope: Scope
+    mode: Mode
+    job_run_id: uuid.UUID
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BatchOutcome:
+    """What one transition did; counters add up into the run record."""
+
+    succeeded: int = 0
+    failed: int = 0
+    skipped: int = 0
+    retry_scheduled: int = 0
+    deadlettered: int = 0
+    events_written: int = 0
+    duplicates_prevented: int = 0
+    cursor: dict[str, Any] | None = None  # the checkpoint after this batch, for cursor jobs
+    failed_items: list[tuple[str, str]] = field(default_factory=list)  # (item id, error class)
+
+
+@dataclass(frozen=True)
+class OutcomeCheck:
+    """The business outcome checked after a run (e.g. no ACTIVE quote past expiry)."""
+
+    name: str
+    passed: bool
+    description: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One operational job, declared once; every trigger and adapter derives from it.
+
+    ``eligible`` builds the ordered, index-backed selection (the same query serves the
+    dry-run count, the sample and each batch); ``transition`` applies one batch inside the
+    batch transaction; ``check`` proves the business outcome; ``lag`` gives the age of the
+    oldest eligible item.
+    """
+
+    name: str
+    kind: str
+    description: str
+    partitioning: Partitioning
+    eligible: Callable[[BatchContext], sa.Select[Any]]
+    transition: Callable[[Connection, BatchContext, Sequence[Any]], BatchOutcome]
+    check: Callable[[Connection, BatchContext], list[OutcomeCheck]]
+    lag: Callable[[Connection, BatchContext], float | None] | None = None
+    defaults: JobDefaults = field(default_factory=JobDefaults)
+    destructive: bool = False
+    uses_checkpoint: bool = False
+    compete_with_skip_locked: bool = True  # lock selected rows FOR UPDATE SKIP LOCKED

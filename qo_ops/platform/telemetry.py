@@ -1,0 +1,143 @@
+"""Structured job events (one JSON object per line) and Prometheus metrics.
+
+Events carry job name, run id, trigger, scope and window; business row ids appear only in
+failure events; never payloads, lease tokens or personal data. Metric labels are only
+``job_name``, ``status`` and ``error_class`` (never a tenant, a run id or an item id).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+EVENT_LOGGER = "qo_ops.events"
+_events = logging.getLogger(EVENT_LOGGER)
+
+
+class JsonLineFormatter(logging.Formatter):
+    """Render a job event record as one JSON line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        payload = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname,
+        }
+        payload.update(getattr(record, "event", {}))
+        return json.dumps(payload, default=str, sort_keys=False)
+
+
+def configure_event_logging(stream: Any = None, level: int = logging.INFO) -> None:
+    """Send job events as JSON lines to ``stream`` (default stderr); idempotent."""
+    if any(getattr(h, "_qo_ops", False) for h in _events.handlers):
+        return
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonLineFormatter())
+    handler._qo_ops = True  # type: ignore[attr-defined]
+    _events.addHandler(handler)
+    _events.setLevel(level)
+    _events.propagate = False
+
+
+@dataclass
+class EventContext:
+    """The fields every event of one run carries."""
+
+    job_name: str
+    run_id: str
+    trigger: str
+    scope: str
+    mode: str
+    window_start: str | None = None
+    window_end: str | None = None
+    progress_interval_s: float = 10.0
+    _last_progress: float = field(default=0.0, repr=False)
+
+    def emit(self, name: str, level: int = logging.INFO, /, **fields: Any) -> None:
+        """Emit event ``name`` with this run's identity and ``fields``."""
+        event = {
+            "event.name": name,
+            "job.name": self.job_name,
+            "job.run_id": self.run_id,
+            "job.trigger": self.trigger,
+            "job.scope": self.scope,
+            "job.mode": self.mode,
+            "job.window.start": self.window_start,
+            "job.window.end": self.window_end,
+        }
+        event.update(fields)
+        _events.log(level, name, extra={"event": event})
+
+    def progress(self, force: bool = False, /, **fields: Any) -> None:
+        """Emit ``job.progress`` at most once per ``progress_interval_s``."""
+        now = time.monotonic()
+        if force or now - self._last_progress >= self.progress_interval_s:
+            self._last_progress = now
+            self.emit("job.progress", **fields)
+
+
+class JobMetrics:
+    """The seed's job metrics, in a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.started = Counter("job_started_total", "Runs started", ["job_name"], registry=r)
+        self.completed = Counter(
+            "job_completed_total", "Runs finished, by status", ["job_name", "status"], registry=r
+        )
+        self.failed = Counter(
+            "job_failed_total",
+            "Runs that failed, by error class",
+            ["job_name", "error_class"],
+            registry=r,
+        )
+        self.skipped = Counter(
+            "job_skipped_total", "Runs skipped (lease held elsewhere)", ["job_name"], registry=r
+        )
+        self.duration = Histogram(
+            "job_duration_seconds",
+            "Run duration",
+            ["job_name", "status"],
+            buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200),
+            registry=r,
+        )
+        self.items_processed = Counter(
+            "job_items_processed_total", "Items processed", ["job_name"], registry=r
+        )
+        self.items_failed = Counter(
+            "job_items_failed_total", "Items failed", ["job_name", "error_class"], registry=r
+        )
+        self.lag = Gauge(
+            "job_lag_seconds", "Age of the oldest eligible item", ["job_name"], registry=r
+        )
+        self.last_success = Gauge(
+            "job_last_success_timestamp_seconds",
+            "When a run last ended success/no_work",
+            ["job_name"],
+            registry=r,
+        )
+        self.lock_failed = Counter(
+            "job_lock_acquire_failed_total", "Lease acquisitions refused", ["job_name"], registry=r
+        )
+        self.retry_scheduled = Counter(
+            "job_retry_scheduled_total", "Item retries scheduled", ["job_name"], registry=r
+        )
+        self.deadletter = Counter(
+            "job_deadletter_total", "Items dead-lettered", ["job_name"], registry=r
+        )
+        self.duplicates_prevented = Counter(
+            "job_duplicate_side_effect_prevented_total",
+            "Side effects not repeated because their business key existed",
+            ["job_name"],
+            registry=r,
+        )
+
+
+METRICS = JobMetrics()
