@@ -1,0 +1,290 @@
+"""Faults, for real: processes killed with SIGKILL at each crash point, a lease holder frozen
+with SIGSTOP while another run takes over, and runs that overlap on purpose.
+
+After each, the data must show no duplicate event, no expired quote without its event,
+no ACTIVE quote left past expiry, and a truthful run record.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import pytest
+import sqlalchemy as sa
+
+from qo_ops.demo.data import load_demo_data
+from qo_ops.jobs.quote_expiration import SPEC
+from qo_ops.platform.runner import CRASH_ENV, CRASH_POINTS, RunSummary, run_job, select_batch
+from qo_ops.platform.spec import BatchContext, RunOptions, Scope
+from qo_ops_tests.conftest import QO_OPS_BIN, base_env, run_cli
+
+AS_OF = datetime(2026, 3, 1, tzinfo=UTC)  # in the past: every ACTIVE quote is overdue now
+TENANT = "tenant-001"
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``condition`` until true; fail the test after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def scalar(engine: sa.Engine, sql: str, **params: object) -> object:
+    with engine.connect() as conn:
+        return conn.execute(sa.text(sql), params).scalar()
+
+
+def overdue(engine: sa.Engine, tenant: str = TENANT) -> int:
+    return int(
+        scalar(
+            engine,
+            "SELECT count(*) FROM quote WHERE tenant_id = :t AND status = 'ACTIVE' AND expires_at < now()",
+            t=tenant,
+        )
+    )
+
+
+def expired(engine: sa.Engine, tenant: str = TENANT) -> int:
+    return int(scalar(engine, "SELECT count(*) FROM quote WHERE tenant_id = :t AND status = 'EXPIRED'", t=tenant))
+
+
+def assert_outcome_intact(engine: sa.Engine) -> None:
+    """Zero duplicate events, zero expired quotes without their event, zero overdue ACTIVE."""
+    with engine.connect() as conn:
+        per_quote = conn.execute(
+            sa.text(
+                """
+                SELECT count(*) FILTER (WHERE n = 0), count(*) FILTER (WHERE n > 1)
+                  FROM (SELECT (SELECT count(*) FROM outbox_event e WHERE e.event_type = 'QuoteExpired'
+                                  AND e.aggregate_id = q.id::text) AS n
+                          FROM quote q WHERE q.status = 'EXPIRED') s
+                """
+            )
+        ).one()
+        orphan_events = conn.scalar(
+            sa.text(
+                "SELECT count(*) FROM outbox_event e WHERE e.event_type = 'QuoteExpired' AND NOT EXISTS "
+                "(SELECT 1 FROM quote q WHERE q.id::text = e.aggregate_id AND q.status = 'EXPIRED')"
+            )
+        )
+    assert tuple(per_quote) == (0, 0), "expired quotes without an event / with duplicates"
+    assert orphan_events == 0
+    assert overdue(engine) == 0
+
+
+def cli_env(db, **extra: str) -> dict[str, str]:
+    return base_env(QO_OPS_DATABASE_URL=db.env_url, **extra)
+
+
+def run_args(*extra: str) -> list[str]:
+    return ["run", "quote_expiration", "--tenant", TENANT, "--mode", "execute", "--reason", "fault test", *extra]
+
+
+@pytest.fixture
+def loaded(db):
+    load_demo_data(db.engine, tenants=2, quotes=2000, seed=7, as_of=AS_OF)
+    eligible = overdue(db.engine)
+    assert eligible > 500
+    return db, eligible
+
+
+def _lease_released_and_run_stale(engine: sa.Engine, run_id: object, grace_s: float) -> Callable[[], bool]:
+    def check() -> bool:
+        return bool(
+            scalar(
+                engine,
+                """
+                SELECT NOT EXISTS (SELECT 1 FROM job_lease WHERE job_name = 'quote_expiration'
+                                     AND scope = :scope AND expires_at > clock_timestamp())
+                   AND (SELECT heartbeat_at < clock_timestamp() - make_interval(secs => :g)
+                          FROM job_run WHERE id = :id)
+                """,
+                scope=TENANT,
+                id=run_id,
+                g=grace_s,
+            )
+        )
+
+    return check
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_sigkill_at_every_crash_point_then_rerun_is_exact(loaded, point):
+    db, eligible = loaded
+    before_expired = expired(db.engine)
+    killed = run_cli(run_args("--batch-size", "100", "--lease-ttl-s", "2"), cli_env(db, **{CRASH_ENV: point}))
+    assert killed.code == -signal.SIGKILL, (killed.code, killed.stderr[-500:])
+
+    run_id = scalar(db.engine, "SELECT id FROM job_run WHERE job_name = 'quote_expiration' ORDER BY started_at LIMIT 1")
+    assert scalar(db.engine, "SELECT status FROM job_run WHERE id = :id", id=run_id) == "running"
+    committed = expired(db.engine) - before_expired
+    # the crash happened where it says: nothing, one batch, or everything committed
+    expected_committed = {
+        "after_lease_acquire": 0,
+        "after_batch_select": 0,
+        "before_commit": 0,
+        "after_commit": 100,
+        "before_finalize": eligible,
+    }[point]
+    assert committed == expected_committed
+
+    wait_for(_lease_released_and_run_stale(db.engine, run_id, 2.0), what="the killed run's lease to expire")
+    rerun = run_cli(run_args("--lease-ttl-s", "2", "--json"), cli_env(db))
+    assert rerun.code == 0, rerun.stderr[-800:]
+
+    with db.engine.connect() as conn:
+        killed_row = conn.execute(
+            sa.text("SELECT status, status_reason FROM job_run WHERE id = :id"), {"id": run_id}
+        ).one()
+    assert tuple(killed_row) == ("failed", "orphaned")
+    assert expired(db.engine) - before_expired == eligible
+    assert_outcome_intact(db.engine)
+    # the other tenant was never touched
+    assert overdue(db.engine, "tenant-002") > 0
+
+
+def test_frozen_holder_writes_nothing_after_another_run_takes_over(loaded):
+    db, eligible = loaded
+    holder = subprocess.Popen(
+        [QO_OPS_BIN, *run_args("--batch-size", "10", "--throttle-ms", "300", "--lease-ttl-s", "2", "--json")],
+        env=cli_env(db),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: (scalar(db.engine, "SELECT max(processed_count) FROM job_run") or 0) >= 20,
+            what="the holder to commit two batches",
+        )
+        holder.send_signal(signal.SIGSTOP)
+        holder_run = scalar(db.engine, "SELECT id FROM job_run ORDER BY started_at LIMIT 1")
+        holder_fence = scalar(db.engine, "SELECT fencing_token FROM job_run WHERE id = :id", id=holder_run)
+        frozen_expired = expired(db.engine)
+
+        # the lease lapses while the holder is frozen; a second run takes over and finishes
+        second: RunSummary | None = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            second = run_job(
+                SPEC,
+                Scope(TENANT),
+                RunOptions(mode="execute", trigger="schedule", lease_ttl_s=5, progress_interval_s=3600),
+                engine=db.engine,
+            )
+            if second.status != "skipped":
+                break
+            time.sleep(0.2)
+        assert second is not None and second.status == "success", second
+        assert overdue(db.engine) == 0
+        after_takeover = expired(db.engine)
+        second_fence = scalar(db.engine, "SELECT fencing_token FROM job_run WHERE id = :id", id=uuid.UUID(second.job_run_id))
+        assert second_fence > holder_fence
+
+        holder.send_signal(signal.SIGCONT)
+        out, err = holder.communicate(timeout=60)
+    finally:
+        if holder.poll() is None:
+            holder.send_signal(signal.SIGCONT)
+            holder.kill()
+    assert holder.returncode == 1, err[-800:]
+    with db.engine.connect() as conn:
+        row = conn.execute(
+            sa.text("SELECT status, last_error_code, processed_count FROM job_run WHERE id = :id"), {"id": holder_run}
+        ).one()
+    assert (row.status, row.last_error_code) == ("failed", "lease_lost")
+    # nothing written by the holder after it resumed: counts are what they were at takeover
+    assert expired(db.engine) == after_takeover
+    assert row.processed_count + second.processed_count == eligible
+    assert frozen_expired < after_takeover  # the holder was frozen mid-way, not at the end
+    assert_outcome_intact(db.engine)
+
+
+def _threads(count: int, target: Callable[[int], RunSummary]) -> list[RunSummary]:
+    results: list[RunSummary | BaseException] = [None] * count  # type: ignore[list-item]
+    barrier = threading.Barrier(count)
+
+    def body(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = target(i)
+        except BaseException as exc:  # reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
+
+@pytest.fixture
+def busy_engine(db):
+    engine = sa.create_engine(db.url, pool_size=20, max_overflow=10)
+    yield engine
+    engine.dispose()
+
+
+def test_eight_concurrent_runs_of_one_scope_exactly_one_executes(loaded, busy_engine):
+    db, eligible = loaded
+    options = RunOptions(mode="execute", trigger="schedule", batch_size=50, throttle_ms=100, progress_interval_s=3600)
+    results = _threads(8, lambda i: run_job(SPEC, Scope(TENANT), options, engine=busy_engine))
+    statuses = sorted(r.status for r in results)
+    assert statuses == ["skipped"] * 7 + ["success"], statuses
+    winner = next(r for r in results if r.status == "success")
+    assert winner.mutated_count == eligible
+    assert all(r.status_reason == "lease-not-acquired" for r in results if r.status == "skipped")
+    assert_outcome_intact(db.engine)
+
+
+def test_runs_of_different_tenants_proceed_in_parallel(loaded, busy_engine):
+    db, _ = loaded
+    options = RunOptions(mode="execute", trigger="schedule", batch_size=50, throttle_ms=50, progress_interval_s=3600)
+    tenants = ["tenant-001", "tenant-002"]
+    results = _threads(2, lambda i: run_job(SPEC, Scope(tenants[i]), options, engine=busy_engine))
+    assert [r.status for r in results] == ["success", "success"]
+    with db.engine.connect() as conn:
+        spans = conn.execute(
+            sa.text("SELECT started_at, finished_at FROM job_run WHERE id = ANY(CAST(:ids AS uuid[]))"),
+            {"ids": [r.job_run_id for r in results]},
+        ).all()
+    (a_start, a_end), (b_start, b_end) = spans
+    assert a_start < b_end and b_start < a_end  # their lifetimes overlapped
+    assert overdue(db.engine, "tenant-001") == 0 and overdue(db.engine, "tenant-002") == 0
+
+
+def test_competing_workers_with_skip_locked_take_disjoint_batches(loaded, busy_engine):
+    """The batch selection itself is safe for competing workers (FOR UPDATE SKIP LOCKED)."""
+    db, eligible = loaded
+    ctx = BatchContext(SPEC.name, Scope(TENANT), "execute", uuid.uuid4())
+    taken: list[list[int]] = [[] for _ in range(4)]
+
+    def worker(i: int) -> RunSummary:
+        while True:
+            with busy_engine.begin() as conn:
+                ids = select_batch(conn, SPEC, ctx, 25)
+                if not ids:
+                    return None  # type: ignore[return-value]
+                conn.exec_driver_sql("SELECT pg_sleep(0.02)")  # hold the locks so workers overlap
+                outcome = SPEC.transition(conn, ctx, ids)
+                assert outcome.succeeded == len(ids)
+                taken[i].extend(ids)
+
+    _threads(4, worker)
+    all_ids = [i for batch in taken for i in batch]
+    assert len(all_ids) == len(set(all_ids)) == eligible  # disjoint, and nothing missed
+    assert sum(1 for t in taken if t) >= 2  # they really competed
+    assert_outcome_intact(db.engine)
