@@ -57,7 +57,7 @@ class EventContext:
     window_start: str | None = None
     window_end: str | None = None
     progress_interval_s: float = 10.0
-    _last_progress: float = field(default=0.0, repr=False)
+    _last_progress: float | None = field(default=None, repr=False)  # the first one always goes out
 
     def emit(self, name: str, level: int = logging.INFO, /, **fields: Any) -> None:
         """Emit event ``name`` with this run's identity and ``fields``."""
@@ -77,7 +77,11 @@ class EventContext:
     def progress(self, force: bool = False, /, **fields: Any) -> None:
         """Emit ``job.progress`` at most once per ``progress_interval_s``."""
         now = time.monotonic()
-        if force or now - self._last_progress >= self.progress_interval_s:
+        if (
+            force
+            or self._last_progress is None
+            or now - self._last_progress >= self.progress_interval_s
+        ):
             self._last_progress = now
             self.emit("job.progress", **fields)
 

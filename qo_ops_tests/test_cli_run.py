@@ -1,0 +1,367 @@
+"""The ``qo-ops`` job commands as an operator uses them: run, status, runs, cancel.
+
+Every case runs the real command against a real database. Bad input must end with exit
+code 2, one line on stderr and nothing written anywhere (platform tables included).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+import sqlalchemy as sa
+
+from qo_ops.db.digest import database_digest
+from qo_ops.db.schema import BUSINESS_TABLES
+from qo_ops.demo.data import load_demo_data
+
+AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
+JOB = "quote_expiration"
+TENANT = "tenant-001"
+OTHER_OWNER = "other-host:4242:deadbeef"
+
+SUMMARY_KEYS = (
+    "job_run_id",
+    "job_name",
+    "status",
+    "mode",
+    "scope",
+    "requester",
+    "eligible_count",
+    "processed_count",
+    "mutated_count",
+    "failed_count",
+    "skipped_count",
+    "duration_ms",
+)
+# summary key -> job_run column, for everything the run row records
+ROW_COLUMNS = {
+    "job_run_id": "id",
+    "job_name": "job_name",
+    "status": "status",
+    "mode": "mode",
+    "scope": "scope",
+    "requester": "requester",
+    "eligible_count": "eligible_count",
+    "processed_count": "processed_count",
+    "mutated_count": "succeeded_count",
+    "failed_count": "failed_count",
+    "skipped_count": "skipped_count",
+}
+
+
+@pytest.fixture
+def demo(db):
+    """Two small demo tenants; every ACTIVE quote of them is past expiry by now."""
+    load_demo_data(db.engine, tenants=2, quotes=200, seed=7, as_of=AS_OF)
+    return db
+
+
+def digest(db) -> dict[str, str]:
+    with db.engine.connect() as conn:
+        return database_digest(conn)
+
+
+def business_digest(db) -> dict[str, str]:
+    with db.engine.connect() as conn:
+        return database_digest(conn, BUSINESS_TABLES)
+
+
+def overdue_active(db, tenant: str = TENANT) -> int:
+    with db.engine.connect() as conn:
+        return conn.scalar(
+            sa.text(
+                "SELECT count(*) FROM quote WHERE tenant_id = :t AND status = 'ACTIVE' "
+                "AND expires_at < now()"
+            ),
+            {"t": tenant},
+        )
+
+
+def job_run_row(db, run_id: str) -> dict:
+    with db.engine.connect() as conn:
+        row = conn.execute(
+            sa.text("SELECT * FROM job_run WHERE id = :id"), {"id": uuid.UUID(run_id)}
+        ).one()
+    return dict(row._mapping)
+
+
+def hold_lease(db, owner: str = OTHER_OWNER) -> None:
+    """Someone else holds the lease of (quote_expiration, tenant-001) for the next hour."""
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_lease (job_name, scope, owner_id, lease_token, fencing_token, "
+                "acquired_at, heartbeat_at, expires_at) "
+                "VALUES (:job, :scope, :owner, 'held-elsewhere-token', 7, now(), now(), "
+                "now() + interval '1 hour')"
+            ),
+            {"job": JOB, "scope": TENANT, "owner": owner},
+        )
+
+
+def parse_kv(stdout: str) -> dict[str, str]:
+    pairs = {}
+    for line in stdout.splitlines():
+        assert "=" in line, f"not a key=value line: {line!r}"
+        key, _, value = line.partition("=")
+        pairs[key] = value
+    return pairs
+
+
+def assert_one_line_error(result) -> None:
+    assert result.code == 2, (result.code, result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].strip(), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+# ------------------------------------------------------------------------- bad input
+
+RUN = ("run", JOB, "--tenant", TENANT)
+BAD_RUNS = {
+    "unknown job": ("run", "quote_exterminator", "--tenant", TENANT),
+    "unknown tenant": ("run", JOB, "--tenant", "tenant-999"),
+    "impossible date": (*RUN, "--date", "2026-13-45"),
+    "from without to": (*RUN, "--from", "2026-01-01"),
+    "to without from": (*RUN, "--to", "2026-01-01"),
+    "to before from": (*RUN, "--from", "2026-01-10", "--to", "2026-01-01"),
+    "window on a non-windowed job": (*RUN, "--date", "2026-01-01"),
+    "range on a non-windowed job": (*RUN, "--from", "2026-01-01", "--to", "2026-01-02"),
+    "batch size 0": (*RUN, "--batch-size", "0"),
+    "batch size -1": (*RUN, "--batch-size", "-1"),
+    "batch size absurd": (*RUN, "--batch-size", "10000000"),
+    "max items negative": (*RUN, "--max-items", "-5"),
+    "throttle negative": (*RUN, "--throttle-ms", "-1"),
+    "deadline 0": (*RUN, "--deadline-s", "0"),
+    "lease ttl 0": (*RUN, "--lease-ttl-s", "0"),
+    "execute without reason": (*RUN, "--mode", "execute"),
+    "execute with blank reason": (*RUN, "--mode", "execute", "--reason", "   "),
+    "mode sideways": (*RUN, "--mode", "sideways"),
+    "tenant with DROP TABLE": ("run", JOB, "--tenant", "tenant-001'; DROP TABLE quote;--"),
+    "tenant with OR 1=1": ("run", JOB, "--tenant", "x' OR '1'='1"),
+    "execute limits bad": (*RUN, "--mode", "execute", "--reason", "r", "--batch-size", "0"),
+}
+
+
+@pytest.mark.parametrize("args", list(BAD_RUNS.values()), ids=list(BAD_RUNS))
+def test_bad_run_input_exits_2_with_one_line_and_writes_nothing(demo, cli, args):
+    before = digest(demo)
+    result = cli(*args)
+    assert_one_line_error(result)
+    assert result.stdout == ""
+    assert digest(demo) == before  # job_run, job_audit, job_lease and business tables alike
+
+
+def test_sql_metacharacters_in_tenant_do_not_reach_the_database(demo, cli):
+    for tenant in ("tenant-001'; DROP TABLE quote;--", "x' OR '1'='1"):
+        result = cli("run", JOB, "--tenant", tenant, "--mode", "execute", "--reason", "r")
+        assert_one_line_error(result)
+    with demo.engine.connect() as conn:
+        assert conn.scalar(sa.text("SELECT count(*) FROM quote")) == 400
+        assert conn.scalar(sa.text("SELECT count(*) FROM job_run")) == 0
+
+
+# ------------------------------------------------------------------------- run summary
+
+
+def test_dry_run_prints_key_value_summary_and_changes_no_business_row(demo, cli):
+    backlog = overdue_active(demo)
+    assert backlog > 0
+    before = business_digest(demo)
+
+    result = cli("run", JOB, "--tenant", TENANT, "--mode", "dry-run", "--requester", "alice")
+
+    assert result.code == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    summary = parse_kv(result.stdout)
+    for key in SUMMARY_KEYS:
+        assert key in summary, f"{key} missing from {result.stdout}"
+    assert summary["job_name"] == JOB
+    assert summary["status"] == "success"
+    assert summary["mode"] == "dry_run"
+    assert summary["scope"] == TENANT
+    assert summary["requester"] == "alice"
+    assert int(summary["eligible_count"]) == backlog
+    assert summary["processed_count"] == "0"
+    assert summary["mutated_count"] == "0"
+    assert summary["failed_count"] == "0"
+    assert summary["skipped_count"] == "0"
+    assert int(summary["duration_ms"]) >= 0
+    assert business_digest(demo) == before
+    row = job_run_row(demo, summary["job_run_id"])
+    assert row["status"] == "success"
+    assert row["mode"] == "dry_run"
+    assert row["eligible_count"] == backlog
+    assert overdue_active(demo) == backlog
+
+
+def test_json_summary_matches_the_job_run_row(demo, cli):
+    backlog = overdue_active(demo)
+    result = cli(
+        "run",
+        JOB,
+        "--tenant",
+        TENANT,
+        "--mode",
+        "execute",
+        "--reason",
+        "test",
+        "--requester",
+        "bob",
+        "--batch-size",
+        "25",
+        "--json",
+    )
+
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout
+    summary = json.loads(lines[0])
+    assert isinstance(summary, dict)
+    for key in SUMMARY_KEYS:
+        assert key in summary, key
+    assert summary["status"] == "success"
+    assert summary["mode"] == "execute"
+    assert summary["processed_count"] == backlog
+    assert summary["mutated_count"] == backlog
+    assert isinstance(summary["duration_ms"], int) and summary["duration_ms"] >= 0
+
+    row = job_run_row(demo, summary["job_run_id"])
+    for key, column in ROW_COLUMNS.items():
+        value = str(row[column]) if column == "id" else row[column]
+        assert summary[key] == value, (key, summary[key], value)
+    assert row["trigger_type"] == "manual"
+    assert row["finished_at"] is not None
+    assert overdue_active(demo) == 0
+
+
+def test_execute_exits_0_and_expires_the_backlog(demo, cli):
+    backlog = overdue_active(demo)
+    other = overdue_active(demo, "tenant-002")
+    result = cli("run", JOB, "--tenant", TENANT, "--mode", "execute", "--reason", "r")
+    assert result.code == 0, result.stderr
+    summary = parse_kv(result.stdout)
+    assert summary["status"] == "success"
+    assert int(summary["mutated_count"]) == backlog
+    assert overdue_active(demo) == 0
+    assert overdue_active(demo, "tenant-002") == other  # scope respected
+
+
+def test_run_while_lease_is_held_is_skipped_with_exit_4(demo, cli):
+    hold_lease(demo)
+    before = business_digest(demo)
+
+    result = cli("run", JOB, "--tenant", TENANT, "--mode", "execute", "--reason", "r")
+
+    assert result.code == 4, (result.stdout, result.stderr)
+    summary = parse_kv(result.stdout)
+    assert summary["status"] == "skipped"
+    assert summary["status_reason"] == "lease-not-acquired"
+    assert summary["processed_count"] == "0"
+    assert business_digest(demo) == before
+    row = job_run_row(demo, summary["job_run_id"])
+    assert row["status"] == "skipped"
+    assert row["status_reason"] == "lease-not-acquired"
+    with demo.engine.connect() as conn:
+        owner = conn.scalar(
+            sa.text("SELECT owner_id FROM job_lease WHERE job_name = :j AND scope = :s"),
+            {"j": JOB, "s": TENANT},
+        )
+    assert owner == OTHER_OWNER  # the holder keeps its lease
+
+
+# ------------------------------------------------------------------------- status / runs
+
+
+def test_status_shows_lease_holder_and_backlog(demo, cli):
+    hold_lease(demo)
+    backlog = overdue_active(demo)
+    other_backlog = overdue_active(demo, "tenant-002")
+    assert backlog > 0
+
+    text = cli("status")
+    assert text.code == 0, text.stderr
+    assert "job status" in text.stdout
+    for header in ("job", "scope", "last run", "status", "last success", "lease holder", "backlog"):
+        assert header in text.stdout
+    line = next(ln for ln in text.stdout.splitlines() if ln.startswith(JOB) and f" {TENANT} " in ln)
+    assert OTHER_OWNER in line
+    assert line.split()[-1] == str(backlog)
+
+    as_json = cli("status", JOB, "--json")
+    assert as_json.code == 0, as_json.stderr
+    rows = {r["scope"]: r for r in json.loads(as_json.stdout)["status"]}
+    assert set(rows) == {TENANT, "tenant-002"}
+    assert rows[TENANT]["job_name"] == JOB
+    assert rows[TENANT]["lease_holder"] == OTHER_OWNER
+    assert rows[TENANT]["backlog"] == backlog
+    assert rows["tenant-002"]["lease_holder"] is None
+    assert rows["tenant-002"]["backlog"] == other_backlog
+    for key in ("last_run_at", "last_status", "last_success_at"):
+        assert key in rows[TENANT]
+
+    one = cli("status", JOB, "--tenant", "tenant-002", "--json")
+    assert [r["scope"] for r in json.loads(one.stdout)["status"]] == ["tenant-002"]
+
+
+def test_status_after_execute_shows_last_success_and_no_backlog(demo, cli):
+    run = cli("run", JOB, "--tenant", TENANT, "--mode", "execute", "--reason", "r", "--json")
+    assert run.code == 0, run.stderr
+    rows = {r["scope"]: r for r in json.loads(cli("status", JOB, "--json").stdout)["status"]}
+    assert rows[TENANT]["backlog"] == 0
+    assert rows[TENANT]["last_status"] == "success"
+    assert rows[TENANT]["last_success_at"] is not None
+    assert rows[TENANT]["lease_holder"] is None  # released at the end of the run
+    assert rows["tenant-002"]["backlog"] == overdue_active(demo, "tenant-002") > 0
+
+
+def test_runs_lists_history_as_table_and_json(demo, cli):
+    dry = json.loads(cli("run", JOB, "--tenant", TENANT, "--json").stdout)
+    execute = json.loads(
+        cli("run", JOB, "--tenant", TENANT, "--mode", "execute", "--reason", "r", "--json").stdout
+    )
+
+    text = cli("runs", JOB)
+    assert text.code == 0, text.stderr
+    assert f"runs of {JOB}" in text.stdout
+    for header in ("run id", "scope", "mode", "trigger", "started", "status", "processed"):
+        assert header in text.stdout
+    assert dry["job_run_id"] in text.stdout
+    assert execute["job_run_id"] in text.stdout
+    assert TENANT in text.stdout
+
+    as_json = cli("runs", JOB, "--tenant", TENANT, "--json")
+    assert as_json.code == 0, as_json.stderr
+    history = json.loads(as_json.stdout)["runs"]
+    assert [r["id"] for r in history] == [execute["job_run_id"], dry["job_run_id"]]  # newest first
+    newest = history[0]
+    assert newest["job_name"] == JOB
+    assert newest["scope"] == TENANT
+    assert newest["mode"] == "execute"
+    assert newest["trigger_type"] == "manual"
+    assert newest["status"] == "success"
+    assert newest["processed_count"] == execute["processed_count"]
+    assert history[1]["mode"] == "dry_run"
+
+    assert json.loads(cli("runs", JOB, "--tenant", "tenant-002", "--json").stdout)["runs"] == []
+
+
+# ------------------------------------------------------------------------- cancel
+
+
+def test_cancel_rejects_a_non_uuid(demo, cli):
+    before = digest(demo)
+    result = cli("cancel", "not-a-uuid", "--reason", "x")
+    assert_one_line_error(result)
+    assert digest(demo) == before
+
+
+def test_cancel_of_an_unknown_run_is_bad_input_and_audits_nothing(demo, cli):
+    before = digest(demo)
+    result = cli("cancel", str(uuid.uuid4()), "--reason", "x")
+    assert_one_line_error(result)
+    assert digest(demo) == before
