@@ -1,8 +1,2 @@
-"""The Dagster code location (``workspace.yaml``). Jobs, schedules, sensors and checks are
-derived from the job catalog once the platform has one; today it defines nothing."""
-
-from __future__ import annotations
-
-import dagster as dg
-
-defs = dg.Definitions()
+"""The Dagster adapter: partitions, config, resources, jobs, checks, schedules and sensors,
+all derived from the job catalog. No job logic lives here; every op calls ``run_job``."""

@@ -14,7 +14,14 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import quote
-from qo_ops.platform.spec import BatchContext, BatchOutcome, JobDefaults, JobSpec, OutcomeCheck
+from qo_ops.platform.spec import (
+    BatchContext,
+    BatchOutcome,
+    CheckSpec,
+    JobDefaults,
+    JobSpec,
+    OutcomeCheck,
+)
 
 GRACE = "interval '5 minutes'"  # the outcome check forgives quotes that expired this recently
 
@@ -128,5 +135,16 @@ SPEC = JobSpec(
     transition=expire_quote_batch,
     check=check_quote_expiration,
     lag=oldest_overdue_seconds,
+    outcome_asset="quotes",
+    checks=(
+        CheckSpec(
+            "no_overdue_active_quotes", "No ACTIVE quote is past its expiry beyond the grace period"
+        ),
+        CheckSpec(
+            "one_event_per_expired_quote", "Every EXPIRED quote has exactly one QuoteExpired event"
+        ),
+    ),
+    cron_schedule="*/15 * * * *",
+    backlog_threshold=1000,
     defaults=JobDefaults(batch_size=500),
 )

@@ -92,7 +92,9 @@ class RunOptions:
             if value is not None and (len(value) > MAX_TEXT or not value.strip()):
                 raise BadInput(f"{name.replace('_', ' ')} must be 1 to {MAX_TEXT} characters")
         if self.mode == "execute" and self.trigger == "manual" and not (self.reason or "").strip():
-            raise BadInput('a manual execute needs a reason (--reason "…")')
+            raise BadInput(
+                "a manual execute needs a reason (CLI: --reason; Dagster: config reason)"
+            )
         return self
 
 
@@ -149,6 +151,15 @@ class OutcomeCheck:
 
 
 @dataclass(frozen=True)
+class CheckSpec:
+    """A business outcome check a job declares (its result comes from ``JobSpec.check``)."""
+
+    name: str
+    description: str
+    blocking: bool = True  # a failed outcome fails the run
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """One operational job, declared once; every trigger and adapter derives from it.
 
@@ -166,6 +177,10 @@ class JobSpec:
     transition: Callable[[Connection, BatchContext, Sequence[Any]], BatchOutcome]
     check: Callable[[Connection, BatchContext], list[OutcomeCheck]]
     lag: Callable[[Connection, BatchContext], float | None] | None = None
+    outcome_asset: str = ""  # the business asset whose outcome the checks prove, e.g. "quotes"
+    checks: tuple[CheckSpec, ...] = ()
+    cron_schedule: str = "0 * * * *"  # default cadence of its schedule (UTC)
+    backlog_threshold: int | None = None  # a backlog sensor launches the job past this
     defaults: JobDefaults = field(default_factory=JobDefaults)
     destructive: bool = False
     uses_checkpoint: bool = False

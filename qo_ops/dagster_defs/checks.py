@@ -1,0 +1,68 @@
+"""Business outcomes as assets with checks. The job ops report the checks after each execute
+run (``AssetCheckEvaluation``); executed on their own, the checks look at every tenant."""
+
+import uuid
+from collections.abc import Sequence
+
+import dagster as dg
+import sqlalchemy as sa
+
+from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, Scope
+
+
+def outcome_asset_key(spec: JobSpec) -> dg.AssetKey:
+    return dg.AssetKey(["qo_ops", spec.outcome_asset])
+
+
+def build_outcome_assets(specs: Sequence[JobSpec]) -> list[dg.AssetSpec]:
+    """One asset per business outcome named in the catalog."""
+    by_asset: dict[str, list[str]] = {}
+    for spec in specs:
+        if spec.outcome_asset:
+            by_asset.setdefault(spec.outcome_asset, []).append(spec.name)
+    return [
+        dg.AssetSpec(
+            key=dg.AssetKey(["qo_ops", asset]),
+            description=f"Business state kept right by: {', '.join(jobs)}",
+            group_name="business_outcomes",
+            kinds={"postgres"},
+        )
+        for asset, jobs in sorted(by_asset.items())
+    ]
+
+
+def _build_check(spec: JobSpec, check: CheckSpec) -> dg.AssetChecksDefinition:
+    @dg.asset_check(
+        asset=outcome_asset_key(spec),
+        name=check.name,
+        description=check.description,
+        blocking=check.blocking,
+    )
+    def outcome_check(database: QoOpsDatabase) -> dg.AssetCheckResult:
+        engine = database.engine()
+        failing: list[str] = []
+        with engine.connect() as conn:
+            tenants = conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars().all()
+            if spec.partitioning == "tenant":
+                for tenant in tenants:
+                    ctx = BatchContext(spec.name, Scope(tenant), "dry_run", uuid.uuid4())
+                    result = next(c for c in spec.check(conn, ctx) if c.name == check.name)
+                    if not result.passed:
+                        failing.append(tenant)
+        return dg.AssetCheckResult(
+            passed=not failing,
+            metadata={
+                "tenants_checked": len(tenants),
+                "tenants_failing": ", ".join(failing) or "none",
+            },
+        )
+
+    return outcome_check
+
+
+def build_outcome_checks(specs: Sequence[JobSpec]) -> list[dg.AssetChecksDefinition]:
+    """Every check every catalog job declares."""
+    return [
+        _build_check(spec, check) for spec in specs if spec.outcome_asset for check in spec.checks
+    ]

@@ -1,0 +1,218 @@
+"""One Dagster job per catalog entry: a single op that turns the partition, the run's tags
+and its typed config into a ``run_job`` call, and reports what the runner returned."""
+
+import enum
+from collections.abc import Iterator
+
+# (no `from __future__ import annotations`: Dagster reads these annotations at decoration time)
+from typing import Any
+
+import dagster as dg
+from pydantic import Field
+
+from qo_ops.dagster_defs.partitions import (
+    MODE_TAG,
+    REASON_TAG,
+    partitions_def_for,
+    scope_from_partition_key,
+    scope_tag,
+)
+from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.errors import QoOpsError
+from qo_ops.platform.runner import RunSummary, run_job
+from qo_ops.platform.spec import (
+    MAX_BATCH_SIZE,
+    MAX_DEADLINE_S,
+    MAX_ITEMS,
+    MAX_TEXT,
+    MAX_THROTTLE_MS,
+    JobSpec,
+    RunOptions,
+    Trigger,
+)
+
+
+class Mode(enum.Enum):
+    """dry_run counts and samples what execute would change, and changes nothing."""
+
+    dry_run = "dry_run"
+    execute = "execute"
+
+
+class JobRunConfig(dg.Config):
+    """How this run behaves. Empty fields take the job's defaults."""
+
+    mode: Mode | None = Field(
+        default=None,
+        description=(
+            "dry_run: count and sample, change nothing. execute: apply. Empty: execute for "
+            "schedules and sensors, dry_run when launched by hand or by a backfill (a backfill "
+            "executes when tagged qo_ops/mode=execute)."
+        ),
+    )
+    batch_size: int | None = Field(
+        default=None, ge=1, le=MAX_BATCH_SIZE, description="Items per batch transaction."
+    )
+    max_items: int | None = Field(
+        default=None, ge=1, le=MAX_ITEMS, description="Stop after this many items."
+    )
+    throttle_ms: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_THROTTLE_MS,
+        description="Pause between batches, in milliseconds.",
+    )
+    deadline_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_DEADLINE_S,
+        description="Stop with status timeout after this many seconds.",
+    )
+    reason: str | None = Field(
+        default=None,
+        max_length=MAX_TEXT,
+        description="Why this run is needed (required to execute by hand; kept in the audit trail).",
+    )
+
+
+def trigger_from_tags(tags: dict[str, str]) -> Trigger:
+    """How this Dagster run came about, from the tags Dagster puts on it."""
+    if "dagster/backfill" in tags:
+        return "backfill"
+    if "dagster/schedule_name" in tags:
+        return "schedule"
+    if "dagster/sensor_name" in tags:
+        return "sensor"
+    if int(tags.get("dagster/retry_number", "0") or 0) > 0:
+        return "retry"
+    return "manual"
+
+
+def resolve_mode(config: JobRunConfig, tags: dict[str, str], trigger: Trigger) -> str:
+    """Config wins, then the mode tag (backfills), then: automatic triggers execute."""
+    if config.mode is not None:
+        return config.mode.value
+    if tags.get(MODE_TAG) in ("dry_run", "execute"):
+        return tags[MODE_TAG]
+    return "execute" if trigger in ("schedule", "sensor", "retry") else "dry_run"
+
+
+FAILING_STATUSES = ("failed", "timeout", "cancelled")
+
+
+def summary_metadata(summary: RunSummary) -> dict[str, Any]:
+    """The run summary as Dagster metadata (counters as numbers)."""
+    keys = (
+        "job_run_id",
+        "status",
+        "status_reason",
+        "mode",
+        "scope",
+        "trigger",
+        "eligible_count",
+        "processed_count",
+        "mutated_count",
+        "failed_count",
+        "skipped_count",
+        "retry_scheduled_count",
+        "deadlettered_count",
+        "duplicates_prevented",
+        "batches",
+        "duration_ms",
+        "batch_ms_p99",
+    )
+    data = summary.as_dict()
+    return {k: data[k] for k in keys if data[k] is not None}
+
+
+def build_job(spec: JobSpec) -> dg.JobDefinition:
+    """The Dagster job of ``spec``: partitioned, one op, in-process executor."""
+    partitions_def = partitions_def_for(spec)
+    asset_key = dg.AssetKey(["qo_ops", spec.outcome_asset]) if spec.outcome_asset else None
+
+    @dg.op(name=f"{spec.name}_op", description=spec.description, tags={"kind": spec.kind})
+    def run_catalog_job(
+        context: dg.OpExecutionContext, config: JobRunConfig, database: QoOpsDatabase
+    ) -> Iterator[Any]:
+        tags = dict(context.run.tags)
+        trigger = trigger_from_tags(tags)
+        scope = scope_from_partition_key(spec, context.partition_key)
+        mode = resolve_mode(config, tags, trigger)
+        options = RunOptions(
+            mode=mode,  # type: ignore[arg-type]
+            trigger=trigger,
+            batch_size=config.batch_size,
+            max_items=config.max_items,
+            throttle_ms=config.throttle_ms,
+            deadline_s=config.deadline_s,
+            requester=tags.get("dagster/user") or f"dagster:{trigger}",
+            reason=config.reason or tags.get(REASON_TAG),
+            correlation_id=context.run_id,
+            dagster_run_id=context.run_id,
+            progress_interval_s=10.0,
+        )
+        try:
+            summary = run_job(spec, scope, options, engine=database.engine())
+        except QoOpsError as exc:  # bad input: refused before anything was written
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
+        context.log.info(
+            f"{spec.name} {scope.key} {summary.mode}: {summary.status}"
+            f"{' (' + summary.status_reason + ')' if summary.status_reason else ''} — "
+            f"eligible {summary.eligible_count}, processed {summary.processed_count}, "
+            f"changed {summary.mutated_count}, failed {summary.failed_count}"
+        )
+        if summary.status == "partial_success":
+            context.log.warning(f"partial success: {summary.failed_count} item(s) failed")
+        if asset_key is not None and summary.mode == "execute" and summary.status != "skipped":
+            declared = {c.name: c for c in spec.checks}
+            for check in summary.checks:
+                declared_check = declared.get(check.name)
+                yield dg.AssetCheckEvaluation(
+                    asset_key=asset_key,
+                    check_name=check.name,
+                    passed=check.passed,
+                    metadata={
+                        **check.metadata,
+                        "scope": scope.key,
+                        "job_run_id": summary.job_run_id,
+                    },
+                    severity=dg.AssetCheckSeverity.ERROR
+                    if declared_check is None or declared_check.blocking
+                    else dg.AssetCheckSeverity.WARN,
+                    description=check.description,
+                )
+        if summary.status in FAILING_STATUSES:
+            raise dg.Failure(
+                description=f"{spec.name} ended {summary.status}: {summary.status_reason or summary.error_code}",
+                metadata=summary_metadata(summary),
+                allow_retries=False,
+            )
+        blocking_failed = [
+            c.name
+            for c in summary.checks
+            if not c.passed and any(d.name == c.name and d.blocking for d in spec.checks)
+        ]
+        if summary.mode == "execute" and summary.status != "skipped" and blocking_failed:
+            raise dg.Failure(
+                description=f"business outcome not met after {spec.name}: {', '.join(blocking_failed)}",
+                metadata=summary_metadata(summary),
+                allow_retries=False,
+            )
+        yield dg.Output(summary.as_dict(), metadata=summary_metadata(summary))
+
+    @dg.job(
+        name=spec.name,
+        description=spec.description,
+        partitions_def=partitions_def,
+        config=dg.PartitionedConfig(
+            partitions_def=partitions_def,
+            run_config_for_partition_key_fn=lambda _key: {},
+            tags_for_partition_key_fn=lambda key: scope_tag(spec, key),
+        ),
+        executor_def=dg.in_process_executor,
+        tags={"qo_ops/job": spec.name, "qo_ops/kind": spec.kind},
+    )
+    def catalog_job() -> None:
+        run_catalog_job()
+
+    return catalog_job

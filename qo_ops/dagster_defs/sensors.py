@@ -1,0 +1,203 @@
+"""Sensors, each tick bounded (a handful of index-backed queries, capped fan-out):
+
+- ``tenants_sensor``: keeps the ``tenants`` dynamic partitions equal to the tenant table;
+- ``<job>_backlog_sensor``: launches the job for a tenant whose backlog passed its threshold;
+- ``stale_success_sensor``: says which job/scope has not succeeded for 3× its cadence;
+- ``checkpoint_age_sensor``: says which windowed job's checkpoint stopped advancing;
+- ``run_failure_recorder``: logs every failed Dagster run of a catalog job.
+"""
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+
+import dagster as dg
+import sqlalchemy as sa
+from dagster._utils.schedules import cron_string_iterator
+
+from qo_ops.dagster_defs.partitions import scope_tag, tenants_partitions_def
+from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.platform.spec import BatchContext, JobSpec, Scope
+
+MAX_TENANTS_PER_TICK = 200  # a tick touches at most this many tenants; the cursor rotates
+BACKLOG_COOLDOWN_S = 300  # one backlog-triggered run per job and tenant per 5 minutes
+STALE_FACTOR = 3
+CHECKPOINT_MAX_AGE_S = 3600
+
+
+def cadence_seconds(cron: str) -> float:
+    """Seconds between two consecutive ticks of ``cron`` (UTC)."""
+    ticks = cron_string_iterator(time.time(), cron, "UTC")
+    first, second = next(ticks), next(ticks)
+    return (second - first).total_seconds()
+
+
+@dg.sensor(
+    name="tenants_sensor",
+    minimum_interval_seconds=60,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Adds and removes `tenants` partitions to match the tenant table",
+)
+def tenants_sensor(context: dg.SensorEvaluationContext, database: QoOpsDatabase) -> dg.SensorResult:
+    with database.engine().connect() as conn:
+        wanted = set(conn.execute(sa.text("SELECT id FROM tenant")).scalars())
+    have = set(tenants_partitions_def.get_partition_keys(dynamic_partitions_store=context.instance))
+    added, removed = sorted(wanted - have), sorted(have - wanted)
+    requests: list[dg.AddDynamicPartitionsRequest | dg.DeleteDynamicPartitionsRequest] = []
+    if added:
+        requests.append(tenants_partitions_def.build_add_request(added))
+    if removed:
+        requests.append(tenants_partitions_def.build_delete_request(removed))
+    return dg.SensorResult(
+        dynamic_partitions_requests=requests,
+        skip_reason=None if requests else f"{len(have)} tenant partitions, all in sync",
+        cursor=json.dumps({"tenants": len(wanted)}),
+    )
+
+
+def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefinition:
+    """Launch ``spec`` for tenants whose eligible backlog reached ``spec.backlog_threshold``."""
+    threshold = spec.backlog_threshold or 0
+
+    @dg.sensor(
+        name=f"{spec.name}_backlog_sensor",
+        job=job,
+        minimum_interval_seconds=60,
+        description=f"Runs {spec.name} for a tenant once {threshold} items are waiting",
+    )
+    def backlog_sensor(
+        context: dg.SensorEvaluationContext, database: QoOpsDatabase
+    ) -> dg.SensorResult:
+        state = json.loads(context.cursor) if context.cursor else {"offset": 0}
+        tenants = sorted(
+            tenants_partitions_def.get_partition_keys(dynamic_partitions_store=context.instance)
+        )
+        offset = state.get("offset", 0) % max(len(tenants), 1)
+        window = (tenants[offset:] + tenants[:offset])[:MAX_TENANTS_PER_TICK]
+        bucket = int(time.time() // BACKLOG_COOLDOWN_S)
+        runs, figures = [], {}
+        with database.engine().connect() as conn:
+            for tenant in window:
+                ctx = BatchContext(spec.name, Scope(tenant), "dry_run", uuid.uuid4())
+                # bounded count: stop counting at the threshold
+                waiting = conn.execute(
+                    sa.select(sa.func.count()).select_from(
+                        spec.eligible(ctx).limit(threshold).subquery()
+                    )
+                ).scalar_one()
+                figures[tenant] = waiting
+                if waiting >= threshold:
+                    runs.append(
+                        dg.RunRequest(
+                            run_key=f"backlog:{spec.name}:{tenant}:{bucket}",
+                            partition_key=tenant,
+                            run_config={
+                                "ops": {f"{spec.name}_op": {"config": {"mode": "execute"}}}
+                            },
+                            tags=scope_tag(spec, tenant),
+                        )
+                    )
+        cursor = json.dumps({"offset": offset + len(window), "last": figures})
+        if runs:
+            return dg.SensorResult(run_requests=runs, cursor=cursor)
+        return dg.SensorResult(
+            skip_reason=f"no tenant has {threshold} waiting ({len(window)} checked)", cursor=cursor
+        )
+
+    return backlog_sensor
+
+
+def build_stale_success_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
+    """Say which (job, scope) has not ended success/no_work for 3× its cadence."""
+
+    @dg.sensor(
+        name="stale_success_sensor",
+        minimum_interval_seconds=300,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Reports jobs whose last success is older than 3× their cadence",
+    )
+    def stale_success_sensor(
+        context: dg.SensorEvaluationContext, database: QoOpsDatabase
+    ) -> dg.SkipReason:
+        stale: list[str] = []
+        with database.engine().connect() as conn:
+            for spec in specs:
+                limit_s = STALE_FACTOR * cadence_seconds(spec.cron_schedule)
+                rows = conn.execute(
+                    sa.text(
+                        """
+                        SELECT t.id AS tenant,
+                               extract(epoch FROM clock_timestamp() - max(r.finished_at)) AS age
+                          FROM tenant t
+                          LEFT JOIN job_run r ON r.job_name = :job AND r.mode = 'execute'
+                               AND r.status IN ('success', 'no_work')
+                               AND (r.scope = t.id OR r.scope LIKE t.id || '/%')
+                         GROUP BY t.id
+                         ORDER BY t.id LIMIT :cap
+                        """
+                    ),
+                    {"job": spec.name, "cap": MAX_TENANTS_PER_TICK},
+                ).all()
+                for row in rows:
+                    if row.age is None or row.age > limit_s:
+                        age = "never" if row.age is None else f"{row.age / 60:.0f} min ago"
+                        stale.append(
+                            f"{spec.name}/{row.tenant} (last success {age}, limit {limit_s / 60:.0f} min)"
+                        )
+        if stale:
+            context.log.warning("stale last success: " + "; ".join(stale[:50]))
+            return dg.SkipReason(f"STALE: {len(stale)} job scope(s): " + "; ".join(stale[:20]))
+        return dg.SkipReason("every job succeeded within 3× its cadence")
+
+    return stale_success_sensor
+
+
+def build_checkpoint_age_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
+    """Say which checkpointed job has a running run whose checkpoint stopped advancing."""
+    names = [s.name for s in specs if s.uses_checkpoint]
+
+    @dg.sensor(
+        name="checkpoint_age_sensor",
+        minimum_interval_seconds=300,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Reports running checkpointed jobs whose checkpoint has not moved for an hour",
+    )
+    def checkpoint_age_sensor(
+        context: dg.SensorEvaluationContext, database: QoOpsDatabase
+    ) -> dg.SkipReason:
+        if not names:
+            return dg.SkipReason("no catalog job uses a checkpoint")
+        with database.engine().connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    """
+                    SELECT c.job_name, c.scope, extract(epoch FROM clock_timestamp() - c.updated_at) AS age
+                      FROM job_checkpoint c
+                      JOIN job_run r ON r.job_name = c.job_name AND r.scope = c.scope AND r.status = 'running'
+                     WHERE c.job_name = ANY(:names)
+                       AND c.updated_at < clock_timestamp() - make_interval(secs => :max_age)
+                     LIMIT 50
+                    """
+                ),
+                {"names": names, "max_age": CHECKPOINT_MAX_AGE_S},
+            ).all()
+        if rows:
+            text = "; ".join(
+                f"{r.job_name}/{r.scope} checkpoint {r.age / 60:.0f} min old" for r in rows
+            )
+            context.log.warning("checkpoint stopped advancing: " + text)
+            return dg.SkipReason("STALE CHECKPOINT: " + text)
+        return dg.SkipReason("every running checkpointed job advanced within the hour")
+
+    return checkpoint_age_sensor
+
+
+@dg.run_failure_sensor(name="run_failure_recorder", default_status=dg.DefaultSensorStatus.RUNNING)
+def run_failure_recorder(context: dg.RunFailureSensorContext) -> None:
+    """Log each failed catalog run with its scope, so failures are visible in one place."""
+    run = context.dagster_run
+    context.log.error(
+        f"run {run.run_id} of {run.job_name} failed "
+        f"(scope {run.tags.get('qo_ops/scope', '?')}): {context.failure_event.message or 'no message'}"
+    )

@@ -1,0 +1,47 @@
+"""The Dagster code location (``workspace.yaml``): everything derived from the job catalog."""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from qo_ops.config import DATABASE_URL_ENV
+from qo_ops.dagster_defs.checks import build_outcome_assets, build_outcome_checks
+from qo_ops.dagster_defs.jobs import build_job
+from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.dagster_defs.schedules import build_schedule
+from qo_ops.dagster_defs.sensors import (
+    build_backlog_sensor,
+    build_checkpoint_age_sensor,
+    build_stale_success_sensor,
+    run_failure_recorder,
+    tenants_sensor,
+)
+from qo_ops.jobs.catalog import CATALOG
+
+
+def build_definitions() -> dg.Definitions:
+    """Jobs, schedules, sensors, outcome assets and checks for every catalog entry."""
+    specs = list(CATALOG.values())
+    jobs = {spec.name: build_job(spec) for spec in specs}
+    database = QoOpsDatabase(
+        url=dg.EnvVar(DATABASE_URL_ENV) if os.environ.get(DATABASE_URL_ENV) else None
+    )
+    return dg.Definitions(
+        assets=build_outcome_assets(specs),
+        asset_checks=build_outcome_checks(specs),
+        jobs=list(jobs.values()),
+        schedules=[build_schedule(spec, jobs[spec.name]) for spec in specs],
+        sensors=[
+            tenants_sensor,
+            *(build_backlog_sensor(s, jobs[s.name]) for s in specs if s.backlog_threshold),
+            build_stale_success_sensor(specs),
+            build_checkpoint_age_sensor(specs),
+            run_failure_recorder,
+        ],
+        resources={"database": database},
+    )
+
+
+defs = build_definitions()

@@ -1,0 +1,34 @@
+"""Dagster fixtures: the real code location built against this test's database, and an
+ephemeral instance whose `tenants` partitions match the tenant table."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import dagster as dg
+import pytest
+
+from qo_ops.demo.data import load_demo_data
+
+AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+def loaded(db):
+    load_demo_data(db.engine, tenants=2, quotes=400, seed=9, as_of=AS_OF)
+    return db
+
+
+@pytest.fixture
+def defs(loaded, monkeypatch):
+    monkeypatch.setenv("QO_OPS_DATABASE_URL", loaded.env_url)
+    from qo_ops.definitions import build_definitions
+
+    return build_definitions()
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as inst:
+        inst.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
+        yield inst

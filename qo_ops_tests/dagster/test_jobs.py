@@ -1,0 +1,164 @@
+"""Each catalog job through real Dagster execution (execute_in_process), one partition."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+import sqlalchemy as sa
+
+from qo_ops.dagster_defs.partitions import MODE_TAG, REASON_TAG
+from qo_ops.jobs.catalog import CATALOG
+
+SPECS = sorted(CATALOG)
+
+
+def _run(
+    defs,
+    instance,
+    job_name: str,
+    config: dict | None = None,
+    tags: dict | None = None,
+    partition="tenant-001",
+):
+    job = defs.resolve_job_def(job_name)
+    run_config = {"ops": {f"{job_name}_op": {"config": config or {}}}}
+    return job.execute_in_process(
+        partition_key=partition,
+        instance=instance,
+        run_config=run_config,
+        tags=tags,
+        raise_on_error=False,
+    )
+
+
+def _summary(result, job_name: str) -> dict:
+    return result.output_for_node(f"{job_name}_op")
+
+
+def _counts(loaded) -> tuple[int, int]:
+    with loaded.engine.connect() as conn:
+        return tuple(
+            conn.execute(
+                sa.text(
+                    "SELECT (SELECT count(*) FROM job_run), (SELECT count(*) FROM quote WHERE status = 'EXPIRED')"
+                )
+            ).one()
+        )
+
+
+@pytest.mark.parametrize("job_name", SPECS)
+def test_dry_run_partition_changes_nothing_and_reports(defs, instance, loaded, job_name):
+    before = _counts(loaded)
+    result = _run(defs, instance, job_name, {"mode": "dry_run"})
+    assert result.success
+    summary = _summary(result, job_name)
+    assert summary["mode"] == "dry_run" and summary["scope"] == "tenant-001"
+    assert summary["trigger"] == "manual"
+    assert summary["eligible_count"] > 0
+    metadata = result.get_step_success_events()[0].step_success_data  # the step really ran
+    assert metadata is not None
+    output_meta = next(
+        e.event_specific_data.metadata
+        for e in result.all_events
+        if e.event_type_value == "STEP_OUTPUT"
+    )
+    assert output_meta["eligible_count"].value == summary["eligible_count"]
+    assert output_meta["job_run_id"].value == summary["job_run_id"]
+    after = _counts(loaded)
+    assert after[0] == before[0] + 1 and after[1] == before[1]  # one run row, no business change
+    assert result.get_asset_check_evaluations() == []  # checks follow execute runs only
+
+
+@pytest.mark.parametrize("job_name", SPECS)
+def test_execute_partition_records_passing_checks(defs, instance, loaded, job_name):
+    result = _run(defs, instance, job_name, {"mode": "execute", "reason": "test", "batch_size": 25})
+    assert result.success
+    summary = _summary(result, job_name)
+    assert (
+        summary["status"] == "success" and summary["mutated_count"] == summary["eligible_count"] > 0
+    )
+    evaluations = result.get_asset_check_evaluations()
+    assert {e.check_name for e in evaluations} == {c.name for c in CATALOG[job_name].checks}
+    assert all(e.passed for e in evaluations)
+    assert all(e.metadata["scope"].value == "tenant-001" for e in evaluations)
+
+
+def test_broken_outcome_fails_the_check_and_the_run(defs, instance, loaded):
+    with loaded.engine.begin() as conn:  # an EXPIRED quote that never got its event
+        conn.execute(
+            sa.text(
+                "UPDATE quote SET status = 'EXPIRED' WHERE id = (SELECT min(id) FROM quote "
+                "WHERE tenant_id = 'tenant-001' AND status = 'DRAFT')"
+            )
+        )
+    result = _run(defs, instance, "quote_expiration", {"mode": "execute", "reason": "test"})
+    assert not result.success
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert evaluations["one_event_per_expired_quote"].passed is False
+    assert evaluations["one_event_per_expired_quote"].metadata["missing_events"].value == 1
+    assert evaluations["no_overdue_active_quotes"].passed is True
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "one_event_per_expired_quote" in failure.message + str(failure.event_specific_data.error)
+
+
+def test_backfill_runs_take_their_mode_from_a_tag(defs, instance, loaded):
+    dry = _run(defs, instance, "quote_expiration", tags={"dagster/backfill": "abc"})
+    assert _summary(dry, "quote_expiration")["mode"] == "dry_run"
+    assert _summary(dry, "quote_expiration")["trigger"] == "backfill"
+    executed = _run(
+        defs,
+        instance,
+        "quote_expiration",
+        tags={"dagster/backfill": "abc", MODE_TAG: "execute", REASON_TAG: "backfill INC-1"},
+    )
+    summary = _summary(executed, "quote_expiration")
+    assert (summary["mode"], summary["status"]) == ("execute", "success")
+    with loaded.engine.connect() as conn:
+        row = conn.execute(
+            sa.text("SELECT trigger_type, reason, dagster_run_id FROM job_run WHERE id = :id"),
+            {"id": summary["job_run_id"]},
+        ).one()
+    assert (row.trigger_type, row.reason, row.dagster_run_id) == (
+        "backfill",
+        "backfill INC-1",
+        executed.run_id,
+    )
+
+
+def test_bad_run_config_is_refused_with_a_clear_message(defs, instance, loaded):
+    job = defs.resolve_job_def("quote_expiration")
+    with pytest.raises(dg.DagsterInvalidConfigError, match="not in enum type Mode"):
+        job.execute_in_process(
+            partition_key="tenant-001",
+            instance=instance,
+            run_config={"ops": {"quote_expiration_op": {"config": {"mode": "sideways"}}}},
+        )
+    before = _counts(loaded)
+    negative = _run(
+        defs, instance, "quote_expiration", {"mode": "execute", "reason": "x", "batch_size": -5}
+    )
+    assert not negative.success
+    failure = next(e for e in negative.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "batch_size" in str(
+        failure.event_specific_data.error
+    ) and "greater than or equal to 1" in str(failure.event_specific_data.error)
+    no_reason = _run(defs, instance, "quote_expiration", {"mode": "execute"})
+    assert not no_reason.success
+    failure = next(e for e in no_reason.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "needs a reason" in str(failure.event_specific_data.error)
+    assert _counts(loaded) == before  # refused before anything was written
+
+
+def test_a_held_lease_makes_the_run_skip_visibly(defs, instance, loaded):
+    with loaded.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_lease VALUES ('quote_expiration', 'tenant-001', 'elsewhere', 'tok', 7, "
+                "now(), now(), now() + interval '1 hour', NULL)"
+            )
+        )
+    result = _run(defs, instance, "quote_expiration", {"mode": "execute", "reason": "x"})
+    assert result.success  # another run is doing the work: not a failure
+    summary = _summary(result, "quote_expiration")
+    assert (summary["status"], summary["status_reason"]) == ("skipped", "lease-not-acquired")
+    assert result.get_asset_check_evaluations() == []

@@ -1,0 +1,128 @@
+"""Sensors and schedules evaluated for real against the database (build_sensor_context)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import dagster as dg
+import sqlalchemy as sa
+from dagster._core.definitions.partitions.context import partition_loading_context
+
+from qo_ops.dagster_defs.partitions import SCOPE_TAG
+from qo_ops.dagster_defs.resources import QoOpsDatabase
+
+
+def _database(loaded) -> QoOpsDatabase:
+    return QoOpsDatabase(url=loaded.env_url)
+
+
+def test_tenant_partitions_follow_the_tenant_table(defs, loaded):
+    sensor = defs.resolve_sensor_def("tenants_sensor")
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("tenants", ["tenant-001", "tenant-gone"])
+        context = dg.build_sensor_context(
+            instance=instance, resources={"database": _database(loaded)}
+        )
+        result = sensor.evaluate_tick(context)
+        assert result.dynamic_partitions_requests is not None
+        for request in result.dynamic_partitions_requests:  # apply them as the daemon would
+            if isinstance(request, dg.AddDynamicPartitionsRequest):
+                instance.add_dynamic_partitions(request.partitions_def_name, request.partition_keys)
+            else:
+                for key in request.partition_keys:
+                    instance.delete_dynamic_partition(request.partitions_def_name, key)
+        assert sorted(instance.get_dynamic_partitions("tenants")) == ["tenant-001", "tenant-002"]
+        assert json.loads(result.cursor)["tenants"] == 2
+        again = sensor.evaluate_tick(
+            dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
+        )
+        assert not again.dynamic_partitions_requests
+        assert "in sync" in again.skip_message
+
+
+def test_backlog_sensor_launches_only_past_the_threshold_and_rotates_its_cursor(
+    defs, loaded, instance
+):
+    sensor = defs.resolve_sensor_def("quote_expiration_backlog_sensor")
+    context = dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
+    quiet = sensor.evaluate_tick(context)  # demo backlog per tenant is far below 1000
+    assert not quiet.run_requests
+    assert "no tenant has 1000 waiting" in quiet.skip_message
+    assert json.loads(quiet.cursor)["offset"] == 2
+
+    with loaded.engine.begin() as conn:  # tenant-002 gets a real backlog of 1,200
+        conn.execute(
+            sa.text(
+                "INSERT INTO quote (tenant_id, quote_number, customer_ref, status, total_amount, "
+                "price_book_version, created_at, updated_at, expires_at) "
+                "SELECT 'tenant-002', 'BL-' || g, 'c', 'ACTIVE', 1, 2, now(), now(), now() - interval '1 day' "
+                "FROM generate_series(1, 1200) g"
+            )
+        )
+    context = dg.build_sensor_context(
+        instance=instance,
+        cursor=quiet.cursor,
+        resources={"database": _database(loaded)},
+        definitions=defs,
+    )
+    with partition_loading_context(dynamic_partitions_store=instance):  # as the daemon provides
+        busy = sensor.evaluate_tick(context)
+    assert [r.partition_key for r in busy.run_requests] == ["tenant-002"]
+    request = busy.run_requests[0]
+    assert request.tags[SCOPE_TAG] == "quote_expiration:tenant-002"
+    assert request.run_config["ops"]["quote_expiration_op"]["config"]["mode"] == "execute"
+    with loaded.engine.connect() as conn:
+        waiting_001 = conn.scalar(
+            sa.text(
+                "SELECT count(*) FROM quote WHERE tenant_id = 'tenant-001' AND status = 'ACTIVE' AND expires_at < now()"
+            )
+        )
+    # counts stop at the threshold: a tick never counts a whole large backlog
+    assert json.loads(busy.cursor)["last"] == {"tenant-001": waiting_001, "tenant-002": 1000}
+
+
+def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, instance):
+    sensor = defs.resolve_sensor_def("stale_success_sensor")
+    first = sensor.evaluate_tick(
+        dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
+    )
+    assert "STALE: 2 job scope(s)" in first.skip_message
+    assert "quote_expiration/tenant-001 (last success never" in first.skip_message
+
+    job = defs.resolve_job_def("quote_expiration")
+    for tenant in ("tenant-001", "tenant-002"):
+        assert job.execute_in_process(
+            partition_key=tenant,
+            instance=instance,
+            run_config={
+                "ops": {"quote_expiration_op": {"config": {"mode": "execute", "reason": "t"}}}
+            },
+        ).success
+    fresh = sensor.evaluate_tick(
+        dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
+    )
+    assert "every job succeeded" in fresh.skip_message
+
+
+def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instance):
+    schedule = defs.resolve_schedule_def("quote_expiration_schedule")
+    when = datetime(2026, 11, 29, 12, 15, tzinfo=UTC)
+    repo = defs.get_repository_def()
+
+    def tick() -> list[dg.RunRequest]:
+        context = dg.build_schedule_context(
+            instance=instance, scheduled_execution_time=when, repository_def=repo
+        )
+        with partition_loading_context(dynamic_partitions_store=instance):
+            return list(schedule.evaluate_tick(context).run_requests or [])
+
+    requests = tick()
+    assert [r.partition_key for r in requests] == ["tenant-001", "tenant-002"]
+    assert requests[0].run_key == f"quote_expiration:tenant-001:{when.isoformat()}"
+    again = tick()
+    assert [r.run_key for r in again] == [r.run_key for r in requests]
+    assert all(
+        r.run_config["ops"]["quote_expiration_op"]["config"]["mode"] == "execute" for r in requests
+    )
+    assert all(r.tags[SCOPE_TAG] == f"quote_expiration:{r.partition_key}" for r in requests)
