@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench lint fmt clean
+.PHONY: demo ui test bench lint fmt clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,17 @@ demo: $(STAMP)
 	$(BIN)/qo-ops db upgrade
 	$(BIN)/qo-ops demo-data --tenants 3 --quotes 2000 --seed 1 --reset
 	$(BIN)/qo-ops info
+	$(BIN)/qo-ops run quote_expiration --tenant tenant-002 --mode dry-run
+	$(BIN)/qo-ops run quote_expiration --tenant tenant-002 --mode execute --reason "make demo"
+	$(BIN)/qo-ops demo-dagster --tenant tenant-001
+	$(BIN)/qo-ops status
+
+## ui: Dagster (webserver + daemon) on http://127.0.0.1:3000 over the embedded PostgreSQL
+ui: export QO_OPS_DATABASE_URL :=
+ui: $(STAMP)
+	$(BIN)/qo-ops db upgrade
+	$(BIN)/qo-ops demo-data --tenants 3 --quotes 2000 --seed 1 --reset
+	$(BIN)/qo-ops dev
 
 ## test: the whole suite on a real PostgreSQL (embedded, or QO_OPS_TEST_DATABASE_URL)
 test: $(STAMP)

@@ -14,6 +14,7 @@ import os
 import sys
 import uuid
 from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
 from typing import Annotated, Any
 
 import sqlalchemy as sa
@@ -544,6 +545,91 @@ def reap_command(
     migrate.require_current(engine)
     reaped = reap_orphans(engine, name)
     typer.echo(f"reaped {len(reaped)} orphaned run(s)" + "".join(f"\n  {r}" for r in reaped))
+
+
+# ------------------------------------------------------------------------- dagster
+
+
+@app.command("dev")
+def dev_command(
+    port: Annotated[int, typer.Option(help="Port of the Dagster UI (loopback only).")] = 3000,
+) -> None:
+    """Start Dagster (webserver + daemon) on the embedded or configured database.
+
+    The UI has no authentication (Dagster OSS): it listens on 127.0.0.1 only.
+    """
+    import subprocess
+
+    from qo_ops.dagster_defs.instance import REPO, prepare_dagster_home
+
+    if not 1024 <= port <= 65535:
+        raise BadInput("--port must be between 1024 and 65535")
+    target = resolve_target()
+    engine = get_engine(target)
+    migrate.require_current(engine)
+    home = prepare_dagster_home(target)
+    typer.echo(f"Dagster UI on http://127.0.0.1:{port} (DAGSTER_HOME={home}); Ctrl-C stops it")
+    dagster = str(Path(sys.executable).with_name("dagster"))
+    raise typer.Exit(
+        subprocess.call(
+            [dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)], cwd=REPO
+        )
+    )
+
+
+@app.command("demo-dagster")
+def demo_dagster_command(
+    tenant: Annotated[str, typer.Option(help="The tenant partition to run.")] = "tenant-001",
+) -> None:
+    """Run every catalog job through Dagster for one tenant; print summaries and checks."""
+    from datetime import date as date_cls
+
+    import dagster as dg
+
+    from qo_ops.dagster_defs.instance import prepare_dagster_home
+    from qo_ops.dagster_defs.partitions import partition_key_for
+    from qo_ops.definitions import build_definitions
+    from qo_ops.jobs.catalog import CATALOG
+
+    Scope(tenant)
+    target = resolve_target()
+    engine = get_engine(target)
+    migrate.require_current(engine)
+    prepare_dagster_home(target)
+    defs = build_definitions()
+    yesterday = date_cls.today() - timedelta(days=1)
+    failures = 0
+    with dg.DagsterInstance.get() as instance:
+        if tenant not in instance.get_dynamic_partitions("tenants"):
+            instance.add_dynamic_partitions("tenants", [tenant])
+        for spec in CATALOG.values():
+            job = defs.resolve_job_def(spec.name)
+            result = job.execute_in_process(
+                partition_key=partition_key_for(spec, tenant, yesterday),
+                instance=instance,
+                run_config={
+                    "ops": {
+                        f"{spec.name}_op": {"config": {"mode": "execute", "reason": "make demo"}}
+                    }
+                },
+                raise_on_error=False,
+            )
+            try:
+                summary = result.output_for_node(f"{spec.name}_op")
+            except Exception:
+                summary = {}
+            typer.echo(
+                f"{spec.name} [{tenant}] dagster run {result.run_id}: "
+                f"{'SUCCESS' if result.success else 'FAILURE'}; status={summary.get('status', '?')} "
+                f"eligible={summary.get('eligible_count', '?')} changed={summary.get('mutated_count', '?')} "
+                f"duration_ms={summary.get('duration_ms', '?')}"
+            )
+            for evaluation in result.get_asset_check_evaluations():
+                typer.echo(
+                    f"  check {evaluation.check_name}: {'passed' if evaluation.passed else 'FAILED'}"
+                )
+            failures += 0 if result.success else 1
+    raise typer.Exit(1 if failures else 0)
 
 
 # ------------------------------------------------------------------------- entry point

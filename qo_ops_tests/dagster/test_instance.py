@@ -1,0 +1,272 @@
+"""A real Dagster deployment on loopback: webserver + daemon over PostgreSQL storage, runs
+launched through the GraphQL API, the queue keeping one run per job and scope, a
+terminated run ending `cancelled` in job_run, and a partition backfill."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import dagster as dg
+import httpx
+import pytest
+import sqlalchemy as sa
+from dagster_graphql import DagsterGraphQLClient
+
+from qo_ops.db.engine import ensure_database
+from qo_ops_tests.conftest import REPO, base_env
+
+BIN = Path(sys.executable).parent
+LOCATION = "qo_ops.definitions"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return
+        time.sleep(0.25)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@contextmanager
+def dagster_stack(db, home: Path) -> Iterator[tuple[DagsterGraphQLClient, dg.DagsterInstance, int]]:
+    """Start dagster-webserver and dagster-daemon for this test's database; stop them after."""
+    storage = db.target.dagster_storage_url()
+    ensure_database(db.url, sa.engine.make_url(storage).database)
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    env = base_env(
+        QO_OPS_DATABASE_URL=db.env_url,
+        QO_OPS_DAGSTER_STORAGE_URL=storage,
+        DAGSTER_HOME=str(home),
+    )
+    port = _free_port()
+    logs = [open(home / name, "w") for name in ("webserver.log", "daemon.log")]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [
+                str(BIN / "dagster-webserver"),
+                "-w",
+                "workspace.yaml",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=logs[0],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ),
+        subprocess.Popen(
+            [str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+            cwd=REPO,
+            env=env,
+            stdout=logs[1],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ),
+    ]
+    old_home = os.environ.get("DAGSTER_HOME")
+    old_url = os.environ.get("QO_OPS_DAGSTER_STORAGE_URL")
+    os.environ["DAGSTER_HOME"], os.environ["QO_OPS_DAGSTER_STORAGE_URL"] = str(home), storage
+    try:
+
+        def webserver_up() -> bool:
+            try:
+                return (
+                    httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=2).status_code == 200
+                )
+            except httpx.HTTPError:
+                return False
+
+        wait_for(webserver_up, 120, "the webserver")
+        with dg.DagsterInstance.get() as instance:
+            wait_for(
+                lambda: (
+                    instance.daemon_heartbeats_healthy()
+                    if hasattr(instance, "daemon_heartbeats_healthy")
+                    else True
+                ),
+                5,
+                "daemon heartbeats",
+            )
+            yield DagsterGraphQLClient("127.0.0.1", port_number=port), instance, port
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for log in logs:
+            log.close()
+        for key, value in (("DAGSTER_HOME", old_home), ("QO_OPS_DAGSTER_STORAGE_URL", old_url)):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _status(instance: dg.DagsterInstance, run_id: str) -> dg.DagsterRunStatus:
+    run = instance.get_run_by_id(run_id)
+    assert run is not None
+    return run.status
+
+
+def _launch(client: DagsterGraphQLClient, tenant: str, config: dict) -> str:
+    return client.submit_job_execution(
+        "quote_expiration",
+        repository_location_name=LOCATION,
+        run_config={"ops": {"quote_expiration_op": {"config": config}}},
+        tags={"dagster/partition": tenant, "qo_ops/scope": f"quote_expiration:{tenant}"},
+    )
+
+
+FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
+
+
+def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
+    db = loaded
+    with dagster_stack(db, tmp_path) as (client, instance, port):
+        instance.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
+        slow = {"mode": "execute", "reason": "queue test", "batch_size": 10, "throttle_ms": 250}
+
+        # two runs of one job and tenant: the second waits in the queue until the first ends
+        first = _launch(client, "tenant-001", slow)
+        second = _launch(client, "tenant-001", slow)
+        wait_for(
+            lambda: _status(instance, first) == dg.DagsterRunStatus.STARTED,
+            120,
+            "the first run to start",
+        )
+        assert _status(instance, second) == dg.DagsterRunStatus.QUEUED
+        wait_for(lambda: _status(instance, first) in FINISHED, 180, "the first run to finish")
+        assert _status(instance, first) == dg.DagsterRunStatus.SUCCESS
+        wait_for(lambda: _status(instance, second) in FINISHED, 180, "the second run to finish")
+        assert _status(instance, second) == dg.DagsterRunStatus.SUCCESS
+        first_end = instance.get_run_record_by_id(first).end_time
+        second_start = instance.get_run_record_by_id(second).start_time
+        assert second_start >= first_end  # never at the same time
+        with db.engine.connect() as conn:
+            rows = dict(
+                conn.execute(
+                    sa.text(
+                        "SELECT dagster_run_id, status FROM job_run WHERE dagster_run_id = ANY(:ids)"
+                    ),
+                    {"ids": [first, second]},
+                ).all()
+            )
+        assert rows == {first: "success", second: "no_work"}  # the second found the work done
+
+        # terminate a long run: it stops after its current batch, ends cancelled, keeps progress
+        long_run = _launch(client, "tenant-002", {**slow, "batch_size": 2, "throttle_ms": 500})
+
+        def processed() -> int:
+            with db.engine.connect() as conn:
+                return conn.scalar(
+                    sa.text(
+                        "SELECT coalesce(max(processed_count), 0) FROM job_run WHERE dagster_run_id = :id"
+                    ),
+                    {"id": long_run},
+                )
+
+        wait_for(lambda: processed() > 0, 120, "the long run to make progress")
+        client.terminate_run(long_run)
+        wait_for(lambda: _status(instance, long_run) in FINISHED, 120, "the terminated run to stop")
+        assert _status(instance, long_run) == dg.DagsterRunStatus.CANCELED
+        with db.engine.connect() as conn:
+            job_run = conn.execute(
+                sa.text("SELECT status, processed_count FROM job_run WHERE dagster_run_id = :id"),
+                {"id": long_run},
+            ).one()
+            expired = conn.scalar(
+                sa.text(
+                    "SELECT count(*) FROM quote WHERE tenant_id = 'tenant-002' AND status = 'EXPIRED'"
+                )
+            )
+        assert job_run.status == "cancelled"
+        assert job_run.processed_count > 0
+
+        # a partition backfill (no run config: the mode comes from a tag) over both tenants
+        result = httpx.post(
+            f"http://127.0.0.1:{port}/graphql",
+            json={
+                "query": """
+                mutation($params: LaunchBackfillParams!) {
+                  launchPartitionBackfill(backfillParams: $params) {
+                    __typename
+                    ... on LaunchBackfillSuccess { backfillId }
+                    ... on PythonError { message }
+                  }
+                }""",
+                "variables": {
+                    "params": {
+                        "selector": {
+                            "partitionSetName": "quote_expiration_partition_set",
+                            "repositorySelector": {
+                                "repositoryLocationName": LOCATION,
+                                "repositoryName": "__repository__",
+                            },
+                        },
+                        "partitionNames": ["tenant-001", "tenant-002"],
+                        "tags": [
+                            {"key": "qo_ops/mode", "value": "execute"},
+                            {"key": "qo_ops/reason", "value": "backfill test"},
+                        ],
+                    }
+                },
+            },
+            timeout=60,
+        ).json()
+        launched = result["data"]["launchPartitionBackfill"]
+        assert launched["__typename"] == "LaunchBackfillSuccess", launched
+        backfill_id = launched["backfillId"]
+
+        def backfill_runs() -> list:
+            return instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
+
+        wait_for(
+            lambda: (
+                len(backfill_runs()) == 2 and all(r.status in FINISHED for r in backfill_runs())
+            ),
+            300,
+            "the backfill",
+        )
+        assert sorted(r.tags["dagster/partition"] for r in backfill_runs()) == [
+            "tenant-001",
+            "tenant-002",
+        ]
+        assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in backfill_runs())
+        with db.engine.connect() as conn:
+            modes = conn.execute(
+                sa.text(
+                    "SELECT trigger_type, mode, status FROM job_run WHERE dagster_run_id = ANY(:ids)"
+                ),
+                {"ids": [r.run_id for r in backfill_runs()]},
+            ).all()
+            overdue = conn.scalar(
+                sa.text("SELECT count(*) FROM quote WHERE status = 'ACTIVE' AND expires_at < now()")
+            )
+        assert {tuple(m) for m in modes} <= {
+            ("backfill", "execute", "success"),
+            ("backfill", "execute", "no_work"),
+        }
+        assert overdue == 0 and expired > 0
