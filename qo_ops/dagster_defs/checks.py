@@ -3,12 +3,15 @@ run (``AssetCheckEvaluation``); executed on their own, the checks look at every 
 
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 import sqlalchemy as sa
 
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, Scope
+
+CHECK_DAYS = 7
 
 
 def outcome_asset_key(spec: JobSpec) -> dg.AssetKey:
@@ -44,12 +47,18 @@ def _build_check(spec: JobSpec, check: CheckSpec) -> dg.AssetChecksDefinition:
         failing: list[str] = []
         with engine.connect() as conn:
             tenants = conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars().all()
-            if spec.partitioning == "tenant":
-                for tenant in tenants:
-                    ctx = BatchContext(spec.name, Scope(tenant), "dry_run", uuid.uuid4())
-                    result = next(c for c in spec.check(conn, ctx) if c.name == check.name)
-                    if not result.passed:
-                        failing.append(tenant)
+            today = datetime.now(UTC).date()
+            for tenant in tenants:
+                # windowed outcomes: the last CHECK_DAYS full days
+                scope = (
+                    Scope(tenant)
+                    if spec.partitioning == "tenant"
+                    else Scope(tenant, today - timedelta(days=CHECK_DAYS), today)
+                )
+                ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
+                result = next(c for c in spec.check(conn, ctx) if c.name == check.name)
+                if not result.passed:
+                    failing.append(tenant)
         return dg.AssetCheckResult(
             passed=not failing,
             metadata={

@@ -4,10 +4,12 @@ checks, CLI commands, API routes and metrics are derived from this list."""
 from __future__ import annotations
 
 from qo_ops.errors import BadInput
-from qo_ops.jobs import quote_expiration
+from qo_ops.jobs import quote_expiration, read_model_repair
 from qo_ops.platform.spec import JobSpec
 
-CATALOG: dict[str, JobSpec] = {spec.name: spec for spec in (quote_expiration.SPEC,)}
+CATALOG: dict[str, JobSpec] = {
+    spec.name: spec for spec in (quote_expiration.SPEC, read_model_repair.SPEC)
+}
 
 
 def get_spec(name: str) -> JobSpec:

@@ -7,7 +7,7 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import date, datetime
+from datetime import UTC, date, datetime, time
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -47,6 +47,14 @@ class Scope:
             raise BadInput("a window needs both a start and an end date")
         if self.window_start and self.window_end and self.window_end <= self.window_start:
             raise BadInput("the window's end date must be after its start date")
+
+    def window_bounds(self) -> tuple[datetime, datetime]:
+        """The window as UTC timestamps: [start 00:00, end 00:00)."""
+        assert self.window_start is not None and self.window_end is not None, "not a windowed scope"
+        return (
+            datetime.combine(self.window_start, time(), UTC),
+            datetime.combine(self.window_end, time(), UTC),
+        )
 
     @property
     def key(self) -> str:
@@ -185,3 +193,4 @@ class JobSpec:
     destructive: bool = False
     uses_checkpoint: bool = False
     compete_with_skip_locked: bool = True  # lock selected rows FOR UPDATE SKIP LOCKED
+    lock_of: sa.Table | None = None  # the table whose rows a joined selection locks

@@ -24,7 +24,9 @@ def defs(loaded, monkeypatch):
     monkeypatch.setenv("QO_OPS_DATABASE_URL", loaded.env_url)
     from qo_ops.definitions import build_definitions
 
-    return build_definitions()
+    built = build_definitions()
+    built.loaded_db = loaded  # type: ignore[attr-defined]  # lets helpers find work partitions
+    return built
 
 
 @pytest.fixture

@@ -36,12 +36,18 @@ def test_every_catalog_job_has_its_job_schedule_sensors_and_checks(defs):
 def test_declared_checks_match_what_each_job_reports(loaded):
     """The catalog declares check names up front (for Dagster); each job reports exactly those."""
     import uuid
+    from datetime import date
 
     from qo_ops.platform.spec import BatchContext, Scope
 
     with loaded.engine.connect() as conn:
         for spec in CATALOG.values():
-            ctx = BatchContext(spec.name, Scope("tenant-001"), "dry_run", uuid.uuid4())
+            scope = (
+                Scope("tenant-001")
+                if spec.partitioning == "tenant"
+                else Scope("tenant-001", date(2026, 2, 1), date(2026, 2, 2))
+            )
+            ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
             assert [c.name for c in spec.check(conn, ctx)] == [c.name for c in spec.checks]
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import date, timedelta
 from pathlib import Path
 
 import dagster as dg
@@ -206,61 +207,17 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         assert job_run.processed_count > 0
 
         # a partition backfill (no run config: the mode comes from a tag) over both tenants
-        result = httpx.post(
-            f"http://127.0.0.1:{port}/graphql",
-            json={
-                "query": """
-                mutation($params: LaunchBackfillParams!) {
-                  launchPartitionBackfill(backfillParams: $params) {
-                    __typename
-                    ... on LaunchBackfillSuccess { backfillId }
-                    ... on PythonError { message }
-                  }
-                }""",
-                "variables": {
-                    "params": {
-                        "selector": {
-                            "partitionSetName": "quote_expiration_partition_set",
-                            "repositorySelector": {
-                                "repositoryLocationName": LOCATION,
-                                "repositoryName": "__repository__",
-                            },
-                        },
-                        "partitionNames": ["tenant-001", "tenant-002"],
-                        "tags": [
-                            {"key": "qo_ops/mode", "value": "execute"},
-                            {"key": "qo_ops/reason", "value": "backfill test"},
-                        ],
-                    }
-                },
-            },
-            timeout=60,
-        ).json()
-        launched = result["data"]["launchPartitionBackfill"]
-        assert launched["__typename"] == "LaunchBackfillSuccess", launched
-        backfill_id = launched["backfillId"]
+        backfill_id = _backfill(port, "quote_expiration", ["tenant-001", "tenant-002"])
 
-        def backfill_runs() -> list:
-            return instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-
-        wait_for(
-            lambda: (
-                len(backfill_runs()) == 2 and all(r.status in FINISHED for r in backfill_runs())
-            ),
-            300,
-            "the backfill",
-        )
-        assert sorted(r.tags["dagster/partition"] for r in backfill_runs()) == [
-            "tenant-001",
-            "tenant-002",
-        ]
-        assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in backfill_runs())
+        runs = _finished_backfill_runs(instance, backfill_id, 2)
+        assert sorted(r.tags["dagster/partition"] for r in runs) == ["tenant-001", "tenant-002"]
+        assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
         with db.engine.connect() as conn:
             modes = conn.execute(
                 sa.text(
                     "SELECT trigger_type, mode, status FROM job_run WHERE dagster_run_id = ANY(:ids)"
                 ),
-                {"ids": [r.run_id for r in backfill_runs()]},
+                {"ids": [r.run_id for r in runs]},
             ).all()
             overdue = conn.scalar(
                 sa.text("SELECT count(*) FROM quote WHERE status = 'ACTIVE' AND expires_at < now()")
@@ -270,3 +227,80 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
             ("backfill", "execute", "no_work"),
         }
         assert overdue == 0 and expired > 0
+
+        # a tenant × day backfill of a windowed job: 2 tenants × 3 days = 6 runs
+        days = ["2026-02-10", "2026-02-11", "2026-02-12"]
+        keys = [f"{day}|{tenant}" for tenant in ("tenant-001", "tenant-002") for day in days]
+        windowed = _finished_backfill_runs(instance, _backfill(port, "read_model_repair", keys), 6)
+        assert sorted(r.tags["dagster/partition"] for r in windowed) == sorted(keys)
+        assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in windowed)
+        with db.engine.connect() as conn:
+            scopes = conn.execute(
+                sa.text("SELECT scope, mode FROM job_run WHERE dagster_run_id = ANY(:ids)"),
+                {"ids": [r.run_id for r in windowed]},
+            ).all()
+            drift_left = conn.scalar(
+                sa.text(
+                    """
+                    SELECT count(*) FROM customer_order o LEFT JOIN order_read_model r ON r.order_id = o.id
+                     WHERE o.submitted_at >= '2026-02-10' AND o.submitted_at < '2026-02-13'
+                       AND (r.order_id IS NULL OR r.total_amount <> o.total_amount OR r.status <> o.status)
+                    """
+                )
+            )
+        assert sorted(s.scope for s in scopes) == sorted(
+            f"{t}/{d}..{(date.fromisoformat(d) + timedelta(days=1)).isoformat()}"
+            for t in ("tenant-001", "tenant-002")
+            for d in days
+        )
+        assert {s.mode for s in scopes} == {"execute"}
+        assert drift_left == 0
+
+
+def _backfill(port: int, job_name: str, partitions: list[str]) -> str:
+    """Launch a partition backfill through GraphQL; the mode comes from run tags."""
+    result = httpx.post(
+        f"http://127.0.0.1:{port}/graphql",
+        json={
+            "query": """
+            mutation($params: LaunchBackfillParams!) {
+              launchPartitionBackfill(backfillParams: $params) {
+                __typename
+                ... on LaunchBackfillSuccess { backfillId }
+                ... on PythonError { message }
+              }
+            }""",
+            "variables": {
+                "params": {
+                    "selector": {
+                        "partitionSetName": f"{job_name}_partition_set",
+                        "repositorySelector": {
+                            "repositoryLocationName": LOCATION,
+                            "repositoryName": "__repository__",
+                        },
+                    },
+                    "partitionNames": partitions,
+                    "tags": [
+                        {"key": "qo_ops/mode", "value": "execute"},
+                        {"key": "qo_ops/reason", "value": "backfill test"},
+                    ],
+                }
+            },
+        },
+        timeout=60,
+    ).json()
+    launched = result["data"]["launchPartitionBackfill"]
+    assert launched["__typename"] == "LaunchBackfillSuccess", launched
+    return launched["backfillId"]
+
+
+def _finished_backfill_runs(instance: dg.DagsterInstance, backfill_id: str, count: int) -> list:
+    def runs() -> list:
+        return instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
+
+    wait_for(
+        lambda: len(runs()) == count and all(r.status in FINISHED for r in runs()),
+        300,
+        "the backfill",
+    )
+    return runs()

@@ -11,6 +11,7 @@ from dagster._core.definitions.partitions.context import partition_loading_conte
 
 from qo_ops.dagster_defs.partitions import SCOPE_TAG
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.jobs.catalog import CATALOG
 
 
 def _database(loaded) -> QoOpsDatabase:
@@ -87,7 +88,7 @@ def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, 
     first = sensor.evaluate_tick(
         dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
     )
-    assert "STALE: 2 job scope(s)" in first.skip_message
+    assert f"STALE: {2 * len(CATALOG)} job scope(s)" in first.skip_message
     assert "quote_expiration/tenant-001 (last success never" in first.skip_message
 
     job = defs.resolve_job_def("quote_expiration")
@@ -102,7 +103,8 @@ def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, 
     fresh = sensor.evaluate_tick(
         dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
     )
-    assert "every job succeeded" in fresh.skip_message
+    assert f"STALE: {2 * (len(CATALOG) - 1)} job scope(s)" in fresh.skip_message
+    assert "quote_expiration/" not in fresh.skip_message  # its scopes just succeeded
 
 
 def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instance):

@@ -54,7 +54,13 @@ def overdue(engine: sa.Engine, tenant: str = TENANT) -> int:
 
 
 def expired(engine: sa.Engine, tenant: str = TENANT) -> int:
-    return int(scalar(engine, "SELECT count(*) FROM quote WHERE tenant_id = :t AND status = 'EXPIRED'", t=tenant))
+    return int(
+        scalar(
+            engine,
+            "SELECT count(*) FROM quote WHERE tenant_id = :t AND status = 'EXPIRED'",
+            t=tenant,
+        )
+    )
 
 
 def assert_outcome_intact(engine: sa.Engine) -> None:
@@ -86,7 +92,17 @@ def cli_env(db, **extra: str) -> dict[str, str]:
 
 
 def run_args(*extra: str) -> list[str]:
-    return ["run", "quote_expiration", "--tenant", TENANT, "--mode", "execute", "--reason", "fault test", *extra]
+    return [
+        "run",
+        "quote_expiration",
+        "--tenant",
+        TENANT,
+        "--mode",
+        "execute",
+        "--reason",
+        "fault test",
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -97,7 +113,9 @@ def loaded(db):
     return db, eligible
 
 
-def _lease_released_and_run_stale(engine: sa.Engine, run_id: object, grace_s: float) -> Callable[[], bool]:
+def _lease_released_and_run_stale(
+    engine: sa.Engine, run_id: object, grace_s: float
+) -> Callable[[], bool]:
     def check() -> bool:
         return bool(
             scalar(
@@ -121,10 +139,15 @@ def _lease_released_and_run_stale(engine: sa.Engine, run_id: object, grace_s: fl
 def test_sigkill_at_every_crash_point_then_rerun_is_exact(loaded, point):
     db, eligible = loaded
     before_expired = expired(db.engine)
-    killed = run_cli(run_args("--batch-size", "100", "--lease-ttl-s", "2"), cli_env(db, **{CRASH_ENV: point}))
+    killed = run_cli(
+        run_args("--batch-size", "100", "--lease-ttl-s", "2"), cli_env(db, **{CRASH_ENV: point})
+    )
     assert killed.code == -signal.SIGKILL, (killed.code, killed.stderr[-500:])
 
-    run_id = scalar(db.engine, "SELECT id FROM job_run WHERE job_name = 'quote_expiration' ORDER BY started_at LIMIT 1")
+    run_id = scalar(
+        db.engine,
+        "SELECT id FROM job_run WHERE job_name = 'quote_expiration' ORDER BY started_at LIMIT 1",
+    )
     assert scalar(db.engine, "SELECT status FROM job_run WHERE id = :id", id=run_id) == "running"
     committed = expired(db.engine) - before_expired
     # the crash happened where it says: nothing, one batch, or everything committed
@@ -137,7 +160,10 @@ def test_sigkill_at_every_crash_point_then_rerun_is_exact(loaded, point):
     }[point]
     assert committed == expected_committed
 
-    wait_for(_lease_released_and_run_stale(db.engine, run_id, 2.0), what="the killed run's lease to expire")
+    wait_for(
+        _lease_released_and_run_stale(db.engine, run_id, 2.0),
+        what="the killed run's lease to expire",
+    )
     rerun = run_cli(run_args("--lease-ttl-s", "2", "--json"), cli_env(db))
     assert rerun.code == 0, rerun.stderr[-800:]
 
@@ -155,7 +181,10 @@ def test_sigkill_at_every_crash_point_then_rerun_is_exact(loaded, point):
 def test_frozen_holder_writes_nothing_after_another_run_takes_over(loaded):
     db, eligible = loaded
     holder = subprocess.Popen(
-        [QO_OPS_BIN, *run_args("--batch-size", "10", "--throttle-ms", "300", "--lease-ttl-s", "2", "--json")],
+        [
+            QO_OPS_BIN,
+            *run_args("--batch-size", "10", "--throttle-ms", "300", "--lease-ttl-s", "2", "--json"),
+        ],
         env=cli_env(db),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -168,7 +197,9 @@ def test_frozen_holder_writes_nothing_after_another_run_takes_over(loaded):
         )
         holder.send_signal(signal.SIGSTOP)
         holder_run = scalar(db.engine, "SELECT id FROM job_run ORDER BY started_at LIMIT 1")
-        holder_fence = scalar(db.engine, "SELECT fencing_token FROM job_run WHERE id = :id", id=holder_run)
+        holder_fence = scalar(
+            db.engine, "SELECT fencing_token FROM job_run WHERE id = :id", id=holder_run
+        )
         frozen_expired = expired(db.engine)
 
         # the lease lapses while the holder is frozen; a second run takes over and finishes
@@ -178,7 +209,9 @@ def test_frozen_holder_writes_nothing_after_another_run_takes_over(loaded):
             second = run_job(
                 SPEC,
                 Scope(TENANT),
-                RunOptions(mode="execute", trigger="schedule", lease_ttl_s=5, progress_interval_s=3600),
+                RunOptions(
+                    mode="execute", trigger="schedule", lease_ttl_s=5, progress_interval_s=3600
+                ),
                 engine=db.engine,
             )
             if second.status != "skipped":
@@ -187,7 +220,11 @@ def test_frozen_holder_writes_nothing_after_another_run_takes_over(loaded):
         assert second is not None and second.status == "success", second
         assert overdue(db.engine) == 0
         after_takeover = expired(db.engine)
-        second_fence = scalar(db.engine, "SELECT fencing_token FROM job_run WHERE id = :id", id=uuid.UUID(second.job_run_id))
+        second_fence = scalar(
+            db.engine,
+            "SELECT fencing_token FROM job_run WHERE id = :id",
+            id=uuid.UUID(second.job_run_id),
+        )
         assert second_fence > holder_fence
 
         holder.send_signal(signal.SIGCONT)
@@ -199,7 +236,8 @@ def test_frozen_holder_writes_nothing_after_another_run_takes_over(loaded):
     assert holder.returncode == 1, err[-800:]
     with db.engine.connect() as conn:
         row = conn.execute(
-            sa.text("SELECT status, last_error_code, processed_count FROM job_run WHERE id = :id"), {"id": holder_run}
+            sa.text("SELECT status, last_error_code, processed_count FROM job_run WHERE id = :id"),
+            {"id": holder_run},
         ).one()
     assert (row.status, row.last_error_code) == ("failed", "lease_lost")
     # nothing written by the holder after it resumed: counts are what they were at takeover
@@ -240,7 +278,9 @@ def busy_engine(db):
 
 def test_eight_concurrent_runs_of_one_scope_exactly_one_executes(loaded, busy_engine):
     db, eligible = loaded
-    options = RunOptions(mode="execute", trigger="schedule", batch_size=50, throttle_ms=100, progress_interval_s=3600)
+    options = RunOptions(
+        mode="execute", trigger="schedule", batch_size=50, throttle_ms=100, progress_interval_s=3600
+    )
     results = _threads(8, lambda i: run_job(SPEC, Scope(TENANT), options, engine=busy_engine))
     statuses = sorted(r.status for r in results)
     assert statuses == ["skipped"] * 7 + ["success"], statuses
@@ -252,13 +292,17 @@ def test_eight_concurrent_runs_of_one_scope_exactly_one_executes(loaded, busy_en
 
 def test_runs_of_different_tenants_proceed_in_parallel(loaded, busy_engine):
     db, _ = loaded
-    options = RunOptions(mode="execute", trigger="schedule", batch_size=50, throttle_ms=50, progress_interval_s=3600)
+    options = RunOptions(
+        mode="execute", trigger="schedule", batch_size=50, throttle_ms=50, progress_interval_s=3600
+    )
     tenants = ["tenant-001", "tenant-002"]
     results = _threads(2, lambda i: run_job(SPEC, Scope(tenants[i]), options, engine=busy_engine))
     assert [r.status for r in results] == ["success", "success"]
     with db.engine.connect() as conn:
         spans = conn.execute(
-            sa.text("SELECT started_at, finished_at FROM job_run WHERE id = ANY(CAST(:ids AS uuid[]))"),
+            sa.text(
+                "SELECT started_at, finished_at FROM job_run WHERE id = ANY(CAST(:ids AS uuid[]))"
+            ),
             {"ids": [r.job_run_id for r in results]},
         ).all()
     (a_start, a_end), (b_start, b_end) = spans

@@ -1,0 +1,77 @@
+"""read_model_repair: drifted read-model rows of a window are recomputed, nothing else moves."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+
+import sqlalchemy as sa
+
+from qo_ops.db.digest import database_digest
+from qo_ops.db.schema import BUSINESS_TABLES
+from qo_ops.demo.data import load_demo_data
+from qo_ops.jobs.read_model_repair import SPEC
+from qo_ops.platform.runner import run_job
+from qo_ops.platform.spec import RunOptions, Scope
+
+AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
+WINDOW = Scope("tenant-001", date(2026, 1, 30), date(2026, 3, 2))  # every order of the load
+DRIFT = """
+    SELECT count(*) FROM customer_order o LEFT JOIN order_read_model r ON r.order_id = o.id
+     WHERE o.tenant_id = :t AND (r.order_id IS NULL OR r.status <> o.status
+           OR r.total_amount <> o.total_amount OR r.line_count <> o.line_count)
+"""
+
+
+def _drift(engine: sa.Engine, tenant: str) -> int:
+    with engine.connect() as conn:
+        return conn.scalar(sa.text(DRIFT), {"t": tenant})
+
+
+def test_repairs_exactly_the_drift_of_its_window_and_is_idempotent(db):
+    load_demo_data(db.engine, tenants=2, quotes=1000, seed=4, as_of=AS_OF)
+    with db.engine.begin() as conn:  # one more kind of drift: a stale status
+        conn.execute(
+            sa.text(
+                "UPDATE order_read_model SET status = 'SUBMITTED' WHERE order_id = (SELECT min(order_id) "
+                "FROM order_read_model r JOIN customer_order o ON o.id = r.order_id "
+                "WHERE o.tenant_id = 'tenant-001' AND o.status = 'COMPLETED')"
+            )
+        )
+    drifted, other_tenant = _drift(db.engine, "tenant-001"), _drift(db.engine, "tenant-002")
+    assert drifted > 10 and other_tenant > 0
+
+    with db.engine.connect() as conn:
+        before = database_digest(conn, BUSINESS_TABLES)
+    dry = run_job(SPEC, WINDOW, RunOptions(mode="dry_run"), engine=db.engine)
+    with db.engine.connect() as conn:
+        assert database_digest(conn, BUSINESS_TABLES) == before  # dry-run writes nothing
+    assert dry.eligible_count == drifted
+
+    done = run_job(
+        SPEC, WINDOW, RunOptions(mode="execute", reason="test", batch_size=7), engine=db.engine
+    )
+    assert (done.status, done.mutated_count) == ("success", drifted)
+    assert _drift(db.engine, "tenant-001") == 0
+    assert _drift(db.engine, "tenant-002") == other_tenant  # another tenant's drift is not ours
+    assert all(c.passed for c in done.checks)
+
+    again = run_job(SPEC, WINDOW, RunOptions(mode="execute", reason="test"), engine=db.engine)
+    assert (again.status, again.mutated_count) == ("no_work", 0)
+
+
+def test_only_the_window_is_repaired(db):
+    load_demo_data(db.engine, tenants=1, quotes=1000, seed=4, as_of=AS_OF)
+    with db.engine.connect() as conn:  # the day of the first drifted order
+        first = conn.scalar(
+            sa.text(
+                "SELECT (min(o.submitted_at) AT TIME ZONE 'UTC')::date FROM customer_order o JOIN order_read_model r "
+                "ON r.order_id = o.id WHERE r.total_amount <> o.total_amount"
+            )
+        )
+    day = Scope("tenant-001", first, first + timedelta(days=1))
+    in_day = run_job(SPEC, day, RunOptions(mode="dry_run"), engine=db.engine).eligible_count
+    assert in_day > 0
+    total = _drift(db.engine, "tenant-001")
+    result = run_job(SPEC, day, RunOptions(mode="execute", reason="test"), engine=db.engine)
+    assert result.mutated_count == in_day
+    assert _drift(db.engine, "tenant-001") == total - in_day
