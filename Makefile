@@ -38,6 +38,7 @@ test: $(STAMP)
 ## bench: measured speed, compared with a baseline in the same run
 bench: $(STAMP)
 	$(BIN)/python -m bench.bench_demo_data
+	$(BIN)/python -m bench.bench_quote_expiration
 
 ## lint: ruff and mypy on the package
 lint: $(STAMP)

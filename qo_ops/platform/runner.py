@@ -193,14 +193,14 @@ def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int)
 
 
 @contextmanager
-def _batch_transaction(engine: Engine, lease: Lease) -> Iterator[Connection]:
-    with engine.begin() as conn:
+def _batch_transaction(conn: Connection, lease: Lease, run_id: uuid.UUID) -> Iterator[bool]:
+    """One batch's transaction on the run's connection; yields whether a cancel was asked."""
+    with conn.begin():
         # a holder frozen mid-transaction is cut off by the server, releasing its locks
         conn.exec_driver_sql(
             f"SET LOCAL idle_in_transaction_session_timeout = '{int(lease.ttl_s * 1000)}ms'"
         )
-        lease.guard(conn)
-        yield conn
+        yield lease.guard(conn, run_id)
 
 
 def run_job(
@@ -269,7 +269,12 @@ def run_job(
         _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
 
     _crash_point("before_finalize")
-    summary.duration_ms = int((time.monotonic() - started) * 1000)
+    if summary.status != "skipped":
+        with engine.connect() as conn:
+            summary.checks = spec.check(conn, ctx)
+            lag = spec.lag(conn, ctx) if spec.lag else None
+        metrics.lag.labels(spec.name).set(lag or 0.0)
+    summary.duration_ms = int((time.monotonic() - started) * 1000)  # outcome checks included
     runs.finish_run(
         engine,
         run_id,
@@ -278,11 +283,6 @@ def run_job(
         summary.error_code,
         summary.error_text,
     )
-    if summary.status not in ("skipped",):
-        with engine.connect() as conn:
-            summary.checks = spec.check(conn, ctx)
-            lag = spec.lag(conn, ctx) if spec.lag else None
-        metrics.lag.labels(spec.name).set(lag or 0.0)
     _record_metrics(metrics, spec, summary, time.monotonic() - started)
     events.emit(
         "job.finished",
@@ -415,20 +415,21 @@ def _batches(
 ) -> None:
     batch_ms: list[float] = []
     try:
-        _batch_loop(
-            engine,
-            spec,
-            ctx,
-            limits,
-            lease,
-            heartbeat,
-            stop,
-            deadline,
-            summary,
-            events,
-            metrics,
-            batch_ms,
-        )
+        with engine.connect() as conn:  # one connection for all of the run's batches
+            _batch_loop(
+                conn,
+                spec,
+                ctx,
+                limits,
+                lease,
+                heartbeat,
+                stop,
+                deadline,
+                summary,
+                events,
+                metrics,
+                batch_ms,
+            )
     finally:
         if batch_ms:
             ordered = sorted(batch_ms)
@@ -440,7 +441,7 @@ def _batches(
 
 
 def _batch_loop(
-    engine: Engine,
+    conn: Connection,
     spec: JobSpec,
     ctx: BatchContext,
     limits: dict[str, Any],
@@ -457,7 +458,7 @@ def _batch_loop(
     while True:
         if heartbeat.lost.is_set():
             raise LeaseLost("heartbeat found the lease taken over or expired")
-        if stop.is_set() or _cancel_requested(engine, run_id):
+        if stop.is_set():
             summary.status, summary.status_reason = "cancelled", "cancel requested"
             return
         if time.monotonic() >= deadline:
@@ -468,8 +469,13 @@ def _batch_loop(
             summary.status_reason = "max items reached"
             return
         batch_started = time.perf_counter()
-        with _batch_transaction(engine, lease) as conn:
+        with _batch_transaction(conn, lease, run_id) as cancel_asked:
+            if cancel_asked:
+                summary.status, summary.status_reason = "cancelled", "cancel requested"
+                return
             items = select_batch(conn, spec, ctx, min(limits["batch_size"], room))
+            if not items and ctx.params.pop("position", None) is not None:
+                continue  # one last pass from the start: rows others held locked are due too
             if not items:
                 return
             _crash_point("after_batch_select")
@@ -490,6 +496,8 @@ def _batch_loop(
         _crash_point("after_commit")
         batch_ms.append((time.perf_counter() - batch_started) * 1000)
         _account(summary, outcome, len(items), spec, metrics)
+        if outcome.position is not None:
+            ctx.params["position"] = outcome.position
         if spec.uses_checkpoint and outcome.cursor is not None:
             ctx.params["cursor"] = outcome.cursor
             events.emit(
@@ -549,11 +557,6 @@ def _final_status(summary: RunSummary) -> str:
         return "partial_success"
     summary.error_code = summary.error_code or "items_failed"
     return "failed"
-
-
-def _cancel_requested(engine: Engine, run_id: uuid.UUID) -> bool:
-    with engine.connect() as conn:
-        return runs.cancel_requested(conn, run_id)
 
 
 def _still_held(engine: Engine, lease: Lease) -> bool:

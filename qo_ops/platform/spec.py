@@ -145,6 +145,9 @@ class BatchOutcome:
     events_written: int = 0
     duplicates_prevented: int = 0
     cursor: dict[str, Any] | None = None  # the checkpoint after this batch, for cursor jobs
+    # where the next selection may start within this run (kept in memory, never persisted):
+    # lets a state-based sweep skip the index entries its earlier batches left dead
+    position: dict[str, Any] | None = None
     failed_items: list[tuple[str, str]] = field(default_factory=list)  # (item id, error class)
 
 
