@@ -16,8 +16,10 @@ import dagster as dg
 import sqlalchemy as sa
 from dagster._utils.schedules import cron_string_iterator
 
-from qo_ops.dagster_defs.partitions import scope_tag, tenants_partitions_def
+from qo_ops.dagster_defs.partitions import SCOPE_TAG, scope_tag, tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.errors import one_line
+from qo_ops.platform.runs import append_audit
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope
 
 MAX_TENANTS_PER_TICK = 200  # a tick touches at most this many tenants; the cursor rotates
@@ -194,10 +196,21 @@ def build_checkpoint_age_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition
 
 
 @dg.run_failure_sensor(name="run_failure_recorder", default_status=dg.DefaultSensorStatus.RUNNING)
-def run_failure_recorder(context: dg.RunFailureSensorContext) -> None:
-    """Log each failed catalog run with its scope, so failures are visible in one place."""
+def run_failure_recorder(context: dg.RunFailureSensorContext, database: QoOpsDatabase) -> None:
+    """Record each failed catalog run in the audit trail (and the log), with its scope, so a
+    failure is on record even when it happened before the runner wrote a job_run row."""
     run = context.dagster_run
+    message = one_line(context.failure_event.message or "no message", 300)
     context.log.error(
-        f"run {run.run_id} of {run.job_name} failed "
-        f"(scope {run.tags.get('qo_ops/scope', '?')}): {context.failure_event.message or 'no message'}"
+        f"run {run.run_id} of {run.job_name} failed ({run.tags.get(SCOPE_TAG, '?')}): {message}"
     )
+    with database.engine().begin() as conn:
+        append_audit(
+            conn,
+            actor="dagster",
+            action="run_failure",
+            decision="recorded",
+            job_name=run.job_name,
+            scope=run.tags.get(SCOPE_TAG, "").partition(":")[2] or None,
+            details={"dagster_run_id": run.run_id, "message": message},
+        )

@@ -26,7 +26,9 @@ from qo_ops.platform.spec import (
 GRACE = "interval '5 minutes'"  # the outcome check forgives quotes that expired this recently
 
 
-ACTIVE: sa.ColumnElement[str] = sa.literal_column("'ACTIVE'")  # a literal, so every plan can use the partial index
+ACTIVE: sa.ColumnElement[str] = sa.literal_column(
+    "'ACTIVE'"
+)  # a literal, so every plan can use the partial index
 
 
 def eligible_quotes(ctx: BatchContext) -> sa.Select[Any]:

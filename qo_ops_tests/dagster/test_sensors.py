@@ -128,3 +128,37 @@ def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instan
         r.run_config["ops"]["quote_expiration_op"]["config"]["mode"] == "execute" for r in requests
     )
     assert all(r.tags[SCOPE_TAG] == f"quote_expiration:{r.partition_key}" for r in requests)
+
+
+def test_run_failure_recorder_puts_the_failure_on_record(defs, loaded, instance):
+    job = defs.resolve_job_def("quote_expiration")
+    failed = job.execute_in_process(
+        partition_key="tenant-001",
+        instance=instance,
+        run_config={"ops": {"quote_expiration_op": {"config": {"mode": "execute"}}}},  # no reason
+        tags={SCOPE_TAG: "quote_expiration:tenant-001"},
+        raise_on_error=False,
+    )
+    assert not failed.success
+    run = instance.get_run_by_id(failed.run_id)
+    failure_event = instance.all_logs(failed.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[
+        0
+    ].dagster_event
+    context = dg.build_run_status_sensor_context(
+        sensor_name="run_failure_recorder",
+        dagster_event=failure_event,
+        dagster_instance=instance,
+        dagster_run=run,
+        resources={"database": _database(loaded)},
+    ).for_run_failure()
+    defs.resolve_sensor_def("run_failure_recorder")(
+        context
+    )  # direct invocation, resources from the context
+    with loaded.engine.connect() as conn:
+        row = conn.execute(
+            sa.text(
+                "SELECT actor, action, job_name, scope, details FROM job_audit WHERE action = 'run_failure'"
+            )
+        ).one()
+    assert (row.actor, row.job_name, row.scope) == ("dagster", "quote_expiration", "tenant-001")
+    assert row.details["dagster_run_id"] == failed.run_id
