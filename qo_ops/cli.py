@@ -42,6 +42,15 @@ app = typer.Typer(
 db_app = typer.Typer(help="Create, upgrade or downgrade the qo-ops schema.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
+
+def _register_downstream() -> None:
+    from qo_ops.downstream.cli import downstream_app
+
+    app.add_typer(downstream_app, name="downstream")
+
+
+_register_downstream()
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 
 
@@ -323,6 +332,9 @@ def run_command(
         float | None, typer.Option(help="Stop (status timeout) after this long.")
     ] = None,
     lease_ttl_s: Annotated[float | None, typer.Option(help="Lease time-to-live.")] = None,
+    concurrency: Annotated[
+        int | None, typer.Option(help="Parallel calls to the downstream (jobs that call it).")
+    ] = None,
     reason: Annotated[str | None, typer.Option(help="Why (required to execute by hand).")] = None,
     requester: Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")] = None,
     correlation_id: Annotated[
@@ -348,6 +360,7 @@ def run_command(
         throttle_ms=throttle_ms,
         deadline_s=deadline_s,
         lease_ttl_s=lease_ttl_s,
+        concurrency=concurrency,
         requester=_requester(requester),
         reason=reason,
         correlation_id=correlation_id or str(uuid.uuid4()),
@@ -499,20 +512,32 @@ def cancel_command(
 
 @app.command("requeue")
 def requeue_command(
-    tenant: Annotated[str, typer.Option(help="Tenant whose dead letters to requeue.")],
-    reason: Annotated[str, typer.Option(help="Why (recorded in the audit trail).")],
+    job: Annotated[
+        str, typer.Argument(help="The job whose dead letters to requeue.")
+    ] = "delivery_retry",
+    tenant: Annotated[str, typer.Option(help="Tenant whose dead letters to requeue.")] = "",
+    reason: Annotated[str, typer.Option(help="Why (recorded in the audit trail).")] = "",
     item: Annotated[
         list[str] | None, typer.Option(help="Only these item ids (repeatable).")
     ] = None,
+    all_dead: Annotated[
+        bool, typer.Option("--all-dead", help="Every dead letter of the tenant (up to --limit).")
+    ] = False,
     limit: Annotated[int, typer.Option(help="At most this many items.")] = 1000,
     requester: Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")] = None,
 ) -> None:
     """Put dead-lettered delivery items back to READY (audited)."""
     from qo_ops.platform.retry import requeue_dead_letters
 
+    if job.replace("-", "_") != "delivery_retry":
+        raise BadInput(f"only delivery_retry keeps dead letters to requeue, not {job!r}")
+    if not tenant:
+        raise BadInput("--tenant is required")
+    if item and all_dead:
+        raise BadInput("give either --item or --all-dead, not both")
     Scope(tenant)
     if not reason.strip():
-        raise BadInput("--reason must not be empty")
+        raise BadInput("--reason is required (recorded in the audit trail)")
     if not 1 <= limit <= 100_000:
         raise BadInput("--limit must be between 1 and 100000")
     try:

@@ -158,3 +158,144 @@ def cli(db: TestDatabase):
         return run_cli(list(args), base_env(QO_OPS_DATABASE_URL=db.env_url), timeout)
 
     return _run
+
+
+# --------------------------------------------------------------------- downstream simulator
+# A real downstream simulator process (`python -m qo_ops.downstream.cli`, i.e.
+# `qo-ops downstream`) on a free 127.0.0.1 port, its SQLite store in tmp_path:
+#
+#     def test_a(downstream):                       # started without faults
+#         downstream.client.submit_delivery("key-1", "tenant-001", "ORD-1", {})
+#         assert downstream.client.stats()["deliveries_distinct"] == 1
+#
+#     def test_b(downstream_factory):               # start with faults (or several servers)
+#         server = downstream_factory(error_rate=1.0, timeout_s=0.5)
+#
+#     @pytest.mark.parametrize("downstream", [{"poison_rate": 0.5, "seed": 3}], indirect=True)
+#     def test_c(downstream): ...
+#
+# Faults also change at run time: `downstream.client.set_faults(error_rate=0)`.
+# `downstream.restart()` stops the process and starts it again on the same port and store.
+# Every process started is terminated when the test ends; its output is in `.log`.
+
+import socket  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import httpx  # noqa: E402
+
+from qo_ops.downstream.client import DownstreamClient  # noqa: E402
+
+
+class DownstreamServer:
+    """A running downstream simulator: ``.url``, ``.client`` (a ``DownstreamClient``),
+    ``.process``, plus ``.store`` (its SQLite file) and ``.log`` (its stdout/stderr)."""
+
+    def __init__(self, store: Path, log: Path, faults: dict[str, Any]) -> None:
+        self.store, self.log, self.faults = store, log, faults
+        self.port = 0
+        self.url = ""
+        self.process: subprocess.Popen[bytes] | None = None
+        for attempt in range(3):  # a free port can be taken before the server binds it
+            self.port = _free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            if self.start(raise_on_exit=attempt == 2):
+                break
+        self.client: DownstreamClient = DownstreamClient(self.url)
+
+    def command(self) -> list[str]:
+        flags = [f"--{name.replace('_', '-')}={value}" for name, value in self.faults.items()]
+        return [
+            sys.executable,
+            "-m",
+            "qo_ops.downstream.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--store",
+            str(self.store),
+            *flags,
+        ]
+
+    def start(self, *, raise_on_exit: bool = True, wait_s: float = 30.0) -> bool:
+        """Start the process and poll ``/healthz`` until it answers (at most ``wait_s``)."""
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                env=base_env(),
+                cwd=self.store.parent,
+            )
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                if raise_on_exit:
+                    raise RuntimeError(
+                        f"downstream simulator exited: {self.log.read_text()[-2000:]}"
+                    )
+                return False
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"downstream simulator did not answer /healthz in {wait_s} s")
+
+    def stop(self) -> None:
+        """Terminate the process (SIGTERM, then SIGKILL after 10 s)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def restart(self) -> None:
+        """Stop and start again: same port, same store, the faults it was started with."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        self.client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def downstream_factory(tmp_path: Path) -> Iterator[Callable[..., DownstreamServer]]:
+    """``start(store=None, **faults)`` starts a simulator process with those faults
+    (``Faults`` field names: latency_ms, error_rate, timeout_rate, reset_rate, poison_rate,
+    seed, timeout_s); all of them are terminated after the test."""
+    servers: list[DownstreamServer] = []
+
+    def start(store: Path | None = None, **faults: Any) -> DownstreamServer:
+        n = len(servers)
+        server = DownstreamServer(
+            store or tmp_path / f"downstream-{n}.sqlite3", tmp_path / f"downstream-{n}.log", faults
+        )
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def downstream(
+    request: pytest.FixtureRequest, downstream_factory: Callable[..., DownstreamServer]
+) -> DownstreamServer:
+    """A downstream simulator process; initial faults via ``indirect`` parametrization."""
+    return downstream_factory(**getattr(request, "param", {}))

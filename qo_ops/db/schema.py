@@ -96,6 +96,9 @@ job_run = sa.Table(
     sa.Column("skipped_count", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("retry_scheduled_count", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("deadlettered_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column(
+        "tally", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")
+    ),  # job-specific counts
     sa.Column("last_error_code", sa.Text),
     sa.Column("last_error_text", sa.Text),
     _status_check("status", JOB_RUN_STATUSES),
@@ -132,11 +135,14 @@ outbox_event = sa.Table(
     sa.Column("published_at", TS),
     sa.Column("publish_attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("last_error_code", sa.Text),
+    sa.Column("dead_lettered_at", TS),  # poison or out of attempts: never published
+    # notification_publish: a tenant's due, unpublished events, oldest first
     sa.Index(
         "ix_outbox_event_unpublished",
+        "tenant_id",
         "available_at",
         "id",
-        postgresql_where=sa.text("published_at IS NULL"),
+        postgresql_where=sa.text("published_at IS NULL AND dead_lettered_at IS NULL"),
     ),
     sa.Index("ix_outbox_event_aggregate", "aggregate_type", "aggregate_id"),
 )
@@ -321,13 +327,14 @@ delivery_attempt_item = sa.Table(
     sa.Column("created_at", TS, nullable=False),
     sa.Column("updated_at", TS, nullable=False),
     _status_check("status", DELIVERY_STATUSES),
-    # delivery_retry: READY items that are due, oldest first
+    # delivery_retry: READY items that are due, and IN_PROGRESS items whose claim lapsed
+    # (their process died between sending and recording), oldest first
     sa.Index(
         "ix_delivery_attempt_item_due",
         "tenant_id",
         "next_attempt_at",
         "id",
-        postgresql_where=sa.text("status = 'READY'"),
+        postgresql_where=sa.text("status IN ('READY', 'IN_PROGRESS')"),
     ),
     sa.Index(
         "ix_delivery_attempt_item_dead",
@@ -465,6 +472,36 @@ catalog_cache = sa.Table(
     sa.Column("refreshed_at", TS, nullable=False),
 )
 
+MISMATCH_TYPES = (
+    "missing_downstream",
+    "status_drift",
+    "terminal_not_reflected",
+    "unknown_downstream",
+)
+
+# One row per mismatch an order_reconciliation run found: what, what it did, how it went.
+reconciliation_result = sa.Table(
+    "reconciliation_result",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("job_run_id", UUID(as_uuid=True), nullable=False),
+    _tenant_fk(),
+    sa.Column("order_id", sa.BigInteger, sa.ForeignKey("customer_order.id")),
+    sa.Column("order_number", sa.Text, nullable=False),
+    sa.Column("mismatch_type", sa.Text, nullable=False),
+    sa.Column("our_status", sa.Text),
+    sa.Column("downstream_status", sa.Text),
+    sa.Column(
+        "action", sa.Text, nullable=False
+    ),  # report_only, resubmit, adopt_status, manual_review
+    sa.Column("outcome", sa.Text, nullable=False),  # reported, corrected, flagged, failed
+    sa.Column("detail", sa.Text),
+    sa.Column("created_at", TS, nullable=False, server_default=NOW),
+    _status_check("mismatch_type", MISMATCH_TYPES),
+    sa.UniqueConstraint("job_run_id", "order_number"),
+    sa.Index("ix_reconciliation_result_order", "tenant_id", "order_number", "created_at"),
+)
+
 BUSINESS_TABLES = (
     tenant,
     price_book,
@@ -482,4 +519,5 @@ BUSINESS_TABLES = (
     audit_archive_manifest,
     catalog_item,
     catalog_cache,
+    reconciliation_result,
 )

@@ -4,11 +4,24 @@ checks, CLI commands, API routes and metrics are derived from this list."""
 from __future__ import annotations
 
 from qo_ops.errors import BadInput
-from qo_ops.jobs import quote_expiration, read_model_repair
+from qo_ops.jobs import (
+    delivery_retry,
+    notification_publish,
+    order_reconciliation,
+    quote_expiration,
+    read_model_repair,
+)
 from qo_ops.platform.spec import JobSpec
 
 CATALOG: dict[str, JobSpec] = {
-    spec.name: spec for spec in (quote_expiration.SPEC, read_model_repair.SPEC)
+    spec.name: spec
+    for spec in (
+        quote_expiration.SPEC,
+        delivery_retry.SPEC,
+        notification_publish.SPEC,
+        order_reconciliation.SPEC,
+        read_model_repair.SPEC,
+    )
 }
 
 

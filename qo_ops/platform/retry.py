@@ -123,3 +123,53 @@ def requeue_dead_letters(
             },
         )
     return len(requeued)
+
+
+RETRY_BASE_ENV = "QO_OPS_RETRY_BASE_S"
+RETRY_CAP_ENV = "QO_OPS_RETRY_CAP_S"
+
+
+def policy_from_env(max_attempts: int = 8) -> RetryPolicy:
+    """The retry policy of the downstream jobs; base and cap may be set in the environment
+    (tests and drills shorten them; production keeps 30 s and 1 h)."""
+    import os
+
+    base = float(os.environ.get(RETRY_BASE_ENV, "30"))
+    cap = float(os.environ.get(RETRY_CAP_ENV, "3600"))
+    return RetryPolicy(
+        base=timedelta(seconds=base), cap=timedelta(seconds=cap), max_attempts=max_attempts
+    )
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """The result of one external call for one claimed item."""
+
+    item_id: str
+    attempt: int  # the attempt number this call was (after the claim incremented it)
+    max_attempts: int
+    ok: bool
+    error_class: ErrorClass | None = None
+    code: str | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class Disposition:
+    """What to do with an item after a call: delivered, retry after ``delay_s``, or dead."""
+
+    state: str  # "done" | "retry" | "dead"
+    delay_s: float = 0.0
+
+
+def dispose(
+    result: CallResult, policy: RetryPolicy, rng: random.Random | None = None
+) -> Disposition:
+    """Apply the retry model to one call result."""
+    if result.ok:
+        return Disposition("done")
+    error = result.error_class or ErrorClass.UNKNOWN
+    budget = RetryPolicy(policy.base, policy.cap, result.max_attempts, policy.jitter)
+    if budget.decide(error, result.attempt) == "dead_letter":
+        return Disposition("dead")
+    return Disposition("retry", budget.delay(result.attempt, rng).total_seconds())

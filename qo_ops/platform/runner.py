@@ -10,6 +10,7 @@ A run stops between batches when its deadline passes (``timeout``), when it is a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -48,6 +49,7 @@ CRASH_POINTS = (
     "after_batch_select",
     "before_commit",
     "after_commit",
+    "after_external_call",  # jobs with an external phase: sent, result not yet recorded
     "before_finalize",
 )
 
@@ -87,6 +89,7 @@ class RunSummary:
     error_code: str | None = None
     error_text: str | None = None
     sample_ids: list[str] = field(default_factory=list)
+    tally: dict[str, int] = field(default_factory=dict)
     checks: list[OutcomeCheck] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -128,6 +131,7 @@ def _resolve(spec: JobSpec, options: RunOptions) -> dict[str, Any]:
         "throttle_ms": d.throttle_ms if options.throttle_ms is None else options.throttle_ms,
         "deadline_s": options.deadline_s or d.deadline_s,
         "lease_ttl_s": options.lease_ttl_s or d.lease_ttl_s,
+        "concurrency": options.concurrency or d.concurrency,
     }
 
 
@@ -217,7 +221,7 @@ def run_job(
     started = time.monotonic()
     owner = owner_identity()
     run_id = runs.create_run(engine, spec.name, scope, options, owner, limits)
-    ctx = BatchContext(spec.name, scope, options.mode, run_id)
+    ctx = BatchContext(spec.name, scope, options.mode, run_id, params={"limits": limits})
     summary = RunSummary(
         job_run_id=str(run_id),
         job_name=spec.name,
@@ -263,7 +267,7 @@ def run_job(
             run_ids=[str(r) for r in reaped],
         )
 
-    if options.mode == "dry_run":
+    if options.mode == "dry_run" and not spec.dry_run_scans:
         _dry_run(engine, spec, ctx, options, summary)
     else:
         _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
@@ -299,6 +303,7 @@ def run_job(
             "retry.scheduled": summary.retry_scheduled_count,
             "items.deadlettered": summary.deadlettered_count,
             "duplicates.prevented": summary.duplicates_prevented,
+            "tally": summary.tally or None,
             "error.class": summary.error_code,
             "checks.failed": [c.name for c in summary.checks if not c.passed],
         },
@@ -477,23 +482,22 @@ def _batch_loop(
             if not items and ctx.params.pop("position", None) is not None:
                 continue  # one last pass from the start: rows others held locked are due too
             if not items:
+                if spec.uses_checkpoint and spec.rescan_when_complete and ctx.mode == "execute":
+                    _forget_cursor(conn, spec, ctx.scope)
                 return
             _crash_point("after_batch_select")
             outcome = spec.transition(conn, ctx, items)
             _crash_point("before_commit")
-            if spec.uses_checkpoint and outcome.cursor is not None:
-                _save_cursor(conn, spec, ctx.scope, run_id, outcome.cursor)
-            runs.add_counts(
-                conn,
-                run_id,
-                processed_count=len(items),
-                succeeded_count=outcome.succeeded,
-                failed_count=outcome.failed,
-                skipped_count=outcome.skipped,
-                retry_scheduled_count=outcome.retry_scheduled,
-                deadlettered_count=outcome.deadlettered,
-            )
+            if spec.external is None:
+                _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
         _crash_point("after_commit")
+        if spec.external is not None and spec.record is not None:
+            results = spec.external(ctx, outcome.work)  # no transaction open, no rows locked
+            _crash_point("after_external_call")
+            with _batch_transaction(conn, lease, run_id):
+                claimed, outcome = outcome, spec.record(conn, ctx, results)
+                outcome.cursor = outcome.cursor or claimed.cursor  # the claim knows the position
+                _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
         batch_ms.append((time.perf_counter() - batch_started) * 1000)
         _account(summary, outcome, len(items), spec, metrics)
         if outcome.position is not None:
@@ -527,6 +531,47 @@ def _batch_loop(
             continue  # woken by a stop signal: the loop head ends the run as cancelled
 
 
+def _commit_effects(
+    conn: Connection,
+    spec: JobSpec,
+    ctx: BatchContext,
+    run_id: uuid.UUID,
+    outcome: BatchOutcome,
+    selected: int,
+) -> None:
+    """The rest of a batch's transaction: checkpoint and run counters."""
+    if spec.uses_checkpoint and outcome.cursor is not None and ctx.mode == "execute":
+        _save_cursor(conn, spec, ctx.scope, run_id, outcome.cursor)
+    runs.add_counts(
+        conn,
+        run_id,
+        processed_count=selected,
+        succeeded_count=outcome.succeeded,
+        failed_count=outcome.failed,
+        skipped_count=outcome.skipped,
+        retry_scheduled_count=outcome.retry_scheduled,
+        deadlettered_count=outcome.deadlettered,
+    )
+    if outcome.tally:
+        conn.execute(
+            sa.text(
+                "UPDATE job_run SET tally = (SELECT coalesce(jsonb_object_agg(k, v), '{}') FROM ("
+                "SELECT k, sum(v)::bigint AS v FROM (SELECT key AS k, value::bigint AS v FROM jsonb_each_text(tally) "
+                "UNION ALL SELECT key, value::bigint FROM jsonb_each_text(CAST(:add AS jsonb))) a GROUP BY k) t) "
+                "WHERE id = :id"
+            ),
+            {"add": json.dumps(outcome.tally), "id": run_id},
+        )
+
+
+def _forget_cursor(conn: Connection, spec: JobSpec, scope: Scope) -> None:
+    conn.execute(
+        sa.delete(job_checkpoint).where(
+            job_checkpoint.c.job_name == spec.name, job_checkpoint.c.scope == scope.key
+        )
+    )
+
+
 def _account(
     summary: RunSummary, outcome: BatchOutcome, selected: int, spec: JobSpec, metrics: JobMetrics
 ) -> None:
@@ -538,6 +583,8 @@ def _account(
     summary.retry_scheduled_count += outcome.retry_scheduled
     summary.deadlettered_count += outcome.deadlettered
     summary.duplicates_prevented += outcome.duplicates_prevented
+    for key, value in outcome.tally.items():
+        summary.tally[key] = summary.tally.get(key, 0) + value
     metrics.items_processed.labels(spec.name).inc(selected)
     for _, error_class in outcome.failed_items:
         metrics.items_failed.labels(spec.name, error_class).inc()

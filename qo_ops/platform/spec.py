@@ -27,6 +27,7 @@ MAX_THROTTLE_MS = 60_000
 MAX_DEADLINE_S = 7 * 24 * 3600
 MAX_LEASE_TTL_S = 3600
 MAX_TEXT = 500  # reason, requester, correlation id
+MAX_CONCURRENCY = 256
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class RunOptions:
     job_run_id: uuid.UUID | None = None  # adopt a row pre-created by the API
     progress_interval_s: float = 10.0
     sample_size: int = 10
+    concurrency: int | None = None
 
     def validated(self) -> RunOptions:
         """Raise :class:`BadInput` (changing nothing) for impossible or absurd options."""
@@ -95,6 +97,7 @@ class RunOptions:
         _check_range("throttle (ms)", self.throttle_ms, 0, MAX_THROTTLE_MS)
         _check_range("deadline (s)", self.deadline_s, 0.001, MAX_DEADLINE_S)
         _check_range("lease TTL (s)", self.lease_ttl_s, 1, MAX_LEASE_TTL_S)
+        _check_range("concurrency", self.concurrency, 1, MAX_CONCURRENCY)
         for name in ("requester", "reason", "correlation_id"):
             value = getattr(self, name)
             if value is not None and (len(value) > MAX_TEXT or not value.strip()):
@@ -120,6 +123,7 @@ class JobDefaults:
     throttle_ms: int = 0
     deadline_s: float = 3600.0
     lease_ttl_s: float = 30.0
+    concurrency: int = 1  # parallel external calls within a batch (jobs with an external phase)
 
 
 @dataclass
@@ -149,6 +153,11 @@ class BatchOutcome:
     # lets a state-based sweep skip the index entries its earlier batches left dead
     position: dict[str, Any] | None = None
     failed_items: list[tuple[str, str]] = field(default_factory=list)  # (item id, error class)
+    # what a claiming transition hands the external phase
+    work: list[Any] = field(default_factory=list)
+    tally: dict[str, int] = field(
+        default_factory=dict
+    )  # job-specific counts, e.g. mismatches by type
 
 
 @dataclass(frozen=True)
@@ -197,3 +206,14 @@ class JobSpec:
     uses_checkpoint: bool = False
     compete_with_skip_locked: bool = True  # lock selected rows FOR UPDATE SKIP LOCKED
     lock_of: sa.Table | None = None  # the table whose rows a joined selection locks
+    # Jobs whose side effect leaves the database run in three steps per batch: the
+    # transition only claims (its own transaction), ``external`` calls the other system with
+    # no transaction open, and ``record`` writes the results (a second guarded transaction).
+    external: Callable[[BatchContext, list[Any]], list[Any]] | None = None
+    record: Callable[[Connection, BatchContext, list[Any]], BatchOutcome] | None = None
+    # A dry-run that must look (e.g. ask the downstream) runs the batches too; the job's
+    # functions write nothing when ``ctx.mode == "dry_run"``, and no checkpoint is saved.
+    dry_run_scans: bool = False
+    # A cursor job that re-checks its whole scope on every run (reconciliation) forgets its
+    # checkpoint once a run has gone through the scope; a backfill keeps it (done is done).
+    rescan_when_complete: bool = False

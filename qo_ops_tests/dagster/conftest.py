@@ -20,8 +20,11 @@ def loaded(db):
 
 
 @pytest.fixture
-def defs(loaded, monkeypatch):
+def defs(loaded, downstream, monkeypatch):
     monkeypatch.setenv("QO_OPS_DATABASE_URL", loaded.env_url)
+    monkeypatch.setenv(
+        "QO_OPS_DOWNSTREAM_URL", downstream.url
+    )  # jobs that call the fulfilment system
     from qo_ops.definitions import build_definitions
 
     built = build_definitions()

@@ -97,9 +97,10 @@ def test_execute_partition_records_passing_checks(defs, instance, loaded, job_na
     result = _run(defs, instance, job_name, {"mode": "execute", "reason": "test", "batch_size": 25})
     assert result.success
     summary = _summary(result, job_name)
-    assert (
-        summary["status"] == "success" and summary["mutated_count"] == summary["eligible_count"] > 0
-    )
+    # every eligible item handled; planted poison deliveries make delivery_retry a partial success
+    assert summary["status"] in ("success", "partial_success")
+    assert summary["processed_count"] == summary["eligible_count"] > 0
+    assert summary["mutated_count"] > 0
     evaluations = result.get_asset_check_evaluations()
     assert {e.check_name for e in evaluations} == {c.name for c in CATALOG[job_name].checks}
     assert all(e.passed for e in evaluations)

@@ -30,8 +30,8 @@ SELECTIONS = {
     ),
     "notification_publish": (
         "outbox_event",
-        "SELECT id FROM outbox_event WHERE published_at IS NULL AND available_at <= :now "
-        "ORDER BY available_at, id LIMIT 500",
+        "SELECT id FROM outbox_event WHERE tenant_id = 'tenant-001' AND published_at IS NULL "
+        "AND dead_lettered_at IS NULL AND available_at <= :now ORDER BY available_at, id LIMIT 500",
     ),
     "order_reconciliation": (
         "customer_order",

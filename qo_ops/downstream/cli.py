@@ -1,0 +1,110 @@
+"""``qo-ops downstream``: run the downstream fulfilment / notification simulator.
+
+``downstream_app`` is a Typer app whose callback is the command, so both
+``app.add_typer(downstream_app, name="downstream")`` and running this module
+(``python -m qo_ops.downstream.cli --port 8089``) give ``… downstream [OPTIONS]``.
+Run as a module, errors are one line on stderr and exit 2, like ``qo-ops``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from typer._click import exceptions as click_exceptions  # typer vendors click
+
+from qo_ops.errors import EXIT_BAD_INPUT, BadInput, QoOpsError, one_line
+
+STORE_FILE = "downstream.sqlite3"
+PROG = "qo-ops downstream"
+
+downstream_app = typer.Typer(
+    name="downstream",
+    help="Run the downstream fulfilment and notification simulator (HTTP, SQLite store).",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    subcommand_metavar="",
+)
+
+
+@downstream_app.callback(invoke_without_command=True)
+def downstream_command(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (1024-65535).")] = 8089,
+    store: Annotated[
+        Path | None,
+        typer.Option(
+            help="SQLite file of the simulator's state [default: QO_OPS_HOME/downstream.sqlite3]."
+        ),
+    ] = None,
+    latency_ms: Annotated[int, typer.Option(help="Added latency per request, ms.")] = 0,
+    error_rate: Annotated[float, typer.Option(help="Share of requests answered 503.")] = 0.0,
+    timeout_rate: Annotated[
+        float, typer.Option(help="Share stored, then answered only after --timeout-s.")
+    ] = 0.0,
+    reset_rate: Annotated[
+        float, typer.Option(help="Share stored, then dropped without an answer.")
+    ] = 0.0,
+    poison_rate: Annotated[
+        float, typer.Option(help="Share of keys / event ids always rejected with 422.")
+    ] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the fault decisions.")] = 0,
+    timeout_s: Annotated[float, typer.Option(help="How long a 'timeout' answer hangs, s.")] = 2.0,
+) -> None:
+    """Serve the downstream simulator until Ctrl-C / SIGTERM (admin API under /admin)."""
+    from qo_ops.config import load_settings
+    from qo_ops.downstream.simulator import Faults, serve
+
+    if not 1024 <= port <= 65535:
+        raise BadInput("--port must be between 1024 and 65535")
+    for name, rate in (
+        ("--error-rate", error_rate),
+        ("--timeout-rate", timeout_rate),
+        ("--reset-rate", reset_rate),
+        ("--poison-rate", poison_rate),
+    ):
+        if not 0.0 <= rate <= 1.0:
+            raise BadInput(f"{name} must be between 0 and 1, got {rate}")
+    if latency_ms < 0:
+        raise BadInput("--latency-ms must not be negative")
+    if not timeout_s > 0:
+        raise BadInput("--timeout-s must be positive")
+    store_path = (store or load_settings().home / STORE_FILE).expanduser().resolve()
+    if store_path.is_dir():
+        raise BadInput(f"--store must be a file, {store_path} is a directory")
+    faults = Faults(
+        latency_ms=latency_ms,
+        error_rate=error_rate,
+        timeout_rate=timeout_rate,
+        reset_rate=reset_rate,
+        poison_rate=poison_rate,
+        seed=seed,
+        timeout_s=timeout_s,
+    )
+    typer.echo(f"downstream simulator on http://{host}:{port} (store {store_path})", err=True)
+    serve(host, port, store_path, faults)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; every failure becomes one line on stderr and an exit code."""
+    command = typer.main.get_command(downstream_app)
+    try:
+        command.main(args=argv, prog_name=PROG, standalone_mode=False)
+        return 0
+    except typer.Exit as exc:
+        return exc.exit_code
+    except click_exceptions.UsageError as exc:
+        typer.echo(f"{PROG}: error: {one_line(exc.format_message())}", err=True)
+        return EXIT_BAD_INPUT
+    except typer.Abort:
+        return 130
+    except QoOpsError as exc:
+        typer.echo(f"{PROG}: error: {exc}", err=True)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""The client qo-ops uses to call the downstream fulfilment system and notification sink.
+
+One ``httpx.Client`` (thread-safe, pooled) per ``DownstreamClient``. Every failure is a
+``DownstreamError`` carrying an ``ErrorClass`` from ``qo_ops.platform.retry``, a short
+code (``timeout``, ``connect_error``, ``connection_reset``, ``poison``, ``http_<status>``,
+``bad_response``, ``invalid_payload``, ``transport_error``) and a one-line message that
+never contains payloads, headers or secrets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from qo_ops.errors import ConfigError, one_line
+from qo_ops.platform.retry import ErrorClass, classify_exception, classify_http_status
+
+DOWNSTREAM_URL_ENV = "QO_OPS_DOWNSTREAM_URL"
+_SAFE_TOKEN = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+
+@dataclass(frozen=True)
+class DeliveryResult:
+    """The downstream's answer to a delivery: its id, and whether the key was seen before."""
+
+    delivery_id: str
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class DownstreamOrder:
+    """An order as the downstream fulfilment system knows it."""
+
+    order_number: str
+    tenant_id: str
+    status: str
+    updated_at: str
+
+
+class DownstreamError(Exception):
+    """A call to the downstream failed. ``error_class`` says whether retrying can help.
+
+    ``outcome_unknown`` is true when the request may have reached the downstream although no
+    answer came back (read timeout, reset after sending): retry with the same idempotency key.
+    """
+
+    def __init__(
+        self, error_class: ErrorClass, code: str, message: str, *, outcome_unknown: bool = False
+    ) -> None:
+        self.error_class = error_class
+        self.code = code
+        self.message = one_line(message, 200)
+        self.outcome_unknown = outcome_unknown
+        super().__init__(f"{code}: {self.message}")
+
+    @property
+    def retryable(self) -> bool:
+        """True unless retrying cannot help (``NON_RETRYABLE``); ``UNKNOWN`` counts as retryable."""
+        return self.error_class is not ErrorClass.NON_RETRYABLE
+
+
+def _transport_error(exc: httpx.TransportError, what: str) -> DownstreamError:
+    """Map an httpx transport failure (no HTTP answer) to a ``DownstreamError``."""
+    error_class = classify_exception(exc)
+    kind = type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        code = "timeout"
+        # A connect/pool timeout means the request never left; a read/write one may have landed.
+        unknown = isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout)
+    elif isinstance(exc, httpx.ConnectError):
+        code, unknown = "connect_error", False
+    elif isinstance(exc, httpx.RemoteProtocolError | httpx.NetworkError):
+        code, unknown = "connection_reset", True
+    else:
+        return DownstreamError(error_class, "transport_error", f"{what}: {kind}")
+    if error_class is ErrorClass.UNKNOWN:  # every timeout and network error is worth a retry
+        error_class = ErrorClass.RETRYABLE
+    return DownstreamError(error_class, code, f"{what}: {kind}", outcome_unknown=unknown)
+
+
+def _http_error(response: httpx.Response, what: str) -> DownstreamError:
+    """Map an unexpected HTTP status to a ``DownstreamError`` (poison has its own code)."""
+    status = response.status_code
+    error = _error_token(response)
+    if status == 422 and error == "poison":
+        return DownstreamError(ErrorClass.NON_RETRYABLE, "poison", f"{what}: rejected as poison")
+    detail = f" ({error})" if error else ""
+    return DownstreamError(
+        classify_http_status(status), f"http_{status}", f"{what}: HTTP {status}{detail}"
+    )
+
+
+def _error_token(response: httpx.Response) -> str | None:
+    """The ``error`` field of a JSON error body, only when it is a short, safe token."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, str) and _SAFE_TOKEN.match(error) else None
+
+
+class DownstreamClient:
+    """Calls the downstream over HTTP. Safe to share between threads; ``close()`` when done."""
+
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout: float = 1.0,
+        read_timeout: float = 1.0,
+        max_connections: int = 64,
+        *,
+        pool_timeout: float = 30.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(
+                connect=connect_timeout, read=read_timeout, write=read_timeout, pool=pool_timeout
+            ),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            headers={"user-agent": "qo-ops-downstream-client"},
+            trust_env=False,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> DownstreamClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        ok: tuple[int, ...] = (200,),
+        body: Any = None,
+        params: Mapping[str, str | int] | None = None,
+        headers: Mapping[str, str] | None = None,
+        none_on_404: bool = False,
+    ) -> Any:
+        """One request; the decoded JSON answer when its status is in ``ok``, ``None`` on a
+        not-found 404 when ``none_on_404``, else a ``DownstreamError``. ``what`` names the
+        call in messages (a path template: no ids, no payloads)."""
+        content = None
+        send_headers = dict(headers or {})
+        if body is not None:
+            try:
+                content = json.dumps(body, allow_nan=False).encode()
+            except (TypeError, ValueError):
+                raise DownstreamError(
+                    ErrorClass.NON_RETRYABLE, "invalid_payload", f"{what}: body is not valid JSON"
+                ) from None
+            send_headers["content-type"] = "application/json"
+        try:
+            response = self._http.request(
+                method, path, content=content, params=params, headers=send_headers
+            )
+        except httpx.TransportError as exc:
+            raise _transport_error(exc, what) from None
+        if none_on_404 and response.status_code == 404 and _error_token(response) == "not_found":
+            return None
+        if response.status_code not in ok:
+            raise _http_error(response, what)
+        try:
+            return response.json()
+        except ValueError:
+            raise DownstreamError(
+                ErrorClass.UNKNOWN, "bad_response", f"{what}: HTTP {response.status_code}, not JSON"
+            ) from None
+
+    @staticmethod
+    def _order(data: Any, what: str) -> DownstreamOrder:
+        try:
+            return DownstreamOrder(
+                order_number=str(data["order_number"]),
+                tenant_id=str(data["tenant_id"]),
+                status=str(data["status"]),
+                updated_at=str(data["updated_at"]),
+            )
+        except (KeyError, TypeError):
+            raise DownstreamError(
+                ErrorClass.UNKNOWN, "bad_response", f"{what}: unexpected answer"
+            ) from None
+
+    # ------------------------------------------------------------------ fulfilment
+
+    def submit_delivery(
+        self, idempotency_key: str, tenant_id: str, order_number: str, payload: Mapping[str, Any]
+    ) -> DeliveryResult:
+        """Hand an order to fulfilment, at most once per ``idempotency_key``: a repeated key
+        answers the original ``delivery_id`` with ``duplicate=True``."""
+        what = "POST /fulfilment/deliveries"
+        if not idempotency_key or not idempotency_key.isascii():
+            raise DownstreamError(
+                ErrorClass.NON_RETRYABLE, "invalid_payload", f"{what}: bad idempotency key"
+            )
+        data = self._call(
+            "POST",
+            "/fulfilment/deliveries",
+            what,
+            ok=(200, 201),
+            body={"tenant_id": tenant_id, "order_number": order_number, "payload": dict(payload)},
+            headers={"Idempotency-Key": idempotency_key},
+        )
+        try:
+            return DeliveryResult(str(data["delivery_id"]), bool(data["duplicate"]))
+        except (KeyError, TypeError):
+            raise DownstreamError(
+                ErrorClass.UNKNOWN, "bad_response", f"{what}: unexpected answer"
+            ) from None
+
+    def get_order(self, order_number: str) -> DownstreamOrder | None:
+        """The downstream's view of an order, or ``None`` when it does not know it."""
+        what = "GET /fulfilment/orders/{order_number}"
+        data = self._call(
+            "GET", f"/fulfilment/orders/{quote(order_number, safe='')}", what, none_on_404=True
+        )
+        return None if data is None else self._order(data, what)
+
+    def list_orders(
+        self, tenant_id: str, after: str | None = None, limit: int = 500
+    ) -> list[DownstreamOrder]:
+        """One page of a tenant's downstream orders, by order number, after ``after``
+        (the server caps ``limit`` at 5000)."""
+        what = "GET /fulfilment/orders"
+        params: dict[str, str | int] = {"tenant_id": tenant_id, "limit": limit}
+        if after is not None:
+            params["after"] = after
+        data = self._call("GET", "/fulfilment/orders", what, params=params)
+        if not isinstance(data, dict) or not isinstance(data.get("orders"), list):
+            raise DownstreamError(ErrorClass.UNKNOWN, "bad_response", f"{what}: unexpected answer")
+        return [self._order(o, what) for o in data["orders"]]
+
+    def iter_orders(self, tenant_id: str, page_size: int = 500) -> Iterator[DownstreamOrder]:
+        """Every downstream order of a tenant, page by page (keyset on order number)."""
+        after: str | None = None
+        while True:
+            page = self.list_orders(tenant_id, after=after, limit=page_size)
+            yield from page
+            if len(page) < page_size:
+                return
+            after = page[-1].order_number
+
+    # ------------------------------------------------------------------ notifications
+
+    def publish_notification(
+        self, event_id: str, event_type: str, tenant_id: str, payload: Mapping[str, Any]
+    ) -> bool:
+        """Publish an event; ``True`` when the sink had already received this event id."""
+        what = "POST /notifications"
+        data = self._call(
+            "POST",
+            "/notifications",
+            what,
+            ok=(202,),
+            body={
+                "event_id": event_id,
+                "event_type": event_type,
+                "tenant_id": tenant_id,
+                "payload": dict(payload),
+            },
+        )
+        if not isinstance(data, dict) or "duplicate" not in data:
+            raise DownstreamError(ErrorClass.UNKNOWN, "bad_response", f"{what}: unexpected answer")
+        return bool(data["duplicate"])
+
+    # ------------------------------------------------------------------ admin (simulator)
+
+    def stats(self, detail: bool = True) -> dict[str, Any]:
+        """The simulator's counters (``detail=False`` leaves out the per-key maps)."""
+        params = None if detail else {"detail": 0}
+        result: dict[str, Any] = self._call(
+            "GET", "/admin/stats", "GET /admin/stats", params=params
+        )
+        return result
+
+    def set_faults(self, **fields: Any) -> dict[str, Any]:
+        """Change some fault settings at run time; returns all current settings."""
+        result: dict[str, Any] = self._call(
+            "POST", "/admin/faults", "POST /admin/faults", body=fields
+        )
+        return result
+
+    def put_order(self, order_number: str, tenant_id: str, status: str) -> DownstreamOrder:
+        """Plant or change an order in the downstream (for reconciliation tests)."""
+        what = "PUT /admin/orders/{order_number}"
+        data = self._call(
+            "PUT",
+            f"/admin/orders/{quote(order_number, safe='')}",
+            what,
+            body={"tenant_id": tenant_id, "status": status},
+        )
+        return self._order(data, what)
+
+    def delete_order(self, order_number: str) -> bool:
+        """Remove an order from the downstream; ``True`` when it was there."""
+        what = "DELETE /admin/orders/{order_number}"
+        data = self._call("DELETE", f"/admin/orders/{quote(order_number, safe='')}", what)
+        return bool(data.get("deleted")) if isinstance(data, dict) else False
+
+    def reset(self) -> None:
+        """Forget every delivery, order, notification and counter (faults stay as they are)."""
+        self._call("POST", "/admin/reset", "POST /admin/reset")
+
+    def healthy(self) -> bool:
+        """``True`` when the service answers ``/healthz``."""
+        try:
+            self._call("GET", "/healthz", "GET /healthz")
+        except DownstreamError:
+            return False
+        return True
+
+
+def client_from_env(environ: Mapping[str, str] | None = None, **options: Any) -> DownstreamClient:
+    """A client for ``QO_OPS_DOWNSTREAM_URL``; ``options`` go to ``DownstreamClient``."""
+    env = os.environ if environ is None else environ
+    url = (env.get(DOWNSTREAM_URL_ENV) or "").strip()
+    if not url:
+        raise ConfigError(
+            f"{DOWNSTREAM_URL_ENV} is not set: give the downstream's base URL, "
+            "e.g. http://127.0.0.1:8089 (`qo-ops downstream` runs a simulator)"
+        )
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError):
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ConfigError(f"{DOWNSTREAM_URL_ENV} must be an http(s) URL, got {url!r}")
+    return DownstreamClient(url, **options)

@@ -1,0 +1,217 @@
+"""notification_publish: the outbox relay. Due events (delayed ones once their
+``available_at`` passes) are published to the notification sink at least once, with the
+event id as the dedupe key; then marked published, retried with backoff, or dead-lettered.
+
+Same three steps per batch as delivery_retry: claim (hide the event until the claim lapses,
+attempt + 1) and commit, publish with no transaction open, record conditional on the claim.
+A crash between publishing and recording publishes the event again later; the sink dedupes
+on the event id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.db.schema import outbox_event
+from qo_ops.errors import one_line
+from qo_ops.platform.external import call_each
+from qo_ops.platform.retry import CallResult, dispose, policy_from_env
+from qo_ops.platform.spec import (
+    BatchContext,
+    BatchOutcome,
+    CheckSpec,
+    JobDefaults,
+    JobSpec,
+    OutcomeCheck,
+)
+
+MAX_PUBLISH_ATTEMPTS = 8
+LAG_SLO_S = 600  # the oldest due, unpublished event may wait this long
+
+
+def due_events(ctx: BatchContext) -> sa.Select[Any]:
+    """The tenant's unpublished, not dead-lettered events that are due, oldest first."""
+    e = outbox_event
+    return (
+        sa.select(e.c.id)
+        .where(
+            e.c.tenant_id == ctx.scope.tenant_id,
+            e.c.published_at.is_(None),
+            e.c.dead_lettered_at.is_(None),
+            e.c.available_at <= sa.func.now(),
+        )
+        .order_by(e.c.available_at, e.c.id)
+    )
+
+
+# Claim: still due and unpublished, or nothing; hidden until the claim lapses.
+CLAIM_EVENT_BATCH = sa.text(
+    """
+    UPDATE outbox_event
+       SET publish_attempts = publish_attempts + 1,
+           available_at = clock_timestamp() + make_interval(secs => :claim_s)
+     WHERE id = ANY(CAST(:ids AS uuid[])) AND tenant_id = :tenant
+       AND published_at IS NULL AND dead_lettered_at IS NULL AND available_at <= now()
+    RETURNING id, event_type, tenant_id, payload, publish_attempts
+    """
+)
+
+
+def claim_event_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
+    """Claim the selected events for this run's publishing."""
+    claim_s = 2 * ctx.params["limits"]["lease_ttl_s"]
+    rows = conn.execute(
+        CLAIM_EVENT_BATCH,
+        {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s},
+    ).mappings()
+    return BatchOutcome(work=[dict(r) for r in rows])
+
+
+def publish_events(ctx: BatchContext, work: list[Any]) -> list[Any]:
+    """Publish every claimed event to the notification sink (bounded concurrency)."""
+    from qo_ops.downstream.client import DownstreamError, client_from_env
+
+    client = ctx.params.get("downstream_client")
+    if client is None:
+        client = ctx.params["downstream_client"] = client_from_env()
+
+    def publish(event: dict[str, Any]) -> CallResult:
+        base = {
+            "item_id": str(event["id"]),
+            "attempt": event["publish_attempts"],
+            "max_attempts": MAX_PUBLISH_ATTEMPTS,
+        }
+        try:
+            client.publish_notification(
+                str(event["id"]), event["event_type"], event["tenant_id"], event["payload"]
+            )
+        except DownstreamError as exc:
+            return CallResult(
+                **base, ok=False, error_class=exc.error_class, code=exc.code, message=exc.message
+            )
+        return CallResult(**base, ok=True)
+
+    return call_each(work, publish, ctx.params["limits"]["concurrency"])
+
+
+# Record, each only while the event is still under this claim (same attempt number).
+RECORD_PUBLISH_RESULTS = sa.text(
+    """
+    UPDATE outbox_event e
+       SET published_at = CASE WHEN r.state = 'done' THEN clock_timestamp() END,
+           dead_lettered_at = CASE WHEN r.state = 'dead' THEN clock_timestamp() END,
+           available_at = CASE WHEN r.state = 'retry'
+                               THEN clock_timestamp() + make_interval(secs => r.delay_s)
+                               ELSE e.available_at END,
+           last_error_code = r.code
+      FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:states AS text[]),
+                  CAST(:delays AS float8[]), CAST(:codes AS text[]))
+           AS r(id, attempt, state, delay_s, code)
+     WHERE e.id = r.id AND e.published_at IS NULL AND e.dead_lettered_at IS NULL
+       AND e.publish_attempts = r.attempt
+    RETURNING e.id, r.state
+    """
+)
+
+# Notifications waiting for an event that was just published are sent.
+MARK_NOTIFICATIONS_SENT = sa.text(
+    """
+    UPDATE notification SET status = 'SENT', sent_at = clock_timestamp()
+     WHERE outbox_event_id = ANY(CAST(:ids AS uuid[])) AND status = 'PENDING'
+    """
+)
+
+
+def record_publish_results(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
+    """Write published / retry with backoff / dead-lettered for each publish result."""
+    policy = policy_from_env(MAX_PUBLISH_ATTEMPTS)
+    decisions = [(r, dispose(r, policy)) for r in results]
+    rows = conn.execute(
+        RECORD_PUBLISH_RESULTS,
+        {
+            "ids": [r.item_id for r, _ in decisions],
+            "attempts": [r.attempt for r, _ in decisions],
+            "states": [d.state for _, d in decisions],
+            "delays": [d.delay_s for _, d in decisions],
+            "codes": [one_line(r.code, 60) if r.code else None for r, _ in decisions],
+        },
+    ).all()
+    recorded = {str(row.id): row.state for row in rows}
+    published = [i for i, state in recorded.items() if state == "done"]
+    if published:
+        conn.execute(MARK_NOTIFICATIONS_SENT, {"ids": published})
+    states = [recorded.get(r.item_id) for r, _ in decisions]
+    failed = [
+        (r.item_id, r.code or "unknown")
+        for r, _ in decisions
+        if recorded.get(r.item_id) in ("retry", "dead")
+    ]
+    return BatchOutcome(
+        succeeded=states.count("done"),
+        failed=len(failed),
+        skipped=states.count(None),
+        retry_scheduled=states.count("retry"),
+        deadlettered=states.count("dead"),
+        failed_items=failed,
+    )
+
+
+def oldest_unpublished_seconds(conn: Connection, ctx: BatchContext) -> float | None:
+    """Seconds the oldest due, unpublished event of the tenant has been waiting."""
+    value = conn.execute(
+        sa.text(
+            "SELECT extract(epoch FROM now() - min(available_at)) FROM outbox_event "
+            "WHERE tenant_id = :tenant AND published_at IS NULL AND dead_lettered_at IS NULL "
+            "AND available_at <= now()"
+        ),
+        {"tenant": ctx.scope.tenant_id},
+    ).scalar()
+    return float(value) if value is not None else None
+
+
+def check_outbox(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
+    """The oldest due, unpublished event is within the SLO."""
+    age = oldest_unpublished_seconds(conn, ctx)
+    dead = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM outbox_event WHERE tenant_id = :t AND dead_lettered_at IS NOT NULL"
+        ),
+        {"t": ctx.scope.tenant_id},
+    ).scalar()
+    return [
+        OutcomeCheck(
+            "oldest_unpublished_within_slo",
+            age is None or age <= LAG_SLO_S,
+            f"the oldest due, unpublished event waited at most {LAG_SLO_S // 60} minutes",
+            {"oldest_unpublished_seconds": round(age or 0.0, 1), "dead_lettered_events": dead},
+        )
+    ]
+
+
+SPEC = JobSpec(
+    name="notification_publish",
+    kind="relay",
+    description="Publish due outbox events (delayed ones included) to the notification sink, deduped by event id",
+    partitioning="tenant",
+    eligible=due_events,
+    transition=claim_event_batch,
+    external=publish_events,
+    record=record_publish_results,
+    check=check_outbox,
+    lag=oldest_unpublished_seconds,
+    outcome_asset="outbox",
+    checks=(
+        CheckSpec(
+            "oldest_unpublished_within_slo",
+            "Oldest due, unpublished event within the SLO",
+            blocking=False,
+        ),
+    ),
+    cron_schedule="* * * * *",
+    backlog_threshold=1000,
+    defaults=JobDefaults(batch_size=200, concurrency=32),
+)
