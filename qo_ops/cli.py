@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import uuid
+import warnings
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,7 +27,7 @@ from qo_ops.db import migrate
 from qo_ops.db.engine import DatabaseTarget, ensure_database, get_engine, resolve_target
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 from qo_ops.errors import EXIT_BAD_INPUT, BadInput, QoOpsError, one_line
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.spec import JobSpec, RunOptions, Scope
 
 EXIT_FAILED = 1
 EXIT_INTERNAL = 70
@@ -592,14 +593,37 @@ def dev_command(
     target = resolve_target()
     engine = get_engine(target)
     migrate.require_current(engine)
+    from qo_ops.downstream.local import downstream_for_demo
+
     home = prepare_dagster_home(target)
-    typer.echo(f"Dagster UI on http://127.0.0.1:{port} (DAGSTER_HOME={home}); Ctrl-C stops it")
     dagster = str(Path(sys.executable).with_name("dagster"))
-    raise typer.Exit(
-        subprocess.call(
+    with downstream_for_demo(engine) as downstream_url:
+        typer.echo(
+            f"Dagster UI on http://127.0.0.1:{port} (DAGSTER_HOME={home}); "
+            f"downstream simulator on {downstream_url}; Ctrl-C stops both"
+        )
+        code = subprocess.call(
             [dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)], cwd=REPO
         )
-    )
+    raise typer.Exit(code)
+
+
+def _latest_day_with_work(
+    engine: sa.Engine, spec: JobSpec, tenant: str, last: date, days: int = 30
+) -> date:
+    """The most recent day (back from ``last``) on which ``spec`` has something to do."""
+    from qo_ops.platform.runner import count_eligible
+    from qo_ops.platform.spec import BatchContext
+
+    with engine.connect() as conn:
+        for back in range(days):
+            day = last - timedelta(days=back)
+            ctx = BatchContext(
+                spec.name, Scope(tenant, day, day + timedelta(days=1)), "dry_run", uuid.uuid4()
+            )
+            if count_eligible(conn, spec, ctx):
+                return day
+    return last
 
 
 @app.command("demo-dagster")
@@ -621,16 +645,24 @@ def demo_dagster_command(
     engine = get_engine(target)
     migrate.require_current(engine)
     prepare_dagster_home(target)
+    from qo_ops.downstream.local import downstream_for_demo
+
     defs = build_definitions()
     yesterday = date_cls.today() - timedelta(days=1)
     failures = 0
-    with dg.DagsterInstance.get() as instance:
+    with downstream_for_demo(engine) as downstream_url, dg.DagsterInstance.get() as instance:
+        typer.echo(f"downstream simulator: {downstream_url}")
         if tenant not in instance.get_dynamic_partitions("tenants"):
             instance.add_dynamic_partitions("tenants", [tenant])
         for spec in CATALOG.values():
             job = defs.resolve_job_def(spec.name)
+            day = (
+                _latest_day_with_work(engine, spec, tenant, yesterday)
+                if spec.partitioning == "tenant_day"
+                else None
+            )
             result = job.execute_in_process(
-                partition_key=partition_key_for(spec, tenant, yesterday),
+                partition_key=partition_key_for(spec, tenant, day),
                 instance=instance,
                 run_config={
                     "ops": {
@@ -664,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI and turn every failure into one line on stderr and an exit code."""
     command = typer.main.get_command(app)
     debug = os.environ.get("QO_OPS_DEBUG") == "1"
+    warnings.filterwarnings("ignore", message=".*is currently in beta")  # Dagster's own API notes
     try:
         result = command.main(args=argv, prog_name="qo-ops", standalone_mode=False)
         code = result if isinstance(result, int) else 0

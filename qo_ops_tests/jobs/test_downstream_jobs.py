@@ -407,3 +407,27 @@ def test_reconciliation_with_the_downstream_down_loses_nothing(db, downstream, m
     downstream.client.set_faults(error_rate=0.0)
     back = execute(order_reconciliation.SPEC, db, scope)
     assert back.tally.get("missing_downstream") == 1 and back.failed_count == 0
+
+
+def test_poison_events_are_dead_lettered_not_published(
+    db, downstream_factory, monkeypatch, fast_retries
+):
+    load_demo_data(db.engine, tenants=1, quotes=600, seed=3, as_of=datetime.now(UTC))
+    due = scalar(
+        db.engine,
+        "SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND available_at <= now()",
+    )
+    server = downstream_factory(poison_rate=1.0)
+    monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", server.url)
+    run = execute(notification_publish.SPEC, db)
+    assert (run.status, run.deadlettered_count, run.failed_count) == ("failed", due, due)
+    rows = q(
+        db.engine,
+        "SELECT last_error_code, publish_attempts FROM outbox_event WHERE dead_lettered_at IS NOT NULL",
+    ).all()
+    assert len(rows) == due and {(r.last_error_code, r.publish_attempts) for r in rows} == {
+        ("poison", 1)
+    }
+    assert server.client.stats()["notifications_distinct"] == 0
+    again = execute(notification_publish.SPEC, db)
+    assert again.status == "no_work"  # dead letters are not retried
