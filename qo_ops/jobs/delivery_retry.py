@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import delivery_attempt_item
+from qo_ops.downstream.calls import call_for_each, outcome_of
 from qo_ops.errors import one_line
-from qo_ops.platform.external import call_each
-from qo_ops.platform.retry import CallResult, dispose, policy_from_env
+from qo_ops.platform.retry import dispose, policy_from_env
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -82,29 +82,15 @@ def claim_delivery_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]
 
 def send_deliveries(ctx: BatchContext, work: list[Any]) -> list[Any]:
     """Submit every claimed item to the fulfilment system (bounded concurrency)."""
-    from qo_ops.downstream.client import DownstreamError, client_from_env
-
-    client = ctx.params.get("downstream_client")
-    if client is None:
-        client = ctx.params["downstream_client"] = client_from_env()
-
-    def send(item: dict[str, Any]) -> CallResult:
-        base = {
-            "item_id": str(item["id"]),
-            "attempt": item["attempt_count"],
-            "max_attempts": item["max_attempts"],
-        }
-        try:
-            client.submit_delivery(
-                item["business_key"], item["tenant_id"], item["order_number"], item["payload"]
-            )
-        except DownstreamError as exc:
-            return CallResult(
-                **base, ok=False, error_class=exc.error_class, code=exc.code, message=exc.message
-            )
-        return CallResult(**base, ok=True)
-
-    return call_each(work, send, ctx.params["limits"]["concurrency"])
+    return call_for_each(
+        ctx,
+        work,
+        lambda client, item: client.submit_delivery(
+            item["business_key"], item["tenant_id"], item["order_number"], item["payload"]
+        ),
+        attempt_field="attempt_count",
+        max_attempts=lambda item: item["max_attempts"],
+    )
 
 
 # Record results, each only if the item is still under this claim (same attempt number).
@@ -124,6 +110,7 @@ RECORD_DELIVERY_RESULTS = sa.text(
 )
 
 _STATE = {"done": "DELIVERED", "retry": "READY", "dead": "DEAD_LETTER"}
+_DISPOSITION = {status: state for state, status in _STATE.items()}
 
 
 def record_delivery_results(
@@ -143,21 +130,7 @@ def record_delivery_results(
             "messages": [one_line(r.message, 300) if r.message else None for r, _ in decisions],
         },
     ).all()
-    recorded = {str(row.id): row.status for row in rows}
-    by_state = [recorded.get(r.item_id) for r, _ in decisions]
-    failed = [
-        (r.item_id, r.code or "unknown")
-        for r, _ in decisions
-        if recorded.get(r.item_id) in ("READY", "DEAD_LETTER")
-    ]
-    return BatchOutcome(
-        succeeded=by_state.count("DELIVERED"),
-        failed=len(failed),
-        skipped=by_state.count(None),  # the claim was lost (lapsed and taken): not ours to record
-        retry_scheduled=by_state.count("READY"),
-        deadlettered=by_state.count("DEAD_LETTER"),
-        failed_items=failed,
-    )
+    return outcome_of(decisions, {str(row.id): _DISPOSITION[row.status] for row in rows})
 
 
 def check_deliveries(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:

@@ -17,9 +17,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import outbox_event
+from qo_ops.downstream.calls import call_for_each, outcome_of
 from qo_ops.errors import one_line
-from qo_ops.platform.external import call_each
-from qo_ops.platform.retry import CallResult, dispose, policy_from_env
+from qo_ops.platform.retry import dispose, policy_from_env
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -73,29 +73,15 @@ def claim_event_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -
 
 def publish_events(ctx: BatchContext, work: list[Any]) -> list[Any]:
     """Publish every claimed event to the notification sink (bounded concurrency)."""
-    from qo_ops.downstream.client import DownstreamError, client_from_env
-
-    client = ctx.params.get("downstream_client")
-    if client is None:
-        client = ctx.params["downstream_client"] = client_from_env()
-
-    def publish(event: dict[str, Any]) -> CallResult:
-        base = {
-            "item_id": str(event["id"]),
-            "attempt": event["publish_attempts"],
-            "max_attempts": MAX_PUBLISH_ATTEMPTS,
-        }
-        try:
-            client.publish_notification(
-                str(event["id"]), event["event_type"], event["tenant_id"], event["payload"]
-            )
-        except DownstreamError as exc:
-            return CallResult(
-                **base, ok=False, error_class=exc.error_class, code=exc.code, message=exc.message
-            )
-        return CallResult(**base, ok=True)
-
-    return call_each(work, publish, ctx.params["limits"]["concurrency"])
+    return call_for_each(
+        ctx,
+        work,
+        lambda client, event: client.publish_notification(
+            str(event["id"]), event["event_type"], event["tenant_id"], event["payload"]
+        ),
+        attempt_field="publish_attempts",
+        max_attempts=lambda _event: MAX_PUBLISH_ATTEMPTS,
+    )
 
 
 # Record, each only while the event is still under this claim (same attempt number).
@@ -144,20 +130,7 @@ def record_publish_results(conn: Connection, ctx: BatchContext, results: list[An
     published = [i for i, state in recorded.items() if state == "done"]
     if published:
         conn.execute(MARK_NOTIFICATIONS_SENT, {"ids": published})
-    states = [recorded.get(r.item_id) for r, _ in decisions]
-    failed = [
-        (r.item_id, r.code or "unknown")
-        for r, _ in decisions
-        if recorded.get(r.item_id) in ("retry", "dead")
-    ]
-    return BatchOutcome(
-        succeeded=states.count("done"),
-        failed=len(failed),
-        skipped=states.count(None),
-        retry_scheduled=states.count("retry"),
-        deadlettered=states.count("dead"),
-        failed_items=failed,
-    )
+    return outcome_of(decisions, recorded)
 
 
 def oldest_unpublished_seconds(conn: Connection, ctx: BatchContext) -> float | None:

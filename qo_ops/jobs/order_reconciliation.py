@@ -24,6 +24,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import customer_order
+from qo_ops.downstream.calls import downstream_client
+from qo_ops.downstream.client import DownstreamError
 from qo_ops.errors import one_line
 from qo_ops.platform.external import call_each
 from qo_ops.platform.spec import (
@@ -78,11 +80,7 @@ def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Batc
 
 def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
     """Each order's downstream view; in the run's first batch also the unknown orders."""
-    from qo_ops.downstream.client import DownstreamError, client_from_env
-
-    client = ctx.params.get("downstream_client")
-    if client is None:
-        client = ctx.params["downstream_client"] = client_from_env()
+    client = downstream_client(ctx)
 
     def look(order: dict[str, Any]) -> dict[str, Any]:
         try:
