@@ -110,8 +110,7 @@ def load(url: URL, n: int) -> float:
             while (
                 time.monotonic() < until
                 and conn.exec_driver_sql(
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE backend_type = 'autovacuum worker'"
+                    "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
                 ).scalar()
             ):
                 time.sleep(0.5)
@@ -438,9 +437,7 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
     batches = [m for m in marks if "calls_start" in m]
     seconds = summary.duration_ms / 1000
     calls_s = sum(m["calls_end"] - m["calls_start"] for m in batches)
-    gaps = [
-        b["calls_start"] - a["calls_end"] for a, b in zip(batches, batches[1:], strict=False)
-    ]
+    gaps = [b["calls_start"] - a["calls_end"] for a, b in zip(batches, batches[1:], strict=False)]
     before_first = batches[0]["calls_start"] - batches[0]["select"]
     ideal_calls = [
         -(-int(m["items"]) // concurrency) * LATENCY_MS / 1000 for m in batches
@@ -463,9 +460,8 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
         },
         "claim_stmt_ms_p50": 1000 * statistics.median(m["claim_stmt"] for m in batches),
         "record_stmt_ms_p50": 1000 * statistics.median(m["record_stmt"] for m in batches),
-        "call_phase_ms_p50": 1000 * statistics.median(
-            m["calls_end"] - m["calls_start"] for m in batches
-        ),
+        "call_phase_ms_p50": 1000
+        * statistics.median(m["calls_end"] - m["calls_start"] for m in batches),
         "start_to_first_call_s": before_first,
         "outside_batches_s": seconds - (batches[-1]["calls_end"] - batches[0]["select"]),
         "call_ms": {

@@ -253,6 +253,8 @@ def test_notifications_under_faults_arrive_once_and_never_early(
     assert due and delayed
     server = downstream_factory(error_rate=0.2, timeout_rate=0.05, seed=5, timeout_s=1.5)
     monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", server.url)
+    # a bigger attempt budget: 8 straight failures at 25% would dead-letter ~1 event in 60,000
+    monkeypatch.setattr(notification_publish, "MAX_PUBLISH_ATTEMPTS", 30)
 
     def none_due() -> bool:
         return (
