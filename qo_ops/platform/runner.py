@@ -614,6 +614,9 @@ def _still_held(engine: Engine, lease: Lease) -> bool:
 
 
 def _error_class(exc: BaseException) -> str:
+    code = getattr(exc, "error_code", None)  # a job's own stop, e.g. anomaly_threshold
+    if isinstance(code, str) and code:
+        return code
     if isinstance(exc, DBAPIError):
         return "database_error"
     return "internal_error"
