@@ -39,6 +39,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.bench_demo_data
 	$(BIN)/python -m bench.bench_quote_expiration
+	$(BIN)/python -m bench.bench_delivery_retry
 
 ## lint: ruff and mypy on the package
 lint: $(STAMP)

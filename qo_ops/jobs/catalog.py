@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from qo_ops.errors import BadInput
 from qo_ops.jobs import (
+    abandoned_checkout_close,
+    catalog_cache_refresh,
     delivery_retry,
     notification_publish,
     order_reconciliation,
@@ -21,6 +23,8 @@ CATALOG: dict[str, JobSpec] = {
         notification_publish.SPEC,
         order_reconciliation.SPEC,
         read_model_repair.SPEC,
+        catalog_cache_refresh.SPEC,
+        abandoned_checkout_close.SPEC,
     )
 }
 

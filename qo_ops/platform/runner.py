@@ -138,6 +138,8 @@ def _resolve(spec: JobSpec, options: RunOptions) -> dict[str, Any]:
 def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
     """Reject a run that cannot be right, before anything is written."""
     options.validated()
+    if spec.validate_settings is not None:
+        spec.validate_settings()
     windowed = spec.partitioning == "tenant_day"
     if windowed and scope.window_start is None:
         raise BadInput(f"{spec.name} is windowed: give --date or --from/--to")

@@ -217,3 +217,5 @@ class JobSpec:
     # A cursor job that re-checks its whole scope on every run (reconciliation) forgets its
     # checkpoint once a run has gone through the scope; a backfill keeps it (done is done).
     rescan_when_complete: bool = False
+    # Checks the job's own settings (environment) before anything is written; raises QoOpsError.
+    validate_settings: Callable[[], object] | None = None

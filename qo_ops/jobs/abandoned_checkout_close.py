@@ -1,0 +1,235 @@
+"""abandoned_checkout_close: OPEN checkout sessions idle past a timeout become ABANDONED,
+each with exactly one CheckoutAbandoned outbox event, in the same transaction.
+
+The idle timeout is 24 hours unless ``QO_OPS_CHECKOUT_IDLE_HOURS`` says otherwise (a whole
+number of hours, 1 to 8760); it is read when a run first selects and kept for that run.
+
+No checkpoint: the selection is by state (OPEN and idle past the timeout), and closing a
+session takes it out of it, so a rerun simply finds what is left.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.db.schema import checkout_session
+from qo_ops.errors import ConfigError
+from qo_ops.platform.spec import (
+    BatchContext,
+    BatchOutcome,
+    CheckSpec,
+    JobDefaults,
+    JobSpec,
+    OutcomeCheck,
+)
+
+IDLE_HOURS_ENV = "QO_OPS_CHECKOUT_IDLE_HOURS"
+DEFAULT_IDLE_HOURS = 24
+MIN_IDLE_HOURS = 1  # the job never closes a session idle for less than this
+MAX_IDLE_HOURS = 24 * 365
+GRACE = "interval '5 minutes'"  # the outcome check forgives sessions that went idle this recently
+
+OPEN: sa.ColumnElement[str] = sa.literal_column(
+    "'OPEN'"
+)  # a literal, so every plan can use the partial index
+
+
+def idle_timeout_hours(environ: dict[str, str] | None = None) -> int:
+    """The idle timeout in hours from ``QO_OPS_CHECKOUT_IDLE_HOURS`` (default 24)."""
+    raw = (os.environ if environ is None else environ).get(IDLE_HOURS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_IDLE_HOURS
+    try:
+        hours = int(raw)
+    except ValueError:
+        hours = 0
+    if not MIN_IDLE_HOURS <= hours <= MAX_IDLE_HOURS:
+        raise ConfigError(
+            f"{IDLE_HOURS_ENV} must be a whole number of hours between {MIN_IDLE_HOURS} "
+            f"and {MAX_IDLE_HOURS}, got {raw!r}"
+        )
+    return hours
+
+
+def _run_idle_hours(ctx: BatchContext) -> int:
+    """The run's timeout: read at its first use, then fixed, so selection, transition and
+    check of one run agree even if the environment changes meanwhile."""
+    if "checkout_idle_hours" not in ctx.params:
+        ctx.params["checkout_idle_hours"] = idle_timeout_hours()
+    return int(ctx.params["checkout_idle_hours"])
+
+
+def idle_checkouts(ctx: BatchContext) -> sa.Select[Any]:
+    """OPEN sessions of the tenant idle past the timeout, longest idle first
+    (ix_checkout_session_open_idle).
+
+    Within a run, each batch starts after the last one (``position``), so it does not walk
+    the index entries earlier batches left dead; the runner ends with one pass from the start.
+    """
+    hours = _run_idle_hours(ctx)
+    query = (
+        sa.select(checkout_session.c.id)
+        .where(
+            checkout_session.c.tenant_id == ctx.scope.tenant_id,
+            checkout_session.c.status == OPEN,
+            sa.text(
+                "checkout_session.last_activity_at "
+                "< now() - make_interval(hours => CAST(:idle_hours AS integer))"
+            ).bindparams(idle_hours=hours),
+        )
+        .order_by(checkout_session.c.last_activity_at, checkout_session.c.id)
+    )
+    position = ctx.params.get("position")
+    if position:
+        query = query.where(
+            sa.tuple_(checkout_session.c.last_activity_at, checkout_session.c.id)
+            > sa.tuple_(sa.literal(position["last_activity_at"]), sa.literal(position["id"]))
+        )
+    return query
+
+
+# Conditional OPEN -> ABANDONED (a session already closed, or active again, is not touched)
+# and its event under a unique business key (a second one is never inserted): safe twice.
+CLOSE_CHECKOUT_BATCH = sa.text(
+    """
+    WITH closed AS (
+        UPDATE checkout_session
+           SET status = 'ABANDONED', closed_at = clock_timestamp(), version = version + 1
+         WHERE id = ANY(CAST(:ids AS bigint[]))
+           AND tenant_id = :tenant AND status = 'OPEN'
+           AND last_activity_at < now() - make_interval(hours => CAST(:hours AS integer))
+        RETURNING id, tenant_id, quote_id, last_activity_at, closed_at, version
+    ), events AS (
+        INSERT INTO outbox_event (id, business_key, tenant_id, aggregate_type, aggregate_id,
+                                  event_type, payload, created_at, available_at)
+        SELECT gen_random_uuid(), format('checkout:%s:abandoned', id), tenant_id, 'checkout',
+               id::text, 'CheckoutAbandoned',
+               jsonb_build_object('checkout_id', id, 'quote_id', quote_id,
+                                  'last_activity_at', last_activity_at,
+                                  'abandoned_at', closed_at, 'version', version),
+               clock_timestamp(), clock_timestamp()
+          FROM closed
+        ON CONFLICT (business_key) DO NOTHING
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM closed) AS closed, (SELECT count(*) FROM events) AS events,
+           (SELECT last_activity_at FROM checkout_session WHERE id = :last_id) AS last_activity_at
+    """
+)
+
+
+def close_checkout_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
+    """Abandon the selected sessions and append their CheckoutAbandoned events."""
+    row = conn.execute(
+        CLOSE_CHECKOUT_BATCH,
+        {
+            "ids": list(ids),
+            "tenant": ctx.scope.tenant_id,
+            "hours": _run_idle_hours(ctx),
+            "last_id": ids[-1],
+        },
+    ).one()
+    return BatchOutcome(
+        succeeded=row.closed,
+        skipped=len(ids) - row.closed,  # changed by someone else since selection
+        events_written=row.events,
+        duplicates_prevented=row.closed - row.events,
+        position={"last_activity_at": row.last_activity_at, "id": ids[-1]},
+    )
+
+
+# Sessions this job closed: those with an event, or closed >= MIN_IDLE_HOURS after their last
+# activity (the job closes only sessions idle that long; the app closes a session as the user
+# acts, so its closed_at follows the last activity by minutes and it has no event).
+# Events are counted once per session in one grouped pass, not by a subquery per session.
+EVENT_CHECK = sa.text(
+    f"""
+    SELECT count(*) FILTER (WHERE e.n IS NULL) AS missing,
+           count(*) FILTER (WHERE e.n > 1) AS duplicated
+      FROM checkout_session s
+      LEFT JOIN (SELECT aggregate_id, count(*) AS n FROM outbox_event
+                  WHERE tenant_id = :tenant AND aggregate_type = 'checkout'
+                    AND event_type = 'CheckoutAbandoned'
+                  GROUP BY aggregate_id) e ON e.aggregate_id = s.id::text
+     WHERE s.tenant_id = :tenant AND s.status = 'ABANDONED'
+       AND (e.n IS NOT NULL
+            OR s.closed_at >= s.last_activity_at + interval '{MIN_IDLE_HOURS} hours')
+    """
+)
+
+
+def check_abandoned_checkouts(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
+    """No OPEN session idle past the timeout (beyond grace); one event per session the job
+    closed."""
+    hours = _run_idle_hours(ctx)
+    params = {"tenant": ctx.scope.tenant_id, "hours": hours}
+    idle = conn.execute(
+        sa.text(
+            f"SELECT count(*) FROM checkout_session WHERE tenant_id = :tenant AND status = 'OPEN' "
+            f"AND last_activity_at < now() - make_interval(hours => CAST(:hours AS integer)) "
+            f"- {GRACE}"
+        ),
+        params,
+    ).scalar()
+    events = conn.execute(EVENT_CHECK, params).one()
+    return [
+        OutcomeCheck(
+            "no_idle_open_checkouts",
+            idle == 0,
+            "no OPEN checkout session is idle past the timeout (beyond the grace period)",
+            {"idle_open_checkouts": idle, "idle_timeout_hours": hours},
+        ),
+        OutcomeCheck(
+            "one_event_per_abandoned_checkout",
+            events.missing == 0 and events.duplicated == 0,
+            "every checkout session the job abandoned has exactly one CheckoutAbandoned event",
+            {"missing_events": events.missing, "duplicated_events": events.duplicated},
+        ),
+    ]
+
+
+def oldest_idle_seconds(conn: Connection, ctx: BatchContext) -> float | None:
+    """Seconds since the longest-idle OPEN session of the tenant passed the timeout."""
+    value = conn.execute(
+        sa.text(
+            "SELECT extract(epoch FROM now() - make_interval(hours => CAST(:hours AS integer)) "
+            "- min(last_activity_at)) FROM checkout_session "
+            "WHERE tenant_id = :tenant AND status = 'OPEN' "
+            "AND last_activity_at < now() - make_interval(hours => CAST(:hours AS integer))"
+        ),
+        {"tenant": ctx.scope.tenant_id, "hours": _run_idle_hours(ctx)},
+    ).scalar()
+    return float(value) if value is not None else None
+
+
+SPEC = JobSpec(
+    validate_settings=idle_timeout_hours,
+    name="abandoned_checkout_close",
+    kind="sweep",
+    description="Abandon OPEN checkout sessions idle past the timeout and emit one "
+    "CheckoutAbandoned event each",
+    partitioning="tenant",
+    eligible=idle_checkouts,
+    transition=close_checkout_batch,
+    check=check_abandoned_checkouts,
+    lag=oldest_idle_seconds,
+    outcome_asset="checkout_sessions",
+    checks=(
+        CheckSpec(
+            "no_idle_open_checkouts",
+            "No OPEN checkout session is idle past the timeout beyond the grace period",
+        ),
+        CheckSpec(
+            "one_event_per_abandoned_checkout",
+            "Every checkout session the job abandoned has exactly one CheckoutAbandoned event",
+        ),
+    ),
+    cron_schedule="*/30 * * * *",
+    backlog_threshold=1000,
+    defaults=JobDefaults(batch_size=1000),
+)

@@ -1,0 +1,210 @@
+"""pricing_snapshot_recalculation (tenant × day, backfill): every quote created in the window
+gets a pricing snapshot for the tenant's CURRENT price book, recomputed from its lines
+(``sum(quantity * unit_price) * price_factor``, ``line_count``), upserted by
+``(quote_id, price_book_version)``.
+
+A backfill walks a key range: the selection is every quote of the window after the
+checkpoint cursor, in ``(created_at, id)`` order (index ``ix_quote_tenant_created``), whether
+or not its snapshot is right. Quotes do not leave the selection when processed, so the cursor
+(saved in each batch's own transaction) is what makes a rerun resume where the last commit
+left off; once a run has gone through the window the checkpoint stays (done is done), and a
+later run of that window is ``no_work``. The upsert only writes a row whose values differ, so
+redoing a batch is harmless: changed rows count as succeeded, already-right ones as skipped.
+
+No row locks on the selection (``compete_with_skip_locked=False``): one run per scope holds
+the lease, and ``SKIP LOCKED`` would let a quote locked by some business transaction fall
+behind the cursor and never be recalculated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.db.schema import quote
+from qo_ops.platform.spec import (
+    BatchContext,
+    BatchOutcome,
+    CheckSpec,
+    JobDefaults,
+    JobSpec,
+    OutcomeCheck,
+)
+
+CHECK_NAME = "current_snapshot_for_every_quote"
+
+
+class NoCurrentPriceBook(RuntimeError):
+    """The tenant has no current price book: there is nothing to recompute against."""
+
+
+def quotes_after_cursor(ctx: BatchContext) -> sa.Select[Any]:
+    """Quotes of the tenant created in the window, after the checkpoint, by (created_at, id)."""
+    start, end = ctx.scope.window_bounds()
+    query = (
+        sa.select(quote.c.id)
+        .where(
+            quote.c.tenant_id == ctx.scope.tenant_id,
+            quote.c.created_at >= start,
+            quote.c.created_at < end,
+        )
+        .order_by(quote.c.created_at, quote.c.id)
+    )
+    cursor = ctx.params.get("cursor")
+    if cursor:
+        after = sa.tuple_(
+            sa.bindparam(
+                "cursor_created_at", parse_cursor_time(cursor), sa.DateTime(timezone=True)
+            ),
+            sa.bindparam("cursor_id", int(cursor["id"]), sa.BigInteger),
+        )
+        query = query.where(sa.tuple_(quote.c.created_at, quote.c.id) > after)
+    return query
+
+
+def parse_cursor_time(cursor: dict[str, Any]) -> datetime:
+    """The cursor's ``created_at`` (an ISO string with its UTC offset) as a datetime."""
+    value = datetime.fromisoformat(str(cursor["created_at"]))
+    if value.tzinfo is None:
+        raise ValueError("checkpoint cursor created_at has no UTC offset")
+    return value
+
+
+# One set-based statement per batch: recompute the batch's snapshots for the current price
+# book, upsert only what differs, and report how many rows changed, whether the tenant has a
+# current price book, and the created_at of the last selected quote (the new cursor).
+RECALCULATE_BATCH = sa.text(
+    """
+    WITH pb AS (
+        SELECT version, price_factor FROM price_book WHERE tenant_id = :tenant AND is_current
+    ), computed AS (
+        SELECT q.id AS quote_id, q.tenant_id, pb.version,
+               round(coalesce(sum(l.quantity * l.unit_price), 0) * pb.price_factor, 2) AS total_amount,
+               count(l.id)::int AS line_count
+          FROM quote q
+          CROSS JOIN pb
+          LEFT JOIN quote_line l ON l.quote_id = q.id
+         WHERE q.id = ANY(CAST(:ids AS bigint[])) AND q.tenant_id = :tenant
+         GROUP BY q.id, q.tenant_id, pb.version, pb.price_factor
+    ), upserted AS (
+        INSERT INTO pricing_snapshot AS s (tenant_id, quote_id, price_book_version, total_amount,
+                                           line_count, computed_at, job_run_id)
+        SELECT tenant_id, quote_id, version, total_amount, line_count, clock_timestamp(), :run
+          FROM computed
+         ORDER BY quote_id
+        ON CONFLICT (quote_id, price_book_version) DO UPDATE
+           SET total_amount = EXCLUDED.total_amount, line_count = EXCLUDED.line_count,
+               computed_at = EXCLUDED.computed_at, job_run_id = EXCLUDED.job_run_id
+         WHERE (s.total_amount, s.line_count)
+               IS DISTINCT FROM (EXCLUDED.total_amount, EXCLUDED.line_count)
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM upserted) AS changed,
+           EXISTS (SELECT 1 FROM pb) AS has_price_book,
+           (SELECT created_at FROM quote WHERE id = :last AND tenant_id = :tenant) AS last_created_at
+    """
+)
+
+
+def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
+    """Upsert the selected quotes' snapshots for the current price book."""
+    row = conn.execute(
+        RECALCULATE_BATCH,
+        {
+            "ids": [int(i) for i in ids],
+            "tenant": ctx.scope.tenant_id,
+            "run": ctx.job_run_id,
+            "last": int(ids[-1]),
+        },
+    ).one()
+    if not row.has_price_book:
+        # raising rolls the batch back and fails the run; the checkpoint stays where it was
+        raise NoCurrentPriceBook(f"tenant {ctx.scope.tenant_id} has no current price book")
+    if row.last_created_at is None:  # the selection just returned it; cannot happen
+        raise RuntimeError("the last selected quote vanished before its cursor was taken")
+    changed = int(row.changed)
+    return BatchOutcome(
+        succeeded=changed,
+        skipped=len(ids) - changed,
+        cursor={"created_at": row.last_created_at.isoformat(), "id": int(ids[-1])},
+    )
+
+
+# One grouped pass over the window's quotes and their lines, joined to their snapshot at the
+# current price-book version.
+VERIFY_WINDOW = sa.text(
+    """
+    WITH pb AS (
+        SELECT version, price_factor FROM price_book WHERE tenant_id = :tenant AND is_current
+    ), expected AS (
+        SELECT q.id,
+               round(coalesce(sum(l.quantity * l.unit_price), 0) * max(pb.price_factor), 2) AS total_amount,
+               count(l.id)::int AS line_count
+          FROM quote q
+          LEFT JOIN quote_line l ON l.quote_id = q.id
+          LEFT JOIN pb ON true
+         WHERE q.tenant_id = :tenant AND q.created_at >= :start AND q.created_at < :end
+         GROUP BY q.id
+    )
+    SELECT (SELECT version FROM pb) AS current_version,
+           count(*) AS quotes,
+           count(*) FILTER (WHERE s.quote_id IS NULL) AS missing,
+           count(*) FILTER (WHERE s.quote_id IS NOT NULL
+                              AND (s.total_amount, s.line_count)
+                                  IS DISTINCT FROM (e.total_amount, e.line_count)) AS mismatched
+      FROM expected e
+      LEFT JOIN pricing_snapshot s
+        ON s.quote_id = e.id AND s.price_book_version = (SELECT version FROM pb)
+    """
+)
+
+
+def check_snapshots(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
+    """Every quote of the window has a snapshot at the current version with the right total."""
+    start, end = ctx.scope.window_bounds()
+    row = conn.execute(
+        VERIFY_WINDOW, {"tenant": ctx.scope.tenant_id, "start": start, "end": end}
+    ).one()
+    has_price_book = row.current_version is not None
+    passed = row.quotes == 0 or (has_price_book and row.missing == 0 and row.mismatched == 0)
+    return [
+        OutcomeCheck(
+            CHECK_NAME,
+            passed,
+            "every quote of the window has a snapshot for the current price book whose total "
+            "and line count equal the recomputed ones",
+            {
+                "quotes": int(row.quotes),
+                "missing_snapshots": int(row.missing),
+                "mismatched_snapshots": int(row.mismatched),
+                "current_price_book_version": row.current_version,
+            },
+        )
+    ]
+
+
+SPEC = JobSpec(
+    name="pricing_snapshot_recalculation",
+    kind="backfill",
+    description="Recompute each quote's pricing snapshot for the current price book, per tenant and day",
+    partitioning="tenant_day",
+    eligible=quotes_after_cursor,
+    transition=recalculate_batch,
+    check=check_snapshots,
+    outcome_asset="pricing_snapshots",
+    checks=(
+        CheckSpec(
+            CHECK_NAME,
+            "Every quote of the window has a snapshot for the current price book; totals match",
+        ),
+    ),
+    cron_schedule="45 1 * * *",  # daily, UTC
+    defaults=JobDefaults(batch_size=500, throttle_ms=0),
+    uses_checkpoint=True,
+    rescan_when_complete=False,  # a backfill: a window gone through stays done
+    compete_with_skip_locked=False,  # one run per scope holds the lease; see the docstring
+)
