@@ -502,6 +502,36 @@ reconciliation_result = sa.Table(
     sa.Index("ix_reconciliation_result_order", "tenant_id", "order_number", "created_at"),
 )
 
+# temp_file_cleanup (migration 0003). One tombstone per temp file the job removes: written
+# with the object's checksum BEFORE anything is removed (deleted_at NULL: removal decided),
+# completed (deleted_at set) in the transaction that deletes the row and its stored object.
+# Triggers (in the migration, not declared here):
+#   temp_file_legal_hold_guard   BEFORE DELETE ON temp_file: refuses to delete a row on legal hold
+#   temp_file_tombstone_immutable BEFORE UPDATE OR DELETE ON temp_file_tombstone: a completed
+#                                 tombstone (deleted_at set) is never changed or removed
+temp_file_tombstone = sa.Table(
+    "temp_file_tombstone",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("temp_file_id", sa.BigInteger, nullable=False, unique=True),  # the row is gone: no FK
+    _tenant_fk(),
+    sa.Column("storage_path", sa.Text, nullable=False),
+    sa.Column("size_bytes", sa.BigInteger, nullable=False),
+    sa.Column("sha256", sa.Text),  # of the stored object's bytes; NULL: the object was already gone
+    sa.Column("file_status", sa.Text, nullable=False),
+    sa.Column("file_created_at", TS, nullable=False),
+    sa.Column("legal_hold", sa.Boolean, nullable=False),  # as returned by the row's DELETE
+    sa.Column("job_run_id", UUID(as_uuid=True), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("selected_at", TS, nullable=False, server_default=NOW),
+    sa.Column("deleted_at", TS),  # NULL: removal decided, not (yet) committed
+    sa.CheckConstraint("sha256 IS NULL OR sha256 ~ '^[0-9a-f]{64}$'", name="sha256_format"),
+    sa.Index("ix_temp_file_tombstone_tenant_created", "tenant_id", "file_created_at"),
+)
+
+# temp_file_cleanup: a tenant's files overall (the anomaly share) and a window's held files
+sa.Index("ix_temp_file_tenant_created", temp_file.c.tenant_id, temp_file.c.created_at)
+
 BUSINESS_TABLES = (
     tenant,
     price_book,
@@ -520,4 +550,5 @@ BUSINESS_TABLES = (
     catalog_item,
     catalog_cache,
     reconciliation_result,
+    temp_file_tombstone,
 )

@@ -10,6 +10,7 @@ from qo_ops.jobs import (
     delivery_retry,
     notification_publish,
     order_reconciliation,
+    pricing_snapshot_recalculation,
     quote_expiration,
     read_model_repair,
 )
@@ -23,6 +24,7 @@ CATALOG: dict[str, JobSpec] = {
         notification_publish.SPEC,
         order_reconciliation.SPEC,
         read_model_repair.SPEC,
+        pricing_snapshot_recalculation.SPEC,
         catalog_cache_refresh.SPEC,
         abandoned_checkout_close.SPEC,
     )

@@ -41,6 +41,8 @@ CHECK_NAME = "current_snapshot_for_every_quote"
 class NoCurrentPriceBook(RuntimeError):
     """The tenant has no current price book: there is nothing to recompute against."""
 
+    error_code = "no_current_price_book"  # the run's error class (runner._error_class)
+
 
 def quotes_after_cursor(ctx: BatchContext) -> sa.Select[Any]:
     """Quotes of the tenant created in the window, after the checkpoint, by (created_at, id)."""

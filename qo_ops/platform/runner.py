@@ -317,6 +317,8 @@ def _dry_run(
     engine: Engine, spec: JobSpec, ctx: BatchContext, options: RunOptions, summary: RunSummary
 ) -> None:
     """Count and sample exactly what execute would select; write nothing but the run row."""
+    if spec.uses_checkpoint:  # what execute would do next starts at the checkpoint
+        ctx.params["cursor"] = _load_cursor(engine, spec, ctx.scope)
     with engine.connect() as conn:
         summary.eligible_count = count_eligible(conn, spec, ctx)
         sample = conn.execute(spec.eligible(ctx).limit(options.sample_size)).scalars()

@@ -272,7 +272,7 @@ def test_without_a_current_price_book_the_run_fails_and_writes_nothing(loaded):
         )
     before = business_digest(db.engine)
     summary = execute(db.engine)
-    assert (summary.status, summary.error_code) == ("failed", "internal_error")
+    assert (summary.status, summary.error_code) == ("failed", "no_current_price_book")
     assert "no current price book" in (summary.error_text or "")
     assert summary.processed_count == 0
     assert business_digest(db.engine) == before

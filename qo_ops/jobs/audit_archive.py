@@ -1,0 +1,979 @@
+"""audit_archive (tenant × day): audit records past retention are copied to Parquet files
+with a checksum manifest, verified, and only then deleted from ``audit_record``.
+
+The window is the UTC day the records *occurred* on; eligible are the tenant's records of
+the window older than the retention (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365 days).
+Each archive file holds one tenant-day chunk of at most ``batch_size`` records (default
+50,000), ordered by id, under ``QO_OPS_HOME/archive/<tenant>/<day>/<manifest id>.parquet``;
+its columns are those of ``audit_record``, ``details`` as the JSON text PostgreSQL stores.
+
+One batch of the runner is one chunk (or one per day when a window spans several days):
+
+1. **select** (batch transaction 1, guarded by the lease): the next eligible ids of the
+   day in id order, locked, and their rows read. A chunk is therefore "every eligible
+   record of (tenant, day) with an id in [min, max]", which is what its manifest states.
+   A WRITTEN manifest left by an earlier run for exactly this chunk is adopted instead of
+   writing a new file; one that overlaps the chunk differently is retired (row deleted
+   here, file removed after commit).
+2. **external** (no transaction open): write the file to ``<name>.tmp``, fsync, rename,
+   fsync the directory; insert the manifest ``WRITTEN`` (its own committed transaction,
+   fenced: only while this run's lease is current); read the file back and verify it:
+   sha256 of its bytes equals the manifest's, it parses, its row count, id range, tenant
+   and window match. Orphan files (no manifest row, older than the lease TTL) in the
+   day's directory are removed.
+3. **record** (batch transaction 2, guarded): lock the source rows of the manifest's
+   tenant, id range and window; they must be exactly the file's rows (ids and content
+   digest). Then, in this one transaction, the manifest becomes ``VERIFIED``
+   (``verified_at``) — conditionally, ``WHERE status = 'WRITTEN'`` — and exactly those rows
+   are deleted. Any mismatch marks the manifest ``FAILED`` instead and deletes nothing;
+   the run then stops with error code ``archive_verification_failed``.
+
+States of one chunk, and where a crash (SIGKILL) anywhere leaves it::
+
+    S0 source rows, no file, no manifest          crash before the rename: at most a .tmp file
+    S1 source rows + complete file, no manifest    orphan file: swept by a later run, never counted
+    S2 source rows + file + manifest WRITTEN       a rerun adopts it (same chunk) or retires it
+    S3 manifest VERIFIED, source rows deleted      only reachable from S2 in ONE transaction
+    SF source rows + file + manifest FAILED        verification failed; file kept as evidence
+
+A record is therefore always in exactly one of two places: the source table, or the file of
+a VERIFIED manifest (S3) — never neither (rows are deleted only in the transaction that
+makes the manifest VERIFIED, after the rows locked by that very transaction were compared
+with a file whose bytes match the manifest's checksum), never both (the same transaction
+deletes them, and a second archive of the same rows could only be VERIFIED if those rows
+were still in the source). WRITTEN and FAILED manifests never count as archived.
+
+``restore`` (``qo-ops archive restore``) takes S3 back to S2 in one transaction: the rows of
+every VERIFIED archive of the tenant-day are inserted with their ids (``ON CONFLICT (id) DO
+NOTHING``) and the manifests become WRITTEN again, so nothing is counted twice; a later
+archive run re-verifies and adopts those files.
+
+No checkpoint: deleting a record removes it from the selection, so a rerun's selection is
+exactly what is left. A FAILED chunk stays selectable, which is why a run stops at the first
+verification failure instead of retrying the same rows in a loop.
+
+Concurrency: one run per (job, scope) through the lease; runs of *overlapping* scopes (a
+day, and a range containing it) take disjoint rows through ``SKIP LOCKED`` and every
+destructive step re-checks under row locks and conditional updates, so the worst an overlap
+can do is leave a manifest FAILED or retired — never lose or double-count a record.
+
+Test-only fault injection, like the runner's: with ``QO_OPS_CRASH_AT`` set to one of
+``ARCHIVE_CRASH_POINTS`` the process kills itself with SIGKILL at that point.
+``archive_after_file_written`` (file renamed into place, no manifest),
+``archive_after_manifest_written`` (WRITTEN committed, not verified),
+``archive_before_delete_commit`` (delete + VERIFIED issued, not committed),
+``archive_after_delete_commit`` (committed; fires as the next batch starts). The runner's own
+``after_external_call`` is the point "verified, nothing deleted yet".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from datetime import time as dtime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from qo_ops.config import load_settings
+from qo_ops.db.schema import audit_archive_manifest, audit_record
+from qo_ops.errors import BadInput, QoOpsError, one_line
+from qo_ops.platform import runs
+from qo_ops.platform.lease import LeaseLost
+from qo_ops.platform.runner import CRASH_ENV
+from qo_ops.platform.spec import (
+    BatchContext,
+    BatchOutcome,
+    CheckSpec,
+    JobDefaults,
+    JobSpec,
+    OutcomeCheck,
+    Scope,
+)
+
+JOB_NAME = "audit_archive"
+RETENTION_ENV = "QO_OPS_AUDIT_RETENTION_DAYS"
+DEFAULT_RETENTION_DAYS = 365
+MAX_RETENTION_DAYS = 36_500
+MAX_ROWS_PER_FILE = 50_000  # one file per batch: also bounds the memory a batch holds
+ARCHIVE_DIR = "archive"  # under QO_OPS_HOME
+VERIFICATION_FAILED = "archive_verification_failed"
+
+ARCHIVE_CRASH_POINTS = (
+    "archive_after_file_written",
+    "archive_after_manifest_written",
+    "archive_before_delete_commit",
+    "archive_after_delete_commit",
+)
+
+# The file's columns: every column of audit_record, ``details`` as JSON text.
+ARCHIVE_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.int64(), nullable=False),
+        pa.field("tenant_id", pa.string(), nullable=False),
+        pa.field("occurred_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("actor_ref", pa.string(), nullable=False),
+        pa.field("action", pa.string(), nullable=False),
+        pa.field("entity_type", pa.string(), nullable=False),
+        pa.field("entity_id", pa.string(), nullable=False),
+        pa.field("details", pa.string(), nullable=False),
+    ]
+)
+COLUMNS = tuple(ARCHIVE_SCHEMA.names)
+assert tuple(c.name for c in audit_record.columns) == COLUMNS, "archive columns drifted"
+
+# Rows as the archive holds them (details as jsonb's own text form, which casts back exactly).
+_ROW_COLUMNS = "id, tenant_id, occurred_at, actor_ref, action, entity_type, entity_id, details::text AS details"
+
+
+class ArchiveError(QoOpsError):
+    """An archive could not be written, verified or restored; nothing was deleted."""
+
+    exit_code = 1
+    error_code = "archive_error"
+
+
+class ArchiveVerificationFailed(ArchiveError):
+    """A file did not match its manifest or its source rows: the run stops."""
+
+    error_code = VERIFICATION_FAILED
+
+
+def _crash_at(point: str) -> None:
+    """Test-only: SIGKILL this process at ``point`` when ``QO_OPS_CRASH_AT`` names it."""
+    if os.environ.get(CRASH_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------ settings, paths
+
+
+def retention_days() -> int:
+    """The retention in days (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365)."""
+    raw = os.environ.get(RETENTION_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETENTION_DAYS
+    try:
+        days = int(raw)
+    except ValueError:
+        raise BadInput(f"{RETENTION_ENV} must be a whole number of days, got {raw!r}") from None
+    if not 1 <= days <= MAX_RETENTION_DAYS:
+        raise BadInput(f"{RETENTION_ENV} must be between 1 and {MAX_RETENTION_DAYS}, got {days}")
+    return days
+
+
+def _cutoff() -> sa.ColumnElement[Any]:
+    """Records that occurred before this (database clock) are past retention."""
+    return sa.func.now() - sa.cast(sa.literal(f"{retention_days()} days"), sa.Interval)
+
+
+def archive_home() -> Path:
+    """``QO_OPS_HOME``: manifests store file paths relative to it."""
+    return load_settings().home
+
+
+def relative_path(tenant_id: str, day: date, manifest_id: uuid.UUID) -> str:
+    """Where a chunk's file lives, relative to ``QO_OPS_HOME``."""
+    return f"{ARCHIVE_DIR}/{tenant_id}/{day.isoformat()}/{manifest_id}.parquet"
+
+
+def resolve_path(file_path: str) -> Path:
+    """The file of a manifest (relative paths are under ``QO_OPS_HOME``)."""
+    path = Path(file_path)
+    return path if path.is_absolute() else archive_home() / path
+
+
+def _day_bounds(day: date) -> tuple[datetime, datetime]:
+    start = datetime.combine(day, dtime(), UTC)
+    return start, start + timedelta(days=1)
+
+
+# ------------------------------------------------------------------------ file format
+
+
+def _canonical(row: Sequence[Any]) -> bytes:
+    """One row in a form both the database and the file give identically."""
+    rid, tenant, occurred, actor, action, etype, eid, details = row
+    stamp = occurred.astimezone(UTC).isoformat(timespec="microseconds")
+    return json.dumps(
+        [int(rid), tenant, stamp, actor, action, etype, eid, details], ensure_ascii=False
+    ).encode()
+
+
+def rows_digest(rows: Sequence[Sequence[Any]]) -> str:
+    """sha256 over the rows in the order given (the archive's order: by id)."""
+    h = hashlib.sha256()
+    for row in rows:
+        h.update(_canonical(row))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def parquet_bytes(rows: Sequence[Sequence[Any]], metadata: dict[str, str]) -> bytes:
+    """The archive file for ``rows`` (each in ``COLUMNS`` order), as bytes."""
+    columns = list(zip(*rows, strict=True)) if rows else [()] * len(COLUMNS)
+    occurred = [dt.astimezone(UTC) for dt in columns[2]]
+    arrays = [
+        pa.array(values, type=f.type)
+        for values, f in zip(
+            [columns[0], columns[1], occurred, *columns[3:]], ARCHIVE_SCHEMA, strict=True
+        )
+    ]
+    schema = ARCHIVE_SCHEMA.with_metadata({f"qo_ops.{k}": v for k, v in metadata.items()})
+    table = pa.Table.from_arrays(arrays, schema=schema)
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def read_rows(data: bytes) -> list[tuple[Any, ...]]:
+    """The rows of an archive file's bytes, in ``COLUMNS`` order (raises if unreadable)."""
+    table = pq.read_table(pa.BufferReader(data))
+    if tuple(table.column_names) != COLUMNS:
+        raise ValueError(f"unexpected columns {table.column_names}")
+    return list(zip(*(table.column(c).to_pylist() for c in COLUMNS), strict=True))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Durably put ``data`` at ``path``: temp name, fsync, rename, fsync the directory."""
+    created = [p for p in (path.parent.parent, path.parent) if not p.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    for directory in created:  # new directory entries are durable too
+        _fsync_dir(directory.parent)
+
+
+def sha256_of(path: Path) -> str:
+    """sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------ selection
+
+
+def _day_expr() -> sa.ColumnElement[Any]:
+    return sa.cast(sa.func.timezone("UTC", audit_record.c.occurred_at), sa.Date)
+
+
+def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
+    """The tenant's records of the window past retention, by day, then id."""
+    if ctx.params.pop("_archive_deleted", False):  # the previous batch's delete committed
+        _crash_at("archive_after_delete_commit")
+    start, end = ctx.scope.window_bounds()
+    query = sa.select(audit_record.c.id).where(
+        audit_record.c.tenant_id == ctx.scope.tenant_id,
+        audit_record.c.occurred_at >= start,
+        audit_record.c.occurred_at < end,
+        audit_record.c.occurred_at < _cutoff(),
+    )
+    if end - start > timedelta(days=1):
+        return query.order_by(_day_expr(), audit_record.c.id)
+    return query.order_by(audit_record.c.id)
+
+
+# ------------------------------------------------------------------------ one batch
+
+
+@dataclass
+class Chunk:
+    """One file's worth: every eligible record of (tenant, day) with an id in [min, max]."""
+
+    manifest_id: uuid.UUID
+    tenant_id: str
+    day: date
+    window_start: datetime
+    window_end: datetime
+    file_path: str
+    row_count: int
+    min_id: int
+    max_id: int
+    rows: list[tuple[Any, ...]] | None  # None when adopting an existing WRITTEN manifest
+    sha256: str | None = None  # known up front only when adopting
+    retired: list[str] = field(default_factory=list)  # files of retired manifests
+    adopted: bool = False  # a WRITTEN manifest of an earlier run, verified again
+
+
+@dataclass
+class Work:
+    """What the selection hands the file phase."""
+
+    engine: Engine
+    job_name: str
+    scope_key: str
+    job_run_id: uuid.UUID
+    fencing_token: int | None
+    min_file_age_s: float
+    chunks: list[Chunk]
+
+
+@dataclass
+class FileResult:
+    """A chunk after the file phase: verified against its manifest, or why not."""
+
+    chunk: Chunk
+    ok: bool
+    reason: str | None = None
+    rows_digest: str | None = None
+    ids: list[int] = field(default_factory=list)
+    orphans_removed: int = 0
+
+
+def _baseline(conn: Connection, scope: Scope) -> int:
+    """Records of the window that exist: in the source, or in a VERIFIED archive."""
+    start, end = scope.window_bounds()
+    return int(
+        conn.execute(
+            sa.text(
+                """
+                SELECT (SELECT count(*) FROM audit_record WHERE tenant_id = :t
+                          AND occurred_at >= :s AND occurred_at < :e)
+                     + (SELECT coalesce(sum(row_count), 0) FROM audit_archive_manifest
+                         WHERE tenant_id = :t AND status = 'VERIFIED'
+                           AND window_start >= :s AND window_start < :e)
+                """
+            ),
+            {"t": scope.tenant_id, "s": start, "e": end},
+        ).scalar_one()
+    )
+
+
+_STALE_WRITTEN = sa.text(
+    """
+    SELECT id, window_start, window_end, file_path, row_count, min_record_id, max_record_id, sha256
+      FROM audit_archive_manifest
+     WHERE tenant_id = :t AND status = 'WRITTEN' AND window_start = :ws
+       AND min_record_id <= :hi AND max_record_id >= :lo
+       AND job_run_id IS DISTINCT FROM :run
+     ORDER BY min_record_id
+       FOR UPDATE
+    """
+)
+
+
+def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
+    """Read the selected (locked) records and cut them into per-day chunks."""
+    if ctx.params.get("archive_failure"):  # a file failed verification: stop, as a job's own stop
+        raise ArchiveVerificationFailed(ctx.params["archive_failure"])
+    if "archive_baseline" not in ctx.params:
+        ctx.params["archive_baseline"] = _baseline(conn, ctx.scope)
+    cutoff = conn.execute(sa.select(_cutoff())).scalar_one()  # now() of this transaction
+    rows = conn.execute(
+        sa.text(
+            f"SELECT {_ROW_COLUMNS}, (occurred_at AT TIME ZONE 'UTC')::date AS day "
+            "FROM audit_record WHERE id = ANY(CAST(:ids AS bigint[])) AND tenant_id = :t ORDER BY day, id"
+        ),
+        {"ids": [int(i) for i in ids], "t": ctx.scope.tenant_id},
+    ).all()
+    by_day: dict[date, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        by_day.setdefault(row.day, []).append(tuple(row)[: len(COLUMNS)])
+    chunks = []
+    for day, day_rows in by_day.items():
+        day_start, day_end = _day_bounds(day)
+        lo, hi = day_rows[0][0], day_rows[-1][0]
+        stale = conn.execute(
+            _STALE_WRITTEN,
+            {"t": ctx.scope.tenant_id, "ws": day_start, "lo": lo, "hi": hi, "run": ctx.job_run_id},
+        ).all()
+        adopt = next(
+            (
+                m
+                for m in stale
+                if (m.min_record_id, m.max_record_id, m.row_count) == (lo, hi, len(day_rows))
+            ),
+            None,
+        )
+        retire = [m.id for m in stale if m is not adopt]
+        retired = (
+            list(
+                conn.execute(
+                    sa.text(
+                        "DELETE FROM audit_archive_manifest WHERE id = ANY(CAST(:ids AS uuid[])) "
+                        "AND status = 'WRITTEN' RETURNING file_path"
+                    ),
+                    {"ids": [str(i) for i in retire]},
+                ).scalars()
+            )
+            if retire
+            else []
+        )
+        if adopt is not None:
+            chunks.append(
+                Chunk(
+                    adopt.id,
+                    ctx.scope.tenant_id,
+                    day,
+                    adopt.window_start,
+                    adopt.window_end,
+                    adopt.file_path,
+                    adopt.row_count,
+                    adopt.min_record_id,
+                    adopt.max_record_id,
+                    rows=None,
+                    sha256=adopt.sha256,
+                    retired=retired,
+                    adopted=True,
+                )
+            )
+            continue
+        manifest_id = uuid.uuid4()
+        chunks.append(
+            Chunk(
+                manifest_id,
+                ctx.scope.tenant_id,
+                day,
+                day_start,
+                min(day_end, cutoff),
+                relative_path(ctx.scope.tenant_id, day, manifest_id),
+                len(day_rows),
+                lo,
+                hi,
+                rows=day_rows,
+                retired=retired,
+            )
+        )
+    fence = conn.execute(
+        sa.text("SELECT fencing_token FROM job_run WHERE id = :id"), {"id": ctx.job_run_id}
+    ).scalar()
+    work = Work(
+        engine=conn.engine,
+        job_name=ctx.job_name,
+        scope_key=ctx.scope.key,
+        job_run_id=ctx.job_run_id,
+        fencing_token=fence,
+        min_file_age_s=float(ctx.params["limits"]["lease_ttl_s"]),
+        chunks=chunks,
+    )
+    return BatchOutcome(work=[work])
+
+
+# Fenced: a manifest is written only while this run's lease is current.
+_INSERT_WRITTEN = sa.text(
+    """
+    INSERT INTO audit_archive_manifest (id, tenant_id, window_start, window_end, file_path,
+                                        row_count, min_record_id, max_record_id, sha256, status,
+                                        job_run_id)
+    SELECT :id, :tenant, :ws, :we, :path, :rows, :lo, :hi, :sha, 'WRITTEN', :run
+     WHERE EXISTS (SELECT 1 FROM job_lease WHERE job_name = :job AND scope = :scope
+                     AND fencing_token = :fence AND expires_at > clock_timestamp())
+    RETURNING id
+    """
+)
+
+
+def _insert_written(work: Work, chunk: Chunk, sha: str) -> None:
+    with work.engine.begin() as conn:
+        inserted = conn.execute(
+            _INSERT_WRITTEN,
+            {
+                "id": chunk.manifest_id,
+                "tenant": chunk.tenant_id,
+                "ws": chunk.window_start,
+                "we": chunk.window_end,
+                "path": chunk.file_path,
+                "rows": chunk.row_count,
+                "lo": chunk.min_id,
+                "hi": chunk.max_id,
+                "sha": sha,
+                "run": work.job_run_id,
+                "job": work.job_name,
+                "scope": work.scope_key,
+                "fence": work.fencing_token,
+            },
+        ).first()
+    if inserted is None:
+        raise LeaseLost(f"lease on {work.job_name}/{work.scope_key} lost before the manifest")
+
+
+def verify_file(chunk: Chunk, sha: str) -> FileResult:
+    """Read the file back: checksum, format, row count, id range, tenant, window."""
+    path = resolve_path(chunk.file_path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return FileResult(chunk, False, f"unreadable: {type(exc).__name__}")
+    if hashlib.sha256(data).hexdigest() != sha:
+        return FileResult(chunk, False, "sha256 differs from the manifest")
+    try:
+        rows = read_rows(data)
+    except Exception as exc:  # any parse error is a failed verification
+        return FileResult(chunk, False, f"unreadable parquet: {type(exc).__name__}")
+    ids = [int(r[0]) for r in rows]
+    problems = []
+    if len(rows) != chunk.row_count:
+        problems.append(f"{len(rows)} rows, manifest says {chunk.row_count}")
+    if ids and (ids[0], ids[-1]) != (chunk.min_id, chunk.max_id):
+        problems.append("id range differs from the manifest")
+    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+        problems.append("ids not strictly ascending")
+    if any(r[1] != chunk.tenant_id for r in rows):
+        problems.append("rows of another tenant")
+    if any(not chunk.window_start <= r[2] < chunk.window_end for r in rows):
+        problems.append("rows outside the manifest window")
+    if problems:
+        return FileResult(chunk, False, "; ".join(problems))
+    return FileResult(chunk, True, rows_digest=rows_digest(rows), ids=ids)
+
+
+def _sweep_orphans(work: Work, directory: Path) -> int:
+    """Remove temp files and files without a manifest row, older than the lease TTL.
+
+    Safe against a live writer: a file swept before its manifest is committed makes that
+    manifest fail verification — nothing is deleted from the source then.
+    """
+    if not directory.is_dir():
+        return 0
+    horizon = time.time() - work.min_file_age_s
+    candidates: dict[str, Path] = {}
+    removed = 0
+    for entry in directory.iterdir():
+        try:
+            if not entry.is_file() or entry.stat().st_mtime > horizon:
+                continue
+        except FileNotFoundError:
+            continue
+        if entry.name.endswith(".tmp"):
+            entry.unlink(missing_ok=True)
+            removed += 1
+        elif entry.suffix == ".parquet":
+            try:
+                candidates[str(uuid.UUID(entry.stem))] = entry
+            except ValueError:
+                continue  # not ours: leave it
+    if candidates:
+        with work.engine.connect() as conn:
+            known = {
+                str(i)
+                for i in conn.execute(
+                    sa.select(audit_archive_manifest.c.id).where(
+                        audit_archive_manifest.c.id.in_([uuid.UUID(c) for c in candidates])
+                    )
+                ).scalars()
+            }
+        for key, path in candidates.items():
+            if key not in known:
+                path.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+def write_and_verify(ctx: BatchContext, work_items: list[Any]) -> list[Any]:
+    """Write each chunk's file and WRITTEN manifest, then read the file back (no transaction)."""
+    results: list[FileResult] = []
+    for work in work_items:
+        assert isinstance(work, Work)
+        for chunk in work.chunks:
+            for retired in chunk.retired:  # their manifest rows are gone (committed)
+                resolve_path(retired).unlink(missing_ok=True)
+            if chunk.rows is not None:
+                rows, chunk.rows = chunk.rows, None  # the file holds them from here on
+                data = parquet_bytes(
+                    rows,
+                    {
+                        "manifest_id": str(chunk.manifest_id),
+                        "tenant_id": chunk.tenant_id,
+                        "window_start": chunk.window_start.isoformat(),
+                        "window_end": chunk.window_end.isoformat(),
+                    },
+                )
+                del rows
+                chunk.sha256 = hashlib.sha256(data).hexdigest()
+                try:
+                    _write_file(resolve_path(chunk.file_path), data)
+                except OSError as exc:
+                    raise ArchiveError(
+                        f"cannot write archive file {chunk.file_path}: {one_line(str(exc), 200)}"
+                    ) from None
+                _crash_at("archive_after_file_written")
+                _insert_written(work, chunk, chunk.sha256)
+                _crash_at("archive_after_manifest_written")
+            assert chunk.sha256 is not None
+            result = verify_file(chunk, chunk.sha256)
+            result.orphans_removed = _sweep_orphans(work, resolve_path(chunk.file_path).parent)
+            results.append(result)
+    return results
+
+
+_LOCK_SOURCE = sa.text(
+    f"""
+    SELECT {_ROW_COLUMNS} FROM audit_record
+     WHERE tenant_id = :t AND id BETWEEN :lo AND :hi AND occurred_at >= :ws AND occurred_at < :we
+     ORDER BY id
+       FOR UPDATE
+    """
+)
+
+
+def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
+    """In one transaction per batch: verified chunks → manifest VERIFIED + source rows
+    deleted; anything else → manifest FAILED, nothing deleted."""
+    outcome = BatchOutcome(tally={})
+
+    def tally(key: str, n: int = 1) -> None:
+        outcome.tally[key] = outcome.tally.get(key, 0) + n
+
+    for result in results:
+        assert isinstance(result, FileResult)
+        chunk = result.chunk
+        tally("archives_replaced", len(chunk.retired))
+        if result.orphans_removed:
+            tally("orphan_files_removed", result.orphans_removed)
+        tally("archives_adopted" if chunk.adopted else "archives_written")
+        if result.ok:
+            source = conn.execute(
+                _LOCK_SOURCE,
+                {
+                    "t": chunk.tenant_id,
+                    "lo": chunk.min_id,
+                    "hi": chunk.max_id,
+                    "ws": chunk.window_start,
+                    "we": chunk.window_end,
+                },
+            ).all()
+            ids = [int(r[0]) for r in source]
+            if ids != result.ids:
+                result.ok, result.reason = False, "source ids differ from the file's"
+            elif rows_digest(source) != result.rows_digest:
+                result.ok, result.reason = False, "source rows differ from the file's"
+        if result.ok:
+            verified = conn.execute(
+                sa.text(
+                    "UPDATE audit_archive_manifest SET status = 'VERIFIED', verified_at = clock_timestamp() "
+                    "WHERE id = :id AND status = 'WRITTEN' RETURNING id"
+                ),
+                {"id": chunk.manifest_id},
+            ).first()
+            if verified is None:  # resolved by someone else meanwhile: not ours to delete
+                outcome.skipped += chunk.row_count
+                tally("archives_taken_over")
+                continue
+            deleted = conn.execute(
+                sa.text(
+                    "DELETE FROM audit_record WHERE id = ANY(CAST(:ids AS bigint[])) AND tenant_id = :t"
+                ),
+                {"ids": result.ids, "t": chunk.tenant_id},
+            ).rowcount
+            assert deleted == len(result.ids), "locked rows vanished"  # rolls the batch back
+            outcome.succeeded += deleted
+            tally("archives_verified")
+        else:
+            conn.execute(
+                sa.text(
+                    "UPDATE audit_archive_manifest SET status = 'FAILED' "
+                    "WHERE id = :id AND status = 'WRITTEN'"
+                ),
+                {"id": chunk.manifest_id},
+            )
+            outcome.failed += chunk.row_count
+            outcome.failed_items.append((str(chunk.manifest_id), VERIFICATION_FAILED))
+            tally("archives_failed")
+            ctx.params["archive_failure"] = (
+                f"archive {chunk.manifest_id} ({chunk.tenant_id} {chunk.day}) failed "
+                f"verification: {result.reason}; nothing of it was deleted"
+            )
+    outcome.tally = {k: v for k, v in outcome.tally.items() if v}
+    _crash_at("archive_before_delete_commit")
+    ctx.params["_archive_deleted"] = outcome.succeeded > 0
+    return outcome
+
+
+# ------------------------------------------------------------------------ outcome checks
+
+
+def _verified_manifests(conn: Connection, scope: Scope) -> list[Any]:
+    start, end = scope.window_bounds()
+    return list(
+        conn.execute(
+            sa.select(audit_archive_manifest)
+            .where(
+                audit_archive_manifest.c.tenant_id == scope.tenant_id,
+                audit_archive_manifest.c.status == "VERIFIED",
+                audit_archive_manifest.c.window_start >= start,
+                audit_archive_manifest.c.window_start < end,
+            )
+            .order_by(audit_archive_manifest.c.window_start, audit_archive_manifest.c.min_record_id)
+        ).all()
+    )
+
+
+def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
+    """Every record of the window is in exactly one place; every archive file verifies."""
+    scope = ctx.scope
+    start, end = scope.window_bounds()
+    manifests = _verified_manifests(conn, scope)
+    row = conn.execute(
+        sa.text(
+            """
+            SELECT (SELECT count(*) FROM audit_record WHERE tenant_id = :t
+                      AND occurred_at >= :s AND occurred_at < :e) AS remaining,
+                   (SELECT count(*) FROM audit_record r JOIN audit_archive_manifest m
+                       ON m.tenant_id = r.tenant_id AND r.id BETWEEN m.min_record_id AND m.max_record_id
+                      AND r.occurred_at >= m.window_start AND r.occurred_at < m.window_end
+                    WHERE m.tenant_id = :t AND m.status = 'VERIFIED'
+                      AND m.window_start >= :s AND m.window_start < :e) AS both_places,
+                   (SELECT count(*) FROM audit_archive_manifest WHERE tenant_id = :t
+                      AND status IN ('WRITTEN', 'FAILED')
+                      AND window_start >= :s AND window_start < :e) AS not_counted
+            """
+        ),
+        {"t": scope.tenant_id, "s": start, "e": end},
+    ).one()
+    archived = sum(m.row_count for m in manifests)
+    malformed = sum(
+        1
+        for m in manifests
+        if m.row_count < 1 or m.max_record_id - m.min_record_id + 1 < m.row_count
+    )
+    baseline = ctx.params.get("archive_baseline")
+    total = int(row.remaining) + archived
+    accounts = row.both_places == 0 and malformed == 0 and (baseline is None or total == baseline)
+
+    mismatched: list[str] = []
+    for m in manifests:
+        path = resolve_path(m.file_path)
+        try:
+            ok = sha256_of(path) == m.sha256
+        except OSError:
+            ok = False
+        if not ok:
+            mismatched.append(str(m.id))
+    return [
+        OutcomeCheck(
+            "archive_accounts_for_every_record",
+            accounts,
+            "records of the window = remaining source rows + rows of VERIFIED archives, "
+            "and no record is in both",
+            {
+                "remaining_records": int(row.remaining),
+                "archived_records": archived,
+                "verified_archives": len(manifests),
+                "records_at_run_start": baseline,
+                "records_in_both_places": int(row.both_places),
+                "malformed_manifests": malformed,
+                "unverified_archives": int(row.not_counted),
+            },
+        ),
+        OutcomeCheck(
+            "archives_verify",
+            not mismatched,
+            "every VERIFIED archive file of the window still has its manifest's sha256",
+            {
+                "files_checked": len(manifests),
+                "files_mismatched": len(mismatched),
+                "mismatched_manifests": ", ".join(mismatched[:10]) or "none",
+            },
+        ),
+    ]
+
+
+def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
+    """How long the oldest eligible record of the window has been past retention."""
+    start, end = ctx.scope.window_bounds()
+    oldest = conn.execute(
+        sa.select(sa.func.min(audit_record.c.occurred_at)).where(
+            audit_record.c.tenant_id == ctx.scope.tenant_id,
+            audit_record.c.occurred_at >= start,
+            audit_record.c.occurred_at < end,
+            audit_record.c.occurred_at < _cutoff(),
+        )
+    ).scalar()
+    if oldest is None:
+        return None
+    value = conn.execute(
+        sa.select(sa.func.extract("epoch", _cutoff() - sa.literal(oldest)))
+    ).scalar()
+    return float(value) if value is not None else None
+
+
+# ------------------------------------------------------------------------ restore
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What ``restore`` did for one tenant-day."""
+
+    tenant_id: str
+    day: date
+    archives: int
+    archived_rows: int
+    restored_rows: int
+
+    @property
+    def already_present(self) -> int:
+        return self.archived_rows - self.restored_rows
+
+
+_RESTORE_ROWS = sa.text(
+    """
+    INSERT INTO audit_record (id, tenant_id, occurred_at, actor_ref, action, entity_type,
+                              entity_id, details)
+    SELECT u.id, u.tenant_id, u.occurred_at, u.actor_ref, u.action, u.entity_type, u.entity_id,
+           CAST(u.details AS jsonb)
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:tenants AS text[]), CAST(:occurred AS timestamptz[]),
+                  CAST(:actors AS text[]), CAST(:actions AS text[]), CAST(:etypes AS text[]),
+                  CAST(:eids AS text[]), CAST(:details AS text[]))
+           AS u(id, tenant_id, occurred_at, actor_ref, action, entity_type, entity_id, details)
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
+    """
+)
+
+
+def restore_day(
+    engine: Engine,
+    tenant_id: str,
+    day: date,
+    *,
+    actor: str = "unknown",
+    reason: str | None = None,
+) -> RestoreResult:
+    """Put every VERIFIED archive of (tenant, day) back into ``audit_record``, same ids.
+
+    One transaction: all files are checked against their manifests first (a file that does
+    not match aborts the restore, changing nothing); rows go back with ``ON CONFLICT (id)
+    DO NOTHING``; the manifests become WRITTEN (source intact, file a copy), so a record is
+    never counted both as remaining and as archived. A second restore finds nothing to do.
+    """
+    scope = Scope(tenant_id, day, day + timedelta(days=1))  # validates the tenant key
+    start, end = scope.window_bounds()
+    with engine.begin() as conn:
+        if (
+            conn.execute(sa.text("SELECT 1 FROM tenant WHERE id = :t"), {"t": tenant_id}).first()
+            is None
+        ):
+            raise BadInput(f"unknown tenant {tenant_id}")
+        manifests = conn.execute(
+            sa.select(audit_archive_manifest)
+            .where(
+                audit_archive_manifest.c.tenant_id == tenant_id,
+                audit_archive_manifest.c.status == "VERIFIED",
+                audit_archive_manifest.c.window_start >= start,
+                audit_archive_manifest.c.window_start < end,
+            )
+            .order_by(audit_archive_manifest.c.min_record_id)
+            .with_for_update()
+        ).all()
+        archived = restored = 0
+        for m in manifests:
+            path = resolve_path(m.file_path)
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise ArchiveError(
+                    f"archive {m.id} of {tenant_id} {day}: cannot read {m.file_path} "
+                    f"({type(exc).__name__}); nothing restored"
+                ) from None
+            if hashlib.sha256(data).hexdigest() != m.sha256:
+                raise ArchiveError(
+                    f"archive {m.id} of {tenant_id} {day}: file does not match its manifest "
+                    "checksum; nothing restored"
+                )
+            rows = read_rows(data)
+            if len(rows) != m.row_count or any(r[1] != tenant_id for r in rows):
+                raise ArchiveError(
+                    f"archive {m.id} of {tenant_id} {day}: rows do not match the manifest; "
+                    "nothing restored"
+                )
+            columns = list(zip(*rows, strict=True))
+            back = conn.execute(
+                _RESTORE_ROWS,
+                {
+                    "ids": list(columns[0]),
+                    "tenants": list(columns[1]),
+                    "occurred": list(columns[2]),
+                    "actors": list(columns[3]),
+                    "actions": list(columns[4]),
+                    "etypes": list(columns[5]),
+                    "eids": list(columns[6]),
+                    "details": list(columns[7]),
+                },
+            ).all()
+            archived += len(rows)
+            restored += len(back)
+            conn.execute(
+                sa.update(audit_archive_manifest)
+                .where(audit_archive_manifest.c.id == m.id)
+                .values(status="WRITTEN", verified_at=None)
+            )
+        runs.append_audit(
+            conn,
+            actor=actor,
+            action="archive_restore",
+            decision="allowed",
+            job_name=JOB_NAME,
+            scope=scope.key,
+            reason=reason,
+            details={"archives": len(manifests), "restored_rows": restored},
+        )
+    return RestoreResult(tenant_id, day, len(manifests), archived, restored)
+
+
+# ------------------------------------------------------------------------ the job
+
+# ``validate_settings`` (checked before anything is written) is used where the platform has it.
+_SETTINGS_HOOK: dict[str, Any] = (
+    {"validate_settings": retention_days}
+    if "validate_settings" in getattr(JobSpec, "__dataclass_fields__", {})
+    else {}
+)
+
+SPEC = JobSpec(
+    name=JOB_NAME,
+    kind="archive",
+    description=(
+        "Copy audit records past retention to verified Parquet archives, then delete them, "
+        "per tenant and day"
+    ),
+    partitioning="tenant_day",
+    eligible=archivable_records,
+    transition=select_chunks,
+    external=write_and_verify,
+    record=delete_verified,
+    check=check_archive,
+    lag=overdue_seconds,
+    lock_of=audit_record,
+    outcome_asset="audit_records",
+    checks=(
+        CheckSpec(
+            "archive_accounts_for_every_record",
+            "Archived (VERIFIED) + remaining records = the records of the window; none in both",
+        ),
+        CheckSpec(
+            "archives_verify", "Every VERIFIED archive file still matches its manifest checksum"
+        ),
+    ),
+    cron_schedule="15 3 * * *",
+    defaults=JobDefaults(batch_size=MAX_ROWS_PER_FILE),
+    destructive=True,
+    **_SETTINGS_HOOK,
+)

@@ -1,0 +1,664 @@
+"""temp_file_cleanup (tenant × day): temp files past retention lose their row and their stored
+object; every removal leaves a tombstone; a run that would remove an anomalous amount stops
+before removing anything.
+
+**Eligible**: the tenant's files *created* in the window, older than the retention
+(``QO_OPS_TEMP_FILE_RETENTION_DAYS``, default 7, read when the run starts), in a terminal
+status (COMPLETED, FAILED_TERMINAL) and not on legal hold; oldest first, on the partial index
+``ix_temp_file_cleanup`` (its predicate is written as SQL literals so every plan can use it).
+Stored objects live under ``QO_OPS_HOME/objects/<storage_path>``.
+
+**Per batch, two transactions** (the runner's claim → external → record steps; nothing
+outside this process is called between them):
+
+1. *decide* — the selected rows are locked (FOR UPDATE SKIP LOCKED). On the run's first batch
+   the anomaly gate runs. Each selected object is hashed and a tombstone *intent* is written
+   (``deleted_at`` NULL; ``sha256`` of the stored bytes, NULL when the object is already
+   gone); an intent left by an earlier run keeps its checksum. Commit.
+2. *remove* — one statement deletes the rows that are still eligible and not on hold (the
+   ``temp_file_legal_hold_guard`` trigger refuses a held row whatever the query says) and
+   completes their tombstones (``deleted_at``, the row's ``legal_hold`` as its DELETE
+   returned it). Then, with those rows deleted but not yet committed — locked, so nobody can
+   put a hold on them now — the objects of exactly the rows deleted are unlinked. Intents of
+   rows that changed since step 1 are dropped (their objects are untouched). Commit.
+
+Why this order: an object is unlinked only while its row's delete is pending in the same
+transaction; the row stays until its object is gone, so the row is the retry token and a
+rerun's selection is exactly what is left (no separate sweep, which a rerun finding nothing
+eligible would never reach); and the checksum of the bytes is durable before any byte goes.
+
+**What a crash leaves, and what a rerun does** (a rerun first reaps the dead run's record):
+
+=======================================  =========  =========  ==============  ===============
+crash                                    rows       objects    tombstones      rerun
+=======================================  =========  =========  ==============  ===============
+in 1, before its commit                  unchanged  unchanged  none new        starts afresh
+after 1 commits (``after_commit``)       unchanged  unchanged  intents         finishes them,
+                                                                               same checksums
+in 2, before unlinking                   unchanged  unchanged  intents         same
+in 2, after unlinking, before commit     restored,  gone       intents, with   deletes rows,
+(``after_object_delete``: the riskiest)  eligible                original sums   completes them
+after 2 commits                          gone       gone       complete        nothing to do
+=======================================  =========  =========  ==============  ===============
+
+An unlink error other than "not found" aborts the batch (``object_store_error``): the same
+state as a crash in 2, and a rerun retries. The one state a rerun cannot mend by itself: a
+crash in 2 after unlinking, then a legal hold put on such a row before the rerun — the row
+is kept (by the selection and the trigger) but its bytes are gone. The intent tombstone
+tells which run removed them and when (while the row was not on hold), and the
+``no_legal_hold_removed`` check fails on it so that a person looks.
+
+**Anomaly stop**: before deleting anything (first batch), the run counts the eligible set of
+its scope; above ``QO_OPS_CLEANUP_MAX_DELETE`` files (default 10,000) or above
+``QO_OPS_CLEANUP_MAX_SHARE`` of all the tenant's files (default 0.5) it raises
+:class:`AnomalyThreshold`: nothing is deleted and the run ends ``failed`` /
+``anomaly_threshold``. ``QO_OPS_CLEANUP_OVERRIDE=1`` on a run that has a reason lets it
+through, with a ``job_audit`` row (action ``anomaly_override``) in that batch's transaction.
+
+No checkpoint: deleting a row removes it from the selection, so a rerun finds what is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import signal
+import stat
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.config import load_settings
+from qo_ops.db.schema import job_run, temp_file
+from qo_ops.errors import ConfigError
+from qo_ops.platform.runner import CRASH_ENV
+from qo_ops.platform.runs import append_audit
+from qo_ops.platform.spec import (
+    BatchContext,
+    BatchOutcome,
+    CheckSpec,
+    JobDefaults,
+    JobSpec,
+    OutcomeCheck,
+)
+
+RETENTION_ENV = "QO_OPS_TEMP_FILE_RETENTION_DAYS"
+MAX_DELETE_ENV = "QO_OPS_CLEANUP_MAX_DELETE"
+MAX_SHARE_ENV = "QO_OPS_CLEANUP_MAX_SHARE"
+OVERRIDE_ENV = "QO_OPS_CLEANUP_OVERRIDE"
+DEFAULT_RETENTION_DAYS = 7
+DEFAULT_MAX_DELETE = 10_000
+DEFAULT_MAX_SHARE = 0.5
+GRACE_DAYS = 1  # nothing_eligible_past_grace forgives files that became eligible this recently
+OBJECTS_DIR = "objects"  # under QO_OPS_HOME: stands in for the object store
+GUARD_TRIGGER = "temp_file_legal_hold_guard"
+CRASH_AFTER_OBJECT_DELETE = "after_object_delete"  # QO_OPS_CRASH_AT: objects gone, no commit
+_HASH_CHUNK = 1 << 20
+
+# literals, so the selection implies the partial index's predicate in every plan
+TERMINAL: list[sa.ColumnElement[str]] = [
+    sa.literal_column("'COMPLETED'"),
+    sa.literal_column("'FAILED_TERMINAL'"),
+]
+_TERMINAL_SQL = "('COMPLETED', 'FAILED_TERMINAL')"
+_SETTINGS_KEY = "temp_file_cleanup.settings"
+_GATE_KEY = "temp_file_cleanup.gate"
+
+
+class AnomalyThreshold(Exception):
+    """The run would delete more than the anomaly thresholds allow; it deleted nothing."""
+
+    error_code = "anomaly_threshold"
+
+
+class CleanupConfigError(ConfigError):
+    """A cleanup setting in the environment is unusable."""
+
+    error_code = "bad_config"
+
+
+class ObjectStoreError(Exception):
+    """A stored object could not be removed; the batch's transaction is rolled back."""
+
+    error_code = "object_store_error"
+
+
+# ------------------------------------------------------------------------------ settings
+
+
+@dataclass(frozen=True)
+class CleanupSettings:
+    """What a run works with, read from the environment when the run starts."""
+
+    retention_days: int
+    max_delete: int
+    max_share: float
+    override: bool
+    objects_root: Path
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> CleanupSettings:
+    """Read the cleanup settings; :class:`CleanupConfigError` names a bad value."""
+    env = os.environ if environ is None else environ
+    retention = _int_env(env, RETENTION_ENV, DEFAULT_RETENTION_DAYS, 0, 36_500)
+    max_delete = _int_env(env, MAX_DELETE_ENV, DEFAULT_MAX_DELETE, 0, 10**12)
+    raw_share = (env.get(MAX_SHARE_ENV) or "").strip()
+    try:
+        share = float(raw_share) if raw_share else DEFAULT_MAX_SHARE
+    except ValueError:
+        share = math.nan
+    if not 0.0 <= share <= 1.0:  # also refuses nan
+        raise CleanupConfigError(f"{MAX_SHARE_ENV} must be a number from 0 to 1, got {raw_share!r}")
+    home = load_settings(dict(env)).home
+    return CleanupSettings(
+        retention_days=retention,
+        max_delete=max_delete,
+        max_share=share,
+        override=(env.get(OVERRIDE_ENV) or "").strip() == "1",
+        objects_root=home / OBJECTS_DIR,
+    )
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or not lo <= int(raw) <= hi:
+        raise CleanupConfigError(f"{name} must be a whole number from {lo} to {hi}, got {raw!r}")
+    return int(raw)
+
+
+def run_settings(ctx: BatchContext) -> CleanupSettings:
+    """The run's settings: read once per run, so every batch and check agrees."""
+    found = ctx.params.get(_SETTINGS_KEY)
+    if not isinstance(found, CleanupSettings):
+        found = ctx.params[_SETTINGS_KEY] = settings_from_env()
+    return found
+
+
+def _retention(ctx: BatchContext) -> sa.ColumnElement[Any]:
+    days = int(run_settings(ctx).retention_days)
+    return sa.literal_column(f"interval '{days} days'", sa.Interval)
+
+
+# ------------------------------------------------------------------------------ objects
+
+
+def object_path(root: Path, storage_path: str) -> Path | None:
+    """Where ``storage_path`` is stored under ``root``; None when it would leave ``root``
+    (absolute, ``..``, a symlinked directory pointing elsewhere)."""
+    rel = PurePosixPath(storage_path)
+    if rel.is_absolute() or not rel.parts or any(p in ("", ".", "..") for p in rel.parts):
+        return None
+    real_root = Path(os.path.realpath(root))
+    parent = Path(os.path.realpath(root.joinpath(*rel.parts[:-1])))
+    if parent != real_root and real_root not in parent.parents:
+        return None
+    return parent / rel.name
+
+
+def _sha256(path: Path) -> tuple[bool, str | None]:
+    """(safe, checksum): checksum None when the object is gone; unsafe when it is not a
+    regular file (a symlink or directory is never followed or removed)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return True, None
+    if not stat.S_ISREG(mode):
+        return False, None
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+    except FileNotFoundError:
+        return True, None
+    return True, digest.hexdigest()
+
+
+def _remove_object(path: Path) -> bool:
+    """Unlink one object: True if removed, False if it was already gone."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise ObjectStoreError(f"cannot remove a stored object: {exc.strerror}") from exc
+    return True
+
+
+def _exists(path: Path | None) -> bool:
+    return path is not None and os.path.lexists(path)
+
+
+def _crash_point(name: str) -> None:
+    """Test-only fault injection, as the runner's (``QO_OPS_CRASH_AT``)."""
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------ selection
+
+
+def _eligible_where(ctx: BatchContext) -> list[sa.ColumnElement[bool]]:
+    start, end = ctx.scope.window_bounds()
+    return [
+        temp_file.c.tenant_id == ctx.scope.tenant_id,
+        temp_file.c.legal_hold == sa.false(),
+        temp_file.c.status.in_(TERMINAL),
+        temp_file.c.created_at >= start,
+        temp_file.c.created_at < end,
+        temp_file.c.created_at < sa.func.now() - _retention(ctx),
+    ]
+
+
+def eligible_files(ctx: BatchContext) -> sa.Select[Any]:
+    """The tenant's terminal, unheld files created in the window and past retention,
+    oldest first (ix_temp_file_cleanup)."""
+    return (
+        sa.select(temp_file.c.id)
+        .where(*_eligible_where(ctx))
+        .order_by(temp_file.c.created_at, temp_file.c.id)
+    )
+
+
+@dataclass(frozen=True)
+class AnomalyMeasure:
+    eligible: int
+    tenant_files: int
+    max_delete: int
+    max_share: float
+
+    @property
+    def share(self) -> float:
+        return self.eligible / self.tenant_files if self.tenant_files else 0.0
+
+    def breaches(self) -> list[str]:
+        found = []
+        if self.eligible > self.max_delete:
+            found.append(f"{self.eligible} files eligible, above the cap of {self.max_delete}")
+        if self.share > self.max_share:
+            found.append(
+                f"{self.eligible} of the tenant's {self.tenant_files} files eligible "
+                f"({self.share:.0%}), above the share of {self.max_share:.0%}"
+            )
+        return found
+
+    def as_metadata(self) -> dict[str, Any]:
+        return {
+            "eligible": self.eligible,
+            "tenant_files": self.tenant_files,
+            "share": round(self.share, 4),
+            "max_delete": self.max_delete,
+            "max_share": self.max_share,
+        }
+
+
+def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
+    """How much of the tenant the scope's eligible set is."""
+    settings = run_settings(ctx)
+    eligible = conn.execute(
+        sa.select(sa.func.count()).select_from(eligible_files(ctx).order_by(None).subquery())
+    ).scalar_one()
+    total = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(temp_file)
+        .where(temp_file.c.tenant_id == ctx.scope.tenant_id)
+    ).scalar_one()
+    return AnomalyMeasure(eligible, total, settings.max_delete, settings.max_share)
+
+
+def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
+    """Stop (deleting nothing) when the scope's eligible set is anomalous, unless overridden."""
+    measure = measure_anomaly(conn, ctx)
+    breaches = measure.breaches()
+    if not breaches:
+        return
+    run = conn.execute(
+        sa.select(job_run.c.reason, job_run.c.requester, job_run.c.correlation_id).where(
+            job_run.c.id == ctx.job_run_id
+        )
+    ).one()
+    settings = run_settings(ctx)
+    if settings.override and (run.reason or "").strip():
+        append_audit(
+            conn,
+            actor=run.requester or "unknown",
+            action="anomaly_override",
+            decision="allowed",
+            job_name=ctx.job_name,
+            scope=ctx.scope.key,
+            mode=ctx.mode,
+            reason=run.reason,
+            correlation_id=run.correlation_id,
+            job_run_id=ctx.job_run_id,
+            details={**measure.as_metadata(), "breaches": breaches},
+        )
+        ctx.params[_GATE_KEY] = "overridden"
+        return
+    how = (
+        "the override needs a reason on the run"
+        if settings.override
+        else f"{OVERRIDE_ENV}=1 and a reason override it"
+    )
+    raise AnomalyThreshold(f"{'; '.join(breaches)}: nothing deleted ({how})")
+
+
+# ------------------------------------------------------------------------------ step 1: decide
+
+_WRITE_INTENTS = sa.text(
+    """
+    INSERT INTO temp_file_tombstone AS t
+           (temp_file_id, tenant_id, storage_path, size_bytes, sha256, file_status,
+            file_created_at, legal_hold, job_run_id, reason, selected_at)
+    SELECT f.id, f.tenant_id, f.storage_path, f.size_bytes, h.sha256, f.status, f.created_at,
+           f.legal_hold, CAST(:run AS uuid), :reason, clock_timestamp()
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:shas AS text[])) AS h(id, sha256)
+      JOIN temp_file f ON f.id = h.id
+     WHERE f.tenant_id = :tenant
+    ON CONFLICT (temp_file_id) DO UPDATE
+       SET sha256 = coalesce(t.sha256, EXCLUDED.sha256),  -- the bytes as first seen
+           job_run_id = EXCLUDED.job_run_id, reason = EXCLUDED.reason,
+           selected_at = EXCLUDED.selected_at
+     WHERE t.deleted_at IS NULL
+    """
+)
+
+
+def _reason(ctx: BatchContext) -> str:
+    days = run_settings(ctx).retention_days
+    reason = f"retention: terminal and older than {days} days"
+    return (
+        reason + " (anomaly threshold overridden)"
+        if ctx.params.get(_GATE_KEY) == "overridden"
+        else reason
+    )
+
+
+def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
+    """Step 1: gate the run (first batch), hash the selected objects, write the intents."""
+    settings = run_settings(ctx)
+    if ctx.params.get(_GATE_KEY) is None:
+        _anomaly_gate(conn, ctx)
+        ctx.params.setdefault(_GATE_KEY, "passed")
+    files = conn.execute(
+        sa.select(temp_file.c.id, temp_file.c.storage_path)
+        .where(temp_file.c.id.in_(list(ids)), temp_file.c.tenant_id == ctx.scope.tenant_id)
+        .order_by(temp_file.c.created_at, temp_file.c.id)
+    ).all()
+    work: list[dict[str, Any]] = []
+    hashed_ids: list[int] = []
+    hashes: list[str | None] = []
+    for f in files:
+        path = object_path(settings.objects_root, f.storage_path)
+        safe, checksum = _sha256(path) if path is not None else (False, None)
+        work.append({"id": f.id, "storage_path": f.storage_path, "safe": safe})
+        if safe:
+            hashed_ids.append(f.id)
+            hashes.append(checksum)
+    if hashed_ids:
+        conn.execute(
+            _WRITE_INTENTS,
+            {
+                "ids": hashed_ids,
+                "shas": hashes,
+                "run": str(ctx.job_run_id),
+                "reason": _reason(ctx),
+                "tenant": ctx.scope.tenant_id,
+            },
+        )
+    return BatchOutcome(work=work)
+
+
+def hand_over(ctx: BatchContext, work: list[Any]) -> list[Any]:
+    """Between the two transactions: nothing to call; the objects are removed in step 2,
+    while their rows' delete is pending."""
+    return work
+
+
+# ------------------------------------------------------------------------------ step 2: remove
+
+
+def _delete_rows_sql(retention_days: int) -> sa.TextClause:
+    # still eligible (a row changed since step 1 stays) and never a held row; the
+    # tombstone gets the row's legal_hold as this very DELETE returned it
+    return sa.text(
+        f"""
+        WITH gone AS (
+            DELETE FROM temp_file f
+             WHERE f.id = ANY(CAST(:ids AS bigint[])) AND f.tenant_id = :tenant
+               AND f.legal_hold = false AND f.status IN {_TERMINAL_SQL}
+               AND f.created_at >= :start AND f.created_at < :end
+               AND f.created_at < now() - interval '{int(retention_days)} days'
+            RETURNING f.id, f.tenant_id, f.storage_path, f.size_bytes, f.status, f.created_at,
+                      f.legal_hold
+        )
+        INSERT INTO temp_file_tombstone AS t
+               (temp_file_id, tenant_id, storage_path, size_bytes, file_status, file_created_at,
+                legal_hold, job_run_id, reason, selected_at, deleted_at)
+        SELECT id, tenant_id, storage_path, size_bytes, status, created_at, legal_hold,
+               CAST(:run AS uuid), :reason, clock_timestamp(), clock_timestamp()
+          FROM gone
+        ON CONFLICT (temp_file_id) DO UPDATE
+           SET storage_path = EXCLUDED.storage_path, size_bytes = EXCLUDED.size_bytes,
+               file_status = EXCLUDED.file_status, file_created_at = EXCLUDED.file_created_at,
+               legal_hold = EXCLUDED.legal_hold, job_run_id = EXCLUDED.job_run_id,
+               reason = EXCLUDED.reason, deleted_at = EXCLUDED.deleted_at
+        RETURNING t.temp_file_id, t.storage_path, t.size_bytes
+        """
+    )
+
+
+_FORGET_INTENTS = sa.text(
+    "DELETE FROM temp_file_tombstone WHERE temp_file_id = ANY(CAST(:ids AS bigint[])) "
+    "AND deleted_at IS NULL"
+)
+
+
+def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchOutcome:
+    """Step 2: delete the rows still eligible, complete their tombstones, then unlink their
+    objects before the commit."""
+    settings = run_settings(ctx)
+    start, end = ctx.scope.window_bounds()
+    unsafe = [w for w in work if not w["safe"]]
+    safe = {w["id"]: w["storage_path"] for w in work if w["safe"]}
+    gone = (
+        conn.execute(
+            _delete_rows_sql(settings.retention_days),
+            {
+                "ids": list(safe),
+                "tenant": ctx.scope.tenant_id,
+                "start": start,
+                "end": end,
+                "run": str(ctx.job_run_id),
+                "reason": _reason(ctx),
+            },
+        ).all()
+        if safe
+        else []
+    )
+    deleted = {r.temp_file_id for r in gone}
+    # rows that changed since step 1 (e.g. put on hold) stay with their objects; their
+    # intents go, unless the object is missing (evidence of an earlier interrupted removal)
+    kept = [i for i in safe if i not in deleted]
+    intact = [i for i in kept if _exists(object_path(settings.objects_root, safe[i]))]
+    if intact:
+        conn.execute(_FORGET_INTENTS, {"ids": intact})
+    removed = already_gone = removed_bytes = 0
+    for row in sorted(gone, key=lambda r: r.temp_file_id):
+        path = object_path(settings.objects_root, row.storage_path)
+        assert path is not None  # checked safe in step 1 (paths never change)
+        if _remove_object(path):
+            removed += 1
+            removed_bytes += row.size_bytes
+        else:
+            already_gone += 1
+    _crash_point(CRASH_AFTER_OBJECT_DELETE)
+    tally = {"objects_removed": removed, "objects_already_gone": already_gone}
+    if removed_bytes:
+        tally["bytes_removed"] = removed_bytes
+    if kept:
+        tally["changed_since_selection"] = len(kept)
+    if unsafe:
+        tally["unsafe_storage_path"] = len(unsafe)
+    return BatchOutcome(
+        succeeded=len(gone),
+        skipped=len(kept),
+        failed=len(unsafe),
+        failed_items=[(str(w["id"]), "unsafe_storage_path") for w in unsafe],
+        tally=tally,
+    )
+
+
+# ------------------------------------------------------------------------------ outcome
+
+
+def _window(ctx: BatchContext) -> dict[str, Any]:
+    start, end = ctx.scope.window_bounds()
+    return {"tenant": ctx.scope.tenant_id, "start": start, "end": end}
+
+
+def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
+    """Legal holds intact; nothing eligible left past retention + grace; deleted objects gone;
+    the eligible set within the anomaly thresholds."""
+    settings = run_settings(ctx)
+    window = _window(ctx)
+    held_deleted = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM temp_file_tombstone WHERE tenant_id = :tenant "
+            "AND file_created_at >= :start AND file_created_at < :end "
+            "AND deleted_at IS NOT NULL AND legal_hold"
+        ),
+        window,
+    ).scalar_one()
+    guard = conn.execute(
+        sa.text(
+            "SELECT tgenabled FROM pg_trigger WHERE tgname = :name "
+            "AND tgrelid = CAST('temp_file' AS regclass)"
+        ),
+        {"name": GUARD_TRIGGER},
+    ).scalar()
+    guard_enforced = guard in ("O", "A")  # fires in ordinary sessions
+    # a held row that a removal had been decided for, and whose object is gone
+    held_with_intent = conn.execute(
+        sa.text(
+            "SELECT f.storage_path FROM temp_file f JOIN temp_file_tombstone t "
+            "ON t.temp_file_id = f.id WHERE f.tenant_id = :tenant "
+            "AND f.created_at >= :start AND f.created_at < :end AND f.legal_hold"
+        ),
+        window,
+    ).scalars()
+    held_bytes_lost = sum(
+        1 for p in held_with_intent if not _exists(object_path(settings.objects_root, p))
+    )
+    overdue = conn.execute(
+        sa.text(
+            f"SELECT count(*) FROM temp_file WHERE tenant_id = :tenant "
+            f"AND legal_hold = false AND status IN {_TERMINAL_SQL} "
+            f"AND created_at >= :start AND created_at < :end "
+            f"AND created_at < now() - interval '{settings.retention_days + GRACE_DAYS} days'"
+        ),
+        window,
+    ).scalar_one()
+    deleted_paths = conn.execute(
+        sa.text(
+            "SELECT t.storage_path FROM temp_file_tombstone t WHERE t.tenant_id = :tenant "
+            "AND t.file_created_at >= :start AND t.file_created_at < :end "
+            "AND t.deleted_at IS NOT NULL "
+            "AND NOT EXISTS (SELECT 1 FROM temp_file f WHERE f.storage_path = t.storage_path)"
+        ),
+        window,
+    ).scalars()
+    leftover = sum(1 for p in deleted_paths if _exists(object_path(settings.objects_root, p)))
+    measure = measure_anomaly(conn, ctx)
+    return [
+        OutcomeCheck(
+            "no_legal_hold_removed",
+            held_deleted == 0 and guard_enforced and held_bytes_lost == 0,
+            "no file on legal hold was deleted (tombstones, the database guard, held objects)",
+            {
+                "held_rows_deleted": held_deleted,
+                "guard_trigger_enforced": guard_enforced,
+                "held_objects_removed": held_bytes_lost,
+            },
+        ),
+        OutcomeCheck(
+            "nothing_eligible_past_grace",
+            overdue == 0,
+            f"no deletable file of the window is past retention plus {GRACE_DAYS} day of grace",
+            {"overdue_files": overdue, "retention_days": settings.retention_days},
+        ),
+        OutcomeCheck(
+            "deleted_objects_gone",
+            leftover == 0,
+            "every file the job deleted has no stored object left",
+            {"objects_left": leftover},
+        ),
+        OutcomeCheck(
+            "eligible_within_anomaly_threshold",
+            not measure.breaches(),
+            "what is eligible now stays within the anomaly thresholds",
+            measure.as_metadata(),
+        ),
+    ]
+
+
+def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
+    """Seconds since the oldest eligible file of the window passed retention."""
+    oldest = sa.func.min(temp_file.c.created_at) + _retention(ctx)
+    value = conn.execute(
+        sa.select(sa.func.extract("epoch", sa.func.now() - oldest)).where(*_eligible_where(ctx))
+    ).scalar()
+    return float(value) if value is not None else None
+
+
+SPEC = JobSpec(
+    name="temp_file_cleanup",
+    kind="cleanup",
+    description=(
+        "Delete temp files past retention (row and stored object, tombstoned), never one on "
+        "legal hold; stop on an anomalous amount; per tenant and creation day"
+    ),
+    partitioning="tenant_day",
+    eligible=eligible_files,
+    transition=decide_batch,
+    external=hand_over,
+    record=remove_batch,
+    check=check_cleanup,
+    lag=overdue_seconds,
+    outcome_asset="temp_files",
+    checks=(
+        CheckSpec("no_legal_hold_removed", "No file on legal hold was ever deleted"),
+        CheckSpec(
+            "nothing_eligible_past_grace",
+            "No deletable file of the window is past retention plus grace",
+        ),
+        CheckSpec(
+            "deleted_objects_gone",
+            "Every file the job deleted has no stored object left",
+            blocking=False,
+        ),
+        CheckSpec(
+            "eligible_within_anomaly_threshold",
+            "What is eligible stays within the anomaly thresholds",
+            blocking=False,
+        ),
+    ),
+    cron_schedule="15 3 * * *",
+    defaults=JobDefaults(batch_size=200),  # each batch hashes its objects inside step 1
+    destructive=True,
+)
+
+__all__ = [
+    "SPEC",
+    "AnomalyThreshold",
+    "CleanupConfigError",
+    "CleanupSettings",
+    "ObjectStoreError",
+    "settings_from_env",
+]
