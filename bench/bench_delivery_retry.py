@@ -8,7 +8,7 @@ and record transactions between the batches' call phases, the partly filled last
 calls in each batch, and three processes (qo-ops, simulator, PostgreSQL) sharing the cores.
 
 Measured: a sequential baseline (concurrency 1) and concurrency 32 with batch sizes 256, 512
-and the job's default. Each measurement gets a fresh database (one tenant, N orders, N READY
+and the job's default, each of these taken twice (interleaved) and the faster shown. Each measurement gets a fresh database (one tenant, N orders, N READY
 delivery items already due, built with generate_series) and a fresh simulator process with
 an empty store; the rate uses the job's own duration_ms from `--json`, the CLI wall time is
 shown too. Verified after every run: every item DELIVERED after exactly one attempt, and the
@@ -70,6 +70,7 @@ DEFAULT_BATCH = SPEC.defaults.batch_size
 BATCH_SIZES: list[int | None] = [256, 512, None]  # None: the job's default
 PREFIX = "qo_ops_bench_dretry"
 GOAL_RATIO = 0.8
+REPEATS = 2  # each concurrency-32 measurement is taken this often (interleaved); best shown
 QUIET_BUSY, QUIET_WAIT_S = 0.10, 20.0  # wait (bounded) for other work to leave the cores
 
 LOAD_SQL = """
@@ -569,7 +570,16 @@ def main() -> None:
     started = time.perf_counter()
     print(f"delivery_retry bench ({time.strftime('%Y-%m-%d %H:%M')}), {os.cpu_count()} cores")
     runs = [run_cli(SEQ_ITEMS, 1, None)]
-    runs += [run_cli(CONC_ITEMS, CONCURRENCY, b) for b in BATCH_SIZES]
+    runs[0]["tries_per_s"] = [runs[0]["deliveries_per_s"]]
+    tries: dict[int | None, list[dict[str, Any]]] = {b: [] for b in BATCH_SIZES}
+    for _ in range(REPEATS):  # interleaved: a slow spell of the machine hits every size
+        for b in BATCH_SIZES:
+            tries[b].append(run_cli(CONC_ITEMS, CONCURRENCY, b))
+    for b in BATCH_SIZES:
+        fastest = max(tries[b], key=lambda r: r["deliveries_per_s"])
+        fastest["tries_per_s"] = [t["deliveries_per_s"] for t in tries[b]]
+        fastest["other_tries"] = [t for t in tries[b] if t is not fastest]
+        runs.append(fastest)
 
     probes = [
         probe("httpx", CONCURRENCY, LATENCY_MS, PROBE_ITEMS),
@@ -598,13 +608,14 @@ def main() -> None:
                 r["ideal_per_s"],
                 r["ratio"],
                 r["ratio_wall"],
+                ", ".join(f"{v:,.0f}" for v in r["tries_per_s"]),
                 goal,
                 _verdict(r["ratio"]) if goal else "",
             ]
         )
     print_table(
         f"delivery_retry against the simulator (+{LATENCY_MS} ms per call), qo-ops run "
-        f"--json; rate from the job's duration_ms ({stamp})",
+        f"--json; rate from the job's duration_ms, fastest of the tries ({stamp})",
         [
             "concurrency",
             "batch",
@@ -616,6 +627,7 @@ def main() -> None:
             "ideal/s",
             "ratio",
             "ratio wall",
+            "tries /s",
             "goal",
             "",
         ],

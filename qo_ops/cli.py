@@ -44,13 +44,15 @@ db_app = typer.Typer(help="Create, upgrade or downgrade the qo-ops schema.", no_
 app.add_typer(db_app, name="db")
 
 
-def _register_downstream() -> None:
+def _register_subcommands() -> None:
     from qo_ops.downstream.cli import downstream_app
+    from qo_ops.jobs.archive_cli import archive_app
 
     app.add_typer(downstream_app, name="downstream")
+    app.add_typer(archive_app, name="archive")
 
 
-_register_downstream()
+_register_subcommands()
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 

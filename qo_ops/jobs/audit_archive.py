@@ -269,6 +269,13 @@ def _write_file(path: Path, data: bytes) -> None:
         _fsync_dir(directory.parent)
 
 
+def _sha256_or_none(path: Path) -> str | None:
+    try:
+        return sha256_of(path)
+    except OSError:
+        return None
+
+
 def sha256_of(path: Path) -> str:
     """sha256 of a file's bytes."""
     h = hashlib.sha256()
@@ -397,6 +404,7 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
     by_day: dict[date, list[tuple[Any, ...]]] = {}
     for row in rows:
         by_day.setdefault(row.day, []).append(tuple(row)[: len(COLUMNS)])
+    del rows  # one copy of a batch in memory is enough
     chunks = []
     for day, day_rows in by_day.items():
         day_start, day_end = _day_bounds(day)
@@ -665,6 +673,9 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
                 result.ok, result.reason = False, "source ids differ from the file's"
             elif rows_digest(source) != result.rows_digest:
                 result.ok, result.reason = False, "source rows differ from the file's"
+            elif _sha256_or_none(resolve_path(chunk.file_path)) != chunk.sha256:
+                # the file is still the bytes that were verified, right before the delete
+                result.ok, result.reason = False, "file changed after verification"
         if result.ok:
             verified = conn.execute(
                 sa.text(
@@ -683,7 +694,8 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
                 ),
                 {"ids": result.ids, "t": chunk.tenant_id},
             ).rowcount
-            assert deleted == len(result.ids), "locked rows vanished"  # rolls the batch back
+            if deleted != len(result.ids):  # cannot happen under the row locks; never half
+                raise ArchiveError(f"archive {chunk.manifest_id}: locked source rows vanished")
             outcome.succeeded += deleted
             tally("archives_verified")
         else:
@@ -760,12 +772,7 @@ def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
 
     mismatched: list[str] = []
     for m in manifests:
-        path = resolve_path(m.file_path)
-        try:
-            ok = sha256_of(path) == m.sha256
-        except OSError:
-            ok = False
-        if not ok:
+        if _sha256_or_none(resolve_path(m.file_path)) != m.sha256:
             mismatched.append(str(m.id))
     return [
         OutcomeCheck(
@@ -940,13 +947,6 @@ def restore_day(
 
 # ------------------------------------------------------------------------ the job
 
-# ``validate_settings`` (checked before anything is written) is used where the platform has it.
-_SETTINGS_HOOK: dict[str, Any] = (
-    {"validate_settings": retention_days}
-    if "validate_settings" in getattr(JobSpec, "__dataclass_fields__", {})
-    else {}
-)
-
 SPEC = JobSpec(
     name=JOB_NAME,
     kind="archive",
@@ -975,5 +975,5 @@ SPEC = JobSpec(
     cron_schedule="15 3 * * *",
     defaults=JobDefaults(batch_size=MAX_ROWS_PER_FILE),
     destructive=True,
-    **_SETTINGS_HOOK,
+    validate_settings=retention_days,
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from qo_ops.errors import BadInput
 from qo_ops.jobs import (
     abandoned_checkout_close,
+    audit_archive,
     catalog_cache_refresh,
     delivery_retry,
     notification_publish,
@@ -25,6 +26,7 @@ CATALOG: dict[str, JobSpec] = {
         order_reconciliation.SPEC,
         read_model_repair.SPEC,
         pricing_snapshot_recalculation.SPEC,
+        audit_archive.SPEC,
         catalog_cache_refresh.SPEC,
         abandoned_checkout_close.SPEC,
     )

@@ -3,7 +3,8 @@ object; every removal leaves a tombstone; a run that would remove an anomalous a
 before removing anything.
 
 **Eligible**: the tenant's files *created* in the window, older than the retention
-(``QO_OPS_TEMP_FILE_RETENTION_DAYS``, default 7, read when the run starts), in a terminal
+(``QO_OPS_TEMP_FILE_RETENTION_DAYS``, default 7, read when the run starts; a bad value of
+any cleanup setting is refused before anything is written), in a terminal
 status (COMPLETED, FAILED_TERMINAL) and not on legal hold; oldest first, on the partial index
 ``ix_temp_file_cleanup`` (its predicate is written as SQL literals so every plan can use it).
 Stored objects live under ``QO_OPS_HOME/objects/<storage_path>``.
@@ -108,6 +109,7 @@ TERMINAL: list[sa.ColumnElement[str]] = [
 _TERMINAL_SQL = "('COMPLETED', 'FAILED_TERMINAL')"
 _SETTINGS_KEY = "temp_file_cleanup.settings"
 _GATE_KEY = "temp_file_cleanup.gate"
+_REFUSED_KEY = "temp_file_cleanup.refused"  # ids this run will not take again
 
 
 class AnomalyThreshold(Exception):
@@ -259,12 +261,27 @@ def _eligible_where(ctx: BatchContext) -> list[sa.ColumnElement[bool]]:
 
 def eligible_files(ctx: BatchContext) -> sa.Select[Any]:
     """The tenant's terminal, unheld files created in the window and past retention,
-    oldest first (ix_temp_file_cleanup)."""
-    return (
+    oldest first (ix_temp_file_cleanup).
+
+    Within a run, each batch starts after the last one (``position``), so it does not walk
+    the index entries earlier batches left dead (the runner ends with one pass from the
+    start), and a file this run could not handle (an unsafe storage path) is not taken again.
+    """
+    query = (
         sa.select(temp_file.c.id)
         .where(*_eligible_where(ctx))
         .order_by(temp_file.c.created_at, temp_file.c.id)
     )
+    refused = ctx.params.get(_REFUSED_KEY)
+    if refused:
+        query = query.where(temp_file.c.id.not_in(sorted(refused)))
+    position = ctx.params.get("position")
+    if position:
+        query = query.where(
+            sa.tuple_(temp_file.c.created_at, temp_file.c.id)
+            > sa.tuple_(sa.literal(position["created_at"]), sa.literal(position["id"]))
+        )
+    return query
 
 
 @dataclass(frozen=True)
@@ -303,7 +320,7 @@ def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
     """How much of the tenant the scope's eligible set is."""
     settings = run_settings(ctx)
     eligible = conn.execute(
-        sa.select(sa.func.count()).select_from(eligible_files(ctx).order_by(None).subquery())
+        sa.select(sa.func.count()).select_from(temp_file).where(*_eligible_where(ctx))
     ).scalar_one()
     total = conn.execute(
         sa.select(sa.func.count())
@@ -387,7 +404,7 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
         _anomaly_gate(conn, ctx)
         ctx.params.setdefault(_GATE_KEY, "passed")
     files = conn.execute(
-        sa.select(temp_file.c.id, temp_file.c.storage_path)
+        sa.select(temp_file.c.id, temp_file.c.storage_path, temp_file.c.created_at)
         .where(temp_file.c.id.in_(list(ids)), temp_file.c.tenant_id == ctx.scope.tenant_id)
         .order_by(temp_file.c.created_at, temp_file.c.id)
     ).all()
@@ -397,7 +414,9 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
     for f in files:
         path = object_path(settings.objects_root, f.storage_path)
         safe, checksum = _sha256(path) if path is not None else (False, None)
-        work.append({"id": f.id, "storage_path": f.storage_path, "safe": safe})
+        work.append(
+            {"id": f.id, "storage_path": f.storage_path, "created_at": f.created_at, "safe": safe}
+        )
         if safe:
             hashed_ids.append(f.id)
             hashes.append(checksum)
@@ -506,7 +525,10 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
         tally["changed_since_selection"] = len(kept)
     if unsafe:
         tally["unsafe_storage_path"] = len(unsafe)
+        ctx.params.setdefault(_REFUSED_KEY, set()).update(w["id"] for w in unsafe)
+    last = work[-1] if work else None
     return BatchOutcome(
+        position={"created_at": last["created_at"], "id": last["id"]} if last else None,
         succeeded=len(gone),
         skipped=len(kept),
         failed=len(unsafe),
@@ -649,6 +671,7 @@ SPEC = JobSpec(
             blocking=False,
         ),
     ),
+    validate_settings=settings_from_env,  # a bad setting is refused before anything is written
     cron_schedule="15 3 * * *",
     defaults=JobDefaults(batch_size=200),  # each batch hashes its objects inside step 1
     destructive=True,

@@ -20,8 +20,12 @@ def loaded(db):
 
 
 @pytest.fixture
-def defs(loaded, downstream, monkeypatch):
+def defs(loaded, downstream, monkeypatch, tmp_path):
     monkeypatch.setenv("QO_OPS_DATABASE_URL", loaded.env_url)
+    monkeypatch.setenv(
+        "QO_OPS_HOME", str(tmp_path)
+    )  # archives and objects land in the test's folder
+    monkeypatch.setenv("QO_OPS_AUDIT_RETENTION_DAYS", "90")  # so 2026 partitions have audit work
     monkeypatch.setenv(
         "QO_OPS_DOWNSTREAM_URL", downstream.url
     )  # jobs that call the fulfilment system

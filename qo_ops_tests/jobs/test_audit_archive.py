@@ -333,6 +333,46 @@ def test_source_rows_changed_before_the_delete_fail_verification(seeded, home, m
     assert len(_day_ids(db.engine)) == before
 
 
+def test_a_file_changed_between_verification_and_delete_is_caught(seeded, home, monkeypatch):
+    """The delete transaction hashes the file once more: what is deleted is what verified."""
+    db = seeded
+    original = _audit_digest(db.engine)
+    real_verify = audit_archive.verify_file
+
+    def verify_then_tamper(chunk, sha):
+        result = real_verify(chunk, sha)
+        path = home / chunk.file_path
+        raw = bytearray(path.read_bytes())
+        raw[10] ^= 0x01
+        path.write_bytes(bytes(raw))
+        return result
+
+    monkeypatch.setattr(audit_archive, "verify_file", verify_then_tamper)
+    failed = _execute(db.engine, batch_size=500)
+    assert (failed.status, failed.error_code) == ("failed", "archive_verification_failed")
+    assert "file changed after verification" in (failed.error_text or "")
+    assert _statuses(db.engine) == {"FAILED": 1}
+    assert _audit_digest(db.engine) == original
+
+
+def test_lag_is_the_age_of_the_oldest_record_past_retention(seeded, home):
+    db = seeded
+    ctx = BatchContext(SPEC.name, WINDOW, "dry_run", uuid.uuid4())
+    with db.engine.connect() as conn:
+        lag = SPEC.lag(conn, ctx)
+        oldest = conn.scalar(
+            sa.text(
+                "SELECT extract(epoch FROM now() - interval '365 days' - min(occurred_at)) "
+                "FROM audit_record WHERE tenant_id = :t AND occurred_at >= :s AND occurred_at < :e"
+            ),
+            {"t": TENANT, "s": WINDOW.window_bounds()[0], "e": WINDOW.window_bounds()[1]},
+        )
+    assert lag is not None and abs(lag - float(oldest)) < 5
+    _execute(db.engine)
+    with db.engine.connect() as conn:
+        assert SPEC.lag(conn, ctx) is None
+
+
 def test_checks_catch_a_record_in_both_places_and_a_tampered_file(seeded, home):
     db = seeded
     done = _execute(db.engine, batch_size=500)
@@ -379,7 +419,7 @@ def test_a_window_of_several_days_archives_one_file_set_per_day(seeded, home):
     assert days == [DAY - timedelta(days=1), DAY, DAY + timedelta(days=1)]
     assert {p.parent.name for p in _files(home)} == {d.isoformat() for d in days}
     assert all(_checks(done).values())
-    assert _checks(done) and done.checks[0].metadata["archived_records"] == ROWS_ON_DAY + 3
+    assert done.checks[0].metadata["archived_records"] == ROWS_ON_DAY + 3
 
 
 def test_orphans_and_temp_files_are_swept_only_when_old(seeded, home):

@@ -456,6 +456,15 @@ def test_bad_settings_are_refused_by_name(monkeypatch, home):
     assert settings.objects_root == home / "objects"
 
 
+def test_a_run_with_a_bad_setting_is_refused_before_anything_is_written(db, home, monkeypatch):
+    monkeypatch.setenv(tfc.RETENTION_ENV, "seven")
+    before = scalar(db.engine, "SELECT count(*) FROM job_run")
+    for mode in ("dry_run", "execute"):
+        with pytest.raises(tfc.CleanupConfigError, match=tfc.RETENTION_ENV):
+            run(db.engine, window(*MIXED), mode=mode)
+    assert scalar(db.engine, "SELECT count(*) FROM job_run") == before
+
+
 # ------------------------------------------------------------------------- crashes and faults
 
 
