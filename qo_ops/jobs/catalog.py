@@ -14,6 +14,7 @@ from qo_ops.jobs import (
     pricing_snapshot_recalculation,
     quote_expiration,
     read_model_repair,
+    temp_file_cleanup,
 )
 from qo_ops.platform.spec import JobSpec
 
@@ -27,6 +28,7 @@ CATALOG: dict[str, JobSpec] = {
         read_model_repair.SPEC,
         pricing_snapshot_recalculation.SPEC,
         audit_archive.SPEC,
+        temp_file_cleanup.SPEC,
         catalog_cache_refresh.SPEC,
         abandoned_checkout_close.SPEC,
     )

@@ -29,6 +29,7 @@ from qo_ops.jobs import temp_file_cleanup as tfc
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.jobs.temp_file_cleanup import SPEC
 from qo_ops.platform.runner import RunSummary, run_job
+from qo_ops.platform.runs import reap_orphans
 from qo_ops.platform.spec import BatchContext, RunOptions, Scope
 from qo_ops_tests.conftest import base_env, run_cli
 
@@ -542,14 +543,17 @@ def test_sigkill_then_rerun_converges(loaded, point, objects_gone, intents):
     assert rerun.tally["objects_already_gone"] == objects_gone
     assert failed_checks(rerun) == []
     # converged, with the original checksums even for the objects the dead run removed
-    crashed = {
-        str(r.id) for r in rows(db.engine, "SELECT id FROM job_run WHERE reason = 'crash test'")
-    }
     assert_consistent(db.engine, home, stored, set(expected), {rerun.job_run_id})
+    # the dead run's record is reaped (by a later run, or `qo-ops reap`), never left running
+    crashed = scalar(db.engine, "SELECT id FROM job_run WHERE reason = 'crash test'")
+    for _ in range(100):
+        if crashed in reap_orphans(db.engine, SPEC.name, grace_s=1) or scalar(
+            db.engine, "SELECT status <> 'running' FROM job_run WHERE id = :id", id=crashed
+        ):
+            break
+        time.sleep(0.1)
     assert rows(
-        db.engine,
-        "SELECT status, status_reason FROM job_run WHERE id = ANY(:ids)",
-        ids=[uuid.UUID(i) for i in crashed],
+        db.engine, "SELECT status, status_reason FROM job_run WHERE id = :id", id=crashed
     ) == [("failed", "orphaned")]
 
 
