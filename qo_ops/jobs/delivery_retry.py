@@ -189,5 +189,5 @@ SPEC = JobSpec(
     ),
     cron_schedule="*/5 * * * *",
     backlog_threshold=500,
-    defaults=JobDefaults(batch_size=200, concurrency=32),
+    defaults=JobDefaults(batch_size=256, concurrency=32),  # a multiple of the concurrency (bench)
 )

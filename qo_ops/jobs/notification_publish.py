@@ -186,5 +186,5 @@ SPEC = JobSpec(
     ),
     cron_schedule="* * * * *",
     backlog_threshold=1000,
-    defaults=JobDefaults(batch_size=200, concurrency=32),
+    defaults=JobDefaults(batch_size=256, concurrency=32),  # a multiple of the concurrency (bench)
 )
