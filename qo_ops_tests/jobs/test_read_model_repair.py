@@ -46,6 +46,13 @@ def test_repairs_exactly_the_drift_of_its_window_and_is_idempotent(db):
     with db.engine.connect() as conn:
         assert database_digest(conn, BUSINESS_TABLES) == before  # dry-run writes nothing
     assert dry.eligible_count == drifted
+    by_kind = dry.checks[0].metadata  # the dry-run says what kind of drift it would repair
+    assert (
+        by_kind["drift_status"] == 1
+        and by_kind["drift_missing"] > 0
+        and by_kind["drift_total_amount"] > 0
+    )
+    assert by_kind["drifted_rows"] == drifted
 
     done = run_job(
         SPEC, WINDOW, RunOptions(mode="execute", reason="test", batch_size=7), engine=db.engine
