@@ -10,7 +10,6 @@ import dataclasses
 import getpass
 import json
 import logging
-import os
 import sys
 import uuid
 import warnings
@@ -20,17 +19,13 @@ from typing import Annotated, Any
 
 import sqlalchemy as sa
 import typer
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from typer._click import exceptions as click_exceptions  # typer vendors click
 
+from qo_ops.cli_support import run_typer_app
 from qo_ops.db import migrate
 from qo_ops.db.engine import DatabaseTarget, ensure_database, get_engine, resolve_target
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
-from qo_ops.errors import EXIT_BAD_INPUT, BadInput, QoOpsError, one_line
+from qo_ops.errors import BadInput, QoOpsError
 from qo_ops.platform.spec import JobSpec, RunOptions, Scope
-
-EXIT_FAILED = 1
-EXIT_INTERNAL = 70
 
 app = typer.Typer(
     name="qo-ops",
@@ -696,41 +691,8 @@ def demo_dagster_command(
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and turn every failure into one line on stderr and an exit code."""
-    command = typer.main.get_command(app)
-    debug = os.environ.get("QO_OPS_DEBUG") == "1"
     warnings.filterwarnings("ignore", message=".*is currently in beta")  # Dagster's own API notes
-    try:
-        result = command.main(args=argv, prog_name="qo-ops", standalone_mode=False)
-        code = result if isinstance(result, int) else 0
-    except typer.Exit as exc:
-        code = exc.exit_code
-    except click_exceptions.UsageError as exc:
-        hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx else ""
-        typer.echo(f"qo-ops: error: {one_line(exc.format_message())}{hint}", err=True)
-        code = EXIT_BAD_INPUT
-    except typer.Abort:
-        typer.echo("qo-ops: aborted", err=True)
-        code = 130
-    except QoOpsError as exc:
-        typer.echo(f"qo-ops: error: {exc}", err=True)
-        code = exc.exit_code
-    except (DBAPIError, SQLAlchemyError) as exc:
-        if debug:
-            raise
-        orig = getattr(exc, "orig", None) or exc
-        first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-        typer.echo(f"qo-ops: database error: {one_line(first)}", err=True)
-        code = EXIT_FAILED
-    except Exception as exc:  # the last line of defence: still one line, still no secrets
-        if debug:
-            raise
-        typer.echo(
-            f"qo-ops: internal error: {type(exc).__name__}: {one_line(str(exc))} "
-            "(QO_OPS_DEBUG=1 shows the traceback)",
-            err=True,
-        )
-        code = EXIT_INTERNAL
-    return code
+    return run_typer_app(app, argv, "qo-ops")
 
 
 def run() -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer._click import exceptions as click_exceptions  # typer vendors click
 
-from qo_ops.errors import EXIT_BAD_INPUT, BadInput, QoOpsError, one_line
+from qo_ops.cli_support import run_typer_app
+from qo_ops.errors import BadInput
 
 STORE_FILE = "downstream.sqlite3"
 PROG = "qo-ops downstream"
@@ -90,20 +90,7 @@ def downstream_command(
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; every failure becomes one line on stderr and an exit code."""
-    command = typer.main.get_command(downstream_app)
-    try:
-        command.main(args=argv, prog_name=PROG, standalone_mode=False)
-        return 0
-    except typer.Exit as exc:
-        return exc.exit_code
-    except click_exceptions.UsageError as exc:
-        typer.echo(f"{PROG}: error: {one_line(exc.format_message())}", err=True)
-        return EXIT_BAD_INPUT
-    except typer.Abort:
-        return 130
-    except QoOpsError as exc:
-        typer.echo(f"{PROG}: error: {exc}", err=True)
-        return exc.exit_code
+    return run_typer_app(downstream_app, argv, PROG)
 
 
 if __name__ == "__main__":
