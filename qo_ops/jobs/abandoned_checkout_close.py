@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import checkout_session
 from qo_ops.errors import ConfigError
+from qo_ops.platform.selection import after_position, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -84,12 +85,12 @@ def idle_checkouts(ctx: BatchContext) -> sa.Select[Any]:
         )
         .order_by(checkout_session.c.last_activity_at, checkout_session.c.id)
     )
-    position = ctx.params.get("position")
-    if position:
-        query = query.where(
-            sa.tuple_(checkout_session.c.last_activity_at, checkout_session.c.id)
-            > sa.tuple_(sa.literal(position["last_activity_at"]), sa.literal(position["id"]))
-        )
+    query = after_position(
+        query,
+        (checkout_session.c.last_activity_at, checkout_session.c.id),
+        ctx.params.get("position"),
+        ("last_activity_at", "id"),
+    )
     return query
 
 
@@ -204,7 +205,7 @@ def oldest_idle_seconds(conn: Connection, ctx: BatchContext) -> float | None:
         ),
         {"tenant": ctx.scope.tenant_id, "hours": _run_idle_hours(ctx)},
     ).scalar()
-    return float(value) if value is not None else None
+    return seconds_or_none(value)
 
 
 SPEC = JobSpec(

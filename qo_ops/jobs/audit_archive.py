@@ -93,6 +93,7 @@ from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.lease import LeaseLost
 from qo_ops.platform.runner import CRASH_ENV
+from qo_ops.platform.selection import seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -819,7 +820,7 @@ def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     value = conn.execute(
         sa.select(sa.func.extract("epoch", _cutoff() - sa.literal(oldest)))
     ).scalar()
-    return float(value) if value is not None else None
+    return seconds_or_none(value)
 
 
 # ------------------------------------------------------------------------ restore

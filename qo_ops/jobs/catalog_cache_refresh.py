@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import catalog_cache, catalog_item
+from qo_ops.platform.selection import seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -122,7 +123,7 @@ def oldest_stale_seconds(conn: Connection, ctx: BatchContext) -> float | None:
         ),
         {"tenant": ctx.scope.tenant_id},
     ).scalar()
-    return float(value) if value is not None else None
+    return seconds_or_none(value)
 
 
 SPEC = JobSpec(

@@ -21,6 +21,7 @@ from qo_ops.db.schema import delivery_attempt_item
 from qo_ops.downstream.calls import call_for_each, outcome_of
 from qo_ops.errors import one_line
 from qo_ops.platform.retry import dispose, policy_from_env
+from qo_ops.platform.selection import seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -165,7 +166,7 @@ def oldest_due_seconds(conn: Connection, ctx: BatchContext) -> float | None:
         ),
         {"tenant": ctx.scope.tenant_id},
     ).scalar()
-    return float(value) if value is not None else None
+    return seconds_or_none(value)
 
 
 SPEC = JobSpec(

@@ -20,6 +20,7 @@ from qo_ops.db.schema import outbox_event
 from qo_ops.downstream.calls import call_for_each, outcome_of
 from qo_ops.errors import one_line
 from qo_ops.platform.retry import dispose, policy_from_env
+from qo_ops.platform.selection import seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -143,7 +144,7 @@ def oldest_unpublished_seconds(conn: Connection, ctx: BatchContext) -> float | N
         ),
         {"tenant": ctx.scope.tenant_id},
     ).scalar()
-    return float(value) if value is not None else None
+    return seconds_or_none(value)
 
 
 def check_outbox(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import quote
+from qo_ops.platform.selection import after_position, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -46,12 +47,9 @@ def eligible_quotes(ctx: BatchContext) -> sa.Select[Any]:
         )
         .order_by(quote.c.expires_at, quote.c.id)
     )
-    position = ctx.params.get("position")
-    if position:
-        query = query.where(
-            sa.tuple_(quote.c.expires_at, quote.c.id)
-            > sa.tuple_(sa.literal(position["expires_at"]), sa.literal(position["id"]))
-        )
+    query = after_position(
+        query, (quote.c.expires_at, quote.c.id), ctx.params.get("position"), ("expires_at", "id")
+    )
     return query
 
 
@@ -147,7 +145,7 @@ def oldest_overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
         ),
         {"tenant": ctx.scope.tenant_id},
     ).scalar()
-    return float(value) if value is not None else None
+    return seconds_or_none(value)
 
 
 SPEC = JobSpec(

@@ -79,6 +79,7 @@ from qo_ops.db.schema import job_run, temp_file
 from qo_ops.errors import ConfigError
 from qo_ops.platform.runner import CRASH_ENV
 from qo_ops.platform.runs import append_audit
+from qo_ops.platform.selection import after_position, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -275,12 +276,12 @@ def eligible_files(ctx: BatchContext) -> sa.Select[Any]:
     refused = ctx.params.get(_REFUSED_KEY)
     if refused:
         query = query.where(temp_file.c.id.not_in(sorted(refused)))
-    position = ctx.params.get("position")
-    if position:
-        query = query.where(
-            sa.tuple_(temp_file.c.created_at, temp_file.c.id)
-            > sa.tuple_(sa.literal(position["created_at"]), sa.literal(position["id"]))
-        )
+    query = after_position(
+        query,
+        (temp_file.c.created_at, temp_file.c.id),
+        ctx.params.get("position"),
+        ("created_at", "id"),
+    )
     return query
 
 
@@ -636,7 +637,7 @@ def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     value = conn.execute(
         sa.select(sa.func.extract("epoch", sa.func.now() - oldest)).where(*_eligible_where(ctx))
     ).scalar()
-    return float(value) if value is not None else None
+    return seconds_or_none(value)
 
 
 SPEC = JobSpec(
