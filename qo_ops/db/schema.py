@@ -37,6 +37,8 @@ def _tenant_fk() -> sa.Column[str]:
 # ---------------------------------------------------------------------------- platform
 
 JOB_RUN_STATUSES = (
+    "awaiting_approval",  # an API request for a destructive execute, held for a second identity
+    "accepted",  # created by the API; the Dagster run adopts it when its op starts
     "running",
     "success",
     "partial_success",
@@ -101,11 +103,19 @@ job_run = sa.Table(
     ),  # job-specific counts
     sa.Column("last_error_code", sa.Text),
     sa.Column("last_error_text", sa.Text),
+    sa.Column("approved_by", sa.Text),  # the second identity that released a held run
+    sa.Column("approved_at", TS),
     _status_check("status", JOB_RUN_STATUSES),
     _status_check("mode", RUN_MODES),
     _status_check("trigger_type", TRIGGER_TYPES),
     sa.Index("ix_job_run_history", "job_name", "scope", sa.text("started_at DESC")),
     sa.Index("ix_job_run_running", "job_name", postgresql_where=sa.text("status = 'running'")),
+    sa.Index(
+        "ix_job_run_active",
+        "job_name",
+        "scope",
+        postgresql_where=sa.text("status IN ('awaiting_approval', 'accepted', 'running')"),
+    ),
 )
 
 # The resume point of a (job, scope); written in the transaction of the batch it follows.
@@ -163,10 +173,58 @@ job_audit = sa.Table(
     sa.Column("decision", sa.Text, nullable=False),
     sa.Column("job_run_id", UUID(as_uuid=True)),
     sa.Column("details", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("request_id", sa.Text),  # the API request this decision answered
+    sa.Column("client_address", sa.Text),
     sa.Index("ix_job_audit_job", "job_name", "occurred_at"),
+    sa.Index("ix_job_audit_actor", "actor", "occurred_at"),
 )
 
-PLATFORM_TABLES = (job_lease, job_run, job_checkpoint, outbox_event, job_audit)
+API_ROLES = ("viewer", "operator", "approver")
+
+# Bearer tokens of the operator API: only a SHA-256 of the secret part is stored. The token
+# a client holds is ``qoops_<id>_<secret>``; ``id`` finds the row, the secret proves it.
+api_token = sa.Table(
+    "api_token",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("identity", sa.Text, nullable=False),
+    sa.Column("roles", sa.ARRAY(sa.Text), nullable=False),
+    sa.Column("tenant_id", sa.Text),  # NULL: every tenant
+    sa.Column("secret_sha256", sa.Text, nullable=False),
+    sa.Column("created_at", TS, nullable=False, server_default=NOW),
+    sa.Column("created_by", sa.Text, nullable=False),
+    sa.Column("expires_at", TS, nullable=False),
+    sa.Column("revoked_at", TS),
+    sa.CheckConstraint("id ~ '^[0-9a-f]{16}$'", name="id_format"),
+    sa.CheckConstraint("secret_sha256 ~ '^[0-9a-f]{64}$'", name="secret_sha256_format"),
+    sa.CheckConstraint(
+        "cardinality(roles) > 0 AND roles <@ ARRAY['viewer', 'operator', 'approver']::text[]",
+        name="roles_known",
+    ),
+    sa.Index("ix_api_token_identity", "identity"),
+)
+
+# Idempotent submission: one (identity, Idempotency-Key) names one run, for a day at least.
+api_idempotency = sa.Table(
+    "api_idempotency",
+    metadata,
+    sa.Column("identity", sa.Text, primary_key=True),
+    sa.Column("idempotency_key", sa.Text, primary_key=True),
+    sa.Column("request_sha256", sa.Text, nullable=False),
+    sa.Column("job_run_id", UUID(as_uuid=True), nullable=False),
+    sa.Column("created_at", TS, nullable=False, server_default=NOW),
+    sa.Index("ix_api_idempotency_created", "created_at"),
+)
+
+PLATFORM_TABLES = (
+    job_lease,
+    job_run,
+    job_checkpoint,
+    outbox_event,
+    job_audit,
+    api_token,
+    api_idempotency,
+)
 
 # ---------------------------------------------------------------------------- business
 

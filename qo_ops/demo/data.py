@@ -603,8 +603,10 @@ def _existing_tenant_numbers(conn: Connection) -> list[int]:
 
 
 def reset_demo_data(conn: Connection) -> None:
-    """Empty every business and platform table except the append-only audit trail."""
-    names = [t.name for t in BUSINESS_TABLES + PLATFORM_TABLES if t.name != "job_audit"]
+    """Empty every business and platform table except the append-only audit trail and the
+    API's tokens (credentials outlive demo data)."""
+    keep = ("job_audit", "api_token")
+    names = [t.name for t in BUSINESS_TABLES + PLATFORM_TABLES if t.name not in keep]
     conn.execute(sa.text(f"TRUNCATE {', '.join(names)} RESTART IDENTITY CASCADE"))
 
 
