@@ -40,9 +40,11 @@ app.add_typer(db_app, name="db")
 
 
 def _register_subcommands() -> None:
+    from qo_ops.api.cli import api_app
     from qo_ops.downstream.cli import downstream_app
     from qo_ops.jobs.archive_cli import archive_app
 
+    app.add_typer(api_app, name="api")
     app.add_typer(downstream_app, name="downstream")
     app.add_typer(archive_app, name="archive")
 
@@ -415,7 +417,16 @@ def status_command(
         return
     print_table(
         "job status",
-        ["job", "scope", "last run", "status", "last success", "lease holder", "backlog"],
+        [
+            "job",
+            "scope",
+            "last run",
+            "status",
+            "last success",
+            "lease holder",
+            "backlog",
+            "checkpoint age",
+        ],
         [
             [
                 r.job_name,
@@ -425,6 +436,7 @@ def status_command(
                 _when(r.last_success_at),
                 r.lease_holder or "-",
                 "-" if r.backlog is None else r.backlog,
+                "-" if r.checkpoint_age_s is None else f"{r.checkpoint_age_s:.0f} s",
             ]
             for r in rows
         ],
@@ -492,7 +504,7 @@ def cancel_command(
     requester: Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")] = None,
 ) -> None:
     """Ask a running run to stop after its current batch (it ends `cancelled`)."""
-    from qo_ops.platform.runs import request_cancel
+    from qo_ops.platform.runs import UNSTARTED_STATUSES, request_cancel
 
     try:
         parsed = uuid.UUID(run_id)
@@ -503,9 +515,12 @@ def cancel_command(
     engine = get_engine()
     migrate.require_current(engine)
     status = request_cancel(engine, parsed, _requester(requester), reason)
-    typer.echo(
-        "cancel requested" if status == "running" else f"run is already {status}; nothing to cancel"
-    )
+    if status == "running":
+        typer.echo("cancel requested")
+    elif status in UNSTARTED_STATUSES:
+        typer.echo(f"run was {status}; cancelled before it started")
+    else:
+        typer.echo(f"run is already {status}; nothing to cancel")
 
 
 @app.command("requeue")

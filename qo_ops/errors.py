@@ -13,8 +13,15 @@ _URL_PASSWORD = re.compile(
 _KV_PASSWORD = re.compile(r"(password\s*=\s*)('[^']*'|\S+)", re.I)
 
 
+_API_TOKEN = re.compile(r"(qoops_[0-9a-f]{16}_)[A-Za-z0-9_-]+")
+_BEARER = re.compile(r"(?i)(bearer\s+)[^\s,;\"']+")
+
+
 def redact(text: str) -> str:
-    """Return ``text`` with passwords in URLs and ``password=`` pairs replaced by ``***``."""
+    """Return ``text`` with passwords in URLs, ``password=`` pairs and API bearer tokens
+    replaced by ``***``."""
+    text = _API_TOKEN.sub(lambda m: f"{m.group(1)}***", text)
+    text = _BEARER.sub(lambda m: f"{m.group(1)}***", text)
     text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
     return _KV_PASSWORD.sub(lambda m: f"{m.group(1)}***", text)
 

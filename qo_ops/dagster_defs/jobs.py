@@ -2,6 +2,7 @@
 and its typed config into a ``run_job`` call, and reports what the runner returned."""
 
 import enum
+import uuid
 from collections.abc import Iterator
 
 # (no `from __future__ import annotations`: Dagster reads these annotations at decoration time)
@@ -11,6 +12,7 @@ import dagster as dg
 from pydantic import Field
 
 from qo_ops.dagster_defs.partitions import (
+    JOB_RUN_TAG,
     MODE_TAG,
     REASON_TAG,
     partitions_def_for,
@@ -18,7 +20,8 @@ from qo_ops.dagster_defs.partitions import (
     scope_tag,
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
-from qo_ops.errors import QoOpsError
+from qo_ops.errors import BadInput, QoOpsError
+from qo_ops.platform import runs
 from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.spec import (
     MAX_BATCH_SIZE,
@@ -28,6 +31,7 @@ from qo_ops.platform.spec import (
     MAX_THROTTLE_MS,
     JobSpec,
     RunOptions,
+    Scope,
     Trigger,
 )
 
@@ -77,6 +81,8 @@ class JobRunConfig(dg.Config):
 
 def trigger_from_tags(tags: dict[str, str]) -> Trigger:
     """How this Dagster run came about, from the tags Dagster puts on it."""
+    if JOB_RUN_TAG in tags:
+        return "api"
     if "dagster/backfill" in tags:
         return "backfill"
     if "dagster/schedule_name" in tags:
@@ -125,6 +131,50 @@ def summary_metadata(summary: RunSummary) -> dict[str, Any]:
     return {k: data[k] for k in keys if data[k] is not None}
 
 
+def _adopted(
+    spec: JobSpec, engine: Any, job_run_tag: str, context: dg.OpExecutionContext
+) -> tuple[Scope, RunOptions]:
+    """Scope and options of a run the operator API accepted: its job_run row is the source
+    of truth (validated and audited when it was accepted); the partition must agree."""
+    try:
+        run_id = uuid.UUID(job_run_tag)
+    except ValueError:
+        raise BadInput(f"tag {JOB_RUN_TAG} is not a job run id") from None
+    accepted = runs.load_accepted(engine, run_id, spec.name)
+    partition = scope_from_partition_key(spec, context.partition_key)
+    if partition.tenant_id != accepted.scope.tenant_id or (
+        partition.window_start is not None and partition.window_start != accepted.scope.window_start
+    ):
+        raise BadInput(
+            f"partition {context.partition_key} does not match accepted run {run_id} "
+            f"({accepted.scope.key})"
+        )
+    limits = accepted.options
+    options = RunOptions(
+        mode=accepted.mode,  # type: ignore[arg-type]
+        trigger="api",
+        batch_size=limits.get("batch_size"),
+        max_items=limits.get("max_items"),
+        throttle_ms=limits.get("throttle_ms"),
+        requester=accepted.requester,
+        reason=accepted.reason,
+        correlation_id=accepted.correlation_id or context.run_id,
+        dagster_run_id=context.run_id,
+        job_run_id=run_id,
+        progress_interval_s=10.0,
+    )
+    return accepted.scope, options
+
+
+def _refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
+    try:
+        run_id = uuid.UUID(job_run_tag)
+    except ValueError:
+        return
+    with engine.begin() as conn:
+        runs.finish_unstarted(conn, run_id, "failed", "refused_at_start", "bad_input", str(exc))
+
+
 def build_job(spec: JobSpec) -> dg.JobDefinition:
     """The Dagster job of ``spec``: partitioned, one op, in-process executor."""
     partitions_def = partitions_def_for(spec)
@@ -136,24 +186,29 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
     ) -> Iterator[Any]:
         tags = dict(context.run.tags)
         trigger = trigger_from_tags(tags)
-        scope = scope_from_partition_key(spec, context.partition_key)
-        mode = resolve_mode(config, tags, trigger)
-        options = RunOptions(
-            mode=mode,  # type: ignore[arg-type]
-            trigger=trigger,
-            batch_size=config.batch_size,
-            max_items=config.max_items,
-            throttle_ms=config.throttle_ms,
-            deadline_s=config.deadline_s,
-            requester=tags.get("dagster/user") or f"dagster:{trigger}",
-            reason=config.reason or tags.get(REASON_TAG),
-            correlation_id=context.run_id,
-            dagster_run_id=context.run_id,
-            progress_interval_s=10.0,
-        )
+        engine = database.engine()
         try:
-            summary = run_job(spec, scope, options, engine=database.engine())
+            if trigger == "api":
+                scope, options = _adopted(spec, engine, tags[JOB_RUN_TAG], context)
+            else:
+                scope = scope_from_partition_key(spec, context.partition_key)
+                options = RunOptions(
+                    mode=resolve_mode(config, tags, trigger),  # type: ignore[arg-type]
+                    trigger=trigger,
+                    batch_size=config.batch_size,
+                    max_items=config.max_items,
+                    throttle_ms=config.throttle_ms,
+                    deadline_s=config.deadline_s,
+                    requester=tags.get("dagster/user") or f"dagster:{trigger}",
+                    reason=config.reason or tags.get(REASON_TAG),
+                    correlation_id=context.run_id,
+                    dagster_run_id=context.run_id,
+                    progress_interval_s=10.0,
+                )
+            summary = run_job(spec, scope, options, engine=engine)
         except QoOpsError as exc:  # bad input: refused before anything was written
+            if trigger == "api":  # the accepted row must not wait forever
+                _refuse_accepted(engine, tags[JOB_RUN_TAG], exc)
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         context.log.info(
             f"{spec.name} {scope.key} {summary.mode}: {summary.status}"

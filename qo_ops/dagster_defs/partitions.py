@@ -24,6 +24,9 @@ tenant_day_partitions_def = dg.MultiPartitionsDefinition(
 SCOPE_TAG = "qo_ops/scope"  # one job × scope at a time: see tag_concurrency_limits in dagster.yaml
 MODE_TAG = "qo_ops/mode"  # backfills take no run config (dagster#10079): the op reads this tag
 REASON_TAG = "qo_ops/reason"
+JOB_RUN_TAG = "qo_ops/job_run_id"  # a run the operator API accepted: the op adopts its row
+REQUESTER_TAG = "qo_ops/requester"
+WINDOW_TAG = "qo_ops/window"
 
 
 def partitions_def_for(spec: JobSpec) -> dg.PartitionsDefinition:

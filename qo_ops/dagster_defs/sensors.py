@@ -16,10 +16,15 @@ import dagster as dg
 import sqlalchemy as sa
 from dagster._utils.schedules import cron_string_iterator
 
-from qo_ops.dagster_defs.partitions import SCOPE_TAG, scope_tag, tenants_partitions_def
+from qo_ops.dagster_defs.partitions import (
+    JOB_RUN_TAG,
+    SCOPE_TAG,
+    scope_tag,
+    tenants_partitions_def,
+)
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import one_line
-from qo_ops.platform.runs import append_audit
+from qo_ops.platform.runs import append_audit, finish_unstarted
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope
 
 MAX_TENANTS_PER_TICK = 200  # a tick touches at most this many tenants; the cursor rotates
@@ -195,6 +200,13 @@ def build_checkpoint_age_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition
     return checkpoint_age_sensor
 
 
+def _job_run_id(tag: str | None) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(tag) if tag else None
+    except ValueError:
+        return None
+
+
 @dg.run_failure_sensor(name="run_failure_recorder", default_status=dg.DefaultSensorStatus.RUNNING)
 def run_failure_recorder(context: dg.RunFailureSensorContext, database: QoOpsDatabase) -> None:
     """Record each failed catalog run in the audit trail (and the log), with its scope, so a
@@ -205,6 +217,9 @@ def run_failure_recorder(context: dg.RunFailureSensorContext, database: QoOpsDat
         f"run {run.run_id} of {run.job_name} failed ({run.tags.get(SCOPE_TAG, '?')}): {message}"
     )
     with database.engine().begin() as conn:
+        accepted = _job_run_id(run.tags.get(JOB_RUN_TAG))
+        if accepted is not None:  # an API run that failed before its op adopted the row
+            finish_unstarted(conn, accepted, "failed", "dagster_run_failed", "dagster_run_failed")
         append_audit(
             conn,
             actor="dagster",

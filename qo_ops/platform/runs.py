@@ -35,6 +35,8 @@ COUNTERS = (
     "retry_scheduled_count",
     "deadlettered_count",
 )
+UNSTARTED_STATUSES = ("awaiting_approval", "accepted")  # created by the API, not yet adopted
+ACTIVE_STATUSES = (*UNSTARTED_STATUSES, "running")
 ERROR_TEXT_LIMIT = 500
 
 
@@ -68,7 +70,7 @@ def create_run(
             adopted = conn.execute(
                 sa.update(job_run)
                 .where(job_run.c.id == options.job_run_id, job_run.c.job_name == job_name)
-                .where(job_run.c.finished_at.is_(None))
+                .where(job_run.c.status == "accepted")
                 .values(
                     **values,
                     started_at=sa.func.clock_timestamp(),
@@ -78,7 +80,8 @@ def create_run(
             ).scalar()
             if adopted is None:
                 raise BadInput(
-                    f"job run {options.job_run_id} does not exist or has already finished"
+                    f"job run {options.job_run_id} is not an accepted run of {job_name} "
+                    "(unknown, awaiting approval, already started or finished)"
                 )
             return adopted
         run_id = uuid.uuid4()
@@ -167,6 +170,72 @@ def reap_orphans(
         return list(conn.execute(_REAP, {"job": job_name, "grace": grace_s}).scalars())
 
 
+@dataclass(frozen=True)
+class AcceptedRun:
+    """A run the API accepted: what its Dagster run must do when its op starts."""
+
+    id: uuid.UUID
+    job_name: str
+    scope: Scope
+    mode: str
+    requester: str | None
+    reason: str | None
+    correlation_id: str | None
+    options: dict[str, Any]
+
+
+def load_accepted(engine: Engine, run_id: uuid.UUID, job_name: str) -> AcceptedRun:
+    """The accepted (not yet started) run ``run_id`` of ``job_name``; BadInput otherwise."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(job_run).where(
+                job_run.c.id == run_id,
+                job_run.c.job_name == job_name,
+                job_run.c.status == "accepted",
+            )
+        ).first()
+    if row is None:
+        raise BadInput(
+            f"job run {run_id} is not an accepted run of {job_name} "
+            "(unknown, awaiting approval, already started or finished)"
+        )
+    return AcceptedRun(
+        id=row.id,
+        job_name=row.job_name,
+        scope=Scope(row.scope.partition("/")[0], row.window_start, row.window_end),
+        mode=row.mode,
+        requester=row.requester,
+        reason=row.reason,
+        correlation_id=row.correlation_id,
+        options=dict(row.options or {}),
+    )
+
+
+def finish_unstarted(
+    conn: Connection,
+    run_id: uuid.UUID,
+    status: str,
+    reason: str,
+    error_code: str | None = None,
+    error_text: str | None = None,
+) -> bool:
+    """End a run that never started (accepted or awaiting approval); False if it had."""
+    assert status in FINAL_STATUSES, status
+    done = conn.execute(
+        sa.update(job_run)
+        .where(job_run.c.id == run_id, job_run.c.status.in_(UNSTARTED_STATUSES))
+        .values(
+            status=status,
+            status_reason=reason,
+            finished_at=sa.func.clock_timestamp(),
+            last_error_code=error_code,
+            last_error_text=one_line(error_text, ERROR_TEXT_LIMIT) if error_text else None,
+        )
+        .returning(job_run.c.id)
+    ).first()
+    return done is not None
+
+
 def cancel_requested(conn: Connection, run_id: uuid.UUID) -> bool:
     """Whether someone asked this run to stop."""
     return bool(
@@ -176,8 +245,17 @@ def cancel_requested(conn: Connection, run_id: uuid.UUID) -> bool:
     )
 
 
-def request_cancel(engine: Engine, run_id: uuid.UUID, requester: str, reason: str) -> str:
-    """Ask a running run to stop after its current batch; audited. Returns its status."""
+def request_cancel(
+    engine: Engine,
+    run_id: uuid.UUID,
+    requester: str,
+    reason: str,
+    *,
+    request_id: str | None = None,
+    client_address: str | None = None,
+) -> str:
+    """Ask a running run to stop after its current batch, or end a run that has not started
+    yet as ``cancelled``; audited. Returns the status the run had."""
     with engine.begin() as conn:
         row = conn.execute(
             sa.select(job_run.c.job_name, job_run.c.scope, job_run.c.mode, job_run.c.status)
@@ -187,6 +265,9 @@ def request_cancel(engine: Engine, run_id: uuid.UUID, requester: str, reason: st
         if row is None:
             raise BadInput(f"no job run {run_id}")
         decision = "requested" if row.status == "running" else f"ignored: run is {row.status}"
+        if row.status in UNSTARTED_STATUSES:
+            finish_unstarted(conn, run_id, "cancelled", "cancelled before start")
+            decision = "cancelled before start"
         if row.status == "running":
             conn.execute(
                 sa.update(job_run)
@@ -203,6 +284,8 @@ def request_cancel(engine: Engine, run_id: uuid.UUID, requester: str, reason: st
             reason=reason,
             decision=decision,
             job_run_id=run_id,
+            request_id=request_id,
+            client_address=client_address,
         )
         return row.status
 
@@ -220,6 +303,8 @@ def append_audit(
     correlation_id: str | None = None,
     job_run_id: uuid.UUID | None = None,
     details: dict[str, Any] | None = None,
+    request_id: str | None = None,
+    client_address: str | None = None,
 ) -> None:
     """Append one row to the append-only audit trail."""
     conn.execute(
@@ -234,6 +319,8 @@ def append_audit(
             correlation_id=correlation_id,
             job_run_id=job_run_id,
             details=details or {},
+            request_id=request_id,
+            client_address=client_address,
         )
     )
 

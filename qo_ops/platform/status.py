@@ -26,6 +26,7 @@ class ScopeStatus:
     last_success_at: datetime | None
     lease_holder: str | None
     backlog: int | None
+    checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,7 +43,9 @@ _STATUS = sa.text(
            (SELECT max(finished_at) FROM job_run r WHERE r.job_name = :job AND r.scope = s.scope
                AND r.status IN ('success', 'no_work') AND r.mode = 'execute') AS last_success_at,
            (SELECT owner_id FROM job_lease l WHERE l.job_name = :job AND l.scope = s.scope
-               AND l.expires_at > clock_timestamp()) AS lease_holder
+               AND l.expires_at > clock_timestamp()) AS lease_holder,
+           (SELECT extract(epoch FROM clock_timestamp() - c.updated_at) FROM job_checkpoint c
+             WHERE c.job_name = :job AND c.scope = s.scope) AS checkpoint_age_s
       FROM (SELECT id AS scope FROM tenant
             UNION SELECT DISTINCT scope FROM job_run WHERE job_name = :job) s
      WHERE CAST(:tenant AS text) IS NULL OR s.scope = :tenant OR s.scope LIKE :tenant || '/%'
@@ -69,6 +72,7 @@ def job_status(engine: Engine, spec: JobSpec, tenant: str | None = None) -> list
                     r.last_success_at,
                     r.lease_holder,
                     backlog,
+                    None if r.checkpoint_age_s is None else round(float(r.checkpoint_age_s), 1),
                 )
             )
     return rows

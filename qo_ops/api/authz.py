@@ -1,0 +1,78 @@
+"""Who may do what: per job, per mode, per tenant. Pure functions; the caller audits.
+
+- ``viewer`` reads.
+- ``operator`` dry-runs anything, executes non-destructive jobs, cancels, and may approve
+  another identity's held run.
+- ``approver`` does all that and executes destructive jobs (cleanup, archive, repair).
+- An operator's execute of a destructive job is refused unless it asks to be held for a
+  second identity's approval (``requestApproval``); no one approves their own request.
+- A tenant-scoped token touches only its tenant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qo_ops.api.tokens import Principal
+from qo_ops.platform.spec import JobSpec
+
+WRITERS = frozenset({"operator", "approver"})
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    reason: str
+    hold_for_approval: bool = False
+
+
+def _tenant(p: Principal, tenant_id: str) -> Decision | None:
+    if not p.can_touch(tenant_id):
+        return Decision(False, f"token is limited to tenant {p.tenant_id}")
+    return None
+
+
+def may_read(p: Principal, tenant_id: str | None) -> Decision:
+    if tenant_id is not None and (denied := _tenant(p, tenant_id)):
+        return denied
+    return Decision(True, "any role may read")
+
+
+def may_submit(
+    p: Principal, spec: JobSpec, mode: str, tenant_id: str, request_approval: bool
+) -> Decision:
+    if denied := _tenant(p, tenant_id):
+        return denied
+    if not p.roles & WRITERS:
+        return Decision(False, "role viewer may only read")
+    if mode == "dry_run":
+        return Decision(True, "dry-run allowed for operator and approver")
+    if not spec.destructive:
+        return Decision(True, f"execute of non-destructive {spec.name} allowed")
+    if "approver" in p.roles:
+        return Decision(True, f"execute of destructive {spec.name} allowed for approver")
+    if request_approval:
+        return Decision(True, "held for a second identity's approval", hold_for_approval=True)
+    return Decision(
+        False,
+        f"executing {spec.name} (destructive) needs the approver role, or requestApproval "
+        "and a second identity's approval",
+    )
+
+
+def may_cancel(p: Principal, tenant_id: str) -> Decision:
+    if denied := _tenant(p, tenant_id):
+        return denied
+    if not p.roles & WRITERS:
+        return Decision(False, "role viewer may only read")
+    return Decision(True, "cancel allowed for operator and approver")
+
+
+def may_approve(p: Principal, requester: str | None, tenant_id: str) -> Decision:
+    if denied := _tenant(p, tenant_id):
+        return denied
+    if not p.roles & WRITERS:
+        return Decision(False, "role viewer may only read")
+    if requester == p.identity:
+        return Decision(False, "a run needs a second identity's approval, not its requester's")
+    return Decision(True, f"approved by a second identity ({p.identity})")
