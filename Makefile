@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo ui test bench lint fmt clean
+.PHONY: demo ui ui-readonly test bench lint fmt clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,15 @@ ui: $(STAMP)
 	$(BIN)/qo-ops db upgrade
 	$(BIN)/qo-ops demo-data --tenants 3 --quotes 2000 --seed 1 --reset
 	$(BIN)/qo-ops dev
+
+## ui-readonly: the read-only Dagster UI (no launches) on http://127.0.0.1:3000 over the same instance
+# (UI_PORT=… for another port; no daemon, no data reset: it shows what `make demo`/`make ui`
+# left in the embedded server; see ops/dagster-ui/README.md)
+ui-readonly: export QO_OPS_DATABASE_URL :=
+ui-readonly: UI_PORT ?= 3000
+ui-readonly: $(STAMP)
+	$(BIN)/qo-ops db upgrade
+	BIN=$(BIN) ops/dagster-ui/readonly-webserver.sh $(UI_PORT)
 
 ## test: the whole suite on a real PostgreSQL (embedded, or QO_OPS_TEST_DATABASE_URL)
 test: $(STAMP)

@@ -27,6 +27,7 @@ _TERMINATE = """
 mutation QoOpsTerminate($runId: String!) {
   terminateRun(runId: $runId) {
     __typename
+    ... on TerminateRunFailure { message }
     ... on Error { message }
   }
 }
