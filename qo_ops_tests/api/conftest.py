@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from qo_ops_tests.conftest import QO_OPS_BIN, base_env, run_cli
+from qo_ops_tests.dagster.conftest import loaded  # noqa: F401  (demo data for the Dagster path)
 from qo_ops_tests.dagster.stack import free_port
 
 
