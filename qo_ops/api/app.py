@@ -53,6 +53,7 @@ _SAFE_ID = re.compile(SAFE_ID)
 NO_CONTROL = r"^[^\x00-\x1f\x7f]+$"
 ISO_DATE = r"^\d{4}-\d{2}-\d{2}$"
 MAX_WINDOW_DAYS = 366
+MAX_BODY_BYTES = 16_384
 STALE_LAUNCH_S = 120  # an accepted run with no Dagster run after this was lost in launch
 DAGSTER_FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
 
@@ -223,8 +224,20 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         client = request.client.host if request.client else None
         request.state.meta = service.RequestMeta(request_id, client)
         started = time.monotonic()
+        length = request.headers.get("content-length", "0")
         try:
-            response = await call_next(request)
+            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+                response = JSONResponse(
+                    {"error": f"body larger than {MAX_BODY_BYTES} bytes", "requestId": request_id},
+                    status_code=413,
+                )
+            elif request.method == "POST" and "content-length" not in request.headers:
+                response = JSONResponse(
+                    {"error": "Content-Length required", "requestId": request_id},
+                    status_code=411,
+                )
+            else:
+                response = await call_next(request)
         except Exception as exc:  # nothing but one safe line leaves the process
             log.error(
                 json.dumps(
