@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import sqlalchemy as sa
@@ -114,17 +115,28 @@ def test_runs_launched_through_the_api_execute_in_dagster(loaded, api_factory, t
             "batchSize": 1,
             "throttleMs": 400,
         }
-        first = api.post(QE, olga, json=slow, headers={"Idempotency-Key": "inc-2-sweep"})
-        assert first.status_code == 202, first.text
-        slow_id = first.json()["jobRunId"]
+        with ThreadPoolExecutor(4) as pool:  # four at once: one run, three conflicts
+            racing = list(
+                pool.map(
+                    lambda i: api.post(
+                        QE, olga, json=slow, headers={"Idempotency-Key": f"inc-2-sweep-{i}"}
+                    ),
+                    range(4),
+                )
+            )
+        assert sorted(r.status_code for r in racing) == [202, 409, 409, 409], [
+            r.text for r in racing
+        ]
+        winner = next(i for i, r in enumerate(racing) if r.status_code == 202)
+        slow_id = racing[winner].json()["jobRunId"]
+        assert {r.json()["activeRunId"] for r in racing if r.status_code == 409} == {slow_id}
         duplicate = api.post(QE, olga, json=slow)
         assert duplicate.status_code == 409
         assert duplicate.json()["activeRunId"] == slow_id and slow_id in duplicate.json()["error"]
-        replay = api.post(QE, olga, json=slow, headers={"Idempotency-Key": "inc-2-sweep"})
+        key = f"inc-2-sweep-{winner}"
+        replay = api.post(QE, olga, json=slow, headers={"Idempotency-Key": key})
         assert replay.status_code == 202 and replay.json()["jobRunId"] == slow_id
-        reused = api.post(
-            QE, olga, json={**slow, "batchSize": 2}, headers={"Idempotency-Key": "inc-2-sweep"}
-        )
+        reused = api.post(QE, olga, json={**slow, "batchSize": 2}, headers={"Idempotency-Key": key})
         assert reused.status_code == 422
 
         wait_for(lambda: _run(db, slow_id).processed_count > 0, 180, "the slow run to progress")
