@@ -286,11 +286,12 @@ def test_status_shows_lease_holder_and_backlog(demo, cli):
     text = cli("status")
     assert text.code == 0, text.stderr
     assert "job status" in text.stdout
-    for header in ("job", "scope", "last run", "status", "last success", "lease holder", "backlog"):
+    headers = ("job", "scope", "last run", "status", "last success", "lease holder", "backlog")
+    for header in (*headers, "checkpoint age"):
         assert header in text.stdout
     line = next(ln for ln in text.stdout.splitlines() if ln.startswith(JOB) and f" {TENANT} " in ln)
     assert OTHER_OWNER in line
-    assert line.split()[-1] == str(backlog)
+    assert line.split()[-2:] == [str(backlog), "-"]  # quote_expiration keeps no checkpoint
 
     as_json = cli("status", JOB, "--json")
     assert as_json.code == 0, as_json.stderr

@@ -1,0 +1,206 @@
+"""The database roles of qo-ops and what each may do, as plain data, and a reader of what
+the database actually grants (``docs/security.md``).
+
+Migration 0005 creates the roles and writes the grants out literally; this module states
+the same matrix so that a test can compare the two, table by table and privilege by
+privilege. A table added by a later migration needs an entry here (and grants there): the
+test reads every table of schema ``public`` and fails on one this module does not know.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.db.migrate import VERSION_TABLE
+from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
+
+RUNNER = "qo_ops_runner"  # qo-ops run and the job commands; Dagster run workers and sensors
+API = "qo_ops_api"  # qo-ops api, the operator HTTP API
+READONLY = "qo_ops_readonly"  # the metrics exporter, read-only dashboards
+ROLES = (RUNNER, API, READONLY)
+
+# Every table privilege PostgreSQL knows (16): the matrix checks all of them, so a stray
+# REFERENCES or TRIGGER grant shows up as well.
+TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
+
+Matrix = dict[str, dict[str, frozenset[str]]]
+
+
+def _p(privileges: str = "") -> frozenset[str]:
+    return frozenset(privileges.split())
+
+
+NONE = _p()
+S = _p("SELECT")
+SI = _p("SELECT INSERT")
+SU = _p("SELECT UPDATE")
+SID = _p("SELECT INSERT DELETE")
+SIU = _p("SELECT INSERT UPDATE")
+SUD = _p("SELECT UPDATE DELETE")
+SIUD = _p("SELECT INSERT UPDATE DELETE")
+
+# The tables of schema.py, plus Alembic's version table (which the migrations create).
+PLATFORM_TABLE_NAMES = tuple(t.name for t in PLATFORM_TABLES)
+BUSINESS_TABLE_NAMES = tuple(t.name for t in BUSINESS_TABLES)
+TABLE_NAMES = (*PLATFORM_TABLE_NAMES, *BUSINESS_TABLE_NAMES, VERSION_TABLE)
+
+# Why each write: ``SELECT … FOR UPDATE`` (the runner's batch selection, archive and
+# cleanup locks) needs UPDATE on the locked table, which is why the runner may UPDATE
+# catalog_item, temp_file and audit_record although no job runs an UPDATE on them.
+EXPECTED: Matrix = {
+    RUNNER: {
+        "job_lease": SIU,  # acquire (upsert), heartbeat, release (expire): never deleted
+        "job_run": SIU,  # create, adopt, count, finish, reap, cancel request
+        "job_checkpoint": SIUD,  # cursor saved per batch, forgotten after a full rescan
+        "outbox_event": SIU,  # events written with the transition; relay claims/records
+        "job_audit": SI,  # append only
+        "api_token": NONE,
+        "api_idempotency": NONE,
+        "tenant": S,
+        "price_book": S,
+        "quote": SU,  # quote_expiration
+        "quote_line": S,
+        "pricing_snapshot": SIU,  # pricing_snapshot_recalculation upserts
+        "customer_order": SU,  # order_reconciliation adopts/flags; read_model_repair locks
+        "downstream_order": NONE,  # the fulfilment system's store: no job reads it
+        "order_read_model": SIU,  # read_model_repair upserts
+        "delivery_attempt_item": SU,  # delivery_retry, re-submit, requeue
+        "notification": SU,  # notification_publish marks SENT
+        "checkout_session": SU,  # abandoned_checkout_close
+        "temp_file": SUD,  # temp_file_cleanup locks and deletes
+        "audit_record": SIUD,  # audit_archive locks and deletes; `archive restore` inserts
+        "audit_archive_manifest": SIUD,  # written, verified/failed, stale ones retired
+        "catalog_item": SU,  # catalog_cache_refresh locks the items it refreshes
+        "catalog_cache": SIU,  # catalog_cache_refresh upserts
+        "reconciliation_result": SI,
+        "temp_file_tombstone": SIUD,  # intents written, completed, dropped
+        VERSION_TABLE: S,  # every command checks the schema revision
+    },
+    API: {
+        "job_lease": S,
+        "job_run": SIU,  # accept, approve, cancel, link the Dagster run; never delete
+        "job_checkpoint": S,
+        "outbox_event": S,  # notification_publish's selection, for its backlog
+        "job_audit": SI,
+        "api_token": S,  # bearer token check
+        "api_idempotency": SID,  # keys kept, expired ones deleted
+        **dict.fromkeys(BUSINESS_TABLE_NAMES, S),  # backlog counts run job selections
+        VERSION_TABLE: S,
+    },
+    READONLY: {
+        **dict.fromkeys(PLATFORM_TABLE_NAMES, S),
+        "api_token": NONE,  # secret hashes
+        "api_idempotency": NONE,
+        **dict.fromkeys(BUSINESS_TABLE_NAMES, S),
+        VERSION_TABLE: S,
+    },
+}
+
+# Sequences of the identity columns each role inserts into (USAGE).
+EXPECTED_SEQUENCES: dict[str, frozenset[str]] = {
+    RUNNER: frozenset(
+        {
+            "job_audit_id_seq",
+            "pricing_snapshot_id_seq",
+            "reconciliation_result_id_seq",
+            "temp_file_tombstone_id_seq",
+        }
+    ),
+    API: frozenset({"job_audit_id_seq"}),
+    READONLY: frozenset(),
+}
+
+_TABLE_MATRIX = sa.text(
+    """
+    SELECT r.rolname AS role, c.relname AS table_name, p.privilege,
+           CASE WHEN p.privilege IN ('SELECT', 'INSERT', 'UPDATE', 'REFERENCES')
+                -- a column grant counts too: true when the table or any column has it
+                THEN has_any_column_privilege(r.oid, c.oid, p.privilege)
+                ELSE has_table_privilege(r.oid, c.oid, p.privilege) END AS granted
+      FROM pg_roles r
+      CROSS JOIN pg_class c
+      JOIN pg_namespace n ON n.oid = c.relnamespace
+      CROSS JOIN unnest(CAST(:privileges AS text[])) AS p(privilege)
+     WHERE r.rolname = ANY(CAST(:roles AS text[]))
+       AND n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
+    """
+)
+
+_SEQUENCE_USAGE = sa.text(
+    """
+    SELECT r.rolname AS role, c.relname AS sequence_name
+      FROM pg_roles r
+      CROSS JOIN pg_class c
+      JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE r.rolname = ANY(CAST(:roles AS text[]))
+       AND n.nspname = 'public' AND c.relkind = 'S'
+       AND (has_sequence_privilege(r.oid, c.oid, 'USAGE')
+            OR has_sequence_privilege(r.oid, c.oid, 'SELECT')
+            OR has_sequence_privilege(r.oid, c.oid, 'UPDATE'))
+    """
+)
+
+
+def _existing(conn: Connection, roles: Iterable[str]) -> list[str]:
+    wanted = list(roles)
+    found = set(
+        conn.execute(
+            sa.text("SELECT rolname FROM pg_roles WHERE rolname = ANY(CAST(:r AS text[]))"),
+            {"r": wanted},
+        ).scalars()
+    )
+    missing = [r for r in wanted if r not in found]
+    if missing:
+        raise LookupError(f"no such database role: {', '.join(missing)}")
+    return wanted
+
+
+def privilege_matrix(conn: Connection, roles: Iterable[str] = ROLES) -> Matrix:
+    """What the database grants: role → table of schema public → the table privileges
+    (``TABLE_PRIVILEGES``) the role holds, directly, through a role it belongs to, or
+    through PUBLIC. Every table is present, with an empty set when nothing is granted."""
+    names = _existing(conn, roles)
+    matrix: dict[str, dict[str, set[str]]] = {role: {} for role in names}
+    rows = conn.execute(_TABLE_MATRIX, {"roles": names, "privileges": list(TABLE_PRIVILEGES)})
+    for row in rows:
+        held = matrix[row.role].setdefault(row.table_name, set())
+        if row.granted:
+            held.add(row.privilege)
+    return {
+        role: {table: frozenset(held) for table, held in tables.items()}
+        for role, tables in matrix.items()
+    }
+
+
+def sequence_privileges(
+    conn: Connection, roles: Iterable[str] = ROLES
+) -> dict[str, frozenset[str]]:
+    """The sequences of schema public each role may use (USAGE, SELECT or UPDATE)."""
+    names = _existing(conn, roles)
+    found: dict[str, set[str]] = {role: set() for role in names}
+    for row in conn.execute(_SEQUENCE_USAGE, {"roles": names}):
+        found[row.role].add(row.sequence_name)
+    return {role: frozenset(seqs) for role, seqs in found.items()}
+
+
+def differences(expected: Matrix, actual: Mapping[str, Mapping[str, frozenset[str]]]) -> list[str]:
+    """One line per (role, table) whose privileges differ: ``role table: +extra -missing``."""
+    lines = []
+    for role in sorted(set(expected) | set(actual)):
+        want, have = expected.get(role, {}), actual.get(role, {})
+        for table in sorted(set(want) | set(have)):
+            w, h = want.get(table), have.get(table)
+            if w is None or h is None:
+                lines.append(
+                    f"{role} {table}: {'unknown to roles.py' if w is None else 'no such table'}"
+                )
+            elif w != h:
+                extra, missing = sorted(h - w), sorted(w - h)
+                lines.append(
+                    f"{role} {table}: "
+                    + " ".join([*(f"+{p}" for p in extra), *(f"-{p}" for p in missing)])
+                )
+    return lines
