@@ -299,3 +299,63 @@ def downstream(
 ) -> DownstreamServer:
     """A downstream simulator process; initial faults via ``indirect`` parametrization."""
     return downstream_factory(**getattr(request, "param", {}))
+
+
+# ------------------------------------------------------------------------ database logins
+# Real LOGIN roles (random passwords) in one of the group roles of migration 0005, for
+# tests that connect as the runner, the API or the read-only role (docs/security.md).
+
+import secrets  # noqa: E402
+import uuid  # noqa: E402
+from dataclasses import field  # noqa: E402
+
+
+@dataclass
+class Logins:
+    """Makes LOGIN roles that belong to one of the group roles; drops them all at the end."""
+
+    server: URL
+    made: list[tuple[str, Engine]] = field(default_factory=list)
+    databases: list[TestDatabase] = field(default_factory=list)
+
+    def _admin(self) -> Engine:
+        return sa.create_engine(
+            self.server, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
+        )
+
+    def create(self, database: TestDatabase, group: str | None) -> Engine:
+        """A new login (in ``group``, or in no role at all) and an engine connecting as it."""
+        name = f"qo_ops_test_{(group or 'none').removeprefix('qo_ops_')}_{uuid.uuid4().hex[:10]}"
+        password = secrets.token_hex(16)
+        member = f" IN ROLE {group}" if group else ""
+        admin = self._admin()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE ROLE {name} LOGIN PASSWORD '{password}'{member}")
+        admin.dispose()
+        if database not in self.databases:
+            self.databases.append(database)
+        engine = sa.create_engine(
+            database.url.set(username=name, password=password), poolclass=sa.pool.NullPool
+        )
+        self.made.append((name, engine))
+        return engine
+
+    def drop_all(self) -> None:
+        admin = self._admin()
+        for name, engine in self.made:
+            engine.dispose()
+            for database in self.databases:  # owns nothing, holds no grant itself: a no-op
+                owner = database.engine.execution_options(isolation_level="AUTOCOMMIT")
+                with owner.connect() as conn:
+                    conn.exec_driver_sql(f"DROP OWNED BY {name}")
+            with admin.connect() as conn:
+                conn.exec_driver_sql(f"DROP ROLE {name}")
+        admin.dispose()
+
+
+@pytest.fixture
+def logins(pg_server: URL) -> Iterator[Logins]:
+    """Request it after the database fixture: its logins are dropped before the database."""
+    made = Logins(pg_server)
+    yield made
+    made.drop_all()

@@ -18,7 +18,6 @@ from qo_ops_tests.dagster.stack import dagster_stack, wait_for
 
 QE = "/internal/jobs/quote_expiration/runs"
 PRICING = "/internal/jobs/pricing_snapshot_recalculation/runs"
-DB_PASSWORD = "Sup3r-Secret-Pw-7781"  # the server trusts the socket; the secret still travels
 
 
 def _run(db, run_id: str) -> sa.Row:
@@ -30,18 +29,23 @@ def _finished(db, run_id: str) -> bool:
     return _run(db, run_id).finished_at is not None
 
 
-def test_runs_launched_through_the_api_execute_in_dagster(loaded, api_factory, tmp_path):
+def _url_of(engine) -> str:
+    return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def test_runs_launched_through_the_api_execute_in_dagster(loaded, logins, api_factory, tmp_path):
     db = loaded
-    secret_url = db.url.set(drivername="postgresql", password=DB_PASSWORD).render_as_string(
-        hide_password=False
-    )
+    # each process as its own least-privilege login (docs/security.md), passwords in the URLs
+    runner_url = _url_of(logins.create(db, "qo_ops_runner"))
+    api_url = _url_of(logins.create(db, "qo_ops_api"))
+    db_passwords = [sa.engine.make_url(u).password for u in (runner_url, api_url)]
     home = tmp_path / "dagster"
     home.mkdir()
-    with dagster_stack(db, home, env={"QO_OPS_DATABASE_URL": secret_url}) as (_, instance, port):
+    with dagster_stack(db, home, env={"QO_OPS_DATABASE_URL": runner_url}) as (_, instance, port):
         instance.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
         api = api_factory(
             dagster_url=f"http://127.0.0.1:{port}",
-            database_url=secret_url,
+            database_url=api_url,
             QO_OPS_DAGSTER_PUBLIC_URL="https://dagster.example.internal",
         )
         olga = api.token("olga", "operator")
@@ -193,7 +197,7 @@ def test_runs_launched_through_the_api_execute_in_dagster(loaded, api_factory, t
             ]
         everything = "\n".join(texts)
         assert "api.request" in everything and "quote_expiration" in everything
-        for secret in [*tokens, *(t.rsplit("_", 1)[1] for t in tokens), DB_PASSWORD]:
+        for secret in [*tokens, *(t.rsplit("_", 1)[1] for t in tokens), *db_passwords]:
             assert secret not in everything
         for marker in ("postgresql://", "postgresql+psycopg", "Bearer "):
             assert marker not in everything, marker

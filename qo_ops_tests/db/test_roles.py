@@ -13,17 +13,14 @@ place (``empty_db``).
 
 from __future__ import annotations
 
-import secrets
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Engine
+from sqlalchemy.engine import Engine
 
 from qo_ops.db import migrate
 from qo_ops.db.roles import (
@@ -49,7 +46,7 @@ from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope
 from qo_ops.platform.status import job_status
 
 if TYPE_CHECKING:
-    from qo_ops_tests.conftest import TestDatabase
+    pass
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
 TENANT = "tenant-001"
@@ -71,57 +68,6 @@ JOB_ORDER = (
 
 
 # --------------------------------------------------------------------------- logins
-
-
-@dataclass
-class Logins:
-    """Makes LOGIN roles that belong to one of the group roles; drops them all at the end."""
-
-    server: URL
-    made: list[tuple[str, Engine]] = field(default_factory=list)
-    databases: list[TestDatabase] = field(default_factory=list)
-
-    def _admin(self) -> Engine:
-        return sa.create_engine(
-            self.server, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
-        )
-
-    def create(self, database: TestDatabase, group: str | None) -> Engine:
-        """A new login (in ``group``, or in no role at all) and an engine connecting as it."""
-        name = f"qo_ops_test_{(group or 'none').removeprefix('qo_ops_')}_{uuid.uuid4().hex[:10]}"
-        password = secrets.token_hex(16)
-        member = f" IN ROLE {group}" if group else ""
-        admin = self._admin()
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"CREATE ROLE {name} LOGIN PASSWORD '{password}'{member}")
-        admin.dispose()
-        if database not in self.databases:
-            self.databases.append(database)
-        engine = sa.create_engine(
-            database.url.set(username=name, password=password), poolclass=sa.pool.NullPool
-        )
-        self.made.append((name, engine))
-        return engine
-
-    def drop_all(self) -> None:
-        admin = self._admin()
-        for name, engine in self.made:
-            engine.dispose()
-            for database in self.databases:  # owns nothing, holds no grant itself: a no-op
-                owner = database.engine.execution_options(isolation_level="AUTOCOMMIT")
-                with owner.connect() as conn:
-                    conn.exec_driver_sql(f"DROP OWNED BY {name}")
-            with admin.connect() as conn:
-                conn.exec_driver_sql(f"DROP ROLE {name}")
-        admin.dispose()
-
-
-@pytest.fixture
-def logins(pg_server: URL) -> Iterator[Logins]:
-    """Request it after the database fixture: its logins are dropped before the database."""
-    made = Logins(pg_server)
-    yield made
-    made.drop_all()
 
 
 def refused(engine: Engine, statement: str) -> None:
