@@ -43,8 +43,10 @@ def _register_subcommands() -> None:
     from qo_ops.api.cli import api_app
     from qo_ops.downstream.cli import downstream_app
     from qo_ops.jobs.archive_cli import archive_app
+    from qo_ops.metrics.cli import metrics_command
 
     app.add_typer(api_app, name="api")
+    app.command("metrics")(metrics_command)
     app.add_typer(downstream_app, name="downstream")
     app.add_typer(archive_app, name="archive")
 

@@ -103,6 +103,7 @@ job_run = sa.Table(
     ),  # job-specific counts
     sa.Column("last_error_code", sa.Text),
     sa.Column("last_error_text", sa.Text),
+    sa.Column("duplicates_prevented_count", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("approved_by", sa.Text),  # the second identity that released a held run
     sa.Column("approved_at", TS),
     _status_check("status", JOB_RUN_STATUSES),
@@ -110,6 +111,18 @@ job_run = sa.Table(
     _status_check("trigger_type", TRIGGER_TYPES),
     sa.Index("ix_job_run_history", "job_name", "scope", sa.text("started_at DESC")),
     sa.Index("ix_job_run_running", "job_name", postgresql_where=sa.text("status = 'running'")),
+    # the metrics exporter reads what started and finished since its last scrape
+    sa.Index("ix_job_run_created", "created_at"),
+    sa.Index("ix_job_run_job_started", "job_name", sa.text("started_at DESC")),
+    sa.Index(
+        "ix_job_run_finished", "finished_at", postgresql_where=sa.text("finished_at IS NOT NULL")
+    ),
+    sa.Index(
+        "ix_job_run_job_finished",
+        "job_name",
+        sa.text("finished_at DESC"),
+        postgresql_where=sa.text("finished_at IS NOT NULL"),
+    ),
     sa.Index(
         "ix_job_run_active",
         "job_name",
@@ -155,6 +168,11 @@ outbox_event = sa.Table(
         postgresql_where=sa.text("published_at IS NULL AND dead_lettered_at IS NULL"),
     ),
     sa.Index("ix_outbox_event_aggregate", "aggregate_type", "aggregate_id"),
+    sa.Index(
+        "ix_outbox_event_dead",
+        "dead_lettered_at",
+        postgresql_where=sa.text("dead_lettered_at IS NOT NULL"),
+    ),
 )
 
 # Append-only record of every manual action; the database refuses UPDATE/DELETE/TRUNCATE.

@@ -21,7 +21,7 @@ from qo_ops.db.schema import delivery_attempt_item
 from qo_ops.downstream.calls import call_for_each, outcome_of
 from qo_ops.errors import one_line
 from qo_ops.platform.retry import dispose, policy_from_env
-from qo_ops.platform.selection import seconds_or_none
+from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -169,6 +169,17 @@ def oldest_due_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     return seconds_or_none(value)
 
 
+def dead_lettered(conn: Connection) -> int:
+    """Delivery items dead-lettered now, every tenant (counted up to the exporter's cap)."""
+    return capped_count(
+        conn,
+        sa.select(delivery_attempt_item.c.id).where(
+            delivery_attempt_item.c.status == "DEAD_LETTER"
+        ),
+        DEAD_LETTER_CAP,
+    )
+
+
 SPEC = JobSpec(
     name="delivery_retry",
     kind="sweep",
@@ -180,6 +191,7 @@ SPEC = JobSpec(
     record=record_delivery_results,
     check=check_deliveries,
     lag=oldest_due_seconds,
+    dead_letters=dead_lettered,
     outcome_asset="delivery_items",
     checks=(
         CheckSpec(

@@ -20,7 +20,7 @@ from qo_ops.db.schema import outbox_event
 from qo_ops.downstream.calls import call_for_each, outcome_of
 from qo_ops.errors import one_line
 from qo_ops.platform.retry import dispose, policy_from_env
-from qo_ops.platform.selection import seconds_or_none
+from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -147,6 +147,15 @@ def oldest_unpublished_seconds(conn: Connection, ctx: BatchContext) -> float | N
     return seconds_or_none(value)
 
 
+def dead_lettered(conn: Connection) -> int:
+    """Outbox events dead-lettered now, every tenant (counted up to the exporter's cap)."""
+    return capped_count(
+        conn,
+        sa.select(outbox_event.c.id).where(outbox_event.c.dead_lettered_at.is_not(None)),
+        DEAD_LETTER_CAP,
+    )
+
+
 def check_outbox(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """The oldest due, unpublished event is within the SLO."""
     age = oldest_unpublished_seconds(conn, ctx)
@@ -177,6 +186,7 @@ SPEC = JobSpec(
     record=record_publish_results,
     check=check_outbox,
     lag=oldest_unpublished_seconds,
+    dead_letters=dead_lettered,
     outcome_asset="outbox",
     checks=(
         CheckSpec(

@@ -555,6 +555,7 @@ def _commit_effects(
         skipped_count=outcome.skipped,
         retry_scheduled_count=outcome.retry_scheduled,
         deadlettered_count=outcome.deadlettered,
+        duplicates_prevented_count=outcome.duplicates_prevented,
     )
     if outcome.tally:
         conn.execute(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 
 def after_position(
@@ -23,3 +24,12 @@ def after_position(
 def seconds_or_none(value: Any) -> float | None:
     """An age from ``extract(epoch …)``: a float, or None when nothing is waiting."""
     return float(value) if value is not None else None
+
+
+DEAD_LETTER_CAP = 100_000
+
+
+def capped_count(conn: Connection, selection: sa.Select[Any], cap: int) -> int:
+    """``count(*)`` of ``selection``, reading at most ``cap`` rows (bounded on any table)."""
+    limited = selection.limit(cap).subquery()
+    return int(conn.execute(sa.select(sa.func.count()).select_from(limited)).scalar_one())

@@ -217,5 +217,7 @@ class JobSpec:
     # A cursor job that re-checks its whole scope on every run (reconciliation) forgets its
     # checkpoint once a run has gone through the scope; a backfill keeps it (done is done).
     rescan_when_complete: bool = False
+    # How many items sit dead-lettered now, all tenants (capped count; for the exporter).
+    dead_letters: Callable[[Connection], int] | None = None
     # Checks the job's own settings (environment) before anything is written; raises QoOpsError.
     validate_settings: Callable[[], object] | None = None

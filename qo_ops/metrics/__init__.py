@@ -1,0 +1,1 @@
+"""The Prometheus exporter of job metrics derived from the database (``qo-ops metrics``)."""

@@ -1,0 +1,67 @@
+"""``qo-ops metrics``: serve the exporter on a port, or print one scrape (``--once``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Annotated
+
+import typer
+
+from qo_ops.errors import BadInput, ConfigError
+
+REFRESH_ENV = "QO_OPS_METRICS_REFRESH_S"
+
+
+def _refresh_s() -> float:
+    raw = os.environ.get(REFRESH_ENV, "").strip() or "30"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 1.0 <= value <= 3600.0:
+        raise ConfigError(f"{REFRESH_ENV} must be a number of seconds between 1 and 3600")
+    return value
+
+
+def metrics_command(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port of /metrics.")] = 9464,
+    once: Annotated[
+        bool, typer.Option("--once", help="Print one scrape to stdout and exit.")
+    ] = False,
+) -> None:
+    """Serve job metrics derived from the database, for Prometheus (docs/observability.md)."""
+    from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+
+    from qo_ops.db import migrate
+    from qo_ops.db.engine import get_engine
+    from qo_ops.jobs.catalog import CATALOG
+    from qo_ops.metrics.exporter import JobCollector
+    from qo_ops.platform.telemetry import METRICS
+
+    if not 1 <= port <= 65535:
+        raise BadInput("--port must be between 1 and 65535")
+    refresh = _refresh_s()
+    engine = get_engine()
+    migrate.require_current(engine)
+    collector = JobCollector(
+        engine, CATALOG.values(), refresh_s=refresh, process_registry=METRICS.registry
+    )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    if once:
+        collector.refresh_slow()
+        typer.echo(generate_latest(registry).decode(), nl=False)
+        return
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    typer.echo(f'{{"event": "metrics.listening", "host": "{host}", "port": {port}}}', err=True)
+    refresher = threading.Thread(target=collector.run_refresher, args=(stop,), daemon=True)
+    refresher.start()
+    stop.wait()
+    server.shutdown()
+    thread.join(timeout=5)

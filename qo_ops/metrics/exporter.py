@@ -1,0 +1,424 @@
+"""The Prometheus exporter (``qo-ops metrics``): job metrics derived from the database, so
+they stay right across many short run processes (``docs/observability.md``).
+
+- Gauges (last success, last status, failure streak, running, leases, checkpoint age) are
+  read on each scrape with index-backed queries.
+- Backlog, lag and dead letters are read by a background thread at most every
+  ``refresh_s`` seconds (one capped query per tenant); a scrape serves the last values.
+- Counters and the duration histogram follow the run records: each scrape reads only the
+  runs created or finished since the previous one (indexes on ``created_at`` and
+  ``finished_at``), starting 24 hours before the exporter did.
+
+Labels are only ``job_name``, ``status`` and ``error_class``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+
+from qo_ops.platform.runs import FINAL_STATUSES
+from qo_ops.platform.selection import capped_count
+from qo_ops.platform.spec import BatchContext, JobSpec, Scope
+
+log = logging.getLogger("qo_ops.metrics")
+
+BACKLOG_CAP_PER_TENANT = 10_000
+STREAK_WINDOW = 200  # finished runs read for the failure streak
+LOOKBACK = timedelta(hours=24)  # counters start with the runs of the day before
+SETTLE_S = 2.0  # rows newer than this may still be in uncommitted transactions
+DURATION_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200)
+FAILING = ("failed", "timeout")
+_ERROR_CLASS = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+
+
+def cadence_seconds(cron: str) -> float:
+    """Seconds between two ticks of the catalog's cron forms: ``* * * * *``,
+    ``*/N * * * *``, ``M * * * *``, ``M H * * *``."""
+    minute, hour, dom, month, dow = cron.split()
+    if (dom, month, dow) != ("*", "*", "*"):
+        raise ValueError(f"unsupported cron for a cadence: {cron}")
+    if hour == "*":
+        if minute == "*":
+            return 60.0
+        if minute.startswith("*/"):
+            return 60.0 * int(minute[2:])
+        if minute.isdigit():
+            return 3600.0
+    elif hour.isdigit() and minute.isdigit():
+        return 86400.0
+    raise ValueError(f"unsupported cron for a cadence: {cron}")
+
+
+def _error_class(code: str | None) -> str:
+    return code if code and _ERROR_CLASS.match(code) else "other"
+
+
+@dataclass
+class _Feed:
+    """Counters over the run records, advanced by (timestamp, id) cursors."""
+
+    created_cursor: tuple[datetime, uuid.UUID]
+    finished_cursor: tuple[datetime, uuid.UUID]
+    started: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    completed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    failed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    sums: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    duration: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    duration_sum: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+
+
+_NEW_RUNS = sa.text(
+    """
+    SELECT id, job_name, created_at FROM job_run
+     WHERE created_at < clock_timestamp() - make_interval(secs => :settle)
+       AND (created_at, id) > (:ts, :id)
+     ORDER BY created_at, id LIMIT 5000
+    """
+)
+_FINISHED_RUNS = sa.text(
+    """
+    SELECT id, job_name, status, status_reason, last_error_code, finished_at,
+           extract(epoch FROM finished_at - started_at) AS duration_s,
+           processed_count, failed_count, retry_scheduled_count, deadlettered_count,
+           duplicates_prevented_count
+      FROM job_run
+     WHERE finished_at IS NOT NULL
+       AND finished_at < clock_timestamp() - make_interval(secs => :settle)
+       AND (finished_at, id) > (:ts, :id)
+     ORDER BY finished_at, id LIMIT 5000
+    """
+)
+ITEM_SUMS = {
+    "job_items_processed_total": ("processed_count", "Items processed"),
+    "job_items_failed_total": ("failed_count", "Items failed"),
+    "job_retry_scheduled_total": ("retry_scheduled_count", "Item retries scheduled"),
+    "job_deadletter_total": ("deadlettered_count", "Items dead-lettered"),
+    "job_duplicate_side_effect_prevented_total": (
+        "duplicates_prevented_count",
+        "Side effects not repeated because their business key existed",
+    ),
+}
+
+
+class JobCollector:
+    """A prometheus_client collector over the catalog's jobs and the database."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        specs: Iterable[JobSpec],
+        refresh_s: float = 30.0,
+        start: datetime | None = None,
+        process_registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.engine = engine
+        self.specs = list(specs)
+        self.refresh_s = refresh_s
+        self.process_registry = process_registry
+        since = (start or datetime.now(UTC)) - LOOKBACK
+        origin = (since, uuid.UUID(int=0))
+        self._feed = _Feed(origin, origin)
+        self._lock = threading.Lock()
+        self._slow: dict[str, dict[str, float]] = {}
+        self._slow_at = 0.0
+        self._up = 1.0
+
+    # ------------------------------------------------------------------ slow gauges
+
+    def refresh_slow(self) -> None:
+        """Backlog, lag and dead letters of every job (capped, one query per tenant)."""
+        values: dict[str, dict[str, float]] = {
+            "job_backlog_items": {},
+            "job_lag_seconds": {},
+            "job_deadletter_items": {},
+        }
+        with self.engine.connect() as conn:
+            tenants = list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
+            for spec in self.specs:
+                if spec.dead_letters is not None:
+                    values["job_deadletter_items"][spec.name] = float(spec.dead_letters(conn))
+                if spec.partitioning != "tenant":
+                    continue  # a windowed job's backlog belongs to its windows
+                backlog, worst = 0, 0.0
+                for tenant in tenants:
+                    ctx = BatchContext(spec.name, Scope(tenant), "dry_run", uuid.uuid4())
+                    backlog += capped_count(conn, spec.eligible(ctx), BACKLOG_CAP_PER_TENANT)
+                    if spec.lag is not None:
+                        worst = max(worst, spec.lag(conn, ctx) or 0.0)
+                values["job_backlog_items"][spec.name] = float(backlog)
+                if spec.lag is not None:
+                    values["job_lag_seconds"][spec.name] = worst
+        with self._lock:
+            self._slow, self._slow_at = values, time.monotonic()
+
+    def run_refresher(self, stop: threading.Event) -> None:
+        """Keep the slow gauges fresh until ``stop`` is set (a daemon thread's loop)."""
+        while not stop.is_set():
+            try:
+                self.refresh_slow()
+            except DBAPIError as exc:
+                log.warning(
+                    '{"event": "metrics.refresh_failed", "error": "%s"}', type(exc.orig).__name__
+                )
+            stop.wait(self.refresh_s)
+
+    # ------------------------------------------------------------------ the feed
+
+    def _advance(self, conn: Connection) -> None:
+        feed = self._feed
+        while True:
+            rows = conn.execute(
+                _NEW_RUNS,
+                {"settle": SETTLE_S, "ts": feed.created_cursor[0], "id": feed.created_cursor[1]},
+            ).all()
+            for r in rows:
+                feed.started[r.job_name] += 1
+                feed.created_cursor = (r.created_at, r.id)
+            if len(rows) < 5000:
+                break
+        while True:
+            rows = conn.execute(
+                _FINISHED_RUNS,
+                {"settle": SETTLE_S, "ts": feed.finished_cursor[0], "id": feed.finished_cursor[1]},
+            ).all()
+            for r in rows:
+                self._count_finished(r)
+                feed.finished_cursor = (r.finished_at, r.id)
+            if len(rows) < 5000:
+                break
+
+    def _count_finished(self, r: Any) -> None:
+        feed = self._feed
+        feed.completed[(r.job_name, r.status)] += 1
+        if r.status in FAILING:
+            feed.failed[(r.job_name, _error_class(r.last_error_code or r.status_reason))] += 1
+        for metric, (column, _) in ITEM_SUMS.items():
+            feed.sums[(metric, r.job_name)] += int(getattr(r, column) or 0)
+        if r.status_reason == "lease_lost" or r.last_error_code == "lease_lost":
+            feed.sums[("job_lease_lost_total", r.job_name)] += 1
+        if r.last_error_code == "anomaly_threshold":
+            feed.sums[("job_anomaly_stops_total", r.job_name)] += 1
+        if r.status == "skipped":
+            feed.sums[("job_skipped_total", r.job_name)] += 1
+        key = (r.job_name, r.status)
+        buckets = feed.duration.setdefault(key, [0.0] * (len(DURATION_BUCKETS) + 1))
+        seconds = max(0.0, float(r.duration_s or 0.0))
+        for i, bound in enumerate(DURATION_BUCKETS):
+            if seconds <= bound:
+                buckets[i] += 1
+        buckets[-1] += 1  # +Inf
+        feed.duration_sum[key] += seconds
+
+    # ------------------------------------------------------------------ collect
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("qo_ops_database_up", "1 if the last read of the database worked")
+        try:
+            with self._lock, self.engine.connect() as conn:
+                self._advance(conn)
+                now_families = list(self._now(conn))
+            self._up = 1.0
+        except DBAPIError as exc:
+            log.warning(
+                '{"event": "metrics.scrape_failed", "error": "%s"}', type(exc.orig).__name__
+            )
+            self._up, now_families = 0.0, []
+        up.add_metric([], self._up)
+        yield up
+        yield from self._catalog()
+        yield from now_families
+        yield from self._slow_families()
+        yield from self._feed_families()
+        yield from self._process_families()
+
+    def _catalog(self) -> Iterator[Metric]:
+        interval = GaugeMetricFamily(
+            "job_expected_interval_seconds",
+            "Seconds between two schedule ticks",
+            labels=["job_name"],
+        )
+        budget = GaugeMetricFamily(
+            "job_duration_budget_seconds",
+            "How long one run may take: min(cadence, deadline)",
+            labels=["job_name"],
+        )
+        for spec in self.specs:
+            cadence = cadence_seconds(spec.cron_schedule)
+            interval.add_metric([spec.name], cadence)
+            budget.add_metric([spec.name], min(cadence, spec.defaults.deadline_s))
+        yield interval
+        yield budget
+
+    def _now(self, conn: Connection) -> Iterator[Metric]:
+        g = {
+            name: GaugeMetricFamily(name, text, labels=["job_name"])
+            for name, text in (
+                ("job_last_success_timestamp_seconds", "End of the latest successful execute run"),
+                ("job_last_run_timestamp_seconds", "Start of the latest run"),
+                ("job_consecutive_failures", "Longest current failed/timeout streak of a scope"),
+                ("job_running", "Runs in status running"),
+                ("job_longest_running_seconds", "Age of the oldest running run"),
+                ("job_checkpoint_age_seconds", "Worst age of a leased scope's checkpoint"),
+                ("job_lease_held", "Unexpired leases"),
+                ("job_lease_age_seconds", "Time since the oldest held lease was acquired"),
+            )
+        }
+        status = GaugeMetricFamily(
+            "job_last_run_status",
+            "1 for the latest finished run's status",
+            labels=["job_name", "status"],
+        )
+        for spec in self.specs:
+            row = conn.execute(_NOW, {"job": spec.name}).one()
+            g["job_last_success_timestamp_seconds"].add_metric(
+                [spec.name], _epoch(row.last_success)
+            )
+            g["job_last_run_timestamp_seconds"].add_metric([spec.name], _epoch(row.last_start))
+            g["job_running"].add_metric([spec.name], float(row.running))
+            g["job_longest_running_seconds"].add_metric(
+                [spec.name], float(row.longest_running or 0)
+            )
+            g["job_lease_held"].add_metric([spec.name], float(row.leases))
+            g["job_lease_age_seconds"].add_metric([spec.name], float(row.lease_age or 0))
+            g["job_checkpoint_age_seconds"].add_metric([spec.name], float(row.checkpoint_age or 0))
+            for final in FINAL_STATUSES:
+                status.add_metric([spec.name, final], 1.0 if row.last_status == final else 0.0)
+            streaks: dict[str, int] = {}
+            broken: set[str] = set()
+            for run in conn.execute(_RECENT, {"job": spec.name, "n": STREAK_WINDOW}):
+                if run.scope in broken:
+                    continue
+                if run.status in FAILING:
+                    streaks[run.scope] = streaks.get(run.scope, 0) + 1
+                elif run.status not in ("cancelled", "skipped"):  # neither breaks nor extends
+                    broken.add(run.scope)
+            g["job_consecutive_failures"].add_metric(
+                [spec.name], float(max(streaks.values(), default=0))
+            )
+        yield status
+        yield from g.values()
+
+    def _slow_families(self) -> Iterator[Metric]:
+        with self._lock:
+            slow = self._slow
+        texts = {
+            "job_backlog_items": f"Eligible items, each tenant counted up to {BACKLOG_CAP_PER_TENANT}",
+            "job_lag_seconds": "Age of the oldest eligible item, worst tenant",
+            "job_deadletter_items": "Items dead-lettered now and not requeued",
+        }
+        for name, text in texts.items():
+            family = GaugeMetricFamily(name, text, labels=["job_name"])
+            for job, value in sorted(slow.get(name, {}).items()):
+                family.add_metric([job], value)
+            yield family
+
+    def _feed_families(self) -> Iterator[Metric]:
+        feed = self._feed
+        names = [s.name for s in self.specs]
+        started = CounterMetricFamily("job_started_total", "Runs started", labels=["job_name"])
+        for job in names:
+            started.add_metric([job], feed.started.get(job, 0))
+        yield started
+        completed = CounterMetricFamily(
+            "job_completed_total", "Runs finished, by status", labels=["job_name", "status"]
+        )
+        for (job, st), n in sorted(feed.completed.items()):
+            completed.add_metric([job, st], n)
+        yield completed
+        failed = CounterMetricFamily(
+            "job_failed_total", "Runs failed, by error class", labels=["job_name", "error_class"]
+        )
+        for (job, ec), n in sorted(feed.failed.items()):
+            failed.add_metric([job, ec], n)
+        yield failed
+        per_job = {
+            **{m: t for m, (_, t) in ITEM_SUMS.items()},
+            "job_skipped_total": "Runs skipped (lease held elsewhere)",
+            "job_lock_acquire_failed_total": "Lease acquisitions refused",
+            "job_lease_lost_total": "Runs that lost their lease to another holder",
+            "job_anomaly_stops_total": "Runs stopped by an anomaly threshold",
+        }
+        for metric, text in per_job.items():
+            family = CounterMetricFamily(metric, text, labels=["job_name"])
+            source = "job_skipped_total" if metric == "job_lock_acquire_failed_total" else metric
+            for job in names:
+                family.add_metric([job], feed.sums.get((source, job), 0))
+            yield family
+        duration = HistogramMetricFamily(
+            "job_duration_seconds", "Run duration", labels=["job_name", "status"]
+        )
+        for (job, st), counts in sorted(feed.duration.items()):
+            bounds = [*(str(float(b)) for b in DURATION_BUCKETS), "+Inf"]
+            duration.add_metric(
+                [job, st], list(zip(bounds, counts, strict=True)), feed.duration_sum[(job, st)]
+            )
+        yield duration
+
+    def _process_families(self) -> Iterator[Metric]:
+        """Families of this process's own registry that the database does not cover."""
+        if self.process_registry is None:
+            return
+        served = {
+            "job_started", "job_completed", "job_failed", "job_skipped", "job_duration_seconds",
+            "job_items_processed", "job_items_failed", "job_lag_seconds",
+            "job_last_success_timestamp_seconds", "job_lock_acquire_failed", "job_retry_scheduled",
+            "job_deadletter", "job_duplicate_side_effect_prevented",
+        }  # fmt: skip
+        for family in self.process_registry.collect():
+            if family.name not in served:
+                yield family
+
+
+def _epoch(value: datetime | None) -> float:
+    return value.timestamp() if value is not None else 0.0
+
+
+_NOW = sa.text(
+    """
+    SELECT
+      (SELECT finished_at FROM job_run WHERE job_name = :job AND finished_at IS NOT NULL
+          AND status IN ('success', 'no_work') AND mode = 'execute'
+        ORDER BY finished_at DESC LIMIT 1) AS last_success,
+      (SELECT started_at FROM job_run WHERE job_name = :job
+        ORDER BY started_at DESC LIMIT 1) AS last_start,
+      (SELECT status FROM job_run WHERE job_name = :job AND finished_at IS NOT NULL
+        ORDER BY finished_at DESC LIMIT 1) AS last_status,
+      (SELECT count(*) FROM job_run WHERE job_name = :job AND status = 'running') AS running,
+      (SELECT extract(epoch FROM clock_timestamp() - min(started_at)) FROM job_run
+        WHERE job_name = :job AND status = 'running') AS longest_running,
+      (SELECT count(*) FROM job_lease WHERE job_name = :job
+          AND expires_at > clock_timestamp()) AS leases,
+      (SELECT extract(epoch FROM clock_timestamp() - min(acquired_at)) FROM job_lease
+        WHERE job_name = :job AND expires_at > clock_timestamp()) AS lease_age,
+      (SELECT extract(epoch FROM max(clock_timestamp() - greatest(c.updated_at, l.acquired_at)))
+         FROM job_lease l JOIN job_checkpoint c ON c.job_name = l.job_name AND c.scope = l.scope
+        WHERE l.job_name = :job AND l.expires_at > clock_timestamp()) AS checkpoint_age
+    """
+)
+_RECENT = sa.text(
+    """
+    SELECT scope, status FROM job_run
+     WHERE job_name = :job AND finished_at IS NOT NULL AND mode = 'execute'
+     ORDER BY finished_at DESC LIMIT :n
+    """
+)
