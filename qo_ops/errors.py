@@ -10,7 +10,12 @@ EXIT_BAD_INPUT = 2
 _URL_PASSWORD = re.compile(
     r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@/\s]*)@", re.I
 )
-_KV_PASSWORD = re.compile(r"(password\s*=\s*)('[^']*'|\S+)", re.I)
+_KV_SECRET = re.compile(
+    r"((?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key)\s*[=:]\s*)"
+    r"('[^']*'|\"[^\"]*\"|[^\s,;&]+)",
+    re.I,
+)
+_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
 
 
 _API_TOKEN = re.compile(r"(qoops_[0-9a-f]{16}_)[A-Za-z0-9_-]+")
@@ -18,12 +23,14 @@ _BEARER = re.compile(r"(?i)(bearer\s+)[^\s,;\"']+")
 
 
 def redact(text: str) -> str:
-    """Return ``text`` with passwords in URLs, ``password=`` pairs and API bearer tokens
-    replaced by ``***``."""
+    """Return ``text`` with API and bearer tokens, passwords in URLs, ``password=``-like
+    pairs (password, secret, token, api key) replaced by ``***`` and e-mail addresses by
+    ``<email>``."""
     text = _API_TOKEN.sub(lambda m: f"{m.group(1)}***", text)
     text = _BEARER.sub(lambda m: f"{m.group(1)}***", text)
     text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
-    return _KV_PASSWORD.sub(lambda m: f"{m.group(1)}***", text)
+    text = _KV_SECRET.sub(lambda m: f"{m.group(1)}***", text)
+    return _EMAIL.sub("<email>", text)
 
 
 def one_line(text: str, limit: int = 300) -> str:

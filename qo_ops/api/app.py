@@ -5,7 +5,6 @@ out of band. Errors are one line of JSON: ``{"error": "...", "requestId": "..."}
 
 # (no `from __future__ import annotations`: FastAPI reads these annotations at runtime)
 
-import json
 import logging
 import re
 import time
@@ -45,6 +44,7 @@ from qo_ops.platform.spec import (
     Scope,
 )
 from qo_ops.platform.status import job_status
+from qo_ops.platform.telemetry import log_event
 
 log = logging.getLogger("qo_ops.api")
 
@@ -239,30 +239,25 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
             else:
                 response = await call_next(request)
         except Exception as exc:  # nothing but one safe line leaves the process
-            log.error(
-                json.dumps(
-                    {"event": "api.error", "request_id": request_id, "error": type(exc).__name__}
-                )
+            log_event(
+                log, logging.ERROR, "api.error", request_id=request_id, error=type(exc).__name__
             )
             response = JSONResponse(
                 {"error": "internal error", "requestId": request_id}, status_code=500
             )
         response.headers["X-Request-Id"] = request_id
         p = getattr(request.state, "principal", None)
-        log.info(
-            json.dumps(
-                {
-                    "ts": datetime.now(UTC).isoformat(),
-                    "event": "api.request",
-                    "request_id": request_id,
-                    "method": request.method,
-                    "path": request.url.path,  # never the query string or headers
-                    "status": response.status_code,
-                    "identity": p.identity if p else None,
-                    "client": client,
-                    "duration_ms": int((time.monotonic() - started) * 1000),
-                }
-            )
+        log_event(
+            log,
+            logging.INFO,
+            "api.request",
+            request_id=request_id,
+            method=request.method,
+            path=request.url.path,  # never the query string or headers
+            status=response.status_code,
+            identity=p.identity if p else None,
+            client=client,
+            duration_ms=int((time.monotonic() - started) * 1000),
         )
         return response
 
@@ -311,7 +306,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
 
     @app.exception_handler(DBAPIError)
     async def database_down(request: Request, exc: DBAPIError) -> JSONResponse:
-        log.error(json.dumps({"event": "api.database_error", "error": type(exc.orig).__name__}))
+        log_event(log, logging.ERROR, "api.database_error", error=type(exc.orig).__name__)
         return JSONResponse(
             {"error": "database unavailable", "requestId": meta(request).request_id},
             status_code=503,
@@ -426,10 +421,8 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
             )
         except DagsterUnavailable as exc:
             service.record_launch_failed(engine, identity, run_id, str(exc), meta(request))
-            log.warning(
-                json.dumps(
-                    {"event": "api.launch_failed", "job_run_id": str(run_id), "error": str(exc)}
-                )
+            log_event(
+                log, logging.WARNING, "api.launch_failed", job_run_id=str(run_id), error=str(exc)
             )
             raise ApiError(503, f"run {run_id} not started: {exc}") from None
         service.record_launch(engine, run_id, dagster_run_id)

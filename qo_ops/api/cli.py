@@ -85,11 +85,11 @@ def serve(
         raise BadInput("--port must be between 1 and 65535")
     import uvicorn
 
+    from qo_ops.platform.telemetry import json_log_handler
+
     app = build_app()
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     api_log = logging.getLogger("qo_ops.api")
-    api_log.addHandler(handler)
+    api_log.addHandler(json_log_handler(sys.stdout))
     api_log.setLevel(logging.INFO)
     api_log.propagate = False
     typer.echo(json.dumps({"event": "api.listening", "host": host, "port": port}), err=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import threading
 from typing import Annotated
 
@@ -39,7 +41,7 @@ def metrics_command(
     from qo_ops.db.engine import get_engine
     from qo_ops.jobs.catalog import CATALOG
     from qo_ops.metrics.exporter import JobCollector
-    from qo_ops.platform.telemetry import METRICS
+    from qo_ops.platform.telemetry import METRICS, json_log_handler
 
     if not 1 <= port <= 65535:
         raise BadInput("--port must be between 1 and 65535")
@@ -55,6 +57,10 @@ def metrics_command(
         collector.refresh_slow()
         typer.echo(generate_latest(registry).decode(), nl=False)
         return
+    metrics_log = logging.getLogger("qo_ops.metrics")
+    metrics_log.addHandler(json_log_handler(sys.stdout))
+    metrics_log.setLevel(logging.INFO)
+    metrics_log.propagate = False
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

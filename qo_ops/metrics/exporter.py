@@ -39,6 +39,7 @@ from sqlalchemy.exc import DBAPIError
 from qo_ops.platform.runs import FINAL_STATUSES
 from qo_ops.platform.selection import capped_count
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope
+from qo_ops.platform.telemetry import log_event
 
 log = logging.getLogger("qo_ops.metrics")
 
@@ -177,8 +178,8 @@ class JobCollector:
             try:
                 self.refresh_slow()
             except DBAPIError as exc:
-                log.warning(
-                    '{"event": "metrics.refresh_failed", "error": "%s"}', type(exc.orig).__name__
+                log_event(
+                    log, logging.WARNING, "metrics.refresh_failed", error=type(exc.orig).__name__
                 )
             stop.wait(self.refresh_s)
 
@@ -239,9 +240,7 @@ class JobCollector:
                 now_families = list(self._now(conn))
             self._up = 1.0
         except DBAPIError as exc:
-            log.warning(
-                '{"event": "metrics.scrape_failed", "error": "%s"}', type(exc.orig).__name__
-            )
+            log_event(log, logging.WARNING, "metrics.scrape_failed", error=type(exc.orig).__name__)
             self._up, now_families = 0.0, []
         up.add_metric([], self._up)
         yield up

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,28 +18,83 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from qo_ops.errors import redact
+
 EVENT_LOGGER = "qo_ops.events"
 _events = logging.getLogger(EVENT_LOGGER)
+_SECRET_KEY = re.compile(r"(password|passwd|secret|token|api_?key|authorization|cookie)$", re.I)
+_SAFE_KEYS = {"lock.fencing_token", "fencing_token"}  # counters, not secrets
+
+
+def redact_value(value: Any, key: str = "") -> Any:
+    """``value`` with every string redacted (``qo_ops.errors.redact``), recursively; the
+    value of a key that names a secret becomes ``***`` whatever it is."""
+    if key and key not in _SAFE_KEYS and _SECRET_KEY.search(key):
+        return "***"
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: redact_value(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_value(v) for v in value]
+    return value
+
+
+class RedactingFilter(logging.Filter):
+    """Redacts every record passing through: message, arguments and the event payload."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.args:
+            record.msg = record.getMessage()
+            record.args = None
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        event = getattr(record, "event", None)
+        if isinstance(event, dict):
+            record.event = redact_value(event)
+        return True
+
+
+REDACTION = RedactingFilter()
+_events.addFilter(REDACTION)  # whoever handles job events (a CLI, Dagster) sees them redacted
+_events.setLevel(logging.INFO)
 
 
 class JsonLineFormatter(logging.Formatter):
     """Render a job event record as one JSON line."""
 
     def format(self, record: logging.LogRecord) -> str:
-        payload = {
+        payload: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
             "level": record.levelname,
         }
-        payload.update(getattr(record, "event", {}))
+        event = getattr(record, "event", None)
+        if isinstance(event, dict):
+            payload.update(event)
+        else:  # a plain log call: its (redacted) message
+            payload.update(logger=record.name, message=record.getMessage())
         return json.dumps(payload, default=str, sort_keys=False)
+
+
+def json_log_handler(stream: Any = None) -> logging.Handler:
+    """A handler writing JSON lines to ``stream`` (default stderr), redacting each record."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonLineFormatter())
+    handler.addFilter(REDACTION)
+    return handler
+
+
+def log_event(logger: logging.Logger, level: int, name: str, /, **fields: Any) -> None:
+    """Log one structured event (``event.name`` plus ``fields``), redacted."""
+    event = redact_value({"event.name": name, **fields})
+    logger.log(level, json.dumps(event, default=str), extra={"event": event})
 
 
 def configure_event_logging(stream: Any = None, level: int = logging.INFO) -> None:
     """Send job events as JSON lines to ``stream`` (default stderr); idempotent."""
     if any(getattr(h, "_qo_ops", False) for h in _events.handlers):
         return
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonLineFormatter())
+    handler = json_log_handler(stream)
     handler._qo_ops = True  # type: ignore[attr-defined]
     _events.addHandler(handler)
     _events.setLevel(level)
@@ -72,7 +128,10 @@ class EventContext:
             "job.window.end": self.window_end,
         }
         event.update(fields)
-        _events.log(level, name, extra={"event": event})
+        event = redact_value(event)
+        # the message is the event itself, so handlers that only print messages (Dagster's
+        # log manager) show it whole
+        _events.log(level, json.dumps(event, default=str), extra={"event": event})
 
     def progress(self, force: bool = False, /, **fields: Any) -> None:
         """Emit ``job.progress`` at most once per ``progress_interval_s``."""

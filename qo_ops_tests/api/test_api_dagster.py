@@ -196,6 +196,9 @@ def test_runs_launched_through_the_api_execute_in_dagster(loaded, logins, api_fa
                 str(e.user_message) + " " + str(e.dagster_event) for e in instance.all_logs(rid)
             ]
         everything = "\n".join(texts)
+        # the runner's JSON job events are in Dagster's event log of the run
+        run_log = [str(e.user_message) for e in instance.all_logs(row.dagster_run_id)]
+        assert any('"event.name": "job.finished"' in m and run_id in m for m in run_log)
         assert "api.request" in everything and "quote_expiration" in everything
         for secret in [*tokens, *(t.rsplit("_", 1)[1] for t in tokens), *db_passwords]:
             assert secret not in everything
