@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import dagster as dg
 import sqlalchemy as sa
-from dagster._utils.schedules import cron_string_iterator
 
 from qo_ops.dagster_defs.partitions import (
     JOB_RUN_TAG,
@@ -25,19 +24,12 @@ from qo_ops.dagster_defs.partitions import (
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import one_line
 from qo_ops.platform.runs import append_audit, finish_unstarted
-from qo_ops.platform.spec import BatchContext, JobSpec, Scope
+from qo_ops.platform.spec import BatchContext, JobSpec, Scope, cadence_seconds
 
 MAX_TENANTS_PER_TICK = 200  # a tick touches at most this many tenants; the cursor rotates
 BACKLOG_COOLDOWN_S = 300  # one backlog-triggered run per job and tenant per 5 minutes
 STALE_FACTOR = 3
 CHECKPOINT_MAX_AGE_S = 3600
-
-
-def cadence_seconds(cron: str) -> float:
-    """Seconds between two consecutive ticks of ``cron`` (UTC)."""
-    ticks = cron_string_iterator(time.time(), cron, "UTC")
-    first, second = next(ticks), next(ticks)
-    return (second - first).total_seconds()
 
 
 @dg.sensor(

@@ -5,9 +5,10 @@ they stay right across many short run processes (``docs/observability.md``).
   read on each scrape with index-backed queries.
 - Backlog, lag and dead letters are read by a background thread at most every
   ``refresh_s`` seconds (one capped query per tenant); a scrape serves the last values.
-- Counters and the duration histogram follow the run records: each scrape reads only the
-  runs created or finished since the previous one (indexes on ``created_at`` and
-  ``finished_at``), starting 24 hours before the exporter did.
+- Counters and the duration histogram follow the run records: the first scrape reads every
+  retained run once, each later scrape only the runs created or finished since the
+  previous one (indexes on ``created_at`` and ``finished_at``), so a restarted exporter
+  counts the same totals again instead of going down.
 
 Labels are only ``job_name``, ``status`` and ``error_class``.
 """
@@ -22,7 +23,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -38,36 +39,17 @@ from sqlalchemy.exc import DBAPIError
 
 from qo_ops.platform.runs import FINAL_STATUSES
 from qo_ops.platform.selection import capped_count
-from qo_ops.platform.spec import BatchContext, JobSpec, Scope
+from qo_ops.platform.spec import BatchContext, JobSpec, Scope, cadence_seconds
 from qo_ops.platform.telemetry import log_event
 
 log = logging.getLogger("qo_ops.metrics")
 
 BACKLOG_CAP_PER_TENANT = 10_000
-STREAK_WINDOW = 200  # finished runs read for the failure streak
-LOOKBACK = timedelta(hours=24)  # counters start with the runs of the day before
+STREAK_WINDOW = 1000  # latest finished execute runs read for the failure streaks
 SETTLE_S = 2.0  # rows newer than this may still be in uncommitted transactions
 DURATION_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200)
 FAILING = ("failed", "timeout")
 _ERROR_CLASS = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
-
-
-def cadence_seconds(cron: str) -> float:
-    """Seconds between two ticks of the catalog's cron forms: ``* * * * *``,
-    ``*/N * * * *``, ``M * * * *``, ``M H * * *``."""
-    minute, hour, dom, month, dow = cron.split()
-    if (dom, month, dow) != ("*", "*", "*"):
-        raise ValueError(f"unsupported cron for a cadence: {cron}")
-    if hour == "*":
-        if minute == "*":
-            return 60.0
-        if minute.startswith("*/"):
-            return 60.0 * int(minute[2:])
-        if minute.isdigit():
-            return 3600.0
-    elif hour.isdigit() and minute.isdigit():
-        return 86400.0
-    raise ValueError(f"unsupported cron for a cadence: {cron}")
 
 
 def _error_class(code: str | None) -> str:
@@ -129,15 +111,13 @@ class JobCollector:
         engine: Engine,
         specs: Iterable[JobSpec],
         refresh_s: float = 30.0,
-        start: datetime | None = None,
         process_registry: CollectorRegistry | None = None,
     ) -> None:
         self.engine = engine
         self.specs = list(specs)
         self.refresh_s = refresh_s
         self.process_registry = process_registry
-        since = (start or datetime.now(UTC)) - LOOKBACK
-        origin = (since, uuid.UUID(int=0))
+        origin = (datetime(1970, 1, 1, tzinfo=UTC), uuid.UUID(int=0))
         self._feed = _Feed(origin, origin)
         self._lock = threading.Lock()
         self._slow: dict[str, dict[str, float]] = {}
@@ -273,8 +253,8 @@ class JobCollector:
             name: GaugeMetricFamily(name, text, labels=["job_name"])
             for name, text in (
                 ("job_last_success_timestamp_seconds", "End of the latest successful execute run"),
-                ("job_last_run_timestamp_seconds", "Start of the latest run"),
-                ("job_consecutive_failures", "Longest current failed/timeout streak of a scope"),
+                ("job_last_run_timestamp_seconds", "Start of the latest execute run"),
+                ("job_consecutive_failures", "Longest current failed/timeout streak of a tenant"),
                 ("job_running", "Runs in status running"),
                 ("job_longest_running_seconds", "Age of the oldest running run"),
                 ("job_checkpoint_age_seconds", "Worst age of a leased scope's checkpoint"),
@@ -302,15 +282,17 @@ class JobCollector:
             g["job_checkpoint_age_seconds"].add_metric([spec.name], float(row.checkpoint_age or 0))
             for final in FINAL_STATUSES:
                 status.add_metric([spec.name, final], 1.0 if row.last_status == final else 0.0)
+            # per tenant, not per scope: a windowed job's every day is a new scope
             streaks: dict[str, int] = {}
             broken: set[str] = set()
             for run in conn.execute(_RECENT, {"job": spec.name, "n": STREAK_WINDOW}):
-                if run.scope in broken:
+                tenant = run.scope.partition("/")[0]
+                if tenant in broken:
                     continue
                 if run.status in FAILING:
-                    streaks[run.scope] = streaks.get(run.scope, 0) + 1
+                    streaks[tenant] = streaks.get(tenant, 0) + 1
                 elif run.status not in ("cancelled", "skipped"):  # neither breaks nor extends
-                    broken.add(run.scope)
+                    broken.add(tenant)
             g["job_consecutive_failures"].add_metric(
                 [spec.name], float(max(streaks.values(), default=0))
             )
@@ -398,7 +380,8 @@ _NOW = sa.text(
       (SELECT finished_at FROM job_run WHERE job_name = :job AND finished_at IS NOT NULL
           AND status IN ('success', 'no_work') AND mode = 'execute'
         ORDER BY finished_at DESC LIMIT 1) AS last_success,
-      (SELECT started_at FROM job_run WHERE job_name = :job
+      (SELECT started_at FROM job_run WHERE job_name = :job AND mode = 'execute'
+          AND status NOT IN ('awaiting_approval', 'accepted')
         ORDER BY started_at DESC LIMIT 1) AS last_start,
       (SELECT status FROM job_run WHERE job_name = :job AND finished_at IS NOT NULL
         ORDER BY finished_at DESC LIMIT 1) AS last_status,

@@ -114,6 +114,24 @@ def _check_range(name: str, value: float | None, lo: float, hi: float) -> None:
         raise BadInput(f"{name} must be between {lo:g} and {hi:g}, got {value:g}")
 
 
+def cadence_seconds(cron: str) -> float:
+    """Seconds between two ticks of the catalog's cron forms: ``* * * * *``,
+    ``*/N * * * *``, ``M * * * *``, ``M H * * *``."""
+    minute, hour, dom, month, dow = cron.split()
+    if (dom, month, dow) != ("*", "*", "*"):
+        raise ValueError(f"unsupported cron for a cadence: {cron}")
+    if hour == "*":
+        if minute == "*":
+            return 60.0
+        if minute.startswith("*/"):
+            return 60.0 * int(minute[2:])
+        if minute.isdigit():
+            return 3600.0
+    elif hour.isdigit() and minute.isdigit():
+        return 86400.0
+    raise ValueError(f"unsupported cron for a cadence: {cron}")
+
+
 @dataclass(frozen=True)
 class JobDefaults:
     """Limits a run takes unless told otherwise."""
