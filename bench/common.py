@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import DBAPIError
 
 from qo_ops.db import migrate
 from qo_ops.db.engine import parse_database_url, start_embedded_server
@@ -72,3 +77,83 @@ def print_table(title: str, headers: list[str], rows: list[list[object]]) -> Non
                 for i, (c, w) in enumerate(zip(r, widths, strict=True))
             )
         )
+
+
+def engine_for(url: URL) -> Engine:
+    return sa.create_engine(url, poolclass=sa.pool.NullPool)
+
+
+def admin_engine() -> Engine:
+    return sa.create_engine(
+        bench_server(), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
+    )
+
+
+def env_url(url: URL) -> str:
+    """``url`` as ``QO_OPS_DATABASE_URL`` takes it."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@contextmanager
+def cloned_database(template: URL, name: str) -> Iterator[URL]:
+    """``CREATE DATABASE name TEMPLATE template``, dropped afterwards (and on failure):
+    every measured run starts from the same bytes."""
+    admin = admin_engine()
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            for attempt in range(20):
+                try:
+                    conn.exec_driver_sql(f'CREATE DATABASE "{name}" TEMPLATE "{template.database}"')
+                    break
+                except DBAPIError as exc:  # an autovacuum worker may be on it for a moment
+                    if "being accessed by other users" not in str(exc.orig) or attempt == 19:
+                        raise
+                    time.sleep(0.5)
+        yield template.set(database=name)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+def settle(url: URL, timeout_s: float = 60.0) -> None:
+    """CHECKPOINT, then wait (bounded) until no autovacuum worker runs on the server, so a
+    leftover vacuum does not skew the next figure (2 cores)."""
+    engine = engine_for(url)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("CHECKPOINT")
+        until = time.monotonic() + timeout_s
+        while (
+            time.monotonic() < until
+            and conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
+            ).scalar()
+        ):
+            time.sleep(0.5)
+    engine.dispose()
+
+
+# Runs one command and writes its wall time, exit code, output and peak RSS to a file. A
+# fresh helper per measurement: RUSAGE_CHILDREN then covers exactly that one process.
+_RSS_HELPER = """
+import json, resource, subprocess, sys, time
+started = time.perf_counter()
+proc = subprocess.run(json.loads(sys.argv[1]), capture_output=True, text=True, check=False)
+wall = time.perf_counter() - started
+with open(sys.argv[2], "w") as out:
+    json.dump({"returncode": proc.returncode, "wall_s": wall, "stdout": proc.stdout,
+               "stderr": proc.stderr,
+               "maxrss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}, out)
+"""
+QO_OPS = str(Path(sys.executable).with_name("qo-ops"))
+
+
+def measure_command(cmd: list[str], env: dict[str, str]) -> dict[str, object]:
+    """Run ``cmd`` in its own process: wall seconds, return code, stdout/stderr, peak RSS (KiB)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "measured.json"
+        subprocess.run(
+            [sys.executable, "-c", _RSS_HELPER, json.dumps(cmd), str(result)], env=env, check=True
+        )
+        return dict(json.loads(result.read_text()))

@@ -1,0 +1,238 @@
+"""The benchmark suite: one table of figures, each against its limit measured in the same run
+on the same machine, written to BENCHMARKS.md.
+
+    python -m bench.suite                 # default sizes (make bench): fits in 20 minutes
+    python -m bench.suite --profile full  # the published sizes (1,000,000 rows, 10,000,000 big)
+    python -m bench.suite --profile quick # seconds: a smoke check (make test), no figures kept
+    python -m bench.suite --only jobs,partitions
+
+Each section is a module ``bench/section_<name>.py`` with ``TITLE`` and
+``run(profile: Profile) -> Section``. A section measures, verifies that the work was really
+done (a benchmark of wrong work is worthless), and returns rows; medians are over
+``profile.repeats`` runs. Raw figures go to ``bench/results/<profile>.json``; the full and
+default profiles also write ``BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+SECTIONS = ("jobs", "partitions", "orchestration", "big_tables", "dry_run")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes of one suite run."""
+
+    name: str
+    rows: int  # eligible rows per job throughput run (section 1)
+    memory_sizes: tuple[int, ...]  # rows for the peak-RSS curve (section 2)
+    repeats: int  # runs per figure; the table shows medians
+    tenants_parallel: tuple[int, ...]  # concurrent tenant processes (section 4)
+    rows_per_tenant: int  # section 4
+    orchestration_tenants: int  # tenants of one schedule tick through Dagster (section 5)
+    big_rows: int  # rows in the largest tables for sensors and the exporter (section 6)
+    dry_run_rows: int  # eligible rows to count (section 7)
+
+
+PROFILES = {
+    "quick": Profile("quick", 2_000, (500, 1_000, 2_000), 1, (1, 2), 1_000, 3, 20_000, 2_000),
+    "default": Profile(
+        "default",
+        250_000,
+        (10_000, 100_000, 250_000),
+        3,
+        (1, 2, 4),
+        100_000,
+        100,
+        2_000_000,
+        1_000_000,
+    ),  # fmt: skip
+    "full": Profile(
+        "full",
+        1_000_000,
+        (10_000, 100_000, 1_000_000),
+        3,
+        (1, 2, 4),
+        250_000,
+        100,
+        10_000_000,
+        1_000_000,
+    ),  # fmt: skip
+}
+
+
+@dataclass
+class Row:
+    """One line of the table: a measured figure beside its limit."""
+
+    what: str
+    size: str
+    figure: str  # e.g. "41,200 rows/s"
+    limit: str  # e.g. "52,000 rows/s (one UPDATE)"
+    ratio: float | None  # figure / limit where that is meaningful
+    goal: str  # e.g. ">= 0.7"
+    met: bool | None
+    note: str = ""
+
+
+@dataclass
+class Section:
+    title: str
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def repeat(times: int, measure: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """``measure(i)`` for i in range(times): every run's raw figures, for medians."""
+    return [measure(i) for i in range(times)]
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_kb = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_kb = int(line.split()[1])
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = "?"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kb / 1024 / 1024, 1),
+        "python": platform.python_version(),
+        "postgresql": "16 (pgserver, embedded)"
+        if not os.environ.get("QO_OPS_TEST_DATABASE_URL")
+        else "QO_OPS_TEST_DATABASE_URL",
+        "commit": commit,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def render_table(sections: list[Section]) -> str:
+    """The one table (markdown), section by section."""
+    lines = [
+        "| section | what | size | figure | limit / baseline | ratio | goal | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in sections:
+        for r in s.rows:
+            ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+            met = "" if r.met is None else ("yes" if r.met else "**no**")
+            lines.append(
+                f"| {s.title} | {r.what} | {r.size} | {r.figure} | {r.limit} | {ratio} | "
+                f"{r.goal} | {met} |"
+            )
+    return "\n".join(lines)
+
+
+def write_benchmarks_md(profile: Profile, sections: list[Section], took_s: float) -> None:
+    m = machine()
+    parts = [
+        "# Benchmarks",
+        "",
+        "Written by `python -m bench.suite` (`make bench`). Every figure is a median of "
+        f"{profile.repeats} run(s), beside its limit measured in the same run on the same "
+        "machine; the ratio is the figure.",
+        "",
+        f"- profile: **{profile.name}** ({json.dumps(asdict(profile))})",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; Python "
+        f"{m['python']}; PostgreSQL {m['postgresql']}; commit {m['commit']}; {m['date']}",
+        f"- the suite took {took_s / 60:.1f} minutes",
+        "",
+        render_table(sections),
+        "",
+    ]
+    for s in sections:
+        if s.notes:
+            parts += [f"## {s.title}", "", *[f"- {n}" for n in s.notes], ""]
+    tuning = REPO / "bench" / "TUNING.md"
+    if tuning.exists():
+        parts += [tuning.read_text().strip(), ""]
+    (REPO / "BENCHMARKS.md").write_text("\n".join(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--no-write", action="store_true", help="do not write BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    profile = PROFILES[args.profile]
+    chosen = [s for s in args.only.split(",") if s] or list(SECTIONS)
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        print(f"unknown section(s): {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    sections: list[Section] = []
+    for name in chosen:
+        module = importlib.import_module(f"bench.section_{name}")
+        print(f"== {module.TITLE} ({profile.name})", flush=True)
+        t0 = time.monotonic()
+        section: Section = module.run(profile)
+        print(f"   {time.monotonic() - t0:.0f} s", flush=True)
+        sections.append(section)
+    took = time.monotonic() - started
+    table = render_table(sections)
+    print()
+    print(table)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{profile.name}.json").write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "profile": asdict(profile),
+                "took_s": took,
+                "sections": [asdict(s) for s in sections],
+            },
+            indent=2,
+            default=str,
+        )
+    )
+    if profile.name != "quick" and not args.no_write and chosen == list(SECTIONS):
+        write_benchmarks_md(profile, sections, took)
+        print(f"\nwrote BENCHMARKS.md ({took / 60:.1f} minutes)")
+    failed = [r.what for s in sections for r in s.rows if r.met is False]
+    if failed:
+        print(f"goals missed: {', '.join(failed)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
