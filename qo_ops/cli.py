@@ -448,7 +448,9 @@ def status_command(
 @app.command("runs")
 def runs_command(
     job: Annotated[str, typer.Argument(help="Job name.")],
-    tenant: Annotated[str | None, typer.Option(help="One tenant (scope).")] = None,
+    tenant: Annotated[
+        str | None, typer.Option(help="One tenant (its windows too, for windowed jobs).")
+    ] = None,
     limit: Annotated[int, typer.Option(help="How many runs, newest first.")] = 20,
     as_json: JsonOpt = False,
 ) -> None:
@@ -550,6 +552,8 @@ def requeue_command(
         raise BadInput("--tenant is required")
     if item and all_dead:
         raise BadInput("give either --item or --all-dead, not both")
+    if not item and not all_dead:
+        raise BadInput("say what to requeue: --item ID (repeatable) or --all-dead")
     Scope(tenant)
     if not reason.strip():
         raise BadInput("--reason is required (recorded in the audit trail)")

@@ -1,12 +1,20 @@
 """One schedule per catalog job at its declared cadence, fanning out over every tenant
-(yesterday's window for windowed jobs) with deterministic run keys."""
+with deterministic run keys. Windowed jobs run one day: yesterday, or for retention jobs the
+day that has just aged past retention (``JobSpec.scheduled_window_age_days``)."""
 
 from collections.abc import Iterator
 from datetime import timedelta
 
 import dagster as dg
 
-from qo_ops.dagster_defs.partitions import partition_key_for, scope_tag, tenants_partitions_def
+from qo_ops.dagster_defs.partitions import (
+    PARTITION_START_ENV,
+    days_partitions_def,
+    partition_key_for,
+    scope_tag,
+    tenants_partitions_def,
+)
+from qo_ops.errors import QoOpsError
 from qo_ops.platform.spec import JobSpec
 
 SCHEDULE_TIMEZONE = "UTC"
@@ -32,7 +40,21 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
         if not tenants:
             yield dg.SkipReason("no tenant partitions yet (the tenants sensor adds them)")
             return
-        day = (scheduled - timedelta(days=1)).date() if spec.partitioning == "tenant_day" else None
+        day = None
+        if spec.partitioning == "tenant_day":
+            try:
+                age = spec.scheduled_window_age_days() if spec.scheduled_window_age_days else 1
+            except QoOpsError as exc:  # a bad retention setting: say so, start nothing
+                yield dg.SkipReason(f"{spec.name}: {exc}")
+                return
+            day = (scheduled - timedelta(days=age)).date()
+            first = days_partitions_def.start.date()
+            if day < first:
+                yield dg.SkipReason(
+                    f"{spec.name}: the day that ages out now ({day}) is before the first "
+                    f"partition ({first}); set {PARTITION_START_ENV} earlier to cover it"
+                )
+                return
         for tenant in tenants:
             key = partition_key_for(spec, tenant, day)
             yield dg.RunRequest(

@@ -977,4 +977,5 @@ SPEC = JobSpec(
     defaults=JobDefaults(batch_size=MAX_ROWS_PER_FILE),
     destructive=True,
     validate_settings=retention_days,
+    scheduled_window_age_days=lambda: retention_days() + 1,
 )

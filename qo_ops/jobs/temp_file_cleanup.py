@@ -673,6 +673,7 @@ SPEC = JobSpec(
         ),
     ),
     validate_settings=settings_from_env,  # a bad setting is refused before anything is written
+    scheduled_window_age_days=lambda: settings_from_env().retention_days + 1,
     cron_schedule="15 3 * * *",
     defaults=JobDefaults(batch_size=200),  # each batch hashes its objects inside step 1
     destructive=True,

@@ -350,7 +350,8 @@ class RunRow:
 def list_runs(
     engine: Engine, job_name: str, scope: str | None = None, limit: int = 20
 ) -> list[RunRow]:
-    """Most recent runs of a job (optionally of one scope), newest first."""
+    """Most recent runs of a job (optionally of one tenant: its scope and, for windowed jobs,
+    every window of it), newest first."""
     query = (
         sa.select(*(job_run.c[f] for f in RunRow.__dataclass_fields__))
         .where(job_run.c.job_name == job_name)
@@ -358,6 +359,8 @@ def list_runs(
         .limit(limit)
     )
     if scope is not None:
-        query = query.where(job_run.c.scope == scope)
+        query = query.where(
+            sa.or_(job_run.c.scope == scope, job_run.c.scope.startswith(f"{scope}/"))
+        )
     with engine.connect() as conn:
         return [RunRow(**row._mapping) for row in conn.execute(query)]

@@ -235,6 +235,9 @@ class JobSpec:
     # A cursor job that re-checks its whole scope on every run (reconciliation) forgets its
     # checkpoint once a run has gone through the scope; a backfill keeps it (done is done).
     rescan_when_complete: bool = False
+    # Windowed jobs: how many days before its tick the day a schedule runs lies (default 1:
+    # yesterday). Retention jobs return retention + 1, the day that has just aged out.
+    scheduled_window_age_days: Callable[[], int] | None = None
     # How many items sit dead-lettered now, all tenants (capped count; for the exporter).
     dead_letters: Callable[[Connection], int] | None = None
     # Checks the job's own settings (environment) before anything is written; raises QoOpsError.

@@ -130,6 +130,34 @@ def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instan
     assert all(r.tags[SCOPE_TAG] == f"quote_expiration:{r.partition_key}" for r in requests)
 
 
+def test_retention_schedules_run_the_day_that_just_aged_out(defs, instance, monkeypatch):
+    """temp_file_cleanup and audit_archive run the day past retention, not yesterday (whose
+    files and records are never old enough: such a schedule would never clean anything)."""
+    when = datetime(2026, 11, 29, 3, 15, tzinfo=UTC)
+    repo = defs.get_repository_def()
+
+    def days(schedule_name: str) -> tuple[set[str], str | None]:
+        context = dg.build_schedule_context(
+            instance=instance, scheduled_execution_time=when, repository_def=repo
+        )
+        with partition_loading_context(dynamic_partitions_store=instance):
+            result = defs.resolve_schedule_def(schedule_name).evaluate_tick(context)
+        keys = {r.partition_key.split("|")[0] for r in result.run_requests or []}
+        return keys, result.skip_message
+
+    monkeypatch.setenv("QO_OPS_TEMP_FILE_RETENTION_DAYS", "7")
+    assert days("temp_file_cleanup_schedule") == ({"2026-11-21"}, None)
+    monkeypatch.setenv("QO_OPS_AUDIT_RETENTION_DAYS", "90")  # 2026-08-30: inside the partitions
+    assert days("audit_archive_schedule") == ({"2026-08-30"}, None)
+    monkeypatch.setenv("QO_OPS_AUDIT_RETENTION_DAYS", "365")  # 2025-11-28: before 2026-01-01
+    keys, skipped = days("audit_archive_schedule")
+    assert keys == set() and "before the first partition" in (skipped or "")
+    monkeypatch.setenv("QO_OPS_AUDIT_RETENTION_DAYS", "soon")
+    keys, skipped = days("audit_archive_schedule")
+    assert keys == set() and "QO_OPS_AUDIT_RETENTION_DAYS" in (skipped or "")
+    assert days("order_reconciliation_schedule")[0] == {"2026-11-28"}  # yesterday, as before
+
+
 def test_run_failure_recorder_puts_the_failure_on_record(defs, loaded, instance):
     job = defs.resolve_job_def("quote_expiration")
     failed = job.execute_in_process(

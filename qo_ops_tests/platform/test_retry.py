@@ -386,6 +386,7 @@ def test_requeue_cli_moves_dead_letters_and_audits_requester_and_reason(dead, cl
         "carol",
         "--limit",
         "3",
+        "--all-dead",
     )
 
     assert result.code == 0, result.stderr
