@@ -275,11 +275,22 @@ def run_job(
         _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
 
     _crash_point("before_finalize")
-    if summary.status != "skipped":
-        with engine.connect() as conn:
-            summary.checks = spec.check(conn, ctx)
-            lag = spec.lag(conn, ctx) if spec.lag else None
-        metrics.lag.labels(spec.name).set(lag or 0.0)
+    try:
+        if summary.status != "skipped":
+            with engine.connect() as conn:
+                summary.checks = spec.check(conn, ctx)
+                lag = spec.lag(conn, ctx) if spec.lag else None
+            metrics.lag.labels(spec.name).set(lag or 0.0)
+    except BaseException:  # interrupted while checking (Dagster terminating the run): the
+        # batches are over, so the run record still gets their outcome before this goes on
+        if summary.status == "running":
+            summary.status = "cancelled"
+        summary.status_reason = summary.status_reason or "interrupted during outcome checks"
+        runs.finish_run(
+            engine, run_id, summary.status, summary.status_reason, summary.error_code,
+            summary.error_text,
+        )  # fmt: skip
+        raise
     summary.duration_ms = int((time.monotonic() - started) * 1000)  # outcome checks included
     runs.finish_run(
         engine,

@@ -334,3 +334,26 @@ def test_competing_workers_with_skip_locked_take_disjoint_batches(loaded, busy_e
     assert len(all_ids) == len(set(all_ids)) == eligible  # disjoint, and nothing missed
     assert sum(1 for t in taken if t) >= 2  # they really competed
     assert_outcome_intact(db.engine)
+
+
+def test_an_interrupt_during_the_outcome_checks_still_finishes_the_run_record(loaded):
+    """Dagster terminates a run by interrupting it: if that lands after the batches, while the
+    outcome checks run, the record still ends with the batches' outcome — never `running`."""
+    import dataclasses
+
+    def interrupted(conn, ctx):
+        raise KeyboardInterrupt
+
+    db, before = loaded
+    spec = dataclasses.replace(SPEC, check=interrupted)
+    assert before > 0
+    with pytest.raises(KeyboardInterrupt):
+        run_job(spec, Scope(TENANT), RunOptions(mode="execute", reason="t"), engine=db.engine)
+    with db.engine.connect() as conn:
+        row = conn.execute(
+            sa.text("SELECT status, status_reason, finished_at, processed_count FROM job_run")
+        ).one()
+    assert row.status == "success" and row.finished_at is not None
+    assert row.status_reason == "interrupted during outcome checks"
+    assert row.processed_count == before and overdue(db.engine) == 0
+    assert scalar(db.engine, "SELECT count(*) FROM job_lease WHERE expires_at > now()") == 0
