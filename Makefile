@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo ui ui-readonly test bench lint fmt clean
+.PHONY: bench-full bench-more demo ui ui-readonly test bench lint fmt clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ test: $(STAMP)
 
 ## bench: measured speed, compared with a baseline in the same run
 bench: $(STAMP)
+	$(BIN)/python -m bench.suite
+
+## bench-full: the published sizes (1,000,000 rows; 10,000,000 in the big tables), writes BENCHMARKS.md
+bench-full: $(STAMP)
+	$(BIN)/python -m bench.suite --profile full
+
+## bench-more: the older single-purpose benchmarks (demo data load, delivery_retry concurrency)
+bench-more: $(STAMP)
 	$(BIN)/python -m bench.bench_demo_data
 	$(BIN)/python -m bench.bench_quote_expiration
 	$(BIN)/python -m bench.bench_delivery_retry
