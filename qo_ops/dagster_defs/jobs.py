@@ -175,6 +175,129 @@ def _refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
         runs.finish_unstarted(conn, run_id, "failed", "refused_at_start", "bad_input", str(exc))
 
 
+def _options(
+    config: JobRunConfig, tags: dict[str, str], trigger: Trigger, run_id: str
+) -> RunOptions:
+    """Run options of a run that was not accepted by the API: config, then tags."""
+    return RunOptions(
+        mode=resolve_mode(config, tags, trigger),  # type: ignore[arg-type]
+        trigger=trigger,
+        batch_size=config.batch_size,
+        max_items=config.max_items,
+        throttle_ms=config.throttle_ms,
+        deadline_s=config.deadline_s,
+        requester=tags.get("dagster/user") or f"dagster:{trigger}",
+        reason=config.reason or tags.get(REASON_TAG),
+        correlation_id=run_id,
+        dagster_run_id=run_id,
+        progress_interval_s=10.0,
+    )
+
+
+def _run_tenant_range(
+    spec: JobSpec,
+    context: dg.OpExecutionContext,
+    config: JobRunConfig,
+    tags: dict[str, str],
+    trigger: Trigger,
+    engine: Any,
+    asset_key: dg.AssetKey | None,
+) -> Iterator[Any]:
+    """One Dagster run over a range of tenant partitions (tags
+    ``dagster/asset_partition_range_start`` / ``_end``): ``run_job`` for each tenant in
+    turn, each with its own lease and job_run row, so a tick over many tenants costs one
+    run process instead of one per tenant. A tenant that fails does not stop the others;
+    the run fails at the end if any did. One check evaluation per check covers the range."""
+    if spec.partitioning != "tenant":
+        raise dg.Failure(
+            description=f"{spec.name} is windowed: launch it per partition, not over a range",
+            allow_retries=False,
+        )
+    if trigger == "api":
+        raise dg.Failure(
+            description="an API-accepted run covers one partition, not a range",
+            allow_retries=False,
+        )
+    tenants = list(context.partition_keys)
+    options = _options(config, tags, trigger, context.run_id)
+    summaries: list[RunSummary] = []
+    refused: list[str] = []
+    for tenant in tenants:
+        try:
+            summary = run_job(spec, Scope(tenant), options, engine=engine)
+        except QoOpsError as exc:  # bad input: refused before anything was written
+            refused.append(tenant)
+            context.log.error(f"{spec.name} {tenant}: refused: {exc}")
+            continue
+        summaries.append(summary)
+        context.log.info(
+            f"{spec.name} {summary.scope} {summary.mode}: {summary.status} — "
+            f"eligible {summary.eligible_count}, changed {summary.mutated_count}, "
+            f"failed {summary.failed_count}"
+        )
+    declared = {c.name: c for c in spec.checks}
+    checked = [s for s in summaries if s.mode == "execute" and s.status != "skipped"]
+    failing_checks: dict[str, list[str]] = {}
+    for s in checked:
+        for check in s.checks:
+            failing_checks.setdefault(check.name, [])
+            if not check.passed:
+                failing_checks[check.name].append(s.scope)
+    if asset_key is not None:
+        for name, scopes in failing_checks.items():
+            declared_check = declared.get(name)
+            yield dg.AssetCheckEvaluation(
+                asset_key=asset_key,
+                check_name=name,
+                passed=not scopes,
+                metadata={
+                    "scopes_checked": len(checked),
+                    "failing_scopes": ", ".join(scopes[:50]) or "none",
+                    "range": f"{tenants[0]}..{tenants[-1]}" if tenants else "",
+                },
+                severity=dg.AssetCheckSeverity.ERROR
+                if declared_check is None or declared_check.blocking
+                else dg.AssetCheckSeverity.WARN,
+            )
+    by_status: dict[str, int] = {}
+    for s in summaries:
+        by_status[s.status] = by_status.get(s.status, 0) + 1
+    metadata: dict[str, Any] = {
+        "tenants": len(tenants),
+        **{f"status_{k}": v for k, v in sorted(by_status.items())},
+        "refused": len(refused),
+        "eligible_count": sum(s.eligible_count for s in summaries),
+        "processed_count": sum(s.processed_count for s in summaries),
+        "mutated_count": sum(s.mutated_count for s in summaries),
+        "failed_count": sum(s.failed_count for s in summaries),
+    }
+    failed = [s.scope for s in summaries if s.status in FAILING_STATUSES]
+    blocking = sorted(
+        {
+            scope
+            for name, scopes in failing_checks.items()
+            if name in declared and declared[name].blocking
+            for scope in scopes
+        }
+    )
+    if refused or failed or blocking:
+        raise dg.Failure(
+            description=f"{spec.name} over {len(tenants)} tenants: "
+            + "; ".join(
+                part
+                for part in (
+                    f"refused {', '.join(refused)}" if refused else "",
+                    f"ended failing {', '.join(failed)}" if failed else "",
+                    f"outcome not met {', '.join(blocking)}" if blocking else "",
+                )
+                if part
+            ),
+            metadata=metadata,
+            allow_retries=False,
+        )
+    yield dg.Output({"runs": [s.as_dict() for s in summaries]}, metadata=metadata)
+
+
 def build_job(spec: JobSpec) -> dg.JobDefinition:
     """The Dagster job of ``spec``: partitioned, one op, in-process executor."""
     partitions_def = partitions_def_for(spec)
@@ -187,24 +310,15 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
         tags = dict(context.run.tags)
         trigger = trigger_from_tags(tags)
         engine = database.engine()
+        if context.has_partition_key_range and not context.has_partition_key:
+            yield from _run_tenant_range(spec, context, config, tags, trigger, engine, asset_key)
+            return
         try:
             if trigger == "api":
                 scope, options = _adopted(spec, engine, tags[JOB_RUN_TAG], context)
             else:
                 scope = scope_from_partition_key(spec, context.partition_key)
-                options = RunOptions(
-                    mode=resolve_mode(config, tags, trigger),  # type: ignore[arg-type]
-                    trigger=trigger,
-                    batch_size=config.batch_size,
-                    max_items=config.max_items,
-                    throttle_ms=config.throttle_ms,
-                    deadline_s=config.deadline_s,
-                    requester=tags.get("dagster/user") or f"dagster:{trigger}",
-                    reason=config.reason or tags.get(REASON_TAG),
-                    correlation_id=context.run_id,
-                    dagster_run_id=context.run_id,
-                    progress_interval_s=10.0,
-                )
+                options = _options(config, tags, trigger, context.run_id)
             summary = run_job(spec, scope, options, engine=engine)
         except QoOpsError as exc:  # bad input: refused before anything was written
             if trigger == "api":  # the accepted row must not wait forever

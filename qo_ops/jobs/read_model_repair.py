@@ -3,6 +3,11 @@
 
 No checkpoint: the selection is "orders of the window whose read-model row differs", and
 the repair removes a row from it, so a rerun finds exactly what is left.
+
+Within a run, each batch starts after the last one (``position``: its last order's
+``(submitted_at, id)``), so it does not walk the orders earlier batches already repaired
+(without it every batch re-reads the window from its start: quadratic in the window's size);
+the runner ends with one pass from the start.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import customer_order, order_read_model
+from qo_ops.platform.selection import after_position
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -35,7 +41,18 @@ _DRIFT = sa.or_(
 
 
 def drifted_orders(ctx: BatchContext) -> sa.Select[Any]:
-    """Orders of the tenant submitted in the window whose read-model row drifted."""
+    """Orders of the tenant submitted in the window whose read-model row drifted, after the
+    run's position (ix_customer_order_tenant_submitted)."""
+    return after_position(
+        _drifted_in_window(ctx),
+        (customer_order.c.submitted_at, customer_order.c.id),
+        ctx.params.get("position"),
+        ("submitted_at", "id"),
+    )
+
+
+def _drifted_in_window(ctx: BatchContext) -> sa.Select[Any]:
+    """Every drifted order of the window, by (submitted_at, id), whatever the position."""
     start, end = ctx.scope.window_bounds()
     return (
         sa.select(customer_order.c.id)
@@ -55,24 +72,29 @@ def drifted_orders(ctx: BatchContext) -> sa.Select[Any]:
 
 
 # Recompute the rows from the source; the WHERE on the update leaves rows that are already
-# right untouched, so a second run writes nothing.
+# right untouched, so a second run writes nothing. Also returns the last selected order's
+# submitted_at: where the next batch's selection starts.
 REPAIR_READ_MODEL_BATCH = sa.text(
     """
-    INSERT INTO order_read_model AS r (order_id, tenant_id, order_number, quote_number, status,
-                                       total_amount, line_count, source_version, refreshed_at)
-    SELECT o.id, o.tenant_id, o.order_number, q.quote_number, o.status, o.total_amount,
-           o.line_count, o.version, clock_timestamp()
-      FROM customer_order o LEFT JOIN quote q ON q.id = o.quote_id
-     WHERE o.id = ANY(CAST(:ids AS bigint[])) AND o.tenant_id = :tenant
-    ON CONFLICT (order_id) DO UPDATE
-       SET order_number = EXCLUDED.order_number, quote_number = EXCLUDED.quote_number,
-           status = EXCLUDED.status, total_amount = EXCLUDED.total_amount,
-           line_count = EXCLUDED.line_count, source_version = EXCLUDED.source_version,
-           refreshed_at = EXCLUDED.refreshed_at
-     WHERE (r.order_number, r.quote_number, r.status, r.total_amount, r.line_count, r.source_version)
-           IS DISTINCT FROM (EXCLUDED.order_number, EXCLUDED.quote_number, EXCLUDED.status,
-                             EXCLUDED.total_amount, EXCLUDED.line_count, EXCLUDED.source_version)
-    RETURNING 1
+    WITH repaired AS (
+        INSERT INTO order_read_model AS r (order_id, tenant_id, order_number, quote_number, status,
+                                           total_amount, line_count, source_version, refreshed_at)
+        SELECT o.id, o.tenant_id, o.order_number, q.quote_number, o.status, o.total_amount,
+               o.line_count, o.version, clock_timestamp()
+          FROM customer_order o LEFT JOIN quote q ON q.id = o.quote_id
+         WHERE o.id = ANY(CAST(:ids AS bigint[])) AND o.tenant_id = :tenant
+        ON CONFLICT (order_id) DO UPDATE
+           SET order_number = EXCLUDED.order_number, quote_number = EXCLUDED.quote_number,
+               status = EXCLUDED.status, total_amount = EXCLUDED.total_amount,
+               line_count = EXCLUDED.line_count, source_version = EXCLUDED.source_version,
+               refreshed_at = EXCLUDED.refreshed_at
+         WHERE (r.order_number, r.quote_number, r.status, r.total_amount, r.line_count, r.source_version)
+               IS DISTINCT FROM (EXCLUDED.order_number, EXCLUDED.quote_number, EXCLUDED.status,
+                                 EXCLUDED.total_amount, EXCLUDED.line_count, EXCLUDED.source_version)
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM repaired) AS repaired,
+           (SELECT submitted_at FROM customer_order WHERE id = :last_id) AS last_submitted_at
     """
 )
 
@@ -81,12 +103,15 @@ def repair_read_model_batch(
     conn: Connection, ctx: BatchContext, ids: Sequence[Any]
 ) -> BatchOutcome:
     """Recompute the selected orders' read-model rows."""
-    repaired = len(
-        conn.execute(
-            REPAIR_READ_MODEL_BATCH, {"ids": list(ids), "tenant": ctx.scope.tenant_id}
-        ).all()
+    row = conn.execute(
+        REPAIR_READ_MODEL_BATCH,
+        {"ids": list(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]},
+    ).one()
+    return BatchOutcome(
+        succeeded=row.repaired,
+        skipped=len(ids) - row.repaired,
+        position={"submitted_at": row.last_submitted_at, "id": ids[-1]},
     )
-    return BatchOutcome(succeeded=repaired, skipped=len(ids) - repaired)
 
 
 def check_read_model(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
@@ -108,7 +133,8 @@ def check_read_model(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
         ),
         {"t": ctx.scope.tenant_id, "start": start, "end": end},
     ).one()
-    count = sa.select(sa.func.count()).select_from(drifted_orders(ctx).order_by(None).subquery())
+    drifted_now = _drifted_in_window(ctx).order_by(None).subquery()  # never after a position
+    count = sa.select(sa.func.count()).select_from(drifted_now)
     drifted = conn.execute(count).scalar_one()
     return [
         OutcomeCheck(

@@ -8,7 +8,8 @@ they stay right across many short run processes (``docs/observability.md``).
 - Counters and the duration histogram follow the run records: the first scrape reads every
   retained run once, each later scrape only the runs created or finished since the
   previous one (indexes on ``created_at`` and ``finished_at``), so a restarted exporter
-  counts the same totals again instead of going down.
+  counts the same totals again instead of going down. The database sums the runs per job
+  and status, so the first scrape over many runs is one aggregate query, not a row each.
 
 Labels are only ``job_name``, ``status`` and ``error_class``.
 """
@@ -70,27 +71,45 @@ class _Feed:
     duration_sum: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
 
 
+# Runs created in (cursor, cutoff), counted per job in the database.
 _NEW_RUNS = sa.text(
     """
-    SELECT id, job_name, created_at FROM job_run
-     WHERE created_at < clock_timestamp() - make_interval(secs => :settle)
-       AND (created_at, id) > (:ts, :id)
-     ORDER BY created_at, id LIMIT 5000
+    SELECT job_name, count(*) AS n FROM job_run
+     WHERE created_at < :cutoff AND (created_at, id) > (:ts, :id)
+     GROUP BY job_name
     """
 )
+_BUCKET_COUNTS = ", ".join(f"count(*) FILTER (WHERE seconds <= {b})" for b in DURATION_BUCKETS)
+# Runs finished in (cursor, cutoff), summed in the database per job, status and what the
+# counters tell apart (error source of a failing run, lease lost, anomaly stop); durations
+# bucketed there too. Python adds a few dozen groups, not one row per run.
 _FINISHED_RUNS = sa.text(
-    """
-    SELECT id, job_name, status, status_reason, last_error_code, finished_at,
-           extract(epoch FROM finished_at - started_at) AS duration_s,
-           processed_count, failed_count, retry_scheduled_count, deadlettered_count,
-           duplicates_prevented_count
-      FROM job_run
-     WHERE finished_at IS NOT NULL
-       AND finished_at < clock_timestamp() - make_interval(secs => :settle)
-       AND (finished_at, id) > (:ts, :id)
-     ORDER BY finished_at, id LIMIT 5000
+    f"""
+    SELECT job_name, status, error_source, lease_lost, anomaly, count(*) AS n,
+           sum(processed_count) AS processed_count, sum(failed_count) AS failed_count,
+           sum(retry_scheduled_count) AS retry_scheduled_count,
+           sum(deadlettered_count) AS deadlettered_count,
+           sum(duplicates_prevented_count) AS duplicates_prevented_count,
+           sum(seconds) AS seconds, ARRAY[{_BUCKET_COUNTS}] AS buckets
+      FROM (
+        SELECT job_name, status,
+               CASE WHEN status = ANY(CAST(:failing AS text[]))
+                    THEN coalesce(nullif(last_error_code, ''), status_reason) END AS error_source,
+               coalesce(status_reason = 'lease_lost', false)
+                 OR coalesce(last_error_code = 'lease_lost', false) AS lease_lost,
+               coalesce(last_error_code = 'anomaly_threshold', false) AS anomaly,
+               greatest(0, coalesce(extract(epoch FROM finished_at - started_at), 0))::float8
+                 AS seconds,
+               processed_count, failed_count, retry_scheduled_count, deadlettered_count,
+               duplicates_prevented_count
+          FROM job_run
+         WHERE finished_at IS NOT NULL AND finished_at < :cutoff
+           AND (finished_at, id) > (:ts, :id)
+      ) AS runs
+     GROUP BY job_name, status, error_source, lease_lost, anomaly
     """
 )
+_CUTOFF = sa.text("SELECT clock_timestamp() - make_interval(secs => :settle)")
 ITEM_SUMS = {
     "job_items_processed_total": ("processed_count", "Items processed"),
     "job_items_failed_total": ("failed_count", "Items failed"),
@@ -166,49 +185,50 @@ class JobCollector:
     # ------------------------------------------------------------------ the feed
 
     def _advance(self, conn: Connection) -> None:
+        """Count the runs created and finished in (cursor, now − SETTLE_S); the cursors then
+        move to that cutoff (with the lowest id, so a run at the cutoff is counted next)."""
         feed = self._feed
-        while True:
-            rows = conn.execute(
-                _NEW_RUNS,
-                {"settle": SETTLE_S, "ts": feed.created_cursor[0], "id": feed.created_cursor[1]},
-            ).all()
-            for r in rows:
-                feed.started[r.job_name] += 1
-                feed.created_cursor = (r.created_at, r.id)
-            if len(rows) < 5000:
-                break
-        while True:
-            rows = conn.execute(
-                _FINISHED_RUNS,
-                {"settle": SETTLE_S, "ts": feed.finished_cursor[0], "id": feed.finished_cursor[1]},
-            ).all()
-            for r in rows:
-                self._count_finished(r)
-                feed.finished_cursor = (r.finished_at, r.id)
-            if len(rows) < 5000:
-                break
+        cutoff = conn.execute(_CUTOFF, {"settle": SETTLE_S}).scalar_one()
+        created_ts, created_id = feed.created_cursor
+        for g in conn.execute(_NEW_RUNS, {"cutoff": cutoff, "ts": created_ts, "id": created_id}):
+            feed.started[g.job_name] += int(g.n)
+        finished_ts, finished_id = feed.finished_cursor
+        for g in conn.execute(
+            _FINISHED_RUNS,
+            {"cutoff": cutoff, "ts": finished_ts, "id": finished_id, "failing": list(FAILING)},
+        ):
+            self._count_finished(g)
+        lowest = uuid.UUID(int=0)
+        feed.created_cursor = (
+            max(created_ts, cutoff),
+            lowest if cutoff > created_ts else created_id,
+        )
+        feed.finished_cursor = (
+            max(finished_ts, cutoff),
+            lowest if cutoff > finished_ts else finished_id,
+        )
 
-    def _count_finished(self, r: Any) -> None:
+    def _count_finished(self, g: Any) -> None:
+        """Add one group of finished runs (same job, status and distinguishing fields)."""
         feed = self._feed
-        feed.completed[(r.job_name, r.status)] += 1
-        if r.status in FAILING:
-            feed.failed[(r.job_name, _error_class(r.last_error_code or r.status_reason))] += 1
+        n = int(g.n)
+        feed.completed[(g.job_name, g.status)] += n
+        if g.status in FAILING:
+            feed.failed[(g.job_name, _error_class(g.error_source))] += n
         for metric, (column, _) in ITEM_SUMS.items():
-            feed.sums[(metric, r.job_name)] += int(getattr(r, column) or 0)
-        if r.status_reason == "lease_lost" or r.last_error_code == "lease_lost":
-            feed.sums[("job_lease_lost_total", r.job_name)] += 1
-        if r.last_error_code == "anomaly_threshold":
-            feed.sums[("job_anomaly_stops_total", r.job_name)] += 1
-        if r.status == "skipped":
-            feed.sums[("job_skipped_total", r.job_name)] += 1
-        key = (r.job_name, r.status)
+            feed.sums[(metric, g.job_name)] += int(getattr(g, column) or 0)
+        if g.lease_lost:
+            feed.sums[("job_lease_lost_total", g.job_name)] += n
+        if g.anomaly:
+            feed.sums[("job_anomaly_stops_total", g.job_name)] += n
+        if g.status == "skipped":
+            feed.sums[("job_skipped_total", g.job_name)] += n
+        key = (g.job_name, g.status)
         buckets = feed.duration.setdefault(key, [0.0] * (len(DURATION_BUCKETS) + 1))
-        seconds = max(0.0, float(r.duration_s or 0.0))
-        for i, bound in enumerate(DURATION_BUCKETS):
-            if seconds <= bound:
-                buckets[i] += 1
-        buckets[-1] += 1  # +Inf
-        feed.duration_sum[key] += seconds
+        for i, count in enumerate(g.buckets):  # cumulative: runs of at most each bound
+            buckets[i] += count
+        buckets[-1] += n  # +Inf
+        feed.duration_sum[key] += float(g.seconds or 0.0)
 
     # ------------------------------------------------------------------ collect
 

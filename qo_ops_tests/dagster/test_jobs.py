@@ -186,3 +186,90 @@ def test_a_held_lease_makes_the_run_skip_visibly(defs, instance, loaded):
     summary = _summary(result, "quote_expiration")
     assert (summary["status"], summary["status_reason"]) == ("skipped", "lease-not-acquired")
     assert result.get_asset_check_evaluations() == []
+
+
+RANGE = {
+    "dagster/asset_partition_range_start": "tenant-001",
+    "dagster/asset_partition_range_end": "tenant-002",
+}
+
+
+def test_a_partition_range_run_leases_each_tenant_in_turn(defs, instance, loaded):
+    job = defs.resolve_job_def("quote_expiration")
+    result = job.execute_in_process(
+        instance=instance,
+        run_config={"ops": {"quote_expiration_op": {"config": {"mode": "execute", "reason": "r"}}}},
+        tags=RANGE,
+        raise_on_error=False,
+    )
+    assert result.success
+    runs = _summary(result, "quote_expiration")["runs"]
+    assert [r["scope"] for r in runs] == ["tenant-001", "tenant-002"]
+    assert all(r["status"] == "success" and r["mutated_count"] > 0 for r in runs)
+    with loaded.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT scope, dagster_run_id, status FROM job_run "
+                "WHERE job_name = 'quote_expiration' ORDER BY scope"
+            )
+        ).all()
+        left = conn.scalar(
+            sa.text("SELECT count(*) FROM quote WHERE status = 'ACTIVE' AND expires_at < now()")
+        )
+    assert [(r.scope, r.dagster_run_id, r.status) for r in rows] == [
+        ("tenant-001", result.run_id, "success"),
+        ("tenant-002", result.run_id, "success"),
+    ]
+    assert left == 0
+    evaluations = result.get_asset_check_evaluations()  # one per check, over the range
+    assert sorted(e.check_name for e in evaluations) == sorted(
+        c.name for c in CATALOG["quote_expiration"].checks
+    )
+    assert all(e.passed and e.metadata["scopes_checked"].value == 2 for e in evaluations)
+
+
+def test_a_partition_range_run_fails_at_the_end_when_a_tenant_fails(defs, instance, loaded):
+    with loaded.engine.begin() as conn:  # tenant-001: an EXPIRED quote that never got its event
+        conn.execute(
+            sa.text(
+                "UPDATE quote SET status = 'EXPIRED' WHERE id = (SELECT min(id) FROM quote "
+                "WHERE tenant_id = 'tenant-001' AND status = 'DRAFT')"
+            )
+        )
+    job = defs.resolve_job_def("quote_expiration")
+    result = job.execute_in_process(
+        instance=instance,
+        run_config={"ops": {"quote_expiration_op": {"config": {"mode": "execute", "reason": "r"}}}},
+        tags=RANGE,
+        raise_on_error=False,
+    )
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "outcome not met tenant-001" in str(failure.event_specific_data.error)
+    with loaded.engine.connect() as conn:  # tenant-002 was still done
+        done = conn.execute(
+            sa.text(
+                "SELECT scope FROM job_run WHERE job_name = 'quote_expiration' "
+                "AND status = 'success' ORDER BY scope"
+            )
+        ).scalars()
+        assert list(done) == ["tenant-001", "tenant-002"]
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert evaluations["one_event_per_expired_quote"].passed is False
+    assert (
+        "tenant-001" in evaluations["one_event_per_expired_quote"].metadata["failing_scopes"].value
+    )
+
+
+def test_a_windowed_job_refuses_a_partition_range(defs, instance, loaded):
+    before = _counts(loaded)
+    result = defs.resolve_job_def("order_reconciliation").execute_in_process(
+        instance=instance,
+        run_config={"ops": {"order_reconciliation_op": {"config": {"mode": "dry_run"}}}},
+        tags=RANGE,
+        raise_on_error=False,
+    )
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "launch it per partition" in str(failure.event_specific_data.error)
+    assert _counts(loaded) == before

@@ -1,0 +1,28 @@
+"""The benchmark suite still runs: every section at the `quick` profile, on the test
+server, end to end (a smoke check only — figures are for `make bench`, never asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from bench.suite import SECTIONS
+from qo_ops_tests.conftest import REPO, base_env
+
+
+def test_every_section_runs_at_the_quick_profile(pg_server, tmp_path):
+    server = pg_server.set(drivername="postgresql").render_as_string(hide_password=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.suite", "--profile", "quick", "--no-write"],
+        cwd=REPO,
+        env=base_env(QO_OPS_TEST_DATABASE_URL=server, QO_OPS_HOME=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "| section | what | size | figure |" in result.stdout
+    for name in SECTIONS:
+        module = __import__(f"bench.section_{name}", fromlist=["TITLE"])
+        assert f"== {module.TITLE} (quick)" in result.stdout
+    assert "Traceback" not in result.stderr
