@@ -118,14 +118,14 @@ TENANT_SQL = "INSERT INTO tenant (id, name) VALUES ('tenant-001', 'bench');"
 
 
 def _checkout_load(n: int, _w: Window | None) -> str:
-    # OPEN sessions idle 2 to ~350 days, idle order scattered over id order
+    # OPEN sessions idle 2 to ~350 days, the oldest (lowest id) idle longest
     return f"""
     {TENANT_SQL}
     INSERT INTO checkout_session (tenant_id, status, started_at, last_activity_at)
     SELECT 'tenant-001', 'OPEN', a - interval '20 minutes', a
       FROM generate_series(1::bigint, {n}) AS i,
            LATERAL (SELECT now() - interval '2 days'
-                           - make_interval(secs => mod(i * 7919, {n}) * 30000000.0 / {n})) AS t(a);
+                           - make_interval(secs => ({n} - i) * 30000000.0 / {n})) AS t(a);
     """
 
 
@@ -143,7 +143,7 @@ def _pricing_load(n: int, w: Window | None) -> str:
     SELECT i, 'tenant-001', 'Q-' || i, 'c-' || mod(i, 997), 'ACCEPTED', 0, 1, c, c,
            c + interval '30 days'
       FROM generate_series(1::bigint, {n}) AS i,
-           LATERAL (SELECT {_spread(f"mod(i * 7919, {n})", n, w)}) AS t(c);
+           LATERAL (SELECT {_spread("i - 1", n, w)}) AS t(c);
     INSERT INTO quote_line (quote_id, tenant_id, line_no, sku, quantity, unit_price, amount)
     SELECT i, 'tenant-001', k, 'SKU-' || mod(i * k, 500), v.qty, v.price, v.qty * v.price
       FROM generate_series(1::bigint, {n}) AS i,
@@ -171,14 +171,14 @@ def _read_model_load(n: int, w: Window | None) -> str:
     SELECT i, 'tenant-001', 'Q-' || i, 'c-' || mod(i, 997), 'ACCEPTED', mod(i, 100000) / 100.0,
            1, s, s, s + interval '30 days'
       FROM generate_series(1::bigint, {n}) AS i,
-           LATERAL (SELECT {_spread(f"mod(i * 7919, {n})", n, w)} - interval '1 day') AS t(s);
+           LATERAL (SELECT {_spread("i - 1", n, w)} - interval '1 day') AS t(s);
     INSERT INTO customer_order (id, tenant_id, quote_id, order_number, status, total_amount,
                                 line_count, submitted_at, updated_at, version)
     SELECT i, 'tenant-001', i, 'ORD-' || lpad(i::text, 9, '0'),
            (ARRAY['SUBMITTED', 'IN_FULFILLMENT', 'COMPLETED'])[1 + mod(i, 3)],
            mod(i, 100000) / 100.0, 1 + mod(i, 3)::int, s, s, 2
       FROM generate_series(1::bigint, {n}) AS i,
-           LATERAL (SELECT {_spread(f"mod(i * 7919, {n})", n, w)}) AS t(s);
+           LATERAL (SELECT {_spread("i - 1", n, w)}) AS t(s);
     INSERT INTO order_read_model (order_id, tenant_id, order_number, quote_number, status,
                                   total_amount, line_count, source_version, refreshed_at)
     SELECT o.id, o.tenant_id, o.order_number, q.quote_number, o.status,
@@ -196,7 +196,7 @@ def _temp_file_load(n: int, w: Window | None) -> str:
     INSERT INTO temp_file (tenant_id, storage_path, size_bytes, status, legal_hold, created_at)
     SELECT 'tenant-001', {_object_path_sql("i")}, {TEMP_FILE_BYTES},
            CASE WHEN mod(i, 4) = 0 THEN 'FAILED_TERMINAL' ELSE 'COMPLETED' END, false,
-           {_spread(f"mod(i * 7919, {n})", n, w)}
+           {_spread("i - 1", n, w)}
       FROM generate_series(1::bigint, {n}) AS i;
     """
 
@@ -1167,11 +1167,12 @@ def _notes(
         f"hold, each with a stored object of {TEMP_FILE_BYTES:,} bytes (hashing cost is then "
         "negligible: the figure is the job's per-file overhead); audit_archive: records in "
         f"id = time order. Windowed jobs span {SPAN_DAYS} UTC days and run with --from/--to "
-        "covering exactly those days. Except for audit_archive (and quote_expiration, whose "
-        "created_at follows id), the order a job walks (idle, created, submitted) is scattered "
-        "over id order (mod(i·7919, n)): a batch's rows lie on about as many heap pages as it "
-        "has rows, while the set-based limit reads the table in physical order — the worst "
-        "case for the batched jobs (in production created_at/submitted_at follow id). "
+        "covering exactly those days. Time follows id, as in a table filled over time (idle, "
+        "created and submitted order = id order); quote_expiration's expiry order interleaves "
+        "(7/14/30/90-day validity). With the walk order scattered over id order instead "
+        "(mod(i·7919, n), a batch's rows on as many heap pages as it has rows: the worst case), "
+        "an earlier default run measured ratios of 0.50 (abandoned_checkout_close), 0.32 "
+        "(pricing), 0.22 (read_model_repair), 0.15 (temp_file_cleanup). "
         "pricing_snapshot_recalculation's load sets quote.total_amount by one UPDATE after the "
         "lines, so its quote heap is half free space after the VACUUM.",
         "Environment of every run: all QO_OPS_* variables of the caller removed; "
