@@ -54,9 +54,9 @@ from typing import Any
 
 import httpx
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Engine
+from sqlalchemy.engine import URL
 
-from bench.common import REPO, fresh_database, print_table, stopwatch
+from bench.common import REPO, engine_for, fresh_database, print_table, settle, stopwatch
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.jobs.delivery_retry import SPEC
 from qo_ops.platform.runner import run_job
@@ -101,28 +101,16 @@ VERIFY_SQL = sa.text(
 )
 
 
-def _engine(url: URL) -> Engine:
-    return sa.create_engine(url, poolclass=sa.pool.NullPool)
-
-
 def load(url: URL, n: int) -> float:
     """One tenant, ``n`` orders and ``n`` READY delivery items, all due."""
-    engine = _engine(url)
+    engine = engine_for(url)
     with stopwatch() as took:
         with engine.begin() as conn:
             conn.exec_driver_sql(LOAD_SQL.format(n=n))
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.exec_driver_sql("VACUUM ANALYZE")
-            conn.exec_driver_sql("CHECKPOINT")
-            until = time.monotonic() + 60  # 2 cores: no autovacuum worker under the figure
-            while (
-                time.monotonic() < until
-                and conn.exec_driver_sql(
-                    "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
-                ).scalar()
-            ):
-                time.sleep(0.5)
     engine.dispose()
+    settle(url)  # 2 cores: no autovacuum worker under the figure
     return took[0]
 
 
@@ -214,7 +202,7 @@ def verify_simulator(sim: Simulator, n: int, label: str) -> dict[str, Any]:
 
 def verify(url: URL, sim: Simulator, n: int, label: str) -> dict[str, Any]:
     """Every item DELIVERED after one attempt; the simulator has each exactly once."""
-    engine = _engine(url)
+    engine = engine_for(url)
     with engine.connect() as conn:
         row = conn.execute(VERIFY_SQL, {"tenant": TENANT}).one()._asdict()
     engine.dispose()

@@ -30,16 +30,22 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
-from sqlalchemy.exc import DBAPIError
 
-from bench.common import REPO, bench_server, fresh_database, print_table, stopwatch
+from bench.common import (
+    REPO,
+    RSS_HELPER,
+    cloned_database,
+    engine_for,
+    fresh_database,
+    print_table,
+    settle,
+    stopwatch,
+)
 from qo_ops.jobs.quote_expiration import EXPIRE_QUOTE_BATCH, SPEC
 from qo_ops.platform.spec import BatchContext, Scope
 
@@ -97,33 +103,10 @@ VERIFY_SQL = sa.text(
     """
 )
 
-# Runs one command and writes its wall time, exit code, output and peak RSS to a file. A
-# fresh helper per measurement: RUSAGE_CHILDREN then covers exactly that one qo-ops process.
-RSS_HELPER = """
-import json, resource, subprocess, sys, time
-started = time.perf_counter()
-proc = subprocess.run(json.loads(sys.argv[1]), capture_output=True, text=True, check=False)
-wall = time.perf_counter() - started
-with open(sys.argv[2], "w") as out:
-    json.dump({"returncode": proc.returncode, "wall_s": wall, "stdout": proc.stdout,
-               "stderr": proc.stderr,
-               "maxrss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}, out)
-"""
-
-
-def _engine(url: URL) -> Engine:
-    return sa.create_engine(url, poolclass=sa.pool.NullPool)
-
-
-def _admin() -> Engine:
-    return sa.create_engine(
-        bench_server(), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
-    )
-
 
 def load(url: URL, n: int) -> float:
     """Fill a migrated database with one tenant and ``n`` expired ACTIVE quotes."""
-    engine = _engine(url)
+    engine = engine_for(url)
     with stopwatch() as took:
         with engine.begin() as conn:
             conn.exec_driver_sql(LOAD_SQL.format(n=n))
@@ -133,47 +116,9 @@ def load(url: URL, n: int) -> float:
     return took[0]
 
 
-@contextmanager
-def cloned_database(template: URL, name: str) -> Iterator[URL]:
-    """``CREATE DATABASE name TEMPLATE template``, dropped afterwards (and on failure)."""
-    admin = _admin()
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            for attempt in range(20):
-                try:
-                    conn.exec_driver_sql(f'CREATE DATABASE "{name}" TEMPLATE "{template.database}"')
-                    break
-                except DBAPIError as exc:  # an autovacuum worker may be on it for a moment
-                    if "being accessed by other users" not in str(exc.orig) or attempt == 19:
-                        raise
-                    time.sleep(0.5)
-        yield template.set(database=name)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-
-
-def settle(url: URL, timeout_s: float = 60.0) -> None:
-    """CHECKPOINT, then wait (bounded) until no autovacuum worker runs on the server."""
-    engine = _engine(url)
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.exec_driver_sql("CHECKPOINT")
-        until = time.monotonic() + timeout_s
-        while (
-            time.monotonic() < until
-            and conn.exec_driver_sql(
-                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
-            ).scalar()
-        ):
-            time.sleep(0.5)
-    engine.dispose()
-
-
 def verify(url: URL, n: int, label: str) -> dict[str, int]:
     """The work was really done: no overdue ACTIVE quote, one QuoteExpired event each."""
-    engine = _engine(url)
+    engine = engine_for(url)
     with engine.connect() as conn:
         row = conn.execute(VERIFY_SQL, {"tenant": TENANT}).one()._asdict()
     engine.dispose()
@@ -186,7 +131,7 @@ def verify(url: URL, n: int, label: str) -> dict[str, int]:
 def run_set_based(url: URL, n: int) -> dict[str, Any]:
     """(a) One statement for everything, timed to its commit."""
     settle(url)
-    engine = _engine(url)
+    engine = engine_for(url)
     with stopwatch() as took, engine.begin() as conn:
         row = conn.execute(SET_BASED_SQL, {"tenant": TENANT}).one()
     engine.dispose()
@@ -217,7 +162,7 @@ def explain_batch(url: URL) -> dict[str, list[str]]:
     The selection is the job's own statement (SPEC.eligible + LIMIT + FOR UPDATE SKIP
     LOCKED, same bound parameters), the transition is EXPIRE_QUOTE_BATCH itself.
     """
-    engine = _engine(url)
+    engine = engine_for(url)
     sql, params = _selection(engine, lock=True)
     explain = "EXPLAIN (ANALYZE, BUFFERS) "
     with engine.connect() as conn, conn.begin() as tx:
@@ -265,7 +210,7 @@ def run_job(url: URL, n: int, probe_at: int | None = None) -> dict[str, Any]:
             hide_password=False
         ),
     }
-    engine = _engine(url)
+    engine = engine_for(url)
     probe: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "measured.json"

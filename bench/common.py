@@ -136,7 +136,7 @@ def settle(url: URL, timeout_s: float = 60.0) -> None:
 
 # Runs one command and writes its wall time, exit code, output and peak RSS to a file. A
 # fresh helper per measurement: RUSAGE_CHILDREN then covers exactly that one process.
-_RSS_HELPER = """
+RSS_HELPER = """
 import json, resource, subprocess, sys, time
 started = time.perf_counter()
 proc = subprocess.run(json.loads(sys.argv[1]), capture_output=True, text=True, check=False)
@@ -154,6 +154,6 @@ def measure_command(cmd: list[str], env: dict[str, str]) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "measured.json"
         subprocess.run(
-            [sys.executable, "-c", _RSS_HELPER, json.dumps(cmd), str(result)], env=env, check=True
+            [sys.executable, "-c", RSS_HELPER, json.dumps(cmd), str(result)], env=env, check=True
         )
         return dict(json.loads(result.read_text()))

@@ -211,6 +211,13 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
             raise ApiError(422, f"unknown job {shown}")
         return spec
 
+    def run_of(job_name: str, run_id: uuid.UUID) -> tuple[JobSpec, dict[str, Any]]:
+        spec = spec_of(job_name)
+        row = service.get_run(engine, spec.name, run_id)
+        if row is None:
+            raise ApiError(404, f"no run {run_id} of {spec.name}")
+        return spec, row
+
     def deny(request: Request, p: Principal, action: str, why: str, **fields: Any) -> ApiError:
         service.audit(engine, p.identity, action, f"denied: {why}", meta(request), **fields)
         return ApiError(403, why)
@@ -434,10 +441,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         summary="A run: status, counters, Dagster run and link",
     )
     def get_run(jobName: str, runId: uuid.UUID, request: Request, p: Caller) -> dict[str, Any]:
-        spec = spec_of(jobName)
-        row = service.get_run(engine, spec.name, runId)
-        if row is None:
-            raise ApiError(404, f"no run {runId} of {spec.name}")
+        spec, row = run_of(jobName, runId)
         decision = authz.may_read(p, service.tenant_of(row["scope"]))
         if not decision.allowed:
             raise deny(request, p, "read", decision.reason, job_name=spec.name, run_id=runId)
@@ -456,10 +460,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         p: Caller,
         body: Annotated[ReasonBody, Body()],
     ) -> dict[str, Any]:
-        spec = spec_of(jobName)
-        row = service.get_run(engine, spec.name, runId)
-        if row is None:
-            raise ApiError(404, f"no run {runId} of {spec.name}")
+        spec, row = run_of(jobName, runId)
         decision = authz.may_cancel(p, service.tenant_of(row["scope"]))
         if not decision.allowed:
             raise deny(
@@ -473,7 +474,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         if before not in runs.ACTIVE_STATUSES:
             raise ApiError(409, f"run {runId} already ended ({before})")
         terminated = None
-        dagster_run_id = service.get_run(engine, spec.name, runId)["dagster_run_id"]  # type: ignore[index]
+        dagster_run_id = row["dagster_run_id"]  # set at launch, before any cancel
         if dagster_run_id:
             try:
                 terminated = dagster.terminate(dagster_run_id)
@@ -496,10 +497,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         p: Caller,
         body: Annotated[ReasonBody, Body()],
     ) -> JSONResponse:
-        spec = spec_of(jobName)
-        row = service.get_run(engine, spec.name, runId)
-        if row is None:
-            raise ApiError(404, f"no run {runId} of {spec.name}")
+        spec, row = run_of(jobName, runId)
         decision = authz.may_approve(p, row["requester"], service.tenant_of(row["scope"]))
         if not decision.allowed:
             raise deny(
@@ -557,7 +555,7 @@ def _validated(spec: JobSpec, body: RunRequestBody) -> service.RunRequest:
             start, end = date.fromisoformat(body.from_), date.fromisoformat(body.to)
         except ValueError:
             raise ApiError(422, "from/to must be real dates (YYYY-MM-DD)") from None
-        if not 0 < service.window_days(start, end) <= MAX_WINDOW_DAYS:
+        if not 0 < (end - start).days <= MAX_WINDOW_DAYS:
             raise ApiError(422, f"to must be 1 to {MAX_WINDOW_DAYS} days after from")
     elif body.from_ is not None or body.to is not None:
         raise ApiError(422, f"{spec.name} is not windowed: drop from and to")

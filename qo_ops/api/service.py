@@ -8,7 +8,6 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass, field
-from datetime import date
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -355,7 +354,3 @@ def tenant_exists(engine: Engine, tenant_id: str) -> bool:
 
 def tenant_of(scope_key: str) -> str:
     return scope_key.partition("/")[0]
-
-
-def window_days(start: date, end: date) -> int:
-    return (end - start).days

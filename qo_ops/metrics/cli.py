@@ -41,16 +41,14 @@ def metrics_command(
     from qo_ops.db.engine import get_engine
     from qo_ops.jobs.catalog import CATALOG
     from qo_ops.metrics.exporter import JobCollector
-    from qo_ops.platform.telemetry import METRICS, json_log_handler
+    from qo_ops.platform.telemetry import json_log_handler
 
     if not 1 <= port <= 65535:
         raise BadInput("--port must be between 1 and 65535")
     refresh = _refresh_s()
     engine = get_engine()
     migrate.require_current(engine)
-    collector = JobCollector(
-        engine, CATALOG.values(), refresh_s=refresh, process_registry=METRICS.registry
-    )
+    collector = JobCollector(engine, CATALOG.values(), refresh_s=refresh)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     if once:

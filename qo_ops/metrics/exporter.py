@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -28,7 +27,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -130,17 +128,14 @@ class JobCollector:
         engine: Engine,
         specs: Iterable[JobSpec],
         refresh_s: float = 30.0,
-        process_registry: CollectorRegistry | None = None,
     ) -> None:
         self.engine = engine
         self.specs = list(specs)
         self.refresh_s = refresh_s
-        self.process_registry = process_registry
         origin = (datetime(1970, 1, 1, tzinfo=UTC), uuid.UUID(int=0))
         self._feed = _Feed(origin, origin)
         self._lock = threading.Lock()
         self._slow: dict[str, dict[str, float]] = {}
-        self._slow_at = 0.0
         self._up = 1.0
 
     # ------------------------------------------------------------------ slow gauges
@@ -169,7 +164,7 @@ class JobCollector:
                 if spec.lag is not None:
                     values["job_lag_seconds"][spec.name] = worst
         with self._lock:
-            self._slow, self._slow_at = values, time.monotonic()
+            self._slow = values
 
     def run_refresher(self, stop: threading.Event) -> None:
         """Keep the slow gauges fresh until ``stop`` is set (a daemon thread's loop)."""
@@ -248,7 +243,6 @@ class JobCollector:
         yield from now_families
         yield from self._slow_families()
         yield from self._feed_families()
-        yield from self._process_families()
 
     def _catalog(self) -> Iterator[Metric]:
         interval = GaugeMetricFamily(
@@ -374,20 +368,6 @@ class JobCollector:
                 [job, st], list(zip(bounds, counts, strict=True)), feed.duration_sum[(job, st)]
             )
         yield duration
-
-    def _process_families(self) -> Iterator[Metric]:
-        """Families of this process's own registry that the database does not cover."""
-        if self.process_registry is None:
-            return
-        served = {
-            "job_started", "job_completed", "job_failed", "job_skipped", "job_duration_seconds",
-            "job_items_processed", "job_items_failed", "job_lag_seconds",
-            "job_last_success_timestamp_seconds", "job_lock_acquire_failed", "job_retry_scheduled",
-            "job_deadletter", "job_duplicate_side_effect_prevented",
-        }  # fmt: skip
-        for family in self.process_registry.collect():
-            if family.name not in served:
-                yield family
 
 
 def _epoch(value: datetime | None) -> float:

@@ -54,6 +54,25 @@ def value(samples, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
+def scrape_when(url: str, ready, timeout: float = 30.0):
+    """Scrape until ``ready(samples)``: the exporter counts a run only once it is older than
+    its settle time (2 s), so a run that just ended appears a scrape or two later."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        if ready(samples):
+            return samples
+        assert time.monotonic() < deadline, "the exporter never showed the runs"
+        time.sleep(0.25)
+
+
+def completed(samples, job: str) -> float:
+    return sum(
+        v for (n, labels), v in samples.items()
+        if n == "job_completed_total" and ("job_name", job) in labels
+    )  # fmt: skip
+
+
 @pytest.fixture
 def exporter(db, tmp_path):
     port = free_port()
@@ -100,8 +119,10 @@ def test_every_seed_metric_follows_the_run_records(db, downstream_factory, expor
     assert held is not None
     assert run("quote_expiration", "tenant-002") == 4  # skipped: the lease is held
 
-    time.sleep(2.5)  # the exporter reads only rows older than its settle time (2 s)
-    samples = scrape(exporter)
+    samples = scrape_when(
+        exporter,
+        lambda s: completed(s, "quote_expiration") == 2 and completed(s, "delivery_retry") == 2,
+    )
 
     names = {name for name, _ in samples}
     for metric in SEED_METRICS:
@@ -179,8 +200,7 @@ def test_every_seed_metric_follows_the_run_records(db, downstream_factory, expor
     # a later run is counted once, by the next scrape after it settles
     held.release(db.engine)
     assert run("quote_expiration", "tenant-002") == 0
-    time.sleep(2.5)
-    later = scrape(exporter)
+    later = scrape_when(exporter, lambda s: completed(s, "quote_expiration") == 3)
     assert value(later, "job_completed_total", job_name="quote_expiration", status="success") == 2
     assert value(later, "job_started_total", job_name="quote_expiration") == 3
     assert value(later, "job_lease_held", job_name="quote_expiration") == 0
