@@ -205,7 +205,7 @@ SPEC = JobSpec(
         ),
     ),
     cron_schedule="45 1 * * *",  # daily, UTC
-    defaults=JobDefaults(batch_size=500, throttle_ms=0),
+    defaults=JobDefaults(batch_size=2000, throttle_ms=0),
     uses_checkpoint=True,
     rescan_when_complete=False,  # a backfill: a window gone through stays done
     compete_with_skip_locked=False,  # one run per scope holds the lease; see the docstring

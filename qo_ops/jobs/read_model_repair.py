@@ -160,6 +160,6 @@ SPEC = JobSpec(
         CheckSpec("read_model_matches_source", "The read model equals its source for the scope"),
     ),
     cron_schedule="30 2 * * *",
-    defaults=JobDefaults(batch_size=500),
+    defaults=JobDefaults(batch_size=2000),
     destructive=True,
 )

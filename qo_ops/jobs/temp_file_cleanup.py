@@ -7,7 +7,10 @@ before removing anything.
 any cleanup setting is refused before anything is written), in a terminal
 status (COMPLETED, FAILED_TERMINAL) and not on legal hold; oldest first, on the partial index
 ``ix_temp_file_cleanup`` (its predicate is written as SQL literals so every plan can use it).
-Stored objects live under ``QO_OPS_HOME/objects/<storage_path>``.
+Stored objects live under ``QO_OPS_HOME/objects/<storage_path>``, reached through
+:class:`ObjectStore` without ever following a symlink: a storage path that is not a plain
+relative path, or that goes through a symlinked directory, is ``unsafe_storage_path`` (the
+file fails, its row and object stay).
 
 **Per batch, two transactions** (the runner's claim → external → record steps; nothing
 outside this process is called between them):
@@ -68,7 +71,7 @@ import signal
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -87,6 +90,7 @@ from qo_ops.platform.spec import (
     JobDefaults,
     JobSpec,
     OutcomeCheck,
+    RunResources,
 )
 
 RETENTION_ENV = "QO_OPS_TEMP_FILE_RETENTION_DAYS"
@@ -100,7 +104,6 @@ GRACE_DAYS = 1  # nothing_eligible_past_grace forgives files that became eligibl
 OBJECTS_DIR = "objects"  # under QO_OPS_HOME: stands in for the object store
 GUARD_TRIGGER = "temp_file_legal_hold_guard"
 CRASH_AFTER_OBJECT_DELETE = "after_object_delete"  # QO_OPS_CRASH_AT: objects gone, no commit
-_HASH_CHUNK = 1 << 20
 
 # literals, so the selection implies the partial index's predicate in every plan
 TERMINAL: list[sa.ColumnElement[str]] = [
@@ -192,51 +195,123 @@ def _retention(ctx: BatchContext) -> sa.ColumnElement[Any]:
 # ------------------------------------------------------------------------------ objects
 
 
-def object_path(root: Path, storage_path: str) -> Path | None:
-    """Where ``storage_path`` is stored under ``root``; None when it would leave ``root``
-    (absolute, ``..``, a symlinked directory pointing elsewhere)."""
-    rel = PurePosixPath(storage_path)
-    if rel.is_absolute() or not rel.parts or any(p in ("", ".", "..") for p in rel.parts):
-        return None
-    real_root = Path(os.path.realpath(root))
-    parent = Path(os.path.realpath(root.joinpath(*rel.parts[:-1])))
-    if parent != real_root and real_root not in parent.parents:
-        return None
-    return parent / rel.name
+class ObjectStore:
+    """The stored objects under one root, reached without ever following a symlink.
+
+    A storage path is a relative path of plain names. Its directories are opened one
+    component at a time from the root with ``O_NOFOLLOW``, and the object is tested, hashed
+    and unlinked relative to its directory's descriptor: no path string is resolved twice,
+    so a directory swapped for a symlink after a check cannot redirect a read or a removal
+    outside the store. A path whose directory is a symlink, or not a directory, is unsafe
+    (:data:`UNSAFE`); a missing directory means the object is gone.
+
+    Directory descriptors are cached for the life of the store (one batch step), so the
+    objects of a batch — usually a few directories — cost a stat, an open and a read each
+    rather than a full path resolution. :meth:`close` releases them.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._dirs: dict[tuple[str, ...], int | None] = {}
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._dirs.values():
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._dirs.clear()
+
+    def _dir(self, parts: tuple[str, ...]) -> int | None:
+        """The directory's descriptor; -1 when it does not exist; None when unsafe."""
+        if parts in self._dirs:
+            return self._dirs[parts]
+        fd: int | None
+        try:
+            if not parts:  # the root itself is configuration (it may be a symlink)
+                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            else:
+                parent = self._dir(parts[:-1])
+                if parent is None or parent < 0:
+                    return parent
+                fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            fd = -1
+        except OSError:  # ELOOP (a symlink), ENOTDIR (a file): never followed
+            fd = None
+        self._dirs[parts] = fd
+        return fd
+
+    def locate(self, storage_path: str) -> tuple[int, str] | None:
+        """(directory descriptor or -1 when the directory is missing, name); None when the
+        path would leave the store."""
+        parts = storage_path.split("/")  # canonical only: no "", "." or ".." anywhere
+        if any(p in _NOT_A_NAME or "\0" in p for p in parts):
+            return None
+        fd = self._dir(tuple(parts[:-1]))
+        return None if fd is None else (fd, parts[-1])
+
+    def sha256(self, storage_path: str) -> tuple[bool, str | None]:
+        """(safe, checksum): checksum None when the object is gone; unsafe when the path
+        leaves the store or the object is not a regular file (never followed or removed)."""
+        where = self.locate(storage_path)
+        if where is None:
+            return False, None
+        fd, name = where
+        if fd < 0:
+            return True, None
+        try:
+            if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                return False, None
+            obj = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        except FileNotFoundError:
+            return True, None
+        except OSError:  # swapped for a symlink since the stat
+            return False, None
+        with os.fdopen(obj, "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(obj).st_mode):
+                return False, None
+            return True, hashlib.file_digest(f, "sha256").hexdigest()
+
+    def exists(self, storage_path: str) -> bool:
+        """Whether anything (a file, a symlink) is stored at a safe ``storage_path``."""
+        where = self.locate(storage_path)
+        if where is None or where[0] < 0:
+            return False
+        try:
+            os.stat(where[1], dir_fd=where[0], follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def remove(self, storage_path: str) -> bool:
+        """Unlink one object: True if removed, False if it was already gone;
+        :class:`ObjectStoreError` when it cannot be removed or its path became unsafe."""
+        where = self.locate(storage_path)
+        if where is None:
+            raise ObjectStoreError("cannot remove a stored object: its path left the store")
+        if where[0] < 0:
+            return False
+        return _remove_object(*where)
 
 
-def _sha256(path: Path) -> tuple[bool, str | None]:
-    """(safe, checksum): checksum None when the object is gone; unsafe when it is not a
-    regular file (a symlink or directory is never followed or removed)."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+_NOT_A_NAME = frozenset(("", ".", ".."))
+
+
+def _remove_object(dir_fd: int, name: str) -> bool:
+    """Unlink ``name`` in the directory ``dir_fd`` (a symlink itself, never its target)."""
     try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return True, None
-    if not stat.S_ISREG(mode):
-        return False, None
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-    except FileNotFoundError:
-        return True, None
-    return True, digest.hexdigest()
-
-
-def _remove_object(path: Path) -> bool:
-    """Unlink one object: True if removed, False if it was already gone."""
-    try:
-        path.unlink()
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     except OSError as exc:
         raise ObjectStoreError(f"cannot remove a stored object: {exc.strerror}") from exc
     return True
-
-
-def _exists(path: Path | None) -> bool:
-    return path is not None and os.path.lexists(path)
 
 
 def _crash_point(name: str) -> None:
@@ -412,15 +487,20 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
     work: list[dict[str, Any]] = []
     hashed_ids: list[int] = []
     hashes: list[str | None] = []
-    for f in files:
-        path = object_path(settings.objects_root, f.storage_path)
-        safe, checksum = _sha256(path) if path is not None else (False, None)
-        work.append(
-            {"id": f.id, "storage_path": f.storage_path, "created_at": f.created_at, "safe": safe}
-        )
-        if safe:
-            hashed_ids.append(f.id)
-            hashes.append(checksum)
+    with ObjectStore(settings.objects_root) as store:
+        for f in files:
+            safe, checksum = store.sha256(f.storage_path)
+            work.append(
+                {
+                    "id": f.id,
+                    "storage_path": f.storage_path,
+                    "created_at": f.created_at,
+                    "safe": safe,
+                }
+            )
+            if safe:
+                hashed_ids.append(f.id)
+                hashes.append(checksum)
     if hashed_ids:
         conn.execute(
             _WRITE_INTENTS,
@@ -506,18 +586,18 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
     # rows that changed since step 1 (e.g. put on hold) stay with their objects; their
     # intents go, unless the object is missing (evidence of an earlier interrupted removal)
     kept = [i for i in safe if i not in deleted]
-    intact = [i for i in kept if _exists(object_path(settings.objects_root, safe[i]))]
-    if intact:
-        conn.execute(_FORGET_INTENTS, {"ids": intact})
     removed = already_gone = removed_bytes = 0
-    for row in sorted(gone, key=lambda r: r.temp_file_id):
-        path = object_path(settings.objects_root, row.storage_path)
-        assert path is not None  # checked safe in step 1 (paths never change)
-        if _remove_object(path):
-            removed += 1
-            removed_bytes += row.size_bytes
-        else:
-            already_gone += 1
+    with ObjectStore(settings.objects_root) as store:
+        intact = [i for i in kept if store.exists(safe[i])]
+        if intact:
+            conn.execute(_FORGET_INTENTS, {"ids": intact})
+        for row in sorted(gone, key=lambda r: r.temp_file_id):
+            # safe in step 1; a directory swapped for a symlink since raises, rolling back
+            if store.remove(row.storage_path):
+                removed += 1
+                removed_bytes += row.size_bytes
+            else:
+                already_gone += 1
     _crash_point(CRASH_AFTER_OBJECT_DELETE)
     tally = {"objects_removed": removed, "objects_already_gone": already_gone}
     if removed_bytes:
@@ -576,9 +656,8 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
         ),
         window,
     ).scalars()
-    held_bytes_lost = sum(
-        1 for p in held_with_intent if not _exists(object_path(settings.objects_root, p))
-    )
+    with ObjectStore(settings.objects_root) as store:
+        held_bytes_lost = sum(1 for p in held_with_intent if not store.exists(p))
     overdue = conn.execute(
         sa.text(
             f"SELECT count(*) FROM temp_file WHERE tenant_id = :tenant "
@@ -597,7 +676,8 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
         ),
         window,
     ).scalars()
-    leftover = sum(1 for p in deleted_paths if _exists(object_path(settings.objects_root, p)))
+    with ObjectStore(settings.objects_root) as store:
+        leftover = sum(1 for p in deleted_paths if store.exists(p))
     measure = measure_anomaly(conn, ctx)
     return [
         OutcomeCheck(
@@ -675,7 +755,8 @@ SPEC = JobSpec(
     validate_settings=settings_from_env,  # a bad setting is refused before anything is written
     scheduled_window_age_days=lambda: settings_from_env().retention_days + 1,
     cron_schedule="15 3 * * *",
-    defaults=JobDefaults(batch_size=200),  # each batch hashes its objects inside step 1
+    defaults=JobDefaults(batch_size=500),  # each batch hashes its objects inside step 1
+    run_resources=RunResources(cpu_request="500m"),  # sha256 of every object it deletes
     destructive=True,
 )
 

@@ -195,7 +195,7 @@ def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int)
     query = spec.eligible(ctx).limit(limit)
     if spec.compete_with_skip_locked:
         query = query.with_for_update(skip_locked=True, of=spec.lock_of)
-    return list(conn.execute(query).scalars())
+    return list(conn.execute(query).scalars().all())
 
 
 @contextmanager

@@ -283,6 +283,51 @@ def test_restore_returns_exactly_the_original_records_and_twice_changes_nothing(
     assert _audit_digest(db.engine) == original
 
 
+AWKWARD_TEXT = [
+    "",  # an empty string, not NULL
+    "a,b",
+    'say "hi"',
+    "line\nbreak",
+    "crlf\r\nend",
+    "\\N",
+    "  padded  ",
+    "tab\there",
+    "emoji \U0001f9fe, ümlaut, €",
+    '"",",\n"',
+]
+
+
+def test_values_that_csv_must_quote_round_trip_exactly(seeded, home):
+    """The rows travel PostgreSQL → CSV (COPY) → Arrow → Parquet and back: text needing
+    quotes, empty strings, line breaks and exact microseconds survive archive and restore."""
+    db = seeded
+    with db.engine.begin() as conn:
+        for i, text in enumerate(AWKWARD_TEXT):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO audit_record (tenant_id, occurred_at, actor_ref, action, "
+                    "entity_type, entity_id, details) VALUES (:t, :at, :x, :x, :x, :x, "
+                    "CAST(:d AS jsonb))"
+                ),
+                {
+                    "t": TENANT,
+                    "at": datetime(2024, 6, 1, 23, 59, 59, i * 111_111 % 1_000_000, tzinfo=UTC),
+                    "x": text,
+                    "d": json.dumps({"text": text, "n": i}),
+                },
+            )
+    original = _audit_digest(db.engine)
+    done = _execute(db.engine)
+    assert (done.status, done.mutated_count) == ("success", ROWS_ON_DAY + len(AWKWARD_TEXT))
+    assert _day_ids(db.engine) == [] and _statuses(db.engine) == {"VERIFIED": 1}
+    archived = pq.read_table(home / _manifests(db.engine)[0].file_path).to_pylist()
+    assert sorted(r["actor_ref"] for r in archived if r["entity_type"] != "quote") == sorted(
+        AWKWARD_TEXT
+    )
+    restore_day(db.engine, TENANT, DAY)
+    assert _audit_digest(db.engine) == original  # every value came back exactly
+
+
 def test_a_corrupted_file_fails_verification_and_nothing_is_deleted(seeded, home, monkeypatch):
     db = seeded
     original = _audit_digest(db.engine)

@@ -209,7 +209,7 @@ def test_execute_recalculates_the_window_only_and_a_second_run_is_no_work(loaded
     assert summary.eligible_count == summary.processed_count == n
     assert summary.mutated_count == todo  # only what was missing or wrong was written
     assert summary.skipped_count == n - todo  # already right: left as it was
-    assert summary.batches == math.ceil(n / 500)  # the default batch size
+    assert summary.batches == math.ceil(n / SPEC.defaults.batch_size)  # the default batch size
     assert check_of(summary).passed
     assert not_current(db.engine) == 0
     assert outside_digest(db.engine) == outside  # tenant-002 and December untouched

@@ -563,11 +563,11 @@ def test_an_object_store_error_rolls_the_batch_back_and_a_rerun_converges(loaded
     expected = expected_ids(db.engine, scope)
     real_remove, calls = tfc._remove_object, []
 
-    def flaky(path: Path) -> bool:
-        calls.append(path)
+    def flaky(dir_fd: int, name: str) -> bool:
+        calls.append(name)
         if len(calls) == 3:
             raise tfc.ObjectStoreError("cannot remove a stored object: Input/output error")
-        return real_remove(path)
+        return real_remove(dir_fd, name)
 
     monkeypatch.setattr(tfc, "_remove_object", flaky)
     failed = run(db.engine, scope, batch_size=5)
@@ -603,6 +603,64 @@ def test_a_path_leaving_the_object_store_is_never_touched(loaded, tmp_path):
     assert done.tally["unsafe_storage_path"] == 1
     assert outside.read_text() == "not an object"
     assert expected[0] in file_ids(db.engine) and expected[0] not in tombstones(db.engine)
+
+
+def _outside_copy(home: Path, tmp_path: Path, storage_path: str) -> Path:
+    """A directory outside the store holding a file of the same name as the object."""
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    (outside / Path(storage_path).name).write_text("precious, outside the store")
+    return outside
+
+
+def test_a_symlinked_directory_in_the_store_is_never_followed(loaded, tmp_path):
+    db, home, stored = loaded
+    scope = window(*MIXED)
+    expected = expected_ids(db.engine, scope)
+    victim = stored[expected[0]].storage_path
+    directory = home / "objects" / Path(victim).parent
+    siblings = [i for i in expected if Path(stored[i].storage_path).parent == Path(victim).parent]
+    outside = _outside_copy(home, tmp_path, victim)
+    directory.rename(tmp_path / "moved-away")
+    directory.symlink_to(outside, target_is_directory=True)
+
+    done = run(db.engine, scope)
+
+    assert (done.failed_count, done.mutated_count) == (len(siblings), len(expected) - len(siblings))
+    assert done.tally["unsafe_storage_path"] == len(siblings) >= 1
+    assert (outside / Path(victim).name).read_text() == "precious, outside the store"
+    assert set(siblings) <= file_ids(db.engine)  # their rows stay, with no tombstone
+    assert not set(siblings) & set(tombstones(db.engine))
+
+
+def test_a_directory_swapped_for_a_symlink_between_the_steps_stops_the_batch(
+    loaded, tmp_path, monkeypatch
+):
+    """Step 1 hashed the objects; before step 2 unlinks them their directory becomes a
+    symlink to somewhere else: nothing outside is removed, the batch rolls back."""
+    db, home, stored = loaded
+    scope = window(*MIXED)
+    expected = expected_ids(db.engine, scope)
+    victim = stored[expected[0]].storage_path
+    directory = home / "objects" / Path(victim).parent
+    outside = _outside_copy(home, tmp_path, victim)
+    real_sha256 = tfc.ObjectStore.sha256
+
+    def then_swap(self: tfc.ObjectStore, storage_path: str) -> tuple[bool, str | None]:
+        found = real_sha256(self, storage_path)
+        if storage_path == victim and directory.is_dir() and not directory.is_symlink():
+            directory.rename(tmp_path / "moved-away")
+            directory.symlink_to(outside, target_is_directory=True)
+        return found
+
+    monkeypatch.setattr(tfc.ObjectStore, "sha256", then_swap)
+    before = file_ids(db.engine)
+    failed = run(db.engine, scope, batch_size=5)
+
+    assert (failed.status, failed.error_code) == ("failed", "object_store_error")
+    assert (outside / Path(victim).name).read_text() == "precious, outside the store"
+    assert file_ids(db.engine) == before  # the batch's delete was rolled back
+    assert (tmp_path / "moved-away" / Path(victim).name).exists()  # the real object stays
 
 
 def test_objects_already_gone_are_tombstoned_without_a_checksum(loaded):
