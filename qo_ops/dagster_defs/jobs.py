@@ -11,6 +11,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from qo_ops.dagster_defs.k8s import k8s_config_tag
 from qo_ops.dagster_defs.partitions import (
     JOB_RUN_TAG,
     MODE_TAG,
@@ -379,7 +380,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
             tags_for_partition_key_fn=lambda key: scope_tag(spec, key),
         ),
         executor_def=dg.in_process_executor,
-        tags={"qo_ops/job": spec.name, "qo_ops/kind": spec.kind},
+        tags={"qo_ops/job": spec.name, "qo_ops/kind": spec.kind, **k8s_config_tag(spec)},
     )
     def catalog_job() -> None:
         run_catalog_job()

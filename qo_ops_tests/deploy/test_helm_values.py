@@ -1,0 +1,378 @@
+"""``deploy/helm/values.yaml`` for the official dagster/dagster chart.
+
+Helm and the chart cannot run here (no helm binary, no network), so the values are checked
+against what they must become: the keys the chart reads (``chart_values_contract.yaml``, with
+Kubernetes types from kubernetes-validate), the ``dagster.yaml`` the chart renders compared
+section by section with the repository's ``dagster.yaml`` and validated by Dagster's own
+instance schema, the commands the chart runs, and the run pod each catalog job gets.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from dagster._core.instance.config import dagster_instance_config
+from jsonschema import Draft202012Validator
+
+from qo_ops.dagster_defs.k8s import K8S_CONFIG_TAG
+from qo_ops.definitions import build_definitions
+from qo_ops.jobs.catalog import CATALOG
+from qo_ops_tests.deploy.files import (
+    K8S_DEFINITIONS_ID,
+    K8S_VERSIONS,
+    REPO,
+    chart_code_server_command,
+    chart_code_server_probe,
+    k8s_registry,
+    load_yaml,
+    of_kind,
+    run_help,
+    user_deployment,
+    validate_k8s,
+    values,
+    walk,
+)
+
+CONTRACT = Path(__file__).with_name("chart_values_contract.yaml")
+DAGSTER_YAML = REPO / "dagster.yaml"
+CONSTRAINTS = dict(
+    line.split("==", 1)
+    for line in (REPO / "constraints.txt").read_text().splitlines()
+    if "==" in line
+)
+
+
+def _contract_validator(version: str) -> Draft202012Validator:
+    text = CONTRACT.read_text().replace('"K8S#', f'"{K8S_DEFINITIONS_ID}#')
+    return Draft202012Validator(yaml.safe_load(text), registry=k8s_registry(version))
+
+
+def _contract_errors(tree: dict[str, Any], version: str) -> list[str]:
+    return [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
+        for e in _contract_validator(version).iter_errors(tree)
+    ]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_values_use_only_keys_the_chart_reads_with_their_types(version):
+    assert _contract_errors(values(), version) == []
+
+
+def test_the_contract_catches_misspelt_and_mistyped_values():
+    wrong = copy.deepcopy(values())
+    queue = wrong["dagsterDaemon"]["runCoordinator"]["config"]["queuedRunCoordinator"]
+    queue["maxConcurrentRun"] = queue.pop("maxConcurrentRuns")
+    code_location = wrong["dagster-user-deployments"]["deployments"][0]
+    code_location["readinessProbe"]["periodSecond"] = 20  # not a Probe field
+    code_location["image"]["tag"] = "latest"
+    wrong["dagsterWebserver"]["resources"]["request"] = {}  # not a ResourceRequirements field
+    errors = "\n".join(_contract_errors(wrong, K8S_VERSIONS[0]))
+    for needle in ("maxConcurrentRun", "periodSecond", "image.tag", "resources"):
+        assert needle in errors, errors
+
+
+# ------------------------------------------------------------------------- the instance
+
+
+def chart_instance(chart_values: dict[str, Any]) -> dict[str, Any]:
+    """The dagster.yaml the chart renders from ``chart_values`` (its templates
+    configmap-instance.yaml and helpers/instance/*.tpl), for what qo-ops sets."""
+    pg = chart_values["postgresql"]
+    assert not pg["enabled"], "Dagster's storage is the external PostgreSQL"
+    postgres = {
+        "postgres_db": {
+            "username": pg["postgresqlUsername"],
+            "password": {"env": "DAGSTER_PG_PASSWORD"},
+            "hostname": pg["postgresqlHost"],
+            "db_name": pg["postgresqlDatabase"],
+            "port": pg["service"]["port"],
+            "params": pg.get("postgresqlParams", {}),
+        }
+    }
+    launcher = chart_values["runLauncher"]["config"]["k8sRunLauncher"]
+    instance: dict[str, Any] = {
+        "scheduler": {"module": "dagster._core.scheduler", "class": "DagsterDaemonScheduler"},
+        "schedule_storage": {
+            "module": "dagster_postgres.schedule_storage",
+            "class": "PostgresScheduleStorage",
+            "config": postgres,
+        },
+        "run_storage": {
+            "module": "dagster_postgres.run_storage",
+            "class": "PostgresRunStorage",
+            "config": postgres,
+        },
+        "event_log_storage": {
+            "module": "dagster_postgres.event_log",
+            "class": "PostgresEventLogStorage",
+            "config": postgres,
+        },
+        "run_launcher": {
+            "module": "dagster_k8s",
+            "class": chart_values["runLauncher"]["type"],
+            "config": {
+                "load_incluster_config": launcher["loadInclusterConfig"],
+                "image_pull_policy": launcher["imagePullPolicy"],
+                "volumes": launcher["volumes"],
+                "volume_mounts": launcher["volumeMounts"],
+            },
+        },
+        "telemetry": {"enabled": chart_values["telemetry"]["enabled"]},
+    }
+    daemon = chart_values["dagsterDaemon"]
+    if daemon["enabled"] and daemon["runCoordinator"]["enabled"]:
+        queued = daemon["runCoordinator"]["config"]["queuedRunCoordinator"]
+        instance["run_coordinator"] = {
+            "module": "dagster._core.run_coordinator",
+            "class": daemon["runCoordinator"]["type"],
+            "config": {
+                "max_concurrent_runs": queued["maxConcurrentRuns"],
+                "tag_concurrency_limits": queued["tagConcurrencyLimits"],
+                "dequeue_interval_seconds": queued["dequeueIntervalSeconds"],
+            },
+        }
+    logs = chart_values["pythonLogs"]
+    instance["python_logs"] = {
+        "python_log_level": logs["pythonLogLevel"],
+        "managed_python_loggers": logs["managedPythonLoggers"],
+    }
+    monitoring = daemon["runMonitoring"]
+    if daemon["enabled"] and monitoring["enabled"]:  # the keys the chart renders
+        instance["run_monitoring"] = {
+            "enabled": True,
+            "start_timeout_seconds": monitoring["startTimeoutSeconds"],
+            "poll_interval_seconds": monitoring["pollIntervalSeconds"],
+            "free_slots_after_run_end_seconds": monitoring["freeSlotsAfterRunEndSeconds"],
+        }
+    retries = daemon["runRetries"]
+    if daemon["enabled"] and retries["enabled"]:
+        instance["run_retries"] = {"enabled": True, "max_retries": retries["maxRetries"]}
+    for key, section in chart_values.get("additionalInstanceConfig", {}).items():
+        # the chart appends it verbatim: a key it already rendered would appear twice
+        assert key not in instance, f"additionalInstanceConfig.{key} doubles the chart's own"
+        instance[key] = section
+    return instance
+
+
+def instance_differences(local: dict[str, Any], chart: dict[str, Any]) -> list[str]:
+    """Sections of the local dagster.yaml the chart's instance does not reproduce."""
+    differences = []
+    for key, section in local.items():
+        if key == "storage":  # the same PostgreSQL storage, in the chart's per-store form
+            if "postgres" not in section or "postgres_db" not in chart["run_storage"]["config"]:
+                differences.append(key)
+        elif key == "run_coordinator":
+            theirs = chart.get(key, {})
+            if (theirs.get("class"), theirs.get("config")) != (section["class"], section["config"]):
+                differences.append(key)
+        elif chart.get(key) != section:
+            differences.append(key)
+    return differences
+
+
+def test_the_charts_instance_says_what_dagster_yaml_says():
+    """Run queue (max concurrent runs, one run per job × scope), run monitoring, run retries,
+    Python logs, telemetry: every section of dagster.yaml, loaded from the file."""
+    local = load_yaml(DAGSTER_YAML)
+    chart = chart_instance(values())
+    assert {"run_coordinator", "run_monitoring", "run_retries", "python_logs"} <= set(local)
+    assert instance_differences(local, chart) == []
+
+
+def test_a_drift_from_dagster_yaml_is_noticed():
+    local = load_yaml(DAGSTER_YAML)
+    drifted = copy.deepcopy(values())
+    queue = drifted["dagsterDaemon"]["runCoordinator"]["config"]["queuedRunCoordinator"]
+    queue["tagConcurrencyLimits"][0]["limit"] = 2
+    drifted["additionalInstanceConfig"]["run_retries"]["retry_on_asset_or_op_failure"] = True
+    del drifted["additionalInstanceConfig"]["run_monitoring"]["max_runtime_seconds"]
+    assert instance_differences(local, chart_instance(drifted)) == [
+        "run_coordinator",
+        "run_monitoring",
+        "run_retries",
+    ]
+    # what the chart would render if its own runRetries were used instead: retries job failures
+    chart_only = copy.deepcopy(values())
+    del chart_only["additionalInstanceConfig"]["run_retries"]
+    chart_only["dagsterDaemon"]["runRetries"] = {"enabled": True, "maxRetries": 1}
+    assert instance_differences(local, chart_instance(chart_only)) == ["run_retries"]
+    doubled = copy.deepcopy(values())
+    doubled["dagsterDaemon"]["runMonitoring"] = {
+        "enabled": True,
+        "startTimeoutSeconds": 180,
+        "pollIntervalSeconds": 30,
+        "freeSlotsAfterRunEndSeconds": 300,
+    }
+    with pytest.raises(AssertionError, match="doubles"):
+        chart_instance(doubled)
+
+
+def test_dagster_accepts_the_charts_instance(tmp_path):
+    (tmp_path / "dagster.yaml").write_text(yaml.safe_dump(chart_instance(values())))
+    config, custom_class = dagster_instance_config(str(tmp_path))
+    assert custom_class is None
+    assert config["run_retries"]["retry_on_asset_or_op_failure"] is False
+    assert config["run_monitoring"]["max_runtime_seconds"] == 14400
+
+
+# ------------------------------------------------------------------------- images and secrets
+
+
+def test_dagsters_own_images_run_the_dagster_version_qo_ops_pins():
+    for component in ("dagsterWebserver", "dagsterDaemon"):
+        image = values()[component]["image"]
+        assert image["repository"].endswith("dagster/dagster-celery-k8s")
+        assert image["tag"] == CONSTRAINTS["dagster"], f"{component} and the code location differ"
+
+
+def test_no_secret_is_written_in_the_values():
+    assert values()["generatePostgresqlPasswordSecret"] is False
+    assert "postgresqlPassword" not in values()["postgresql"]
+    credentials_in_url = re.compile(r"://[^/\s@:]+:[^/\s@]+@")
+    for node in walk(values()):
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if isinstance(value, str):
+                assert not re.search(r"pass(word|wd)|token|api_?key", key, re.I), key
+                assert not credentials_in_url.search(value), f"{key}: a URL with a password"
+
+
+# ------------------------------------------------------------------------- the code location
+
+
+def test_the_code_location_is_the_one_workspace_yaml_loads_and_its_commands_parse():
+    deployment = user_deployment()
+    args = deployment["dagsterApiGrpcArgs"]
+    module = args[args.index("-m") + 1]
+    assert f"module_name: {module}" in (REPO / "workspace.yaml").read_text()
+    for command in (chart_code_server_command(deployment), chart_code_server_probe(deployment)):
+        proc = run_help(command)
+        assert proc.returncode == 0, f"{command}: {proc.stderr[-2000:]}"
+
+
+def test_runs_inherit_the_code_locations_environment_and_settings():
+    deployment = user_deployment()
+    assert deployment["includeConfigInLaunchedRuns"]["enabled"] is True
+    env = {e["name"]: e for e in deployment["env"]}
+    assert env["QO_OPS_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "qo-ops-db-runner"
+    config_maps = {m.name for m in of_kind("ConfigMap")}
+    for source in deployment["envConfigMaps"]:
+        assert source["name"] in config_maps, f"ConfigMap {source['name']} is not in deploy/k8s"
+
+
+def test_the_archive_volume_is_shared_by_every_run():
+    launcher = values()["runLauncher"]["config"]["k8sRunLauncher"]
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in launcher["volumes"]}
+    claimed = {m.name: m for m in of_kind("PersistentVolumeClaim")}
+    for mount in launcher["volumeMounts"]:
+        claim = claimed[claims[mount["name"]]]  # a mount of a declared volume and claim
+        assert claim.body["spec"]["accessModes"] == ["ReadWriteMany"], "runs land on any node"
+    settings = {m.name: m for m in of_kind("ConfigMap")}["qo-ops-settings"].body["data"]
+    assert settings["QO_OPS_HOME"] in [m["mountPath"] for m in launcher["volumeMounts"]]
+
+
+# ------------------------------------------------------------------------- the run pods
+
+
+def _deep_merge(onto: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(onto)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def run_pod(run_tags: dict[str, str]) -> dict[str, Any]:
+    """The run worker pod dagster-k8s's K8sRunLauncher builds for a run with ``run_tags``,
+    from the pieces values.yaml gives it: the launcher's config, the code location's
+    container context (includeConfigInLaunchedRuns) and the run's dagster-k8s/config tag,
+    merged in that order (dagster_k8s.container_context, DEEP merge)."""
+    chart_values = values()
+    launcher = chart_values["runLauncher"]["config"]["k8sRunLauncher"]
+    deployment = user_deployment()
+    tag = json.loads(run_tags[K8S_CONFIG_TAG])
+    resources = _deep_merge(
+        _deep_merge(launcher.get("resources") or {}, deployment.get("resources") or {}),
+        tag["container_config"]["resources"],
+    )
+    home = chart_values["global"]["dagsterHome"]
+    config_maps = [*launcher["envConfigMaps"], *deployment["envConfigMaps"]]
+    container = {
+        "name": "dagster",
+        "image": f"{deployment['image']['repository']}:{deployment['image']['tag']}",
+        "imagePullPolicy": launcher["imagePullPolicy"],
+        "args": ["dagster", "api", "execute_run", "{}"],
+        "env": [
+            *deployment["env"],
+            {
+                "name": "DAGSTER_PG_PASSWORD",
+                "valueFrom": {
+                    "secretKeyRef": {
+                        "name": chart_values["global"]["postgresqlSecretName"],
+                        "key": "postgresql-password",
+                    }
+                },
+            },
+        ],
+        "envFrom": [{"configMapRef": {"name": c["name"]}} for c in config_maps],
+        "resources": resources,
+        "securityContext": launcher["securityContext"],
+        "volumeMounts": [
+            *launcher["volumeMounts"],
+            *deployment.get("volumeMounts", []),
+            {
+                "name": "dagster-instance",
+                "mountPath": f"{home}/dagster.yaml",
+                "subPath": "dagster.yaml",
+            },
+        ],
+    }
+    spec = {
+        **launcher["runK8sConfig"]["podSpecConfig"],
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [
+            *launcher["volumes"],
+            *deployment.get("volumes", []),
+            {"name": "dagster-instance", "configMap": {"name": "dagster-instance"}},
+        ],
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "dagster-run"}, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def catalog_jobs():
+    defs = build_definitions()
+    return {name: defs.resolve_job_def(name) for name in CATALOG}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_catalog_jobs_run_pod_is_valid_kubernetes(catalog_jobs, version):
+    for name, job in catalog_jobs.items():
+        pod = run_pod(dict(job.run_tags))
+        validate_k8s(pod, version)
+        volumes = {v["name"] for v in pod["spec"]["volumes"]}
+        mounts = {m["name"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts <= volumes, f"{name}: mounts of undeclared volumes {mounts - volumes}"
+
+
+def test_every_run_pod_gets_exactly_its_catalog_resources(catalog_jobs):
+    """Nothing the code location or the launcher sets leaks into a run's resources (a CPU
+    limit there would throttle every run); what the catalog declares is what the pod asks."""
+    for name, job in catalog_jobs.items():
+        wanted = CATALOG[name].run_resources
+        resources = run_pod(dict(job.run_tags))["spec"]["containers"][0]["resources"]
+        assert resources == {
+            "requests": {"cpu": wanted.cpu_request, "memory": wanted.memory_request},
+            "limits": {"memory": wanted.memory_limit},
+        }, name
