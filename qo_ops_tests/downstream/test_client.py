@@ -231,7 +231,11 @@ def test_one_client_from_many_threads_with_retries(downstream_factory) -> None:
     for key in keys:
         resets = failures[key].count("connection_reset")
         assert set(failures[key]) <= {"http_503", "connection_reset"}
-        assert by_key[key] == resets + 1  # every reset attempt was stored, then the success
-        assert results[key].duplicate is (resets > 0)
+        # every injected reset stores the attempt before dropping it, then comes the success;
+        # the client may see more resets than were injected (a pooled connection the server
+        # closed can fail before the request reaches it), never fewer
+        assert 1 <= by_key[key] <= resets + 1
+        assert results[key].duplicate is (by_key[key] > 1)  # an earlier attempt was stored
+    assert sum(by_key.values()) - len(keys) == stats["faults_injected"]["reset"]
     assert stats["faults_injected"]["error"] == sum(f.count("http_503") for f in failures.values())
     assert stats["faults_injected"]["reset"] > 0 and stats["faults_injected"]["error"] > 0
