@@ -90,6 +90,7 @@ from qo_ops.platform.spec import (
     JobDefaults,
     JobSpec,
     OutcomeCheck,
+    ReportRow,
     RunResources,
 )
 
@@ -711,6 +712,36 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     ]
 
 
+def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
+    """Per creation day: files deleted, their bytes and recorded checksums; and the anomaly
+    decision (the run's gate, or what a gate would decide now)."""
+    settings = run_settings(ctx)
+    measure = measure_anomaly(conn, ctx)
+    decision = ctx.params.get(_GATE_KEY) or ("stop" if measure.breaches() else "within")
+    rows = [
+        ReportRow(
+            "anomaly_gate",
+            str(decision),
+            measure.eligible,
+            f"eligible of {measure.tenant_files}; cap {settings.max_delete}, "
+            f"share {settings.max_share:.0%}",
+        )
+    ]
+    for day in conn.execute(
+        sa.text(
+            "SELECT (file_created_at AT TIME ZONE 'UTC')::date AS day, count(*) AS files, "
+            "coalesce(sum(size_bytes), 0) AS bytes, count(sha256) AS checksums "
+            "FROM temp_file_tombstone WHERE job_run_id = :run AND deleted_at IS NOT NULL "
+            "GROUP BY 1 ORDER BY 1"
+        ),
+        {"run": ctx.job_run_id},
+    ):
+        name = day.day.isoformat()
+        rows.append(ReportRow("deleted", name, day.files, f"{day.checksums} with sha256"))
+        rows.append(ReportRow("bytes_deleted", name, int(day.bytes)))
+    return rows
+
+
 def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     """Seconds since the oldest eligible file of the window passed retention."""
     oldest = sa.func.min(temp_file.c.created_at) + _retention(ctx)
@@ -734,6 +765,7 @@ SPEC = JobSpec(
     record=remove_batch,
     check=check_cleanup,
     lag=overdue_seconds,
+    report=report_cleanup,
     outcome_asset="temp_files",
     checks=(
         CheckSpec("no_legal_hold_removed", "No file on legal hold was ever deleted"),
@@ -756,6 +788,8 @@ SPEC = JobSpec(
     scheduled_window_age_days=lambda: settings_from_env().retention_days + 1,
     cron_schedule="15 3 * * *",
     defaults=JobDefaults(batch_size=500),  # each batch hashes its objects inside step 1
+    change="row and stored object deleted, tombstoned",
+    healthy="No deletable temp file past retention plus a day of grace, and no file on legal hold ever deleted.",
     run_resources=RunResources(cpu_request="500m"),  # sha256 of every object it deletes
     destructive=True,
 )
