@@ -398,8 +398,9 @@ def build_report(
         rows.append(_tally_row(key, value))
     if spec.report is not None:
         rows += spec.report(conn, ctx)
+    words = ("met now", "not met now") if summary.mode == "dry_run" else ("passed", "FAILED")
     rows += [
-        ReportRow("check", c.name, int(c.passed), "passed" if c.passed else "FAILED")
+        ReportRow("check", c.name, int(c.passed), words[0] if c.passed else words[1])
         for c in summary.checks
     ]
     return rows
