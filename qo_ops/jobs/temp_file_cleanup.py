@@ -114,6 +114,7 @@ TERMINAL: list[sa.ColumnElement[str]] = [
 _TERMINAL_SQL = "('COMPLETED', 'FAILED_TERMINAL')"
 _SETTINGS_KEY = "temp_file_cleanup.settings"
 _GATE_KEY = "temp_file_cleanup.gate"
+_GATE_MEASURE_KEY = "temp_file_cleanup.gate_measure"
 _REFUSED_KEY = "temp_file_cleanup.refused"  # ids this run will not take again
 
 
@@ -410,6 +411,7 @@ def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
 def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
     """Stop (deleting nothing) when the scope's eligible set is anomalous, unless overridden."""
     measure = measure_anomaly(conn, ctx)
+    ctx.params[_GATE_MEASURE_KEY] = measure  # for the run's report
     breaches = measure.breaches()
     if not breaches:
         return
@@ -716,15 +718,19 @@ def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
     """Per creation day: files deleted, their bytes and recorded checksums; and the anomaly
     decision (the run's gate, or what a gate would decide now)."""
     settings = run_settings(ctx)
-    measure = measure_anomaly(conn, ctx)
-    decision = ctx.params.get(_GATE_KEY) or ("stop" if measure.breaches() else "within")
+    measure = ctx.params.get(_GATE_MEASURE_KEY)  # what the run's gate measured, if it ran
+    gate_ran = isinstance(measure, AnomalyMeasure)
+    if not isinstance(measure, AnomalyMeasure):  # a dry run: what a gate would decide now
+        measure = measure_anomaly(conn, ctx)
+    stop = "stopped" if gate_ran else "would stop"
+    decision = ctx.params.get(_GATE_KEY) or (stop if measure.breaches() else "within")
     rows = [
         ReportRow(
             "anomaly_gate",
             str(decision),
             measure.eligible,
-            f"eligible of {measure.tenant_files}; cap {settings.max_delete}, "
-            f"share {settings.max_share:.0%}",
+            f"files eligible of the tenant's {measure.tenant_files}; "
+            f"cap {settings.max_delete}, share {settings.max_share:.0%}",
         )
     ]
     for day in conn.execute(
@@ -737,7 +743,9 @@ def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
         {"run": ctx.job_run_id},
     ):
         name = day.day.isoformat()
-        rows.append(ReportRow("deleted", name, day.files, f"{day.checksums} with sha256"))
+        gone = day.files - day.checksums
+        detail = f"{day.checksums} checksummed, {gone} object(s) already gone"
+        rows.append(ReportRow("deleted", name, day.files, detail))
         rows.append(ReportRow("bytes_deleted", name, int(day.bytes)))
     return rows
 
