@@ -20,19 +20,31 @@ def outcome_asset_key(spec: JobSpec) -> dg.AssetKey:
 
 def build_outcome_assets(specs: Sequence[JobSpec]) -> list[dg.AssetSpec]:
     """One asset per business outcome named in the catalog."""
-    by_asset: dict[str, list[str]] = {}
+    by_asset: dict[str, list[JobSpec]] = {}
     for spec in specs:
         if spec.outcome_asset:
-            by_asset.setdefault(spec.outcome_asset, []).append(spec.name)
+            by_asset.setdefault(spec.outcome_asset, []).append(spec)
     return [
         dg.AssetSpec(
             key=dg.AssetKey(["qo_ops", asset]),
-            description=f"Business state kept right by: {', '.join(jobs)}",
+            description=_asset_description(jobs),
             group_name="business_outcomes",
             kinds={"postgres"},
         )
         for asset, jobs in sorted(by_asset.items())
     ]
+
+
+def _asset_description(jobs: Sequence[JobSpec]) -> str:
+    """Who keeps the asset right, what healthy looks like, and what its plots show."""
+    names = ", ".join(j.name for j in jobs)
+    healthy = " ".join(j.healthy for j in jobs if j.healthy)
+    return (
+        f"Business state kept right by: {names}. Healthy: {healthy} "
+        "Plots (from every run and the backlog sensors): backlog, oldest_due_age_s, and "
+        "where they apply checkpoint_age_s, mismatches, dead_letters — each should stay flat "
+        "near 0; a line that keeps rising means the job is not keeping up."
+    )
 
 
 def _build_check(spec: JobSpec, check: CheckSpec) -> dg.AssetChecksDefinition:

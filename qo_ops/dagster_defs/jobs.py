@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
+import pandas as pd
 from pydantic import Field
 
 from qo_ops.dagster_defs.k8s import k8s_config_tag
@@ -107,8 +108,24 @@ def resolve_mode(config: JobRunConfig, tags: dict[str, str], trigger: Trigger) -
 FAILING_STATUSES = ("failed", "timeout", "cancelled")
 
 
-def summary_metadata(summary: RunSummary) -> dict[str, Any]:
-    """The run summary as Dagster metadata (counters as numbers)."""
+REPORT_COLUMNS = (("kind", "string"), ("name", "string"), ("count", "int"), ("detail", "string"))
+
+
+def report_table(summary: RunSummary) -> dg.TableMetadataValue:
+    """The run's report rows (ids, states, classes and numbers) as a Dagster table."""
+    frame = pd.DataFrame(summary.report, columns=[c for c, _ in REPORT_COLUMNS])
+    frame["count"] = frame["count"].astype("int64")
+    records = [
+        dg.TableRecord({k: (int(v) if k == "count" else str(v)) for k, v in row.items()})
+        for row in frame.to_dict("records")
+    ]
+    schema = dg.TableSchema(columns=[dg.TableColumn(c, t) for c, t in REPORT_COLUMNS])
+    return dg.MetadataValue.table(records, schema)
+
+
+def summary_metadata(summary: RunSummary, scope: Scope | None = None) -> dict[str, Any]:
+    """The run's report as Dagster metadata: status, counters and timings as numbers, scope
+    and window, fencing token, checkpoint before/after, and the report table."""
     keys = (
         "job_run_id",
         "status",
@@ -126,10 +143,45 @@ def summary_metadata(summary: RunSummary) -> dict[str, Any]:
         "duplicates_prevented",
         "batches",
         "duration_ms",
+        "batch_ms_p50",
         "batch_ms_p99",
+        "batch_ms_max",
+        "fencing_token",
+        "checkpoint_before",
+        "checkpoint_after",
+        "backlog",
+        "oldest_due_age_s",
+        "checkpoint_age_s",
+        "dead_letters",
     )
     data = summary.as_dict()
-    return {k: data[k] for k in keys if data[k] is not None}
+    metadata: dict[str, Any] = {k: data[k] for k in keys if data.get(k) is not None}
+    if scope is not None and scope.window_start is not None:
+        metadata["window_start"] = scope.window_start.isoformat()
+        metadata["window_end"] = scope.window_end.isoformat() if scope.window_end else ""
+    if summary.report:
+        metadata["report"] = report_table(summary)
+    return metadata
+
+
+def outcome_observation(
+    asset_key: dg.AssetKey, summary: RunSummary, scope: Scope
+) -> dg.AssetObservation:
+    """What the run saw of its business outcome, as numbers Dagster plots over time."""
+    figures: dict[str, Any] = {
+        "backlog": summary.backlog,
+        "oldest_due_age_s": summary.oldest_due_age_s,
+        "checkpoint_age_s": summary.checkpoint_age_s,
+        "dead_letters": summary.dead_letters,
+    }
+    mismatches = [r["count"] for r in summary.report if r["kind"] == "mismatch"]
+    if mismatches:
+        figures["mismatches"] = sum(mismatches)
+    metadata = {k: v for k, v in figures.items() if v is not None}
+    return dg.AssetObservation(
+        asset_key=asset_key,
+        metadata={**metadata, "scope": scope.key, "job": summary.job_name, "mode": summary.mode},
+    )
 
 
 def _adopted(
@@ -231,6 +283,8 @@ def _run_tenant_range(
             context.log.error(f"{spec.name} {tenant}: refused: {exc}")
             continue
         summaries.append(summary)
+        if asset_key is not None and summary.status != "skipped":
+            yield outcome_observation(asset_key, summary, Scope(tenant))
         context.log.info(
             f"{spec.name} {summary.scope} {summary.mode}: {summary.status} — "
             f"eligible {summary.eligible_count}, changed {summary.mutated_count}, "
@@ -299,6 +353,25 @@ def _run_tenant_range(
     yield dg.Output({"runs": [s.as_dict() for s in summaries]}, metadata=metadata)
 
 
+def job_description(spec: JobSpec) -> str:
+    """The job's description in the UI: what it does, its safe default, how to execute."""
+    lines = [spec.description + "."]
+    if spec.change:
+        lines.append(f"Per item: {spec.change}.")
+    lines.append(
+        "Launched by hand or by a backfill it runs as a dry run (counts and a sample, no "
+        "change) unless config says mode: execute (with a reason)."
+    )
+    lines.append(
+        "To execute a backfill: Materialize/Backfill the partitions with the tags "
+        "qo_ops/mode=execute and qo_ops/reason=<why> (Dagster cannot pass run config to a "
+        "backfill); schedules and sensors execute."
+    )
+    if spec.destructive:
+        lines.append("Destructive: dry-run first, and read the report's sample.")
+    return " ".join(lines)
+
+
 def build_job(spec: JobSpec) -> dg.JobDefinition:
     """The Dagster job of ``spec``: partitioned, one op, in-process executor."""
     partitions_def = partitions_def_for(spec)
@@ -320,6 +393,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
             else:
                 scope = scope_from_partition_key(spec, context.partition_key)
                 options = _options(config, tags, trigger, context.run_id)
+            context.instance.add_run_tags(context.run_id, {MODE_TAG: options.mode})
             summary = run_job(spec, scope, options, engine=engine)
         except QoOpsError as exc:  # bad input: refused before anything was written
             if trigger == "api":  # the accepted row must not wait forever
@@ -333,6 +407,9 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
         )
         if summary.status == "partial_success":
             context.log.warning(f"partial success: {summary.failed_count} item(s) failed")
+        metadata = summary_metadata(summary, scope)
+        if asset_key is not None and summary.status != "skipped":
+            yield outcome_observation(asset_key, summary, scope)
         if asset_key is not None and summary.mode == "execute" and summary.status != "skipped":
             declared = {c.name: c for c in spec.checks}
             for check in summary.checks:
@@ -354,7 +431,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
         if summary.status in FAILING_STATUSES:
             raise dg.Failure(
                 description=f"{spec.name} ended {summary.status}: {summary.status_reason or summary.error_code}",
-                metadata=summary_metadata(summary),
+                metadata=metadata,
                 allow_retries=False,
             )
         blocking_failed = [
@@ -365,14 +442,14 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
         if summary.mode == "execute" and summary.status != "skipped" and blocking_failed:
             raise dg.Failure(
                 description=f"business outcome not met after {spec.name}: {', '.join(blocking_failed)}",
-                metadata=summary_metadata(summary),
+                metadata=metadata,
                 allow_retries=False,
             )
-        yield dg.Output(summary.as_dict(), metadata=summary_metadata(summary))
+        yield dg.Output(summary.as_dict(), metadata=metadata)
 
     @dg.job(
         name=spec.name,
-        description=spec.description,
+        description=job_description(spec),
         partitions_def=partitions_def,
         config=dg.PartitionedConfig(
             partitions_def=partitions_def,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import dagster as dg
 import sqlalchemy as sa
 
+from qo_ops.dagster_defs.checks import outcome_asset_key
 from qo_ops.dagster_defs.partitions import (
     JOB_RUN_TAG,
     SCOPE_TAG,
@@ -98,10 +99,28 @@ def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefin
                         )
                     )
         cursor = json.dumps({"offset": offset + len(window), "last": figures})
+        # the backlog over time on the outcome asset's page (counted up to the threshold)
+        observations = (
+            [
+                dg.AssetObservation(
+                    asset_key=outcome_asset_key(spec),
+                    metadata={
+                        "backlog": waiting,
+                        "backlog_counted_up_to": threshold,
+                        "scope": tenant,
+                    },
+                )
+                for tenant, waiting in figures.items()
+            ]
+            if spec.outcome_asset
+            else []
+        )
         if runs:
-            return dg.SensorResult(run_requests=runs, cursor=cursor)
+            return dg.SensorResult(run_requests=runs, cursor=cursor, asset_events=observations)
         return dg.SensorResult(
-            skip_reason=f"no tenant has {threshold} waiting ({len(window)} checked)", cursor=cursor
+            skip_reason=f"no tenant has {threshold} waiting ({len(window)} checked)",
+            cursor=cursor,
+            asset_events=observations,
         )
 
     return backlog_sensor

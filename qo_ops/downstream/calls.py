@@ -48,6 +48,9 @@ def call_for_each(
     return call_each(work, one, ctx.params["limits"]["concurrency"])
 
 
+_STATE_NAMES = {"done": "delivered", "retry": "retry_scheduled", "dead": "dead_lettered"}
+
+
 def outcome_of(
     decisions: list[tuple[CallResult, Disposition]], recorded: dict[str, str]
 ) -> BatchOutcome:
@@ -59,6 +62,12 @@ def outcome_of(
         for r, _ in decisions
         if recorded.get(r.item_id) in ("retry", "dead")
     ]
+    tally: dict[str, int] = {}
+    for r, _ in decisions:  # outcomes by error class and attempt, for the run's report
+        klass = "ok" if r.ok else str(r.error_class or "unknown")
+        state = _STATE_NAMES.get(recorded.get(r.item_id) or "", "claim_lost")
+        key = f"outcome.{klass}.attempt_{r.attempt}.{state}"
+        tally[key] = tally.get(key, 0) + 1
     return BatchOutcome(
         succeeded=states.count("done"),
         failed=len(failed),
@@ -66,4 +75,5 @@ def outcome_of(
         retry_scheduled=states.count("retry"),
         deadlettered=states.count("dead"),
         failed_items=failed,
+        tally=tally,
     )

@@ -233,4 +233,6 @@ SPEC = JobSpec(
     cron_schedule="*/30 * * * *",
     backlog_threshold=1000,
     defaults=JobDefaults(batch_size=1000),
+    change="OPEN → ABANDONED, CheckoutAbandoned event",
+    healthy="No OPEN checkout session idle past the timeout (backlog 0 after each run).",
 )

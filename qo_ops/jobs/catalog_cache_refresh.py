@@ -146,4 +146,6 @@ SPEC = JobSpec(
     cron_schedule="*/10 * * * *",
     backlog_threshold=1000,
     defaults=JobDefaults(batch_size=500),
+    change="cache entry rewritten at the item's version",
+    healthy="No catalog cache entry missing or behind its item's version (backlog 0).",
 )

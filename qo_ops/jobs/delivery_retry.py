@@ -203,4 +203,6 @@ SPEC = JobSpec(
     cron_schedule="*/5 * * * *",
     backlog_threshold=500,
     defaults=JobDefaults(batch_size=256, concurrency=32),  # a multiple of the concurrency (bench)
+    change="sent with its idempotency key: delivered, retried or dead-lettered",
+    healthy="No delivery due for longer than 15 minutes, and no dead letter waiting for a person.",
 )

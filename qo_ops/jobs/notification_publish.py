@@ -198,4 +198,6 @@ SPEC = JobSpec(
     cron_schedule="* * * * *",
     backlog_threshold=1000,
     defaults=JobDefaults(batch_size=256, concurrency=32),  # a multiple of the concurrency (bench)
+    change="published once by event id, retried or dead-lettered",
+    healthy="No outbox event overdue for publishing, and no dead letter waiting for a person.",
 )

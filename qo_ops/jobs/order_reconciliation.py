@@ -35,6 +35,7 @@ from qo_ops.platform.spec import (
     JobDefaults,
     JobSpec,
     OutcomeCheck,
+    ReportRow,
 )
 
 IN_FLIGHT: list[sa.ColumnElement[str]] = [
@@ -276,6 +277,20 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
     return out
 
 
+def report_mismatches(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
+    """Mismatches this run recorded, by type, with the action taken and its outcome."""
+    return [
+        ReportRow("mismatch", r.mismatch_type, r.n, f"{r.action} → {r.outcome}")
+        for r in conn.execute(
+            sa.text(
+                "SELECT mismatch_type, action, outcome, count(*) AS n FROM reconciliation_result "
+                "WHERE job_run_id = :run GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
+            ),
+            {"run": ctx.job_run_id},
+        )
+    ]
+
+
 def check_reconciliation(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """No order repaired in this scope is still mismatched; unresolved ones counted by type."""
     start, end = ctx.scope.window_bounds()
@@ -310,6 +325,7 @@ SPEC = JobSpec(
     transition=read_orders,
     external=ask_downstream,
     record=repair_mismatches,
+    report=report_mismatches,
     check=check_reconciliation,
     outcome_asset="orders",
     checks=(
@@ -317,6 +333,8 @@ SPEC = JobSpec(
     ),
     cron_schedule="15 3 * * *",
     defaults=JobDefaults(batch_size=200, concurrency=16),
+    change="compared with the fulfilment system; mismatch repaired or flagged",
+    healthy="No in-flight order of a day still mismatched with the fulfilment system after its run.",
     uses_checkpoint=True,
     rescan_when_complete=True,
     dry_run_scans=True,

@@ -206,6 +206,8 @@ SPEC = JobSpec(
     ),
     cron_schedule="45 1 * * *",  # daily, UTC
     defaults=JobDefaults(batch_size=2000, throttle_ms=0),
+    change="snapshot recomputed for the current price book",
+    healthy="Every quote of a day has a snapshot of the current price book equal to its lines.",
     uses_checkpoint=True,
     rescan_when_complete=False,  # a backfill: a window gone through stays done
     compete_with_skip_locked=False,  # one run per scope holds the lease; see the docstring

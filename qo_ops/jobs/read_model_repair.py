@@ -161,5 +161,7 @@ SPEC = JobSpec(
     ),
     cron_schedule="30 2 * * *",
     defaults=JobDefaults(batch_size=2000),
+    change="read-model row recomputed from its order",
+    healthy="No order_read_model row drifted from its order.",
     destructive=True,
 )

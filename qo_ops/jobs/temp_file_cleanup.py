@@ -90,6 +90,7 @@ from qo_ops.platform.spec import (
     JobDefaults,
     JobSpec,
     OutcomeCheck,
+    ReportRow,
     RunResources,
 )
 
@@ -113,6 +114,7 @@ TERMINAL: list[sa.ColumnElement[str]] = [
 _TERMINAL_SQL = "('COMPLETED', 'FAILED_TERMINAL')"
 _SETTINGS_KEY = "temp_file_cleanup.settings"
 _GATE_KEY = "temp_file_cleanup.gate"
+_GATE_MEASURE_KEY = "temp_file_cleanup.gate_measure"
 _REFUSED_KEY = "temp_file_cleanup.refused"  # ids this run will not take again
 
 
@@ -409,6 +411,7 @@ def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
 def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
     """Stop (deleting nothing) when the scope's eligible set is anomalous, unless overridden."""
     measure = measure_anomaly(conn, ctx)
+    ctx.params[_GATE_MEASURE_KEY] = measure  # for the run's report
     breaches = measure.breaches()
     if not breaches:
         return
@@ -711,6 +714,42 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     ]
 
 
+def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
+    """Per creation day: files deleted, their bytes and recorded checksums; and the anomaly
+    decision (the run's gate, or what a gate would decide now)."""
+    settings = run_settings(ctx)
+    measure = ctx.params.get(_GATE_MEASURE_KEY)  # what the run's gate measured, if it ran
+    gate_ran = isinstance(measure, AnomalyMeasure)
+    if not isinstance(measure, AnomalyMeasure):  # a dry run: what a gate would decide now
+        measure = measure_anomaly(conn, ctx)
+    stop = "stopped" if gate_ran else "would stop"
+    decision = ctx.params.get(_GATE_KEY) or (stop if measure.breaches() else "within")
+    rows = [
+        ReportRow(
+            "anomaly_gate",
+            str(decision),
+            measure.eligible,
+            f"files eligible of the tenant's {measure.tenant_files}; "
+            f"cap {settings.max_delete}, share {settings.max_share:.0%}",
+        )
+    ]
+    for day in conn.execute(
+        sa.text(
+            "SELECT (file_created_at AT TIME ZONE 'UTC')::date AS day, count(*) AS files, "
+            "coalesce(sum(size_bytes), 0) AS bytes, count(sha256) AS checksums "
+            "FROM temp_file_tombstone WHERE job_run_id = :run AND deleted_at IS NOT NULL "
+            "GROUP BY 1 ORDER BY 1"
+        ),
+        {"run": ctx.job_run_id},
+    ):
+        name = day.day.isoformat()
+        gone = day.files - day.checksums
+        detail = f"{day.checksums} checksummed, {gone} object(s) already gone"
+        rows.append(ReportRow("deleted", name, day.files, detail))
+        rows.append(ReportRow("bytes_deleted", name, int(day.bytes)))
+    return rows
+
+
 def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     """Seconds since the oldest eligible file of the window passed retention."""
     oldest = sa.func.min(temp_file.c.created_at) + _retention(ctx)
@@ -734,6 +773,7 @@ SPEC = JobSpec(
     record=remove_batch,
     check=check_cleanup,
     lag=overdue_seconds,
+    report=report_cleanup,
     outcome_asset="temp_files",
     checks=(
         CheckSpec("no_legal_hold_removed", "No file on legal hold was ever deleted"),
@@ -756,6 +796,8 @@ SPEC = JobSpec(
     scheduled_window_age_days=lambda: settings_from_env().retention_days + 1,
     cron_schedule="15 3 * * *",
     defaults=JobDefaults(batch_size=500),  # each batch hashes its objects inside step 1
+    change="row and stored object deleted, tombstoned",
+    healthy="No deletable temp file past retention plus a day of grace, and no file on legal hold ever deleted.",
     run_resources=RunResources(cpu_request="500m"),  # sha256 of every object it deletes
     destructive=True,
 )

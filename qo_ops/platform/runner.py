@@ -36,6 +36,7 @@ from qo_ops.platform.spec import (
     BatchOutcome,
     JobSpec,
     OutcomeCheck,
+    ReportRow,
     RunOptions,
     Scope,
 )
@@ -91,6 +92,14 @@ class RunSummary:
     sample_ids: list[str] = field(default_factory=list)
     tally: dict[str, int] = field(default_factory=dict)
     checks: list[OutcomeCheck] = field(default_factory=list)
+    fencing_token: int | None = None  # of the lease the run held
+    checkpoint_before: str | None = None  # the cursor as JSON text (checkpointed jobs)
+    checkpoint_after: str | None = None
+    backlog: int | None = None  # items still eligible when the run ended
+    oldest_due_age_s: float | None = None  # age of the oldest of them (the job's lag)
+    checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
+    dead_letters: int | None = None  # items dead-lettered now, all tenants (capped count)
+    report: list[dict[str, Any]] = field(default_factory=list)  # ReportRow dicts
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -280,6 +289,8 @@ def run_job(
             with engine.connect() as conn:
                 summary.checks = spec.check(conn, ctx)
                 lag = spec.lag(conn, ctx) if spec.lag else None
+                summary.oldest_due_age_s = lag
+                _after_run(conn, spec, ctx, limits, summary)
             metrics.lag.labels(spec.name).set(lag or 0.0)
     except BaseException:  # interrupted while checking (Dagster terminating the run): the
         # batches are over, so the run record still gets their outcome before this goes on
@@ -324,12 +335,94 @@ def run_job(
     return summary
 
 
+def _cursor_text(cursor: Any) -> str | None:
+    return (
+        None if cursor is None else one_line(json.dumps(cursor, default=str, sort_keys=True), 200)
+    )
+
+
+def _after_run(
+    conn: Connection, spec: JobSpec, ctx: BatchContext, limits: dict[str, Any], summary: RunSummary
+) -> None:
+    """What the run left behind, for its report: backlog, checkpoint, the report rows."""
+    if spec.uses_checkpoint:
+        saved = conn.execute(
+            sa.select(
+                job_checkpoint.c.cursor,
+                sa.func.extract("epoch", sa.func.clock_timestamp() - job_checkpoint.c.updated_at),
+            ).where(job_checkpoint.c.job_name == spec.name, job_checkpoint.c.scope == ctx.scope.key)
+        ).first()
+        if saved is not None:
+            summary.checkpoint_after = _cursor_text(saved[0])
+            summary.checkpoint_age_s = float(saved[1])
+    elif not spec.dry_run_scans:  # a selection of what is due: what is still due is backlog
+        fresh = BatchContext(spec.name, ctx.scope, ctx.mode, ctx.job_run_id, {"limits": limits})
+        summary.backlog = (
+            summary.eligible_count if ctx.mode == "dry_run" else count_eligible(conn, spec, fresh)
+        )
+    if spec.dead_letters is not None:
+        summary.dead_letters = spec.dead_letters(conn)
+    summary.report = [asdict(row) for row in build_report(conn, spec, ctx, summary)]
+
+
+REPORT_SAMPLE = 20  # sample rows of a dry run's report
+
+
+def build_report(
+    conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunSummary
+) -> list[ReportRow]:
+    """The run's report table: a dry run's sample with the change execute would make, the
+    counters, the job's own tallies and rows, and the checks."""
+    rows: list[ReportRow] = []
+    change = spec.change or "changed"
+    if summary.mode == "dry_run":
+        rows.append(ReportRow("would_change", change, summary.eligible_count))
+        rows += [ReportRow("sample", i, 1, change) for i in summary.sample_ids[:REPORT_SAMPLE]]
+    else:
+        counters = {
+            "processed": summary.processed_count,
+            "changed": summary.mutated_count,
+            "failed": summary.failed_count,
+            "skipped": summary.skipped_count,
+        }
+        optional = {
+            "retry_scheduled": summary.retry_scheduled_count,
+            "dead_lettered": summary.deadlettered_count,
+            "duplicates_prevented": summary.duplicates_prevented,
+        }
+        counters |= {k: v for k, v in optional.items() if v}
+        rows += [
+            ReportRow("items", k, v, change if k == "changed" else "") for k, v in counters.items()
+        ]
+    for key, value in sorted(summary.tally.items()):
+        rows.append(_tally_row(key, value))
+    if spec.report is not None:
+        rows += spec.report(conn, ctx)
+    words = ("met now", "not met now") if summary.mode == "dry_run" else ("passed", "FAILED")
+    rows += [
+        ReportRow("check", c.name, int(c.passed), words[0] if c.passed else words[1])
+        for c in summary.checks
+    ]
+    return rows
+
+
+def _tally_row(key: str, value: int) -> ReportRow:
+    """A tally counter as a report row; ``outcome.<class>.attempt_<n>.<state>`` (calls to
+    another system) becomes an outcome row by error class and attempt."""
+    parts = key.split(".")
+    if len(parts) == 4 and parts[0] == "outcome" and parts[2].startswith("attempt_"):
+        attempt = parts[2].removeprefix("attempt_")
+        return ReportRow("outcome", parts[1], value, f"attempt {attempt} → {parts[3]}")
+    return ReportRow("tally", key, value)
+
+
 def _dry_run(
     engine: Engine, spec: JobSpec, ctx: BatchContext, options: RunOptions, summary: RunSummary
 ) -> None:
     """Count and sample exactly what execute would select; write nothing but the run row."""
     if spec.uses_checkpoint:  # what execute would do next starts at the checkpoint
         ctx.params["cursor"] = _load_cursor(engine, spec, ctx.scope)
+        summary.checkpoint_before = _cursor_text(ctx.params["cursor"])
     with engine.connect() as conn:
         summary.eligible_count = count_eligible(conn, spec, ctx)
         sample = conn.execute(spec.eligible(ctx).limit(options.sample_size)).scalars()
@@ -369,8 +462,10 @@ def _execute(
         },
     )
     _crash_point("after_lease_acquire")
+    summary.fencing_token = lease.fencing_token
     if spec.uses_checkpoint:
         ctx.params["cursor"] = _load_cursor(engine, spec, ctx.scope)
+        summary.checkpoint_before = _cursor_text(ctx.params["cursor"])
     with engine.connect() as conn:
         summary.eligible_count = count_eligible(conn, spec, ctx)
     runs.set_eligible(engine, run_id, summary.eligible_count, lease.fencing_token)

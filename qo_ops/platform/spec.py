@@ -226,6 +226,17 @@ class OutcomeCheck:
 
 
 @dataclass(frozen=True)
+class ReportRow:
+    """One row of a run's report: what (``kind``, ``name``), how many (``count``), and a
+    short ``detail``. Ids, states and classes only: never personal data or payloads."""
+
+    kind: str
+    name: str
+    count: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class CheckSpec:
     """A business outcome check a job declares (its result comes from ``JobSpec.check``)."""
 
@@ -280,3 +291,10 @@ class JobSpec:
     dead_letters: Callable[[Connection], int] | None = None
     # Checks the job's own settings (environment) before anything is written; raises QoOpsError.
     validate_settings: Callable[[], object] | None = None
+    # What execute does to one item, in a few words (the dry-run report's "transition").
+    change: str = ""
+    # What healthy looks like for its outcome asset (shown on the asset's page).
+    healthy: str = ""
+    # Rows about what one run did, beyond its counters (per day, per mismatch type…), read
+    # after the run by its job_run id; ids, states and numbers only.
+    report: Callable[[Connection, BatchContext], list[ReportRow]] | None = None

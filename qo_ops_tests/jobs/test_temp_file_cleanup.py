@@ -392,6 +392,28 @@ def test_a_planted_anomaly_stops_the_run_before_anything_is_deleted(loaded, monk
     row = rows(db.engine, "SELECT * FROM job_run WHERE id = :id", id=uuid.UUID(stopped.job_run_id))
     assert (row[0].status, row[0].last_error_code) == ("failed", "anomaly_threshold")
     assert scalar(db.engine, "SELECT count(*) FROM temp_file_tombstone") == 0
+    # the reports say so: what a gate would decide, then what the run's gate decided
+    gates = [[r for r in s.report if r["kind"] == "anomaly_gate"] for s in (dry, stopped)]
+    assert [(g[0]["name"], g[0]["count"]) for g in gates] == [
+        ("would stop", len(everything)),
+        ("stopped", len(everything)),
+    ]
+
+
+def test_the_report_has_the_gate_and_each_day_deleted(loaded):
+    db, home, stored = loaded
+    scope = window(*MIXED)
+    expected = expected_ids(db.engine, scope)
+    done = run(db.engine, scope)
+    by_kind: dict[str, list[dict]] = {}
+    for r in done.report:
+        by_kind.setdefault(r["kind"], []).append(r)
+    assert [(g["name"], g["count"]) for g in by_kind["anomaly_gate"]] == [("passed", len(expected))]
+    assert sum(r["count"] for r in by_kind["deleted"]) == done.mutated_count == len(expected)
+    assert sum(r["count"] for r in by_kind["bytes_deleted"]) == sum(
+        stored[i].size for i in expected
+    )
+    assert len(by_kind["deleted"]) == len({r["name"] for r in by_kind["deleted"]}) > 1  # per day
 
 
 def test_the_absolute_cap_stops_the_run_too(loaded, monkeypatch):

@@ -1,0 +1,127 @@
+"""Run reports and outcome trends in Dagster: every catalog job's output carries its report
+table and the numbers of its run, and every run observes its business-outcome asset."""
+
+from __future__ import annotations
+
+import uuid
+
+import dagster as dg
+import pytest
+
+from qo_ops.dagster_defs.partitions import MODE_TAG, scope_from_partition_key
+from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform.runner import REPORT_SAMPLE, count_eligible
+from qo_ops.platform.spec import BatchContext
+from qo_ops_tests.dagster.test_jobs import SPECS, _run, _summary, work_partition
+
+# what a job's own report rows add up to, on an execute run over a partition with work
+JOB_ROWS = {
+    "temp_file_cleanup": ("deleted", "mutated_count"),
+    "audit_archive": ("archived", "mutated_count"),
+    "order_reconciliation": ("mismatch", None),
+    "delivery_retry": ("outcome", "processed_count"),
+    "notification_publish": ("outcome", "processed_count"),
+}
+
+
+def _output_metadata(result) -> dict:
+    return next(
+        e.event_specific_data.metadata
+        for e in result.all_events
+        if e.event_type_value == "STEP_OUTPUT"
+    )
+
+
+def _report(metadata) -> list[dict]:
+    table = metadata["report"]
+    assert isinstance(table, dg.TableMetadataValue)
+    assert [c.name for c in table.schema.columns] == ["kind", "name", "count", "detail"]
+    rows = [dict(r.data) for r in table.records]
+    assert all(isinstance(r["count"], int) for r in rows)  # numbers stay numbers
+    return rows
+
+
+def _observations(result, instance, job_name: str) -> list[dg.AssetObservation]:
+    key = dg.AssetKey(["qo_ops", CATALOG[job_name].outcome_asset])
+    records = instance.fetch_observations(key, limit=100).records
+    return [
+        r.asset_observation
+        for r in records
+        if r.run_id == result.run_id and r.asset_observation is not None
+    ]
+
+
+@pytest.mark.parametrize("job_name", SPECS)
+def test_a_dry_run_reports_its_sample_with_the_change_execute_would_make(
+    defs, instance, loaded, job_name
+):
+    spec = CATALOG[job_name]
+    result = _run(defs, instance, job_name, {"mode": "dry_run"})
+    assert result.success
+    summary = _summary(result, job_name)
+    metadata = _output_metadata(result)
+    rows = _report(metadata)
+    assert instance.get_run_by_id(result.run_id).tags[MODE_TAG] == "dry_run"
+    if not spec.dry_run_scans:  # a selection: counts and a sample of ids
+        would = [r for r in rows if r["kind"] == "would_change"]
+        assert would == [
+            {
+                "kind": "would_change",
+                "name": spec.change,
+                "count": summary["eligible_count"],
+                "detail": "",
+            }
+        ]
+        sample = [r for r in rows if r["kind"] == "sample"]
+        assert [r["name"] for r in sample] == summary["sample_ids"][:REPORT_SAMPLE]
+        assert len(sample) == min(len(summary["sample_ids"]), REPORT_SAMPLE) > 0
+        assert {r["detail"] for r in sample} == {spec.change}
+        if not spec.uses_checkpoint:
+            assert metadata["backlog"].value == summary["eligible_count"]
+    for name in ("fencing_token", "duration_ms", "eligible_count"):
+        assert name not in metadata or isinstance(metadata[name].value, (int, float))
+    if spec.partitioning == "tenant_day":
+        assert metadata["window_start"].value < metadata["window_end"].value
+
+
+@pytest.mark.parametrize("job_name", SPECS)
+def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
+    defs, instance, loaded, job_name
+):
+    spec = CATALOG[job_name]
+    partition = work_partition(loaded, job_name)
+    config = {"mode": "execute", "reason": "test", "batch_size": 25}
+    result = _run(defs, instance, job_name, config, partition=partition)
+    assert result.success
+    summary = _summary(result, job_name)
+    metadata = _output_metadata(result)
+    rows = _report(metadata)
+    assert instance.get_run_by_id(result.run_id).tags[MODE_TAG] == "execute"
+    items = {r["name"]: r["count"] for r in rows if r["kind"] == "items"}
+    assert items["processed"] == summary["processed_count"]
+    assert items["changed"] == summary["mutated_count"] > 0
+    checks = {r["name"]: r["detail"] for r in rows if r["kind"] == "check"}
+    assert checks == {c.name: "passed" for c in spec.checks}
+    assert metadata["fencing_token"].value >= 1
+    kind, counter = JOB_ROWS.get(job_name, (None, None))
+    if kind is not None:
+        own = [r for r in rows if r["kind"] == kind]
+        assert own, f"{job_name}: no {kind} rows in {rows}"
+        if counter is not None:
+            assert sum(r["count"] for r in own) == summary[counter]
+    if spec.uses_checkpoint:  # a backfill keeps its checkpoint; a rescan forgets it when done
+        assert ("checkpoint_after" in metadata) is not spec.rescan_when_complete
+        assert ("checkpoint_age_s" in metadata) is not spec.rescan_when_complete
+
+    observed = _observations(result, instance, job_name)
+    assert len(observed) == 1
+    figures = observed[0].metadata
+    assert figures["scope"].value == summary["scope"]
+    if not spec.uses_checkpoint and not spec.dry_run_scans:
+        # what is still due, counted again here from the job's own selection
+        scope = scope_from_partition_key(spec, partition)
+        ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4(), params={"limits": {}})
+        with loaded.engine.connect() as conn:
+            assert figures["backlog"].value == count_eligible(conn, spec, ctx)
+    if spec.dead_letters is not None:
+        assert isinstance(figures["dead_letters"].value, int)
