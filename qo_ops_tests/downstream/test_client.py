@@ -230,12 +230,17 @@ def test_one_client_from_many_threads_with_retries(downstream_factory) -> None:
     assert stats["delivery_requests"] == sum(by_key.values())
     for key in keys:
         resets = failures[key].count("connection_reset")
-        assert set(failures[key]) <= {"http_503", "connection_reset"}
+        # a client read timeout only happens on a starved machine (5 s): retried like a reset
+        slow = failures[key].count("timeout")
+        assert set(failures[key]) <= {"http_503", "connection_reset", "timeout"}
         # every injected reset stores the attempt before dropping it, then comes the success;
         # the client may see more resets than were injected (a pooled connection the server
         # closed can fail before the request reaches it), never fewer
-        assert 1 <= by_key[key] <= resets + 1
+        assert 1 <= by_key[key] <= resets + slow + 1
         assert results[key].duplicate is (by_key[key] > 1)  # an earlier attempt was stored
-    assert sum(by_key.values()) - len(keys) == stats["faults_injected"]["reset"]
+    stored_again = sum(by_key.values()) - len(keys)
+    timeouts = sum(f.count("timeout") for f in failures.values())
+    injected = stats["faults_injected"]["reset"]
+    assert injected <= stored_again <= injected + timeouts
     assert stats["faults_injected"]["error"] == sum(f.count("http_503") for f in failures.values())
     assert stats["faults_injected"]["reset"] > 0 and stats["faults_injected"]["error"] > 0
