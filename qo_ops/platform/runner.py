@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from qo_ops.db.schema import job_checkpoint
 from qo_ops.errors import BadInput, one_line
 from qo_ops.platform import runs
+from qo_ops.platform.control import JobSuspended, suspension_for
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.spec import (
     BatchContext,
@@ -162,6 +163,28 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
         raise BadInput(f"unknown tenant {scope.tenant_id}")
 
 
+def _refuse_if_suspended(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
+    """A suspended job starts no run, whatever triggered it; the refusal is audited."""
+    with engine.begin() as conn:
+        found = suspension_for(conn, spec.name, scope.tenant_id)
+        if found is None:
+            return
+        runs.append_audit(
+            conn,
+            actor=options.requester or "unknown",
+            action="trigger",
+            decision="denied",
+            job_name=spec.name,
+            scope=scope.key,
+            mode=options.mode,
+            reason=options.reason,
+            correlation_id=options.correlation_id,
+            job_run_id=options.job_run_id,
+            details={"refused": "suspended", "trigger": options.trigger, **found.as_dict()},
+        )
+    raise JobSuspended(f"{found.describe()}; nothing was run (resume: qo-ops resume)")
+
+
 def _load_cursor(engine: Engine, spec: JobSpec, scope: Scope) -> dict[str, Any] | None:
     with engine.connect() as conn:
         return conn.execute(
@@ -208,8 +231,9 @@ def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int)
 
 
 @contextmanager
-def _batch_transaction(conn: Connection, lease: Lease, run_id: uuid.UUID) -> Iterator[bool]:
-    """One batch's transaction on the run's connection; yields whether a cancel was asked."""
+def _batch_transaction(conn: Connection, lease: Lease, run_id: uuid.UUID) -> Iterator[str | None]:
+    """One batch's transaction on the run's connection; yields why the run must stop (a
+    cancel asked, the job suspended), or None."""
     with conn.begin():
         # a holder frozen mid-transaction is cut off by the server, releasing its locks
         conn.exec_driver_sql(
@@ -228,6 +252,7 @@ def run_job(
 ) -> RunSummary:
     """Run ``spec`` over ``scope`` once, safely; see the module docstring for the shape."""
     validate_request(engine, spec, scope, options)
+    _refuse_if_suspended(engine, spec, scope, options)
     limits = _resolve(spec, options)
     started = time.monotonic()
     owner = owner_identity()
@@ -584,9 +609,9 @@ def _batch_loop(
             summary.status_reason = "max items reached"
             return
         batch_started = time.perf_counter()
-        with _batch_transaction(conn, lease, run_id) as cancel_asked:
-            if cancel_asked:
-                summary.status, summary.status_reason = "cancelled", "cancel requested"
+        with _batch_transaction(conn, lease, run_id) as must_stop:
+            if must_stop:  # at a batch boundary: the batches before it are all committed
+                summary.status, summary.status_reason = "cancelled", must_stop
                 return
             items = select_batch(conn, spec, ctx, min(limits["batch_size"], room))
             if not items and ctx.params.pop("position", None) is not None:
