@@ -26,6 +26,7 @@ from qo_ops.db.engine import DatabaseTarget, ensure_database, get_engine, resolv
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 from qo_ops.errors import BadInput, QoOpsError
 from qo_ops.platform.spec import JobSpec, RunOptions, Scope
+from qo_ops.platform.tracing import configure_from_env
 
 app = typer.Typer(
     name="qo-ops",
@@ -807,6 +808,11 @@ def demo_dagster_command(
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and turn every failure into one line on stderr and an exit code."""
     warnings.filterwarnings("ignore", message=".*is currently in beta")  # Dagster's own API notes
+    try:
+        configure_from_env()  # traces over OTLP when QO_OPS_OTLP_ENDPOINT is set
+    except QoOpsError as exc:
+        typer.echo(f"qo-ops: error: {exc}", err=True)
+        return exc.exit_code
     return run_typer_app(app, argv, "qo-ops")
 
 
