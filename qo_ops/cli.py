@@ -26,6 +26,7 @@ from qo_ops.db.engine import DatabaseTarget, ensure_database, get_engine, resolv
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 from qo_ops.errors import BadInput, QoOpsError
 from qo_ops.platform.spec import JobSpec, RunOptions, Scope
+from qo_ops.platform.tracing import configure_from_env
 
 app = typer.Typer(
     name="qo-ops",
@@ -406,17 +407,38 @@ def status_command(
     tenant: Annotated[str | None, typer.Option(help="One tenant (default: all).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Per job and tenant: last run, last success, lease holder, backlog."""
+    """Per job and tenant: last run, last success, lease holder, backlog; and what is
+    suspended, by whom, since when and why."""
     from qo_ops.jobs.catalog import CATALOG, get_spec
+    from qo_ops.platform.control import suspensions
     from qo_ops.platform.status import job_status
 
     specs = [get_spec(job)] if job else list(CATALOG.values())
     engine = get_engine()
     migrate.require_current(engine)
     rows = [r for spec in specs for r in job_status(engine, spec, tenant)]
+    with engine.connect() as conn:
+        held = [
+            s for s in suspensions(conn, job) if tenant is None or s.tenant_id in (None, tenant)
+        ]
     if as_json:
-        emit_json({"status": [r.as_dict() for r in rows]})
+        emit_json({"status": [r.as_dict() for r in rows], "suspended": [s.as_dict() for s in held]})
         return
+    if held:
+        print_table(
+            "suspended (qo-ops resume JOB [--tenant T] --reason …)",
+            ["job", "scope", "by", "since", "reason"],
+            [
+                [
+                    s.job_name,
+                    s.tenant_id or "every scope",
+                    s.suspended_by,
+                    _when(s.suspended_at),
+                    s.reason,
+                ]
+                for s in held
+            ],
+        )
     print_table(
         "job status",
         [
@@ -525,6 +547,79 @@ def cancel_command(
         typer.echo(f"run was {status}; cancelled before it started")
     else:
         typer.echo(f"run is already {status}; nothing to cancel")
+
+
+def _control_scope(job: str, tenant: str | None) -> str:
+    return f"{job} for tenant {tenant}" if tenant else f"{job} for every scope"
+
+
+@app.command("suspend")
+def suspend_command(
+    job: Annotated[str, typer.Argument(help="The job to suspend.")],
+    reason: Annotated[str, typer.Option(help="Why (required; shown in status, audited).")],
+    tenant: Annotated[
+        str | None, typer.Option(help="Only this tenant (default: every scope).")
+    ] = None,
+    requester: Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Kill switch: no new run of JOB starts (schedules, sensors, CLI, API), and a running
+    one stops at its next batch boundary (ends `cancelled`, reason `suspended`)."""
+    from qo_ops.jobs.catalog import CATALOG
+    from qo_ops.platform.control import suspend
+
+    engine = get_engine()
+    migrate.require_current(engine)
+    found, new = suspend(
+        engine, job, tenant, actor=_requester(requester), reason=reason, known_jobs=set(CATALOG)
+    )
+    if as_json:
+        emit_json({"suspended": found.as_dict(), "new": new})
+        return
+    if new:
+        typer.echo(
+            f"suspended {_control_scope(job, tenant)}; resume with: qo-ops resume {job}"
+            f"{' --tenant ' + tenant if tenant else ''} --reason …"
+        )
+    else:
+        typer.echo(f"already suspended: {found.describe()}")
+
+
+@app.command("resume")
+def resume_command(
+    job: Annotated[str, typer.Argument(help="The job to resume.")],
+    reason: Annotated[str, typer.Option(help="Why (required; audited).")],
+    tenant: Annotated[
+        str | None, typer.Option(help="Lift the suspension of this tenant (default: job-wide).")
+    ] = None,
+    requester: Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Lift a suspension made with `qo-ops suspend` (the same JOB and --tenant)."""
+    from qo_ops.jobs.catalog import CATALOG
+    from qo_ops.platform.control import resume, suspensions
+
+    engine = get_engine()
+    migrate.require_current(engine)
+    lifted = resume(
+        engine, job, tenant, actor=_requester(requester), reason=reason, known_jobs=set(CATALOG)
+    )
+    with engine.connect() as conn:
+        left = suspensions(conn, job)
+    if as_json:
+        emit_json(
+            {
+                "resumed": lifted.as_dict() if lifted else None,
+                "still_suspended": [s.as_dict() for s in left],
+            }
+        )
+        return
+    if lifted:
+        typer.echo(f"resumed {_control_scope(job, tenant)}")
+    else:
+        typer.echo(f"{_control_scope(job, tenant)} was not suspended; nothing changed")
+    for other in left:
+        typer.echo(f"still suspended: {other.describe()}")
 
 
 @app.command("requeue")
@@ -713,6 +808,11 @@ def demo_dagster_command(
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and turn every failure into one line on stderr and an exit code."""
     warnings.filterwarnings("ignore", message=".*is currently in beta")  # Dagster's own API notes
+    try:
+        configure_from_env()  # traces over OTLP when QO_OPS_OTLP_ENDPOINT is set
+    except QoOpsError as exc:
+        typer.echo(f"qo-ops: error: {exc}", err=True)
+        return exc.exit_code
     return run_typer_app(app, argv, "qo-ops")
 
 

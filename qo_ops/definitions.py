@@ -19,10 +19,12 @@ from qo_ops.dagster_defs.sensors import (
     tenants_sensor,
 )
 from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform.tracing import configure_from_env
 
 
 def build_definitions() -> dg.Definitions:
     """Jobs, schedules, sensors, outcome assets and checks for every catalog entry."""
+    configure_from_env()  # run workers trace their runs when QO_OPS_OTLP_ENDPOINT is set
     specs = list(CATALOG.values())
     jobs = {spec.name: build_job(spec) for spec in specs}
     database = QoOpsDatabase(

@@ -33,7 +33,7 @@ from qo_ops.dagster_defs.partitions import (
 )
 from qo_ops.errors import one_line
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import runs
+from qo_ops.platform import control, runs
 from qo_ops.platform.spec import (
     MAX_BATCH_SIZE,
     MAX_ITEMS,
@@ -106,6 +106,19 @@ class ReasonBody(BaseModel):
     reason: str = Field(min_length=1, max_length=MAX_TEXT, pattern=NO_CONTROL)
 
 
+class ControlBody(BaseModel):
+    """Suspend or resume a job: for one tenant, or (no tenant) for every scope."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str | None = Field(
+        default=None,
+        pattern=TENANT_ID.pattern,
+        description="Only this tenant; omitted: the job for every scope.",
+    )
+    reason: str = Field(min_length=1, max_length=MAX_TEXT, pattern=NO_CONTROL)
+
+
 class Accepted(BaseModel):
     jobRunId: str
     status: str
@@ -147,6 +160,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "No such run of this job."),
         (409, "A run of this job and scope is already active (named in activeRunId)."),
         (422, "Malformed body, unknown job, out-of-range limits or unsafe scope."),
+        (423, "The job is suspended for this scope (the kill switch): nothing accepted."),
         (429, "Over the identity's rate limit (see Retry-After)."),
         (503, "Dagster or the database could not be reached."),
     )
@@ -367,6 +381,15 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
             )  # fmt: skip
         if not service.tenant_exists(engine, scope.tenant_id):
             raise ApiError(422, f"unknown tenant {scope.tenant_id}")
+        with engine.connect() as conn:
+            held = control.suspension_for(conn, spec.name, scope.tenant_id)
+        if held is not None:
+            service.audit(
+                engine, p.identity, "submit", "denied: suspended", meta(request),
+                job_name=spec.name, scope=scope.key, mode=body.mode, reason=body.reason,
+                correlation_id=body.correlationId, details=held.as_dict(),
+            )  # fmt: skip
+            raise ApiError(423, f"{held.describe()}; no run accepted", audited=True)
         submitted = service.submit(
             engine, p.identity, run_request, decision.hold_for_approval, idempotency_key,
             meta(request),
@@ -519,6 +542,57 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         status = launch(request, p.identity, spec, runId, rr)
         return _accepted(spec, runId, status, row["mode"])
 
+    def control_change(
+        jobName: str, request: Request, p: Principal, body: ControlBody, action: str
+    ) -> dict[str, Any]:
+        spec = spec_of(jobName)
+        decision = authz.may_control(p, body.tenant)
+        scope = body.tenant or "*"
+        if not decision.allowed:
+            raise deny(request, p, action, decision.reason, job_name=spec.name, scope=scope,
+                       reason=body.reason)  # fmt: skip
+        if body.tenant is not None and not service.tenant_exists(engine, body.tenant):
+            raise ApiError(422, f"unknown tenant {body.tenant}")
+        audit = {"request_id": meta(request).request_id,
+                 "client_address": meta(request).client_address}  # fmt: skip
+        if action == "suspend":
+            found, new = control.suspend(
+                engine, spec.name, body.tenant, actor=p.identity, reason=body.reason,
+                known_jobs=set(CATALOG), audit=audit,
+            )  # fmt: skip
+            return {"job": spec.name, "suspended": _jsonable(found.as_dict()), "new": new}
+        lifted = control.resume(
+            engine, spec.name, body.tenant, actor=p.identity, reason=body.reason,
+            known_jobs=set(CATALOG), audit=audit,
+        )  # fmt: skip
+        with engine.connect() as conn:
+            left = control.suspensions(conn, spec.name)
+        return {
+            "job": spec.name,
+            "resumed": _jsonable(lifted.as_dict()) if lifted else None,
+            "stillSuspended": [_jsonable(s.as_dict()) for s in left],
+        }
+
+    @app.post(
+        "/internal/jobs/{jobName}/suspend",
+        responses=ERRORS,
+        summary="Kill switch: suspend a job for a tenant or every scope (approver; audited)",
+    )
+    def suspend_job(
+        jobName: str, request: Request, p: Caller, body: Annotated[ControlBody, Body()]
+    ) -> dict[str, Any]:
+        return control_change(jobName, request, p, body, "suspend")
+
+    @app.post(
+        "/internal/jobs/{jobName}/resume",
+        responses=ERRORS,
+        summary="Lift a suspension made by suspend (approver; audited)",
+    )
+    def resume_job(
+        jobName: str, request: Request, p: Caller, body: Annotated[ControlBody, Body()]
+    ) -> dict[str, Any]:
+        return control_change(jobName, request, p, body, "resume")
+
     @app.get(
         "/internal/jobs/{jobName}/status",
         responses=ERRORS,
@@ -536,7 +610,17 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         if not decision.allowed:
             raise deny(request, p, "read", decision.reason, job_name=spec.name)
         rows = job_status(engine, spec, wanted)
-        return {"job": spec.name, "scopes": [_jsonable(r.as_dict()) for r in rows]}
+        with engine.connect() as conn:
+            held = [
+                s
+                for s in control.suspensions(conn, spec.name)
+                if wanted is None or s.tenant_id in (None, wanted)
+            ]
+        return {
+            "job": spec.name,
+            "scopes": [_jsonable(r.as_dict()) for r in rows],
+            "suspended": [_jsonable(s.as_dict()) for s in held],
+        }
 
     return app
 

@@ -6,6 +6,8 @@
 - ``approver`` does all that and executes destructive jobs (cleanup, archive, repair).
 - An operator's execute of a destructive job is refused unless it asks to be held for a
   second identity's approval (``requestApproval``); no one approves their own request.
+- ``approver`` alone suspends and resumes jobs (the kill switch); a job-wide suspension
+  needs a token that is not limited to one tenant.
 - A tenant-scoped token touches only its tenant.
 """
 
@@ -76,3 +78,14 @@ def may_approve(p: Principal, requester: str | None, tenant_id: str) -> Decision
     if requester == p.identity:
         return Decision(False, "a run needs a second identity's approval, not its requester's")
     return Decision(True, f"approved by a second identity ({p.identity})")
+
+
+def may_control(p: Principal, tenant_id: str | None) -> Decision:
+    """Suspend or resume a job (for one tenant, or every scope when ``tenant_id`` is None)."""
+    if "approver" not in p.roles:
+        return Decision(False, "suspend and resume need the approver role")
+    if tenant_id is None and p.tenant_id is not None:
+        return Decision(False, f"token is limited to tenant {p.tenant_id}: name it")
+    if tenant_id is not None and (denied := _tenant(p, tenant_id)):
+        return denied
+    return Decision(True, "suspend/resume allowed for approver")

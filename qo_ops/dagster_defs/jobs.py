@@ -225,7 +225,8 @@ def _refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
     except ValueError:
         return
     with engine.begin() as conn:
-        runs.finish_unstarted(conn, run_id, "failed", "refused_at_start", "bad_input", str(exc))
+        code = getattr(exc, "error_code", "bad_input")  # e.g. "suspended" (the kill switch)
+        runs.finish_unstarted(conn, run_id, "failed", "refused_at_start", code, str(exc))
 
 
 def _options(

@@ -14,7 +14,9 @@ from qo_ops.dagster_defs.partitions import (
     scope_tag,
     tenants_partitions_def,
 )
+from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import QoOpsError
+from qo_ops.platform.control import suspensions
 from qo_ops.platform.spec import JobSpec
 
 SCHEDULE_TIMEZONE = "UTC"
@@ -31,7 +33,7 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
         description=f"{spec.name} for every tenant, {spec.cron_schedule} ({SCHEDULE_TIMEZONE})",
     )
     def catalog_schedule(
-        context: dg.ScheduleEvaluationContext,
+        context: dg.ScheduleEvaluationContext, database: QoOpsDatabase
     ) -> Iterator[dg.RunRequest | dg.SkipReason]:
         scheduled = context.scheduled_execution_time
         tenants = tenants_partitions_def.get_partition_keys(
@@ -40,6 +42,21 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
         if not tenants:
             yield dg.SkipReason("no tenant partitions yet (the tenants sensor adds them)")
             return
+        with database.engine().connect() as conn:  # the kill switch
+            held = {s.tenant_id: s for s in suspensions(conn, spec.name)}
+        if None in held:
+            yield dg.SkipReason(f"{held[None].describe()}; no run requested")
+            return
+        if held:
+            context.log.info(
+                "; ".join(s.describe() for s in held.values()) + ": those tenants are skipped"
+            )
+            tenants = [t for t in tenants if t not in held]
+            if not tenants:
+                yield dg.SkipReason(
+                    f"{spec.name}: every tenant is suspended ({len(held)}); no run requested"
+                )
+                return
         day = None
         if spec.partitioning == "tenant_day":
             try:

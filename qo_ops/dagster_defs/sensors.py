@@ -24,6 +24,7 @@ from qo_ops.dagster_defs.partitions import (
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import one_line
+from qo_ops.platform.control import suspensions
 from qo_ops.platform.runs import append_audit, finish_unstarted
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope, cadence_seconds
 
@@ -78,7 +79,15 @@ def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefin
         bucket = int(time.time() // BACKLOG_COOLDOWN_S)
         runs, figures = [], {}
         with database.engine().connect() as conn:
+            held = {s.tenant_id: s for s in suspensions(conn, spec.name)}  # the kill switch
+            if None in held:
+                return dg.SensorResult(
+                    skip_reason=f"{held[None].describe()}; no run requested",
+                    cursor=context.cursor,
+                )
             for tenant in window:
+                if tenant in held:
+                    continue
                 ctx = BatchContext(spec.name, Scope(tenant), "dry_run", uuid.uuid4())
                 # bounded count: stop counting at the threshold
                 waiting = conn.execute(
@@ -117,8 +126,11 @@ def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefin
         )
         if runs:
             return dg.SensorResult(run_requests=runs, cursor=cursor, asset_events=observations)
+        suspended = [t for t in window if t in held]
         return dg.SensorResult(
-            skip_reason=f"no tenant has {threshold} waiting ({len(window)} checked)",
+            skip_reason=f"no tenant has {threshold} waiting ({len(window) - len(suspended)} "
+            f"checked)"
+            + (f"; suspended, not checked: {', '.join(suspended)}" if suspended else ""),
             cursor=cursor,
             asset_events=observations,
         )

@@ -59,6 +59,7 @@ EXPECTED: Matrix = {
         "job_audit": SI,  # append only
         "api_token": NONE,
         "api_idempotency": NONE,
+        "job_control": SIUD,  # every run reads it; `qo-ops suspend/resume` writes it
         "tenant": S,
         "price_book": S,
         "quote": SU,  # quote_expiration
@@ -87,6 +88,7 @@ EXPECTED: Matrix = {
         "job_audit": SI,
         "api_token": S,  # bearer token check
         "api_idempotency": SID,  # keys kept, expired ones deleted
+        "job_control": SIUD,  # approvers suspend and resume
         **dict.fromkeys(BUSINESS_TABLE_NAMES, S),  # backlog counts run job selections
         VERSION_TABLE: S,
     },

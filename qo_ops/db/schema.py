@@ -142,6 +142,19 @@ job_checkpoint = sa.Table(
     sa.Column("job_run_id", UUID(as_uuid=True)),
 )
 
+# The kill switch: a row suspends a job for one tenant, or (tenant_id '') for every scope.
+# Resuming deletes the row; who suspended and resumed what, when and why is in job_audit.
+job_control = sa.Table(
+    "job_control",
+    metadata,
+    sa.Column("job_name", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, primary_key=True, server_default=""),  # '' = every scope
+    sa.Column("suspended_by", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("suspended_at", TS, nullable=False, server_default=NOW),
+    sa.CheckConstraint("length(btrim(reason)) > 0", name="reason_given"),
+)
+
 # Events written in the business transaction, published later by the relay.
 outbox_event = sa.Table(
     "outbox_event",
@@ -242,6 +255,7 @@ PLATFORM_TABLES = (
     job_audit,
     api_token,
     api_idempotency,
+    job_control,
 )
 
 # ---------------------------------------------------------------------------- business

@@ -21,6 +21,7 @@ import httpx
 
 from qo_ops.errors import ConfigError, one_line
 from qo_ops.platform.retry import ErrorClass, classify_exception, classify_http_status
+from qo_ops.platform.tracing import instrument_httpx
 
 DOWNSTREAM_URL_ENV = "QO_OPS_DOWNSTREAM_URL"
 _SAFE_TOKEN = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
@@ -131,6 +132,7 @@ class DownstreamClient:
             headers={"user-agent": "qo-ops-downstream-client"},
             trust_env=False,
         )
+        instrument_httpx(self._http)  # each call a span of the run's trace, when tracing is on
 
     def close(self) -> None:
         self._http.close()

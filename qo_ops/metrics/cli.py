@@ -14,16 +14,18 @@ import typer
 from qo_ops.errors import BadInput, ConfigError
 
 REFRESH_ENV = "QO_OPS_METRICS_REFRESH_S"
+SUSPENSION_ALERT_ENV = "QO_OPS_SUSPENSION_ALERT_AFTER_S"
 
 
-def _refresh_s() -> float:
-    raw = os.environ.get(REFRESH_ENV, "").strip() or "30"
+def _seconds(name: str, default: float, low: float, high: float) -> float:
+    """A number of seconds from environment variable ``name``, within [low, high]."""
+    raw = os.environ.get(name, "").strip() or str(default)
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not 1.0 <= value <= 3600.0:
-        raise ConfigError(f"{REFRESH_ENV} must be a number of seconds between 1 and 3600")
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be a number of seconds between {low:g} and {high:g}")
     return value
 
 
@@ -45,10 +47,17 @@ def metrics_command(
 
     if not 1 <= port <= 65535:
         raise BadInput("--port must be between 1 and 65535")
-    refresh = _refresh_s()
+    refresh = _seconds(REFRESH_ENV, 30, 1, 3600)
+    # how long a job may stay suspended before QoOpsJobSuspendedTooLong (default: one day)
+    suspension_alert_after = _seconds(SUSPENSION_ALERT_ENV, 86400, 60, 30 * 86400)
     engine = get_engine()
     migrate.require_current(engine)
-    collector = JobCollector(engine, CATALOG.values(), refresh_s=refresh)
+    collector = JobCollector(
+        engine,
+        CATALOG.values(),
+        refresh_s=refresh,
+        suspension_alert_after_s=suspension_alert_after,
+    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     if once:

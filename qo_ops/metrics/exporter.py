@@ -10,8 +10,13 @@ they stay right across many short run processes (``docs/observability.md``).
   previous one (indexes on ``created_at`` and ``finished_at``), so a restarted exporter
   counts the same totals again instead of going down. The database sums the runs per job
   and status, so the first scrape over many runs is one aggregate query, not a row each.
+- Suspensions (the kill switch, ``job_control``, a few rows) are read on each scrape: whether
+  a job is suspended for every scope, how many suspensions it has, the oldest one's age.
+  Tenants suspended on their own are left out of the failure streak, backlog and lag: their
+  runs and items wait on purpose, and the alerts built on those gauges must not fire for it.
 
-Labels are only ``job_name``, ``status`` and ``error_class``.
+Labels are only ``job_name``, ``status`` and ``error_class``: a suspension's tenant, reason
+and author never become a label or a value.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from prometheus_client.core import (
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from qo_ops.platform.control import Suspension, suspensions
 from qo_ops.platform.runs import FINAL_STATUSES
 from qo_ops.platform.selection import capped_count
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope, cadence_seconds
@@ -108,6 +114,7 @@ _FINISHED_RUNS = sa.text(
     """
 )
 _CUTOFF = sa.text("SELECT clock_timestamp() - make_interval(secs => :settle)")
+_CLOCK = sa.text("SELECT clock_timestamp()")
 ITEM_SUMS = {
     "job_items_processed_total": ("processed_count", "Items processed"),
     "job_items_failed_total": ("failed_count", "Items failed"),
@@ -128,10 +135,12 @@ class JobCollector:
         engine: Engine,
         specs: Iterable[JobSpec],
         refresh_s: float = 30.0,
+        suspension_alert_after_s: float = 86400.0,
     ) -> None:
         self.engine = engine
         self.specs = list(specs)
         self.refresh_s = refresh_s
+        self.suspension_alert_after_s = suspension_alert_after_s
         origin = (datetime(1970, 1, 1, tzinfo=UTC), uuid.UUID(int=0))
         self._feed = _Feed(origin, origin)
         self._lock = threading.Lock()
@@ -149,6 +158,7 @@ class JobCollector:
         }
         with self.engine.connect() as conn:
             tenants = list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
+            paused = _suspended_tenants(suspensions(conn))
             for spec in self.specs:
                 if spec.dead_letters is not None:
                     values["job_deadletter_items"][spec.name] = float(spec.dead_letters(conn))
@@ -156,6 +166,8 @@ class JobCollector:
                     continue  # a windowed job's backlog belongs to its windows
                 backlog, worst = 0, 0.0
                 for tenant in tenants:
+                    if tenant in paused.get(spec.name, ()):
+                        continue  # its items wait on purpose until it is resumed
                     ctx = BatchContext(spec.name, Scope(tenant), "dry_run", uuid.uuid4())
                     backlog += capped_count(conn, spec.eligible(ctx), BACKLOG_CAP_PER_TENANT)
                     if spec.lag is not None:
@@ -232,7 +244,12 @@ class JobCollector:
         try:
             with self._lock, self.engine.connect() as conn:
                 self._advance(conn)
-                now_families = list(self._now(conn))
+                held = suspensions(conn)
+                now = conn.execute(_CLOCK).scalar_one()
+                now_families = [
+                    *self._now(conn, _suspended_tenants(held)),
+                    *self._suspensions(held, now),
+                ]
             self._up = 1.0
         except DBAPIError as exc:
             log_event(log, logging.WARNING, "metrics.scrape_failed", error=type(exc.orig).__name__)
@@ -261,8 +278,13 @@ class JobCollector:
             budget.add_metric([spec.name], min(cadence, spec.defaults.deadline_s))
         yield interval
         yield budget
+        yield GaugeMetricFamily(
+            "job_suspension_alert_after_seconds",
+            "How long a job may stay suspended before it alerts (QO_OPS_SUSPENSION_ALERT_AFTER_S)",
+            value=self.suspension_alert_after_s,
+        )
 
-    def _now(self, conn: Connection) -> Iterator[Metric]:
+    def _now(self, conn: Connection, paused: dict[str, set[str]]) -> Iterator[Metric]:
         g = {
             name: GaugeMetricFamily(name, text, labels=["job_name"])
             for name, text in (
@@ -301,8 +323,8 @@ class JobCollector:
             broken: set[str] = set()
             for run in conn.execute(_RECENT, {"job": spec.name, "n": STREAK_WINDOW}):
                 tenant = run.scope.partition("/")[0]
-                if tenant in broken:
-                    continue
+                if tenant in broken or tenant in paused.get(spec.name, ()):
+                    continue  # a suspended tenant's streak waits for its resumption
                 if run.status in FAILING:
                     streaks[tenant] = streaks.get(tenant, 0) + 1
                 elif run.status not in ("cancelled", "skipped"):  # neither breaks nor extends
@@ -312,6 +334,37 @@ class JobCollector:
             )
         yield status
         yield from g.values()
+
+    def _suspensions(self, held: list[Suspension], now: datetime) -> Iterator[Metric]:
+        """Per suspended catalog job: suspended for every scope (1), the number of
+        suspensions, the oldest one's age. A job without a suspension has none of these
+        series. Only counts and ages: the tenant, reason and author stay in the database."""
+        every = GaugeMetricFamily(
+            "job_suspended", "1 while the job is suspended for every scope", labels=["job_name"]
+        )
+        count = GaugeMetricFamily(
+            "job_suspensions",
+            "Suspensions in force: 1 for every scope plus 1 per suspended tenant",
+            labels=["job_name"],
+        )
+        age = GaugeMetricFamily(
+            "job_suspended_seconds", "Age of the job's oldest suspension", labels=["job_name"]
+        )
+        by_job: dict[str, list[Suspension]] = defaultdict(list)
+        for suspension in held:
+            by_job[suspension.job_name].append(suspension)
+        for spec in self.specs:  # catalog jobs only: a label value never comes from a row
+            mine = by_job.get(spec.name)
+            if not mine:
+                continue
+            if any(s.tenant_id is None for s in mine):
+                every.add_metric([spec.name], 1.0)
+            count.add_metric([spec.name], float(len(mine)))
+            oldest = min(s.suspended_at for s in mine)
+            age.add_metric([spec.name], max(0.0, (now - oldest).total_seconds()))
+        yield every
+        yield count
+        yield age
 
     def _slow_families(self) -> Iterator[Metric]:
         with self._lock:
@@ -368,6 +421,16 @@ class JobCollector:
                 [job, st], list(zip(bounds, counts, strict=True)), feed.duration_sum[(job, st)]
             )
         yield duration
+
+
+def _suspended_tenants(held: Iterable[Suspension]) -> dict[str, set[str]]:
+    """Job name → the tenants suspended on their own (a job-wide suspension is not listed:
+    its gauges keep every tenant, and the alerts stay quiet on ``job_suspended``)."""
+    paused: dict[str, set[str]] = defaultdict(set)
+    for suspension in held:
+        if suspension.tenant_id is not None:
+            paused[suspension.job_name].add(suspension.tenant_id)
+    return paused
 
 
 def _epoch(value: datetime | None) -> float:

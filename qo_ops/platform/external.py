@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from qo_ops.platform.tracing import in_current_context
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -21,4 +23,4 @@ def call_each(items: Sequence[T], call: Callable[[T], R], concurrency: int) -> l
     with ThreadPoolExecutor(
         max_workers=min(concurrency, len(items)), thread_name_prefix="qo-ops-call"
     ) as pool:
-        return list(pool.map(call, items))
+        return list(pool.map(in_current_context(call), items))  # calls join the batch's trace

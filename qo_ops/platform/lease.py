@@ -51,9 +51,17 @@ _HEARTBEAT = sa.text(
 # The fence: inside the batch transaction, still ours and unexpired, and held (FOR SHARE)
 # so that no one can take the lease over until this transaction ends. It also reads the
 # run's cancel flag, saving the batch a round trip.
+# Why the run must stop now, if it must: a cancel asked on its job_run row, or a
+# suspension of its job for its tenant or for every scope (the kill switch, job_control).
 _GUARD = sa.text(
     """
-    SELECT (SELECT r.cancel_requested_at IS NOT NULL FROM job_run r WHERE r.id = :run_id) AS cancel
+    SELECT CASE
+             WHEN (SELECT r.cancel_requested_at IS NOT NULL FROM job_run r WHERE r.id = :run_id)
+               THEN 'cancel requested'
+             WHEN EXISTS (SELECT 1 FROM job_control c WHERE c.job_name = :job
+                             AND c.tenant_id IN ('', split_part(:scope, '/', 1)))
+               THEN 'suspended'
+           END AS stop
       FROM job_lease
      WHERE job_name = :job AND scope = :scope AND lease_token = :token
        AND fencing_token = :fence AND expires_at > clock_timestamp()
@@ -94,15 +102,15 @@ class Lease:
             "ttl": self.ttl_s,
         }
 
-    def guard(self, conn: Connection, run_id: uuid.UUID | None = None) -> bool:
+    def guard(self, conn: Connection, run_id: uuid.UUID | None = None) -> str | None:
         """Raise :class:`LeaseLost` unless this lease is still ours, and hold it until commit.
 
-        Returns whether run ``run_id`` has been asked to stop.
+        Returns why run ``run_id`` must stop ("cancel requested", "suspended"), or None.
         """
         row = conn.execute(_GUARD, {**self._params(), "run_id": run_id}).first()
         if row is None:
             raise LeaseLost(f"lease on {self.job_name}/{self.scope} is no longer held")
-        return bool(row.cancel)
+        return row.stop
 
     def heartbeat(self, engine: Engine) -> bool:
         """Extend the lease; False when it has been lost (expired or taken over)."""

@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from qo_ops.db.schema import job_checkpoint
 from qo_ops.errors import BadInput, one_line
 from qo_ops.platform import runs
+from qo_ops.platform.control import JobSuspended, suspension_for
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.spec import (
     BatchContext,
@@ -41,6 +42,7 @@ from qo_ops.platform.spec import (
     Scope,
 )
 from qo_ops.platform.telemetry import METRICS, EventContext, JobMetrics
+from qo_ops.platform.tracing import span
 
 CRASH_ENV = "QO_OPS_CRASH_AT"
 # Test-only fault injection: with QO_OPS_CRASH_AT set to one of these, the process kills
@@ -162,6 +164,28 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
         raise BadInput(f"unknown tenant {scope.tenant_id}")
 
 
+def _refuse_if_suspended(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
+    """A suspended job starts no run, whatever triggered it; the refusal is audited."""
+    with engine.begin() as conn:
+        found = suspension_for(conn, spec.name, scope.tenant_id)
+        if found is None:
+            return
+        runs.append_audit(
+            conn,
+            actor=options.requester or "unknown",
+            action="trigger",
+            decision="denied",
+            job_name=spec.name,
+            scope=scope.key,
+            mode=options.mode,
+            reason=options.reason,
+            correlation_id=options.correlation_id,
+            job_run_id=options.job_run_id,
+            details={"refused": "suspended", "trigger": options.trigger, **found.as_dict()},
+        )
+    raise JobSuspended(f"{found.describe()}; nothing was run (resume: qo-ops resume)")
+
+
 def _load_cursor(engine: Engine, spec: JobSpec, scope: Scope) -> dict[str, Any] | None:
     with engine.connect() as conn:
         return conn.execute(
@@ -208,8 +232,9 @@ def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int)
 
 
 @contextmanager
-def _batch_transaction(conn: Connection, lease: Lease, run_id: uuid.UUID) -> Iterator[bool]:
-    """One batch's transaction on the run's connection; yields whether a cancel was asked."""
+def _batch_transaction(conn: Connection, lease: Lease, run_id: uuid.UUID) -> Iterator[str | None]:
+    """One batch's transaction on the run's connection; yields why the run must stop (a
+    cancel asked, the job suspended), or None."""
     with conn.begin():
         # a holder frozen mid-transaction is cut off by the server, releasing its locks
         conn.exec_driver_sql(
@@ -228,110 +253,124 @@ def run_job(
 ) -> RunSummary:
     """Run ``spec`` over ``scope`` once, safely; see the module docstring for the shape."""
     validate_request(engine, spec, scope, options)
+    _refuse_if_suspended(engine, spec, scope, options)
     limits = _resolve(spec, options)
     started = time.monotonic()
     owner = owner_identity()
     run_id = runs.create_run(engine, spec.name, scope, options, owner, limits)
-    ctx = BatchContext(spec.name, scope, options.mode, run_id, params={"limits": limits})
-    summary = RunSummary(
-        job_run_id=str(run_id),
-        job_name=spec.name,
-        status="running",
-        mode=options.mode,
-        scope=scope.key,
-        trigger=options.trigger,
-        requester=options.requester,
-    )
-    events = EventContext(
-        job_name=spec.name,
-        run_id=str(run_id),
-        trigger=options.trigger,
-        scope=scope.tenant_id,
-        mode=options.mode,
-        window_start=scope.window_start.isoformat() if scope.window_start else None,
-        window_end=scope.window_end.isoformat() if scope.window_end else None,
-        progress_interval_s=options.progress_interval_s,
-    )
-    if options.trigger == "manual":
-        with engine.begin() as conn:
-            runs.append_audit(
-                conn,
-                actor=options.requester or "unknown",
-                action="trigger",
-                decision="allowed",
-                job_name=spec.name,
-                scope=scope.key,
-                mode=options.mode,
-                reason=options.reason,
-                correlation_id=options.correlation_id,
-                job_run_id=run_id,
-                details={"limits": limits},
-            )
-    metrics.started.labels(spec.name).inc()
-    events.emit("job.started", scheduled_for=options.scheduled_for, limits=limits)
-    reaped = runs.reap_orphans(engine, spec.name, grace_s=limits["lease_ttl_s"])
-    if reaped:
-        events.emit(
-            "job.orphans.reaped",
-            logging.WARNING,
-            count=len(reaped),
-            run_ids=[str(r) for r in reaped],
+    root_attributes = {
+        "job.name": spec.name,
+        "job.run_id": str(run_id),
+        "job.trigger": options.trigger,
+        "job.mode": options.mode,
+        "job.scope": scope.key,
+    }
+    with span(f"Job {spec.name}", **root_attributes) as root:
+        ctx = BatchContext(spec.name, scope, options.mode, run_id, params={"limits": limits})
+        summary = RunSummary(
+            job_run_id=str(run_id),
+            job_name=spec.name,
+            status="running",
+            mode=options.mode,
+            scope=scope.key,
+            trigger=options.trigger,
+            requester=options.requester,
         )
+        events = EventContext(
+            job_name=spec.name,
+            run_id=str(run_id),
+            trigger=options.trigger,
+            scope=scope.tenant_id,
+            mode=options.mode,
+            window_start=scope.window_start.isoformat() if scope.window_start else None,
+            window_end=scope.window_end.isoformat() if scope.window_end else None,
+            progress_interval_s=options.progress_interval_s,
+        )
+        if options.trigger == "manual":
+            with engine.begin() as conn:
+                runs.append_audit(
+                    conn,
+                    actor=options.requester or "unknown",
+                    action="trigger",
+                    decision="allowed",
+                    job_name=spec.name,
+                    scope=scope.key,
+                    mode=options.mode,
+                    reason=options.reason,
+                    correlation_id=options.correlation_id,
+                    job_run_id=run_id,
+                    details={"limits": limits},
+                )
+        metrics.started.labels(spec.name).inc()
+        events.emit("job.started", scheduled_for=options.scheduled_for, limits=limits)
+        reaped = runs.reap_orphans(engine, spec.name, grace_s=limits["lease_ttl_s"])
+        if reaped:
+            events.emit(
+                "job.orphans.reaped",
+                logging.WARNING,
+                count=len(reaped),
+                run_ids=[str(r) for r in reaped],
+            )
 
-    if options.mode == "dry_run" and not spec.dry_run_scans:
-        _dry_run(engine, spec, ctx, options, summary)
-    else:
-        _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
+        if options.mode == "dry_run" and not spec.dry_run_scans:
+            _dry_run(engine, spec, ctx, options, summary)
+        else:
+            _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
 
-    _crash_point("before_finalize")
-    try:
-        if summary.status != "skipped":
-            with engine.connect() as conn:
-                summary.checks = spec.check(conn, ctx)
-                lag = spec.lag(conn, ctx) if spec.lag else None
-                summary.oldest_due_age_s = lag
-                _after_run(conn, spec, ctx, limits, summary)
-            metrics.lag.labels(spec.name).set(lag or 0.0)
-    except BaseException:  # interrupted while checking (Dagster terminating the run): the
-        # batches are over, so the run record still gets their outcome before this goes on
-        if summary.status == "running":
-            summary.status = "cancelled"
-        summary.status_reason = summary.status_reason or "interrupted during outcome checks"
+        _crash_point("before_finalize")
+        try:
+            if summary.status != "skipped":
+                with engine.connect() as conn:
+                    summary.checks = spec.check(conn, ctx)
+                    lag = spec.lag(conn, ctx) if spec.lag else None
+                    summary.oldest_due_age_s = lag
+                    _after_run(conn, spec, ctx, limits, summary)
+                metrics.lag.labels(spec.name).set(lag or 0.0)
+        except BaseException:  # interrupted while checking (Dagster terminating the run): the
+            # batches are over, so the run record still gets their outcome before this goes on
+            if summary.status == "running":
+                summary.status = "cancelled"
+            summary.status_reason = summary.status_reason or "interrupted during outcome checks"
+            runs.finish_run(
+                engine, run_id, summary.status, summary.status_reason, summary.error_code,
+                summary.error_text,
+            )  # fmt: skip
+            raise
+        summary.duration_ms = int((time.monotonic() - started) * 1000)  # outcome checks included
         runs.finish_run(
-            engine, run_id, summary.status, summary.status_reason, summary.error_code,
+            engine,
+            run_id,
+            summary.status,
+            summary.status_reason,
+            summary.error_code,
             summary.error_text,
-        )  # fmt: skip
-        raise
-    summary.duration_ms = int((time.monotonic() - started) * 1000)  # outcome checks included
-    runs.finish_run(
-        engine,
-        run_id,
-        summary.status,
-        summary.status_reason,
-        summary.error_code,
-        summary.error_text,
-    )
-    _record_metrics(metrics, spec, summary, time.monotonic() - started)
-    events.emit(
-        "job.finished",
-        logging.INFO if summary.status in ("success", "no_work", "skipped") else logging.WARNING,
-        **{
-            "job.status": summary.status,
-            "job.status_reason": summary.status_reason,
-            "duration_ms": summary.duration_ms,
-            "items.eligible": summary.eligible_count,
-            "items.processed": summary.processed_count,
-            "items.succeeded": summary.mutated_count,
-            "items.failed": summary.failed_count,
-            "items.skipped": summary.skipped_count,
-            "retry.scheduled": summary.retry_scheduled_count,
-            "items.deadlettered": summary.deadlettered_count,
-            "duplicates.prevented": summary.duplicates_prevented,
-            "tally": summary.tally or None,
-            "error.class": summary.error_code,
-            "checks.failed": [c.name for c in summary.checks if not c.passed],
-        },
-    )
+        )
+        _record_metrics(metrics, spec, summary, time.monotonic() - started)
+        events.emit(
+            "job.finished",
+            logging.INFO
+            if summary.status in ("success", "no_work", "skipped")
+            else logging.WARNING,
+            **{
+                "job.status": summary.status,
+                "job.status_reason": summary.status_reason,
+                "duration_ms": summary.duration_ms,
+                "items.eligible": summary.eligible_count,
+                "items.processed": summary.processed_count,
+                "items.succeeded": summary.mutated_count,
+                "items.failed": summary.failed_count,
+                "items.skipped": summary.skipped_count,
+                "retry.scheduled": summary.retry_scheduled_count,
+                "items.deadlettered": summary.deadlettered_count,
+                "duplicates.prevented": summary.duplicates_prevented,
+                "tally": summary.tally or None,
+                "error.class": summary.error_code,
+                "checks.failed": [c.name for c in summary.checks if not c.passed],
+            },
+        )
+        root.set_attribute("job.status", summary.status)
+        root.set_attribute("items.processed", summary.processed_count)
+        root.set_attribute("items.failed", summary.failed_count)
     return summary
 
 
@@ -443,7 +482,9 @@ def _execute(
     metrics: JobMetrics,
 ) -> None:
     run_id = ctx.job_run_id
-    lease = acquire(engine, spec.name, ctx.scope.key, owner, limits["lease_ttl_s"], run_id)
+    with span("lease.acquire", **{"lock.name": f"{spec.name}:{ctx.scope.key}"}) as acquiring:
+        lease = acquire(engine, spec.name, ctx.scope.key, owner, limits["lease_ttl_s"], run_id)
+        acquiring.set_attribute("lock.acquired", lease is not None)
     if lease is None:
         metrics.lock_failed.labels(spec.name).inc()
         events.emit(
@@ -583,62 +624,70 @@ def _batch_loop(
         if room <= 0:
             summary.status_reason = "max items reached"
             return
-        batch_started = time.perf_counter()
-        with _batch_transaction(conn, lease, run_id) as cancel_asked:
-            if cancel_asked:
-                summary.status, summary.status_reason = "cancelled", "cancel requested"
-                return
-            items = select_batch(conn, spec, ctx, min(limits["batch_size"], room))
-            if not items and ctx.params.pop("position", None) is not None:
-                continue  # one last pass from the start: rows others held locked are due too
-            if not items:
-                if spec.uses_checkpoint and spec.rescan_when_complete and ctx.mode == "execute":
-                    _forget_cursor(conn, spec, ctx.scope)
-                return
-            _crash_point("after_batch_select")
-            outcome = spec.transition(conn, ctx, items)
-            _crash_point("before_commit")
-            if spec.external is None:
-                _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
-        _crash_point("after_commit")
-        if spec.external is not None and spec.record is not None:
-            results = spec.external(ctx, outcome.work)  # no transaction open, no rows locked
-            _crash_point("after_external_call")
-            with _batch_transaction(conn, lease, run_id):
-                claimed, outcome = outcome, spec.record(conn, ctx, results)
-                outcome.cursor = outcome.cursor or claimed.cursor  # the claim knows the position
-                _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
-        batch_ms.append((time.perf_counter() - batch_started) * 1000)
-        _account(summary, outcome, len(items), spec, metrics)
-        if outcome.position is not None:
-            ctx.params["position"] = outcome.position
-        if spec.uses_checkpoint and outcome.cursor is not None:
-            ctx.params["cursor"] = outcome.cursor
-            events.emit(
-                "job.checkpoint.updated",
-                **{"checkpoint.updated": True, "batch_number": summary.batches},
+        with span(
+            "batch",
+            **{"batch.number": summary.batches + 1, "items.processed": 0, "items.failed": 0},
+        ) as batch_span:
+            batch_started = time.perf_counter()
+            with _batch_transaction(conn, lease, run_id) as must_stop:
+                if must_stop:  # at a batch boundary: the batches before it are all committed
+                    summary.status, summary.status_reason = "cancelled", must_stop
+                    return
+                items = select_batch(conn, spec, ctx, min(limits["batch_size"], room))
+                if not items and ctx.params.pop("position", None) is not None:
+                    continue  # one last pass from the start: rows others held locked are due too
+                if not items:
+                    if spec.uses_checkpoint and spec.rescan_when_complete and ctx.mode == "execute":
+                        _forget_cursor(conn, spec, ctx.scope)
+                    return
+                _crash_point("after_batch_select")
+                outcome = spec.transition(conn, ctx, items)
+                _crash_point("before_commit")
+                if spec.external is None:
+                    _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
+            _crash_point("after_commit")
+            if spec.external is not None and spec.record is not None:
+                results = spec.external(ctx, outcome.work)  # no transaction open, no rows locked
+                _crash_point("after_external_call")
+                with _batch_transaction(conn, lease, run_id):
+                    claimed, outcome = outcome, spec.record(conn, ctx, results)
+                    outcome.cursor = (
+                        outcome.cursor or claimed.cursor
+                    )  # the claim knows the position
+                    _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
+            batch_ms.append((time.perf_counter() - batch_started) * 1000)
+            _account(summary, outcome, len(items), spec, metrics)
+            batch_span.set_attribute("items.processed", len(items))  # counts, never ids
+            batch_span.set_attribute("items.failed", outcome.failed)
+            if outcome.position is not None:
+                ctx.params["position"] = outcome.position
+            if spec.uses_checkpoint and outcome.cursor is not None:
+                ctx.params["cursor"] = outcome.cursor
+                events.emit(
+                    "job.checkpoint.updated",
+                    **{"checkpoint.updated": True, "batch_number": summary.batches},
+                )
+            for item_id, error_class in outcome.failed_items:
+                events.emit(
+                    "job.item.failed",
+                    logging.WARNING,
+                    **{"item.id": item_id, "error.type": error_class},
+                )
+            elapsed = time.monotonic() - started
+            events.progress(
+                **{
+                    "batch_number": summary.batches,
+                    "items.processed": summary.processed_count,
+                    "items.succeeded": summary.mutated_count,
+                    "items.failed": summary.failed_count,
+                    "elapsed_ms": int(elapsed * 1000),
+                    "throughput_per_second": round(summary.processed_count / elapsed, 1)
+                    if elapsed
+                    else None,
+                }
             )
-        for item_id, error_class in outcome.failed_items:
-            events.emit(
-                "job.item.failed",
-                logging.WARNING,
-                **{"item.id": item_id, "error.type": error_class},
-            )
-        elapsed = time.monotonic() - started
-        events.progress(
-            **{
-                "batch_number": summary.batches,
-                "items.processed": summary.processed_count,
-                "items.succeeded": summary.mutated_count,
-                "items.failed": summary.failed_count,
-                "elapsed_ms": int(elapsed * 1000),
-                "throughput_per_second": round(summary.processed_count / elapsed, 1)
-                if elapsed
-                else None,
-            }
-        )
-        if limits["throttle_ms"] and stop.wait(limits["throttle_ms"] / 1000.0):
-            continue  # woken by a stop signal: the loop head ends the run as cancelled
+            if limits["throttle_ms"] and stop.wait(limits["throttle_ms"] / 1000.0):
+                continue  # woken by a stop signal: the loop head ends the run as cancelled
 
 
 def _commit_effects(
@@ -651,7 +700,8 @@ def _commit_effects(
 ) -> None:
     """The rest of a batch's transaction: checkpoint and run counters."""
     if spec.uses_checkpoint and outcome.cursor is not None and ctx.mode == "execute":
-        _save_cursor(conn, spec, ctx.scope, run_id, outcome.cursor)
+        with span("checkpoint.update", **{"job.name": spec.name}):
+            _save_cursor(conn, spec, ctx.scope, run_id, outcome.cursor)
     runs.add_counts(
         conn,
         run_id,

@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qo_ops.errors import redact
+from qo_ops.platform.tracing import trace_id
 
 EVENT_LOGGER = "qo_ops.events"
 _events = logging.getLogger(EVENT_LOGGER)
@@ -127,6 +128,9 @@ class EventContext:
             "job.window.start": self.window_start,
             "job.window.end": self.window_end,
         }
+        current_trace = trace_id()
+        if current_trace is not None:
+            event["trace.id"] = current_trace
         event.update(fields)
         event = redact_value(event)
         # the message is the event itself, so handlers that only print messages (Dagster's

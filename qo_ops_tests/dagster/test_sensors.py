@@ -107,14 +107,17 @@ def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, 
     assert "quote_expiration/" not in fresh.skip_message  # its scopes just succeeded
 
 
-def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instance):
+def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instance, loaded):
     schedule = defs.resolve_schedule_def("quote_expiration_schedule")
     when = datetime(2026, 11, 29, 12, 15, tzinfo=UTC)
     repo = defs.get_repository_def()
 
     def tick() -> list[dg.RunRequest]:
         context = dg.build_schedule_context(
-            instance=instance, scheduled_execution_time=when, repository_def=repo
+            instance=instance,
+            scheduled_execution_time=when,
+            repository_def=repo,
+            resources={"database": _database(loaded)},  # the schedule reads the kill switch
         )
         with partition_loading_context(dynamic_partitions_store=instance):
             return list(schedule.evaluate_tick(context).run_requests or [])
@@ -130,7 +133,7 @@ def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instan
     assert all(r.tags[SCOPE_TAG] == f"quote_expiration:{r.partition_key}" for r in requests)
 
 
-def test_retention_schedules_run_the_day_that_just_aged_out(defs, instance, monkeypatch):
+def test_retention_schedules_run_the_day_that_just_aged_out(defs, instance, loaded, monkeypatch):
     """temp_file_cleanup and audit_archive run the day past retention, not yesterday (whose
     files and records are never old enough: such a schedule would never clean anything)."""
     when = datetime(2026, 11, 29, 3, 15, tzinfo=UTC)
@@ -138,7 +141,10 @@ def test_retention_schedules_run_the_day_that_just_aged_out(defs, instance, monk
 
     def days(schedule_name: str) -> tuple[set[str], str | None]:
         context = dg.build_schedule_context(
-            instance=instance, scheduled_execution_time=when, repository_def=repo
+            instance=instance,
+            scheduled_execution_time=when,
+            repository_def=repo,
+            resources={"database": _database(loaded)},  # the schedule reads the kill switch
         )
         with partition_loading_context(dynamic_partitions_store=instance):
             result = defs.resolve_schedule_def(schedule_name).evaluate_tick(context)

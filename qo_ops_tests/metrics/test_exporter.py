@@ -1,21 +1,27 @@
 """The exporter end to end: jobs run as separate short processes (success, partial success,
 failure, skipped by a held lease), then a real ``qo-ops metrics`` process is scraped over
 HTTP. Every seed metric is there with the value the run records imply, and only the
-allowed labels appear."""
+allowed labels appear. Suspensions (``job_control`` rows) become per-job gauges that carry
+neither their tenant nor their free text, and leave suspended tenants out of the streaks and
+backlogs that alert."""
 
 from __future__ import annotations
 
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
 import sqlalchemy as sa
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
+from qo_ops.metrics.exporter import JobCollector
 from qo_ops.platform.lease import acquire
 from qo_ops.platform.spec import cadence_seconds
 from qo_ops_tests.conftest import QO_OPS_BIN, base_env, run_cli
@@ -41,8 +47,14 @@ SEED_METRICS = (
 ALLOWED_LABELS = {"job_name", "status", "error_class"}
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    return parse(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def parse(text: str) -> Samples:
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -73,13 +85,14 @@ def completed(samples, job: str) -> float:
     )  # fmt: skip
 
 
-@pytest.fixture
-def exporter(db, tmp_path):
+@contextmanager
+def running_exporter(db, tmp_path, **settings: str) -> Iterator[str]:
+    """A real ``qo-ops metrics`` process on this test's database; yields its URL."""
     port = free_port()
     log = (tmp_path / "metrics.log").open("wb")
     proc = subprocess.Popen(
         [QO_OPS_BIN, "metrics", "--host", "127.0.0.1", "--port", str(port)],
-        env=base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_METRICS_REFRESH_S="1"),
+        env=base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_METRICS_REFRESH_S="1", **settings),
         stdout=log,
         stderr=log,
     )
@@ -91,10 +104,18 @@ def exporter(db, tmp_path):
                 break
         except httpx.TransportError:
             time.sleep(0.1)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=15)
-    log.close()
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        log.close()
+
+
+@pytest.fixture
+def exporter(db, tmp_path):
+    with running_exporter(db, tmp_path) as url:
+        yield url
 
 
 def _rows(db, sql: str, **params):
@@ -210,6 +231,172 @@ def test_every_seed_metric_follows_the_run_records(db, downstream_factory, expor
         time.sleep(0.5)
 
 
+def _suspend(db, job: str, tenant: str, by: str, reason: str, age_s: float) -> None:
+    """A job_control row as `qo-ops suspend` writes it ('' = every scope), ``age_s`` old."""
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                """
+                INSERT INTO job_control (job_name, tenant_id, suspended_by, reason, suspended_at)
+                VALUES (:job, :tenant, :by, :reason,
+                        clock_timestamp() - make_interval(secs => :age))
+                """
+            ),
+            {"job": job, "tenant": tenant, "by": by, "reason": reason, "age": age_s},
+        )
+
+
+def _resume_all(db) -> None:
+    with db.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM job_control"))
+
+
+SUSPENSION_GAUGES = ("job_suspended", "job_suspensions", "job_suspended_seconds")
+# Free text a suspension carries: none of it may reach the scrape, not even redacted.
+SECRET_REASON = (
+    "INC-4711 downstream leaking data, ask ops-lead@example.com; "
+    "token=s3cr3tT0kenValue qoops_0123456789abcdef_PrivateTokenBody Bearer eyJhbGciOiJIUzI1"
+)
+SECRET_TEXT = (
+    "ops-lead@example.com",
+    "s3cr3tT0kenValue",
+    "PrivateTokenBody",
+    "eyJhbGciOiJIUzI1",
+    "INC-4711",
+    "leaking",
+    "alice.admin@example.com",
+    "bob@example.org",
+    "tenant-007",
+    "tenant-008",
+    "retired_job",
+)
+
+
+def _suspension_samples(samples: Samples) -> Samples:
+    return {k: v for k, v in samples.items() if k[0] in SUSPENSION_GAUGES}
+
+
+def test_suspensions_are_job_gauges_without_tenant_reason_or_author(db, tmp_path):
+    _suspend(db, "quote_expiration", "", "alice.admin@example.com", SECRET_REASON, 7200)
+    _suspend(db, "delivery_retry", "tenant-007", "bob@example.org", SECRET_REASON, 1800)
+    _suspend(db, "delivery_retry", "tenant-008", "bob@example.org", "INC-4711 too", 600)
+    _suspend(db, "retired_job", "", "bob@example.org", "no longer in the catalog", 60)
+    with running_exporter(db, tmp_path, QO_OPS_SUSPENSION_ALERT_AFTER_S="5400") as url:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        samples = parse(text)
+        for secret in SECRET_TEXT:
+            assert secret not in text, secret
+        for (name, labels), _ in samples.items():
+            keys = {k for k, _ in labels} - ({"le"} if name.endswith("_bucket") else set())
+            assert keys <= ALLOWED_LABELS, (name, labels)
+
+        # exactly these series: one per suspended catalog job, labelled by job_name alone
+        got = _suspension_samples(samples)
+        assert set(got) == {
+            ("job_suspended", (("job_name", "quote_expiration"),)),
+            ("job_suspensions", (("job_name", "quote_expiration"),)),
+            ("job_suspensions", (("job_name", "delivery_retry"),)),
+            ("job_suspended_seconds", (("job_name", "quote_expiration"),)),
+            ("job_suspended_seconds", (("job_name", "delivery_retry"),)),
+        }
+        assert value(samples, "job_suspended", job_name="quote_expiration") == 1
+        assert value(samples, "job_suspensions", job_name="quote_expiration") == 1
+        assert value(samples, "job_suspensions", job_name="delivery_retry") == 2
+        # the oldest suspension's age, on the database's clock
+        assert value(
+            samples, "job_suspended_seconds", job_name="quote_expiration"
+        ) == pytest.approx(7200, abs=30)
+        assert value(samples, "job_suspended_seconds", job_name="delivery_retry") == pytest.approx(
+            1800, abs=30
+        )
+        assert value(samples, "job_suspension_alert_after_seconds") == 5400
+
+        # read at each scrape: the age grows, and a resumed job's series are gone
+        time.sleep(1.1)
+        later = scrape(url)
+        assert value(later, "job_suspended_seconds", job_name="delivery_retry") > value(
+            samples, "job_suspended_seconds", job_name="delivery_retry"
+        )
+        _resume_all(db)
+        after = scrape(url)
+        assert _suspension_samples(after) == {}
+        assert value(after, "job_suspension_alert_after_seconds") == 5400
+        assert value(after, "qo_ops_database_up") == 1
+
+
+def _finished_runs(db, job: str, scope: str, statuses: list[str]) -> None:
+    """Execute runs of ``job`` on ``scope`` that ended in ``statuses``, oldest first."""
+    with db.engine.begin() as conn:
+        for i, status in enumerate(statuses):
+            conn.execute(
+                sa.text(
+                    """
+                    INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id,
+                                         status, started_at, finished_at)
+                    VALUES (:id, :job, :scope, 'execute', 'schedule', 'host:1:test', :status,
+                            clock_timestamp() - make_interval(secs => :ago + 5),
+                            clock_timestamp() - make_interval(secs => :ago))
+                    """
+                ),
+                {
+                    "id": uuid.uuid4(),
+                    "job": job,
+                    "scope": scope,
+                    "status": status,
+                    "ago": 600 - 60 * i,
+                },
+            )
+
+
+def _collect(collector: JobCollector) -> Samples:
+    """One scrape of ``collector`` in this process, backlog refreshed first."""
+    collector.refresh_slow()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return parse(generate_latest(registry).decode())
+
+
+def test_a_suspended_tenant_is_left_out_of_streaks_and_backlogs(db):
+    """A tenant suspended on its own waits on purpose: its failure streak, backlog and lag do
+    not count for the job (whose alerts speak for the other tenants). A job-wide suspension
+    leaves the gauges whole: job_suspended quiets the alerts instead."""
+    load_demo_data(db.engine, tenants=2, quotes=300, seed=9, as_of=AS_OF)
+    _finished_runs(db, "delivery_retry", "tenant-001", ["failed", "failed", "timeout"])
+    _finished_runs(db, "delivery_retry", "tenant-002", ["success", "failed"])
+    overdue = dict(
+        _rows(
+            db,
+            "SELECT tenant_id, count(*) FROM quote WHERE status = 'ACTIVE' AND expires_at < now()"
+            " GROUP BY tenant_id",
+        )
+    )
+    assert overdue.get("tenant-001") and overdue.get("tenant-002")
+    collector = JobCollector(db.engine, CATALOG.values())
+
+    def gauges(samples: Samples) -> tuple[float, float, float]:
+        return (
+            value(samples, "job_consecutive_failures", job_name="delivery_retry"),
+            value(samples, "job_backlog_items", job_name="quote_expiration"),
+            value(samples, "job_lag_seconds", job_name="quote_expiration"),
+        )
+
+    streak, backlog, lag = gauges(_collect(collector))
+    assert (streak, backlog) == (3, overdue["tenant-001"] + overdue["tenant-002"])
+
+    _suspend(db, "delivery_retry", "tenant-001", "ops", "INC-1", 60)
+    _suspend(db, "quote_expiration", "tenant-001", "ops", "INC-1", 60)
+    streak, backlog_2, lag_2 = gauges(_collect(collector))
+    assert (streak, backlog_2) == (1, overdue["tenant-002"])
+    assert 0 < lag_2 <= lag
+
+    _resume_all(db)
+    _suspend(db, "delivery_retry", "", "ops", "INC-2", 60)
+    _suspend(db, "quote_expiration", "", "ops", "INC-2", 60)
+    samples = _collect(collector)
+    assert gauges(samples)[:2] == (3, backlog)
+    assert value(samples, "job_suspended", job_name="delivery_retry") == 1
+
+
 def test_database_outage_is_reported_not_hidden(pg_server, tmp_path):
     from qo_ops_tests.conftest import _test_database
 
@@ -272,4 +459,17 @@ def test_metrics_command_refuses_bad_settings(db):
         base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_METRICS_REFRESH_S="soon"),
     )
     assert bad.code == 2 and "QO_OPS_METRICS_REFRESH_S" in bad.stderr
+    for wrong in ("1d", "59", "nan", "1e9"):
+        bad = run_cli(
+            ["metrics", "--once"],
+            base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_SUSPENSION_ALERT_AFTER_S=wrong),
+        )
+        assert bad.code == 2, (wrong, bad)
+        assert "QO_OPS_SUSPENSION_ALERT_AFTER_S" in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    good = run_cli(
+        ["metrics", "--once"],
+        base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_SUSPENSION_ALERT_AFTER_S="600"),
+    )
+    assert good.code == 0 and "job_suspension_alert_after_seconds 600.0" in good.stdout
     assert run_cli(["metrics", "--port", "0"], base_env(QO_OPS_DATABASE_URL=db.env_url)).code == 2

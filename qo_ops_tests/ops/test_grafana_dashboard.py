@@ -315,7 +315,8 @@ def _now_expr(dashboard: dict[str, Any], title: str) -> str:
 
 
 def test_promtool_evaluates_the_headline_stats(dashboard: dict[str, Any], tmp_path: Path) -> None:
-    """The "Now" stats on synthetic series: stale `a` (10× its cadence) and `b` (fine)."""
+    """The "Now" stats on synthetic series: stale `a` (10× its cadence) and `b` (fine); the
+    suspended jobs table lists `a` (suspended) only."""
     promtool = _promtool()
 
     def series(metric: str, job: str, value: str) -> dict[str, str]:
@@ -338,6 +339,10 @@ def test_promtool_evaluates_the_headline_stats(dashboard: dict[str, Any], tmp_pa
         {"series": 'job_last_run_status{job_name="a",status="failed"}', "values": "1x120"},
         {"series": 'job_last_run_status{job_name="a",status="success"}', "values": "0x120"},
         {"series": 'job_last_run_status{job_name="b",status="no_work"}', "values": "1x120"},
+        # a suspended for 2 h against a 1 h alert threshold; b not suspended (no series)
+        series("job_suspended_seconds", "a", "7200"),
+        series("job_suspended", "a", "1"),
+        {"series": "job_suspension_alert_after_seconds", "values": "3600x120"},
     ]
 
     def one(expr: str, value: float, labels: str = "{}") -> dict[str, Any]:
@@ -347,7 +352,12 @@ def test_promtool_evaluates_the_headline_stats(dashboard: dict[str, Any], tmp_pa
             "exp_samples": [{"labels": labels, "value": value}],
         }
 
+    [suspended] = [p for p in dashboard["panels"] if p["title"] == "Suspended jobs"]
+    age, share, every_scope, _ = (t["expr"] for t in suspended["targets"])
     tests = [
+        one(age, 7200, '{job_name="a"}'),
+        one(share, 2, '{job_name="a"}'),
+        one(every_scope, 1, '{job_name="a"}'),
         one(_now_expr(dashboard, "Jobs overdue (no success for 3× cadence)"), 1),
         one(_now_expr(dashboard, "Jobs failing now"), 1),
         one(_now_expr(dashboard, "Runs over budget"), 1),

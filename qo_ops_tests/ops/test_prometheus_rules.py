@@ -38,6 +38,7 @@ ALERTS = {
     "QoOpsJobDeadLetters",
     "QoOpsJobLeaseTakeover",
     "QoOpsJobAnomalyStop",
+    "QoOpsJobSuspendedTooLong",
     "QoOpsExporterDown",
 }
 SEVERITIES = {"page", "ticket"}
@@ -219,6 +220,25 @@ def test_every_alert_fires_and_stays_quiet_in_the_promtool_tests() -> None:
         assert text.count(name) >= 2, f"{name} appears fewer than twice in {RULE_TESTS.name}"
         assert fires.get(name), f"{name}: no promtool case where it fires"
         assert quiet.get(name), f"{name}: no promtool case where it stays quiet"
+
+
+def test_every_job_alert_is_quiet_while_its_job_is_suspended() -> None:
+    """The kill switch: each job rule ends ``unless`` the job is suspended for every scope,
+    and the promtool suite's suspension case evaluates each of them (quiet, then firing)."""
+    suite = yaml.safe_load(RULE_TESTS.read_text())
+    [case] = [t for t in suite["tests"] if t["name"].startswith("every job alert is quiet")]
+    evaluated = {c["alertname"] for c in case["alert_rule_test"]}
+    quiet_clause = re.compile(r"\bunless on \(job_name\)\s+max by \(job_name\) \(job_suspended\)\s")
+    job_rules = [
+        rule
+        for rule in _rules()
+        if "job_name" in grouping_labels(rule["expr"])
+        and rule["alert"] != "QoOpsJobSuspendedTooLong"
+    ]
+    assert len(job_rules) == len(ALERTS) - 2
+    for rule in job_rules:
+        assert quiet_clause.search(rule["expr"] + "\n"), f"{rule['alert']} ignores job_suspended"
+        assert rule["alert"] in evaluated, f"{rule['alert']}: no promtool case while suspended"
 
 
 def test_backlog_window_covers_every_job_with_a_backlog() -> None:
