@@ -330,17 +330,21 @@ def _schedule_requests(instance: Any, when: datetime, url: URL) -> list[Any]:
     spec = CATALOG[JOB]
     job = build_job(spec)
     schedule = build_schedule(spec, job)
+    from dagster._core.definitions.partitions.context import partition_loading_context
+
+    database = QoOpsDatabase(url=env_url(url))
     repo = dg.Definitions(
-        jobs=[job], schedules=[schedule], resources={"database": QoOpsDatabase(url=env_url(url))}
+        jobs=[job], schedules=[schedule], resources={"database": database}
     ).get_repository_def()
-    context = dg.build_schedule_context(
-        instance=instance, scheduled_execution_time=when, repository_def=repo
-    )
-    try:
-        from dagster._core.definitions.partitions.context import partition_loading_context
-    except ImportError:  # pragma: no cover - older layouts
-        return list(schedule.evaluate_tick(context).run_requests or [])
-    with partition_loading_context(dynamic_partitions_store=instance):
+    with (  # the schedule reads the kill switch through its database resource
+        dg.build_schedule_context(
+            instance=instance,
+            scheduled_execution_time=when,
+            repository_def=repo,
+            resources={"database": database},
+        ) as context,
+        partition_loading_context(dynamic_partitions_store=instance),
+    ):
         return list(schedule.evaluate_tick(context).run_requests or [])
 
 

@@ -113,13 +113,15 @@ def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instan
     repo = defs.get_repository_def()
 
     def tick() -> list[dg.RunRequest]:
-        context = dg.build_schedule_context(
-            instance=instance,
-            scheduled_execution_time=when,
-            repository_def=repo,
-            resources={"database": _database(loaded)},  # the schedule reads the kill switch
-        )
-        with partition_loading_context(dynamic_partitions_store=instance):
+        with (  # as a context manager: its resources (and instance) are torn down
+            dg.build_schedule_context(
+                instance=instance,
+                scheduled_execution_time=when,
+                repository_def=repo,
+                resources={"database": _database(loaded)},  # the schedule reads the kill switch
+            ) as context,
+            partition_loading_context(dynamic_partitions_store=instance),
+        ):
             return list(schedule.evaluate_tick(context).run_requests or [])
 
     requests = tick()
@@ -140,13 +142,15 @@ def test_retention_schedules_run_the_day_that_just_aged_out(defs, instance, load
     repo = defs.get_repository_def()
 
     def days(schedule_name: str) -> tuple[set[str], str | None]:
-        context = dg.build_schedule_context(
-            instance=instance,
-            scheduled_execution_time=when,
-            repository_def=repo,
-            resources={"database": _database(loaded)},  # the schedule reads the kill switch
-        )
-        with partition_loading_context(dynamic_partitions_store=instance):
+        with (  # as a context manager: its resources (and instance) are torn down
+            dg.build_schedule_context(
+                instance=instance,
+                scheduled_execution_time=when,
+                repository_def=repo,
+                resources={"database": _database(loaded)},  # the schedule reads the kill switch
+            ) as context,
+            partition_loading_context(dynamic_partitions_store=instance),
+        ):
             result = defs.resolve_schedule_def(schedule_name).evaluate_tick(context)
         keys = {r.partition_key.split("|")[0] for r in result.run_requests or []}
         return keys, result.skip_message

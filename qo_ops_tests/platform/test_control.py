@@ -228,13 +228,15 @@ def test_schedule_and_backlog_sensor_skip_what_is_suspended(loaded, monkeypatch,
         instance.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
 
         def tick():
-            context = dg.build_schedule_context(
-                instance=instance,
-                scheduled_execution_time=when,
-                repository_def=repo,
-                resources=resources,
-            )
-            with partition_loading_context(dynamic_partitions_store=instance):
+            with (  # as a context manager: its resources (and instance) are torn down
+                dg.build_schedule_context(
+                    instance=instance,
+                    scheduled_execution_time=when,
+                    repository_def=repo,
+                    resources=resources,
+                ) as context,
+                partition_loading_context(dynamic_partitions_store=instance),
+            ):
                 return defs.resolve_schedule_def(f"{JOB}_schedule").evaluate_tick(context)
 
         def sense():
