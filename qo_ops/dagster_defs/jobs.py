@@ -4,6 +4,7 @@ and its typed config into a ``run_job`` call, and reports what the runner return
 import enum
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 
 # (no `from __future__ import annotations`: Dagster reads these annotations at decoration time)
 from typing import Any
@@ -245,7 +246,20 @@ def _options(
         correlation_id=run_id,
         dagster_run_id=run_id,
         progress_interval_s=10.0,
+        scheduled_for=_scheduled_for(tags) if trigger == "schedule" else None,
     )
+
+
+SCHEDULED_FOR_TAG = "qo_ops/scheduled_for"  # set by the schedules: the tick's time
+
+
+def _scheduled_for(tags: dict[str, str]) -> datetime | None:
+    """The tick a scheduled run belongs to (UTC), from its tag; None when absent or bad."""
+    try:
+        when = datetime.fromisoformat(tags[SCHEDULED_FOR_TAG])
+    except (KeyError, ValueError):
+        return None
+    return when if when.tzinfo is not None else None
 
 
 def _run_tenant_range(

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import dagster as dg
 
+from qo_ops.dagster_defs.jobs import SCHEDULED_FOR_TAG
 from qo_ops.dagster_defs.partitions import (
     PARTITION_START_ENV,
     days_partitions_def,
@@ -78,7 +79,7 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
                 run_key=f"{spec.name}:{key}:{scheduled.isoformat()}",
                 partition_key=key,
                 run_config={"ops": {f"{spec.name}_op": {"config": {"mode": "execute"}}}},
-                tags={**scope_tag(spec, key), "qo_ops/scheduled_for": scheduled.isoformat()},
+                tags={**scope_tag(spec, key), SCHEDULED_FOR_TAG: scheduled.isoformat()},
             )
 
     return catalog_schedule

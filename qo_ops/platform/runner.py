@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -164,6 +165,27 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
         raise BadInput(f"unknown tenant {scope.tenant_id}")
 
 
+DRIFT_WARN_ENV = "QO_OPS_DRIFT_WARN_S"
+DEFAULT_DRIFT_WARN_S = 300.0
+
+
+def drift_warn_s() -> float:
+    """Above this many seconds late, a scheduled run logs job.scheduler.drift.detected."""
+    raw = os.environ.get(DRIFT_WARN_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_DRIFT_WARN_S
+    except ValueError:
+        value = DEFAULT_DRIFT_WARN_S
+    return value if value > 0 else DEFAULT_DRIFT_WARN_S
+
+
+def _drift_s(options: RunOptions) -> float | None:
+    """How late a scheduled run starts after its tick (UTC clocks), or None."""
+    if options.scheduled_for is None:
+        return None
+    return (datetime.now(UTC) - options.scheduled_for).total_seconds()
+
+
 def _refuse_if_suspended(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
     """A suspended job starts no run, whatever triggered it; the refusal is audited."""
     with engine.begin() as conn:
@@ -302,7 +324,21 @@ def run_job(
                     details={"limits": limits},
                 )
         metrics.started.labels(spec.name).inc()
-        events.emit("job.started", scheduled_for=options.scheduled_for, limits=limits)
+        drift_s = _drift_s(options)
+        events.emit(
+            "job.started", scheduled_for=options.scheduled_for, limits=limits,
+            **({"scheduler.drift_s": round(drift_s, 3)} if drift_s is not None else {}),
+        )  # fmt: skip
+        if drift_s is not None and drift_s > drift_warn_s():
+            events.emit(
+                "job.scheduler.drift.detected",
+                logging.WARNING,
+                scheduled_for=options.scheduled_for,
+                **{
+                    "scheduler.drift_s": round(drift_s, 3),
+                    "scheduler.drift_warn_s": drift_warn_s(),
+                },
+            )
         reaped = runs.reap_orphans(engine, spec.name, grace_s=limits["lease_ttl_s"])
         if reaped:
             events.emit(

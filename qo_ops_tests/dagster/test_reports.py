@@ -125,3 +125,39 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
             assert figures["backlog"].value == count_eligible(conn, spec, ctx)
     if spec.dead_letters is not None:
         assert isinstance(figures["dead_letters"].value, int)
+
+
+def test_a_scheduled_run_records_its_tick_and_says_when_it_drifted(defs, instance, loaded, caplog):
+    """The schedule's tick travels in a tag; the run row keeps it next to its real start, and
+    a start more than QO_OPS_DRIFT_WARN_S (300 s) late logs job.scheduler.drift.detected."""
+    import json
+    import logging
+    from datetime import UTC, datetime, timedelta
+
+    import sqlalchemy as sa
+
+    caplog.set_level(logging.INFO, logger="qo_ops.events")
+    job = defs.resolve_job_def("quote_expiration")
+    for late_s in (600, 1):
+        tick = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=late_s)
+        caplog.clear()
+        result = job.execute_in_process(
+            partition_key="tenant-001",
+            instance=instance,
+            run_config={"ops": {"quote_expiration_op": {"config": {"mode": "execute"}}}},
+            tags={"dagster/schedule_name": "quote_expiration_schedule",
+                  "qo_ops/scheduled_for": tick.isoformat()},
+        )  # fmt: skip
+        assert result.success
+        summary = result.output_for_node("quote_expiration_op")
+        with loaded.engine.connect() as conn:
+            row = conn.execute(
+                sa.text("SELECT scheduled_for, started_at FROM job_run WHERE id = :id"),
+                {"id": uuid.UUID(summary["job_run_id"])},
+            ).one()
+        assert row.scheduled_for == tick and row.started_at >= tick
+        events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "qo_ops.events"]
+        started = next(e for e in events if e["event.name"] == "job.started")
+        assert late_s <= started["scheduler.drift_s"] < late_s + 120
+        drifted = [e for e in events if e["event.name"] == "job.scheduler.drift.detected"]
+        assert len(drifted) == (1 if late_s > 300 else 0)
