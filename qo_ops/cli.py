@@ -418,9 +418,7 @@ def status_command(
     migrate.require_current(engine)
     rows = [r for spec in specs for r in job_status(engine, spec, tenant)]
     with engine.connect() as conn:
-        held = [
-            s for s in suspensions(conn, job) if tenant is None or s.tenant_id in (None, tenant)
-        ]
+        held = suspensions(conn, job, tenant)
     if as_json:
         emit_json({"status": [r.as_dict() for r in rows], "suspended": [s.as_dict() for s in held]})
         return

@@ -611,11 +611,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
             raise deny(request, p, "read", decision.reason, job_name=spec.name)
         rows = job_status(engine, spec, wanted)
         with engine.connect() as conn:
-            held = [
-                s
-                for s in control.suspensions(conn, spec.name)
-                if wanted is None or s.tenant_id in (None, wanted)
-            ]
+            held = control.suspensions(conn, spec.name, wanted)
         return {
             "job": spec.name,
             "scopes": [_jsonable(r.as_dict()) for r in rows],

@@ -71,24 +71,28 @@ def _suspension(row: Any) -> Suspension:
 
 def suspension_for(conn: Connection, job_name: str, tenant_id: str) -> Suspension | None:
     """The suspension that stops ``job_name`` for ``tenant_id`` (job-wide first), if any."""
-    row = conn.execute(
-        sa.select(job_control)
-        .where(
-            job_control.c.job_name == job_name,
-            job_control.c.tenant_id.in_([EVERY_SCOPE, tenant_id]),
-        )
-        .order_by(job_control.c.tenant_id)  # '' (every scope) sorts first
-        .limit(1)
-    ).first()
-    return None if row is None else _suspension(row)
+    return next(iter(suspensions(conn, job_name, tenant_id)), None)
 
 
-def suspensions(conn: Connection, job_name: str | None = None) -> list[Suspension]:
-    """Every suspension (of one job), job-wide ones first."""
+def suspensions(
+    conn: Connection, job_name: str | None = None, tenant_id: str | None = None
+) -> list[Suspension]:
+    """Every suspension (of one job; that stops one tenant: its own and job-wide ones),
+    job-wide ones first."""
     query = sa.select(job_control).order_by(job_control.c.job_name, job_control.c.tenant_id)
     if job_name is not None:
         query = query.where(job_control.c.job_name == job_name)
+    if tenant_id is not None:
+        query = query.where(job_control.c.tenant_id.in_([EVERY_SCOPE, tenant_id]))
     return [_suspension(r) for r in conn.execute(query)]
+
+
+def _row_of(job_name: str, tenant_id: str | None) -> sa.ColumnElement[bool]:
+    """The job_control row of a job for one tenant (None: the job-wide one)."""
+    return sa.and_(
+        job_control.c.job_name == job_name,
+        job_control.c.tenant_id == (tenant_id or EVERY_SCOPE),
+    )
 
 
 def _scope_key(tenant_id: str | None) -> str:
@@ -136,12 +140,7 @@ def suspend(
         inserted = conn.execute(
             stmt.on_conflict_do_nothing().returning(job_control.c.job_name)
         ).first()
-        current = conn.execute(
-            sa.select(job_control).where(
-                job_control.c.job_name == job_name,
-                job_control.c.tenant_id == (tenant_id or EVERY_SCOPE),
-            )
-        ).one()
+        current = conn.execute(sa.select(job_control).where(_row_of(job_name, tenant_id))).one()
         append_audit(
             conn,
             actor=actor,
@@ -171,12 +170,7 @@ def resume(
     text = _checked(job_name, tenant_id, reason, known_jobs)
     with engine.begin() as conn:
         gone = conn.execute(
-            sa.delete(job_control)
-            .where(
-                job_control.c.job_name == job_name,
-                job_control.c.tenant_id == (tenant_id or EVERY_SCOPE),
-            )
-            .returning(*job_control.c)
+            sa.delete(job_control).where(_row_of(job_name, tenant_id)).returning(*job_control.c)
         ).first()
         lifted = None if gone is None else _suspension(gone)
         append_audit(

@@ -186,25 +186,41 @@ def _drift_s(options: RunOptions) -> float | None:
     return (datetime.now(UTC) - options.scheduled_for).total_seconds()
 
 
+def _audit_trigger(
+    conn: Connection,
+    spec: JobSpec,
+    scope: Scope,
+    options: RunOptions,
+    decision: str,
+    run_id: uuid.UUID | None,
+    details: dict[str, Any],
+) -> None:
+    """The audit row of a run being started (or refused) for ``options.requester``."""
+    runs.append_audit(
+        conn,
+        actor=options.requester or "unknown",
+        action="trigger",
+        decision=decision,
+        job_name=spec.name,
+        scope=scope.key,
+        mode=options.mode,
+        reason=options.reason,
+        correlation_id=options.correlation_id,
+        job_run_id=run_id,
+        details=details,
+    )
+
+
 def _refuse_if_suspended(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
     """A suspended job starts no run, whatever triggered it; the refusal is audited."""
     with engine.begin() as conn:
         found = suspension_for(conn, spec.name, scope.tenant_id)
         if found is None:
             return
-        runs.append_audit(
-            conn,
-            actor=options.requester or "unknown",
-            action="trigger",
-            decision="denied",
-            job_name=spec.name,
-            scope=scope.key,
-            mode=options.mode,
-            reason=options.reason,
-            correlation_id=options.correlation_id,
-            job_run_id=options.job_run_id,
-            details={"refused": "suspended", "trigger": options.trigger, **found.as_dict()},
-        )
+        _audit_trigger(
+            conn, spec, scope, options, "denied", options.job_run_id,
+            {"refused": "suspended", "trigger": options.trigger, **found.as_dict()},
+        )  # fmt: skip
     raise JobSuspended(f"{found.describe()}; nothing was run (resume: qo-ops resume)")
 
 
@@ -310,19 +326,7 @@ def run_job(
         )
         if options.trigger == "manual":
             with engine.begin() as conn:
-                runs.append_audit(
-                    conn,
-                    actor=options.requester or "unknown",
-                    action="trigger",
-                    decision="allowed",
-                    job_name=spec.name,
-                    scope=scope.key,
-                    mode=options.mode,
-                    reason=options.reason,
-                    correlation_id=options.correlation_id,
-                    job_run_id=run_id,
-                    details={"limits": limits},
-                )
+                _audit_trigger(conn, spec, scope, options, "allowed", run_id, {"limits": limits})
         metrics.started.labels(spec.name).inc()
         drift_s = _drift_s(options)
         events.emit(

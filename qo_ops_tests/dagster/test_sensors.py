@@ -107,22 +107,26 @@ def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, 
     assert "quote_expiration/" not in fresh.skip_message  # its scopes just succeeded
 
 
+def schedule_tick(defs, instance, loaded, schedule_name: str, when: datetime):
+    """One real evaluation of a schedule at ``when``, as the daemon makes it."""
+    with (  # as a context manager: its resources (and instance) are torn down
+        dg.build_schedule_context(
+            instance=instance,
+            scheduled_execution_time=when,
+            repository_def=defs.get_repository_def(),
+            resources={"database": _database(loaded)},  # the schedule reads the kill switch
+        ) as context,
+        partition_loading_context(dynamic_partitions_store=instance),
+    ):
+        return defs.resolve_schedule_def(schedule_name).evaluate_tick(context)
+
+
 def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instance, loaded):
-    schedule = defs.resolve_schedule_def("quote_expiration_schedule")
     when = datetime(2026, 11, 29, 12, 15, tzinfo=UTC)
-    repo = defs.get_repository_def()
 
     def tick() -> list[dg.RunRequest]:
-        with (  # as a context manager: its resources (and instance) are torn down
-            dg.build_schedule_context(
-                instance=instance,
-                scheduled_execution_time=when,
-                repository_def=repo,
-                resources={"database": _database(loaded)},  # the schedule reads the kill switch
-            ) as context,
-            partition_loading_context(dynamic_partitions_store=instance),
-        ):
-            return list(schedule.evaluate_tick(context).run_requests or [])
+        result = schedule_tick(defs, instance, loaded, "quote_expiration_schedule", when)
+        return list(result.run_requests or [])
 
     requests = tick()
     assert [r.partition_key for r in requests] == ["tenant-001", "tenant-002"]
@@ -139,19 +143,9 @@ def test_retention_schedules_run_the_day_that_just_aged_out(defs, instance, load
     """temp_file_cleanup and audit_archive run the day past retention, not yesterday (whose
     files and records are never old enough: such a schedule would never clean anything)."""
     when = datetime(2026, 11, 29, 3, 15, tzinfo=UTC)
-    repo = defs.get_repository_def()
 
     def days(schedule_name: str) -> tuple[set[str], str | None]:
-        with (  # as a context manager: its resources (and instance) are torn down
-            dg.build_schedule_context(
-                instance=instance,
-                scheduled_execution_time=when,
-                repository_def=repo,
-                resources={"database": _database(loaded)},  # the schedule reads the kill switch
-            ) as context,
-            partition_loading_context(dynamic_partitions_store=instance),
-        ):
-            result = defs.resolve_schedule_def(schedule_name).evaluate_tick(context)
+        result = schedule_tick(defs, instance, loaded, schedule_name, when)
         keys = {r.partition_key.split("|")[0] for r in result.run_requests or []}
         return keys, result.skip_message
 

@@ -14,27 +14,19 @@ from datetime import UTC, datetime
 import dagster as dg
 import pytest
 import sqlalchemy as sa
-from dagster._core.definitions.partitions.context import partition_loading_context
 
 from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, job_audit, job_control, outbox_event
-from qo_ops.demo.data import load_demo_data
 from qo_ops.errors import BadInput
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.control import JobSuspended, resume, suspend, suspension_for
 from qo_ops.platform.runner import run_job
 from qo_ops.platform.spec import RunOptions, Scope
-from qo_ops_tests.dagster.conftest import AS_OF
+from qo_ops_tests.dagster.test_sensors import _database, schedule_tick
 
 JOB = "quote_expiration"
 SPEC = CATALOG[JOB]
 KNOWN = set(CATALOG)
-
-
-@pytest.fixture
-def loaded(db):
-    load_demo_data(db.engine, tenants=2, quotes=400, seed=9, as_of=AS_OF)
-    return db
 
 
 def _audit(engine, action: str) -> list[sa.Row]:
@@ -215,60 +207,41 @@ def test_cli_suspend_status_run_resume(loaded, cli):
     assert ran.code == 0, ran.stderr
 
 
-def test_schedule_and_backlog_sensor_skip_what_is_suspended(loaded, monkeypatch, downstream):
-    monkeypatch.setenv("QO_OPS_DATABASE_URL", loaded.env_url)
-    from qo_ops.dagster_defs.resources import QoOpsDatabase
-    from qo_ops.definitions import build_definitions
-
-    defs = build_definitions()
-    repo = defs.get_repository_def()
-    resources = {"database": QoOpsDatabase()}
+def test_schedule_and_backlog_sensor_skip_what_is_suspended(defs, instance, loaded):
     when = datetime(2026, 11, 29, 12, 15, tzinfo=UTC)
-    with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
+    resources = {"database": _database(loaded)}
 
-        def tick():
-            with (  # as a context manager: its resources (and instance) are torn down
-                dg.build_schedule_context(
-                    instance=instance,
-                    scheduled_execution_time=when,
-                    repository_def=repo,
-                    resources=resources,
-                ) as context,
-                partition_loading_context(dynamic_partitions_store=instance),
-            ):
-                return defs.resolve_schedule_def(f"{JOB}_schedule").evaluate_tick(context)
+    def tick():
+        return schedule_tick(defs, instance, loaded, f"{JOB}_schedule", when)
 
-        def sense():
-            sensor = defs.resolve_sensor_def(f"{JOB}_backlog_sensor")
-            return sensor.evaluate_tick(
-                dg.build_sensor_context(instance=instance, resources=resources)
-            )
+    def sense():
+        sensor = defs.resolve_sensor_def(f"{JOB}_backlog_sensor")
+        return sensor.evaluate_tick(dg.build_sensor_context(instance=instance, resources=resources))
 
-        engine = loaded.engine
-        assert [r.partition_key for r in tick().run_requests] == ["tenant-001", "tenant-002"]
-        suspend(engine, JOB, "tenant-001", actor="alice", reason="INC-1", known_jobs=KNOWN)
-        assert [r.partition_key for r in tick().run_requests] == ["tenant-002"]
-        sensed = sense()
-        assert all(r.partition_key != "tenant-001" for r in sensed.run_requests or [])
+    engine = loaded.engine
+    assert [r.partition_key for r in tick().run_requests] == ["tenant-001", "tenant-002"]
+    suspend(engine, JOB, "tenant-001", actor="alice", reason="INC-1", known_jobs=KNOWN)
+    assert [r.partition_key for r in tick().run_requests] == ["tenant-002"]
+    sensed = sense()
+    assert all(r.partition_key != "tenant-001" for r in sensed.run_requests or [])
 
-        suspend(engine, JOB, None, actor="alice", reason="INC-2 everything", known_jobs=KNOWN)
-        whole = tick()
-        assert not whole.run_requests and "INC-2 everything" in whole.skip_message
-        sensed = sense()
-        assert not sensed.run_requests and "suspended for every scope" in sensed.skip_message
-        launched_by_hand = defs.resolve_job_def(JOB).execute_in_process(
-            partition_key="tenant-002",
-            instance=instance,
-            run_config={"ops": {f"{JOB}_op": {"config": {"mode": "dry_run"}}}},
-            raise_on_error=False,
-        )
-        assert not launched_by_hand.success
-        failure = launched_by_hand.get_step_failure_events()[0].step_failure_data.user_failure_data
-        assert "suspended for every scope by alice" in failure.description
+    suspend(engine, JOB, None, actor="alice", reason="INC-2 everything", known_jobs=KNOWN)
+    whole = tick()
+    assert not whole.run_requests and "INC-2 everything" in whole.skip_message
+    sensed = sense()
+    assert not sensed.run_requests and "suspended for every scope" in sensed.skip_message
+    launched_by_hand = defs.resolve_job_def(JOB).execute_in_process(
+        partition_key="tenant-002",
+        instance=instance,
+        run_config={"ops": {f"{JOB}_op": {"config": {"mode": "dry_run"}}}},
+        raise_on_error=False,
+    )
+    assert not launched_by_hand.success
+    failure = launched_by_hand.get_step_failure_events()[0].step_failure_data.user_failure_data
+    assert "suspended for every scope by alice" in failure.description
 
-        resume(engine, JOB, None, actor="dave", reason="ok", known_jobs=KNOWN)
-        resume(engine, JOB, "tenant-001", actor="dave", reason="ok", known_jobs=KNOWN)
-        assert [r.partition_key for r in tick().run_requests] == ["tenant-001", "tenant-002"]
+    resume(engine, JOB, None, actor="dave", reason="ok", known_jobs=KNOWN)
+    resume(engine, JOB, "tenant-001", actor="dave", reason="ok", known_jobs=KNOWN)
+    assert [r.partition_key for r in tick().run_requests] == ["tenant-001", "tenant-002"]
     with loaded.engine.connect() as conn:
         assert suspension_for(conn, JOB, "tenant-001") is None
