@@ -18,6 +18,8 @@ from qo_ops.dagster_defs.partitions import (
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import QoOpsError
 from qo_ops.platform.control import suspensions
+from qo_ops.platform.lease import held_scopes
+from qo_ops.platform.missed import expected_scope
 from qo_ops.platform.spec import JobSpec
 
 SCHEDULE_TIMEZONE = "UTC"
@@ -43,8 +45,9 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
         if not tenants:
             yield dg.SkipReason("no tenant partitions yet (the tenants sensor adds them)")
             return
-        with database.engine().connect() as conn:  # the kill switch
+        with database.engine().connect() as conn:  # the kill switch, and who is busy
             held = {s.tenant_id: s for s in suspensions(conn, spec.name)}
+            busy = held_scopes(conn, spec.name)
         if None in held:
             yield dg.SkipReason(f"{held[None].describe()}; no run requested")
             return
@@ -71,6 +74,19 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
                 yield dg.SkipReason(
                     f"{spec.name}: the day that ages out now ({day}) is before the first "
                     f"partition ({first}); set {PARTITION_START_ENV} earlier to cover it"
+                )
+                return
+        still_running = [t for t in tenants if expected_scope(spec, t, scheduled) in busy]
+        if still_running:  # the run would find the lease held: say so instead
+            context.log.info(
+                f"{spec.name}: previous run still active for {', '.join(still_running)}; "
+                "no run requested there (counted in job_missed_runs_total)"
+            )
+            tenants = [t for t in tenants if t not in still_running]
+            if not tenants:
+                yield dg.SkipReason(
+                    f"{spec.name}: previous run still active for every tenant "
+                    f"({len(still_running)}); no run requested"
                 )
                 return
         for tenant in tenants:

@@ -123,6 +123,13 @@ job_run = sa.Table(
         sa.text("finished_at DESC"),
         postgresql_where=sa.text("finished_at IS NOT NULL"),
     ),
+    # the exporter's missed-run judgement starts at a job's first scheduled run
+    sa.Index(
+        "ix_job_run_scheduled",
+        "job_name",
+        "scheduled_for",
+        postgresql_where=sa.text("scheduled_for IS NOT NULL"),
+    ),
     sa.Index(
         "ix_job_run_active",
         "job_name",

@@ -23,12 +23,13 @@ def downstream_client(ctx: BatchContext) -> DownstreamClient:
 def call_for_each(
     ctx: BatchContext,
     work: list[dict[str, Any]],
-    call: Callable[[DownstreamClient, dict[str, Any]], object],
+    call: Callable[[DownstreamClient, dict[str, Any]], bool],
     *,
     attempt_field: str,
     max_attempts: Callable[[dict[str, Any]], int],
 ) -> list[CallResult]:
-    """``call(client, item)`` for every claimed item, concurrently; failures become results."""
+    """``call(client, item)`` for every claimed item, concurrently; failures become results.
+    ``call`` answers whether the downstream had already seen the item (a duplicate)."""
     client = downstream_client(ctx)
 
     def one(item: dict[str, Any]) -> CallResult:
@@ -38,12 +39,18 @@ def call_for_each(
             "max_attempts": max_attempts(item),
         }
         try:
-            call(client, item)
+            duplicate = call(client, item)
         except DownstreamError as exc:
             return CallResult(
-                **base, ok=False, error_class=exc.error_class, code=exc.code, message=exc.message
+                **base,
+                ok=False,
+                error_class=exc.error_class,
+                code=exc.code,
+                message=exc.message,
+                # an unreadable answer came from a request that arrived: its effect is unknown
+                outcome_unknown=exc.outcome_unknown or exc.code == "bad_response",
             )
-        return CallResult(**base, ok=True)
+        return CallResult(**base, ok=True, duplicate=duplicate is True)
 
     return call_each(work, one, ctx.params["limits"]["concurrency"])
 
@@ -52,10 +59,16 @@ _STATE_NAMES = {"done": "delivered", "retry": "retry_scheduled", "dead": "dead_l
 
 
 def outcome_of(
-    decisions: list[tuple[CallResult, Disposition]], recorded: dict[str, str]
+    decisions: list[tuple[CallResult, Disposition]], recorded: dict[str, str], side_effect: str
 ) -> BatchOutcome:
     """Counters from what was recorded (``recorded``: item id → done | retry | dead); an item
-    missing there lost its claim meanwhile and is counted skipped."""
+    missing there lost its claim meanwhile and is counted skipped.
+
+    Each call is one attempt at ``side_effect``: ``success``; ``duplicate_prevented`` when
+    the downstream answered that it had this idempotency key already; ``failed``; or
+    ``ambiguous`` -- the request may have landed (``<code>_after_send``: a read timeout, a
+    reset after sending, an unreadable answer), or it landed and its result could not be
+    recorded because the claim had passed to another run (``claim_lost_after_call``)."""
     states = [recorded.get(r.item_id) for r, _ in decisions]
     failed = [
         (r.item_id, r.code or "unknown")
@@ -68,12 +81,26 @@ def outcome_of(
         state = _STATE_NAMES.get(recorded.get(r.item_id) or "", "claim_lost")
         key = f"outcome.{klass}.attempt_{r.attempt}.{state}"
         tally[key] = tally.get(key, 0) + 1
-    return BatchOutcome(
+    outcome = BatchOutcome(
         succeeded=states.count("done"),
         failed=len(failed),
         skipped=states.count(None),
         retry_scheduled=states.count("retry"),
         deadlettered=states.count("dead"),
+        duplicates_prevented=sum(
+            1 for r, _ in decisions if r.ok and r.duplicate and r.item_id in recorded
+        ),
         failed_items=failed,
         tally=tally,
     )
+    for r, _ in decisions:
+        if r.ok and r.item_id not in recorded:
+            outcome.side_effect(side_effect, "ambiguous", reason="claim_lost_after_call")
+        elif r.ok:
+            outcome.side_effect(side_effect, "duplicate_prevented" if r.duplicate else "success")
+        elif r.outcome_unknown:
+            reason = "unreadable_answer" if r.code == "bad_response" else f"{r.code}_after_send"
+            outcome.side_effect(side_effect, "ambiguous", reason=reason)
+        else:
+            outcome.side_effect(side_effect, "failed")
+    return outcome

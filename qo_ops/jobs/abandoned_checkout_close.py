@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import checkout_session
 from qo_ops.errors import ConfigError
+from qo_ops.platform.outbox import transitions_with_events
 from qo_ops.platform.selection import after_position, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
@@ -27,6 +28,10 @@ from qo_ops.platform.spec import (
     JobDefaults,
     JobSpec,
     OutcomeCheck,
+)
+
+SIDE_EFFECT = (
+    "checkout_abandoned_event"  # the event each transition appends (job_side_effects_total)
 )
 
 IDLE_HOURS_ENV = "QO_OPS_CHECKOUT_IDLE_HOURS"
@@ -135,13 +140,11 @@ def close_checkout_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]
             "last_id": ids[-1],
         },
     ).one()
-    return BatchOutcome(
-        succeeded=row.closed,
-        skipped=len(ids) - row.closed,  # changed by someone else since selection
-        events_written=row.events,
-        duplicates_prevented=row.closed - row.events,
-        position={"last_activity_at": row.last_activity_at, "id": ids[-1]},
+    outcome = transitions_with_events(
+        SIDE_EFFECT, selected=len(ids), changed=row.closed, events=row.events
     )
+    outcome.position = {"last_activity_at": row.last_activity_at, "id": ids[-1]}
+    return outcome
 
 
 # Sessions this job closed: those with an event, or closed >= MIN_IDLE_HOURS after their last
@@ -235,4 +238,5 @@ SPEC = JobSpec(
     defaults=JobDefaults(batch_size=1000),
     change="OPEN → ABANDONED, CheckoutAbandoned event",
     healthy="No OPEN checkout session idle past the timeout (backlog 0 after each run).",
+    side_effects=(SIDE_EFFECT,),
 )

@@ -113,6 +113,7 @@ from qo_ops.platform.spec import (
 JOB_NAME = "audit_archive"
 RETENTION_ENV = "QO_OPS_AUDIT_RETENTION_DAYS"
 DEFAULT_RETENTION_DAYS = 365
+SIDE_EFFECT = "archive_file"  # writing one archive file (job_side_effects_total)
 MAX_RETENTION_DAYS = 36_500
 MAX_ROWS_PER_FILE = 50_000  # one file per batch: also bounds the memory a batch holds
 ARCHIVE_DIR = "archive"  # under QO_OPS_HOME
@@ -737,6 +738,8 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
         if result.orphans_removed:
             tally("orphan_files_removed", result.orphans_removed)
         tally("archives_adopted" if chunk.adopted else "archives_written")
+        if chunk.adopted:  # an earlier attempt wrote this file and did not get to delete
+            outcome.side_effect(SIDE_EFFECT, "duplicate_prevented")
         if result.ok:
             source = conn.execute(  # locked: nobody changes them until this commits
                 _SOURCE_DIGEST,
@@ -779,6 +782,8 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
                 raise ArchiveError(f"archive {chunk.manifest_id}: locked source rows vanished")
             outcome.succeeded += deleted
             tally("archives_verified")
+            if not chunk.adopted:
+                outcome.side_effect(SIDE_EFFECT, "success")
         else:
             conn.execute(
                 sa.text(
@@ -790,6 +795,8 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
             outcome.failed += chunk.row_count
             outcome.failed_items.append((str(chunk.manifest_id), VERIFICATION_FAILED))
             tally("archives_failed")
+            if not chunk.adopted:
+                outcome.side_effect(SIDE_EFFECT, "failed")
             ctx.params["archive_failure"] = (
                 f"archive {chunk.manifest_id} ({chunk.tenant_id} {chunk.day}) failed "
                 f"verification: {result.reason}; nothing of it was deleted"
@@ -1084,4 +1091,5 @@ SPEC = JobSpec(
     destructive=True,
     validate_settings=retention_days,
     scheduled_window_age_days=lambda: retention_days() + 1,
+    side_effects=(SIDE_EFFECT,),
 )

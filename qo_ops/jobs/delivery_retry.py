@@ -37,6 +37,7 @@ DUE_STATES: list[sa.ColumnElement[str]] = [
     sa.literal_column("'IN_PROGRESS'"),
 ]
 LAG_SLO_S = 900  # a due item older than this is a breach of the delivery lag SLO
+SIDE_EFFECT = "submit_delivery"  # each call is one attempt at it (job_side_effects_total)
 
 
 def due_items(ctx: BatchContext) -> sa.Select[Any]:
@@ -86,8 +87,10 @@ def send_deliveries(ctx: BatchContext, work: list[Any]) -> list[Any]:
     return call_for_each(
         ctx,
         work,
-        lambda client, item: client.submit_delivery(
-            item["business_key"], item["tenant_id"], item["order_number"], item["payload"]
+        lambda client, item: (
+            client.submit_delivery(
+                item["business_key"], item["tenant_id"], item["order_number"], item["payload"]
+            ).duplicate
         ),
         attempt_field="attempt_count",
         max_attempts=lambda item: item["max_attempts"],
@@ -131,7 +134,9 @@ def record_delivery_results(
             "messages": [one_line(r.message, 300) if r.message else None for r, _ in decisions],
         },
     ).all()
-    return outcome_of(decisions, {str(row.id): _DISPOSITION[row.status] for row in rows})
+    return outcome_of(
+        decisions, {str(row.id): _DISPOSITION[row.status] for row in rows}, SIDE_EFFECT
+    )
 
 
 def check_deliveries(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
@@ -205,4 +210,5 @@ SPEC = JobSpec(
     defaults=JobDefaults(batch_size=256, concurrency=32),  # a multiple of the concurrency (bench)
     change="sent with its idempotency key: delivered, retried or dead-lettered",
     healthy="No delivery due for longer than 15 minutes, and no dead letter waiting for a person.",
+    side_effects=(SIDE_EFFECT,),
 )

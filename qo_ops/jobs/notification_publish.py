@@ -32,6 +32,7 @@ from qo_ops.platform.spec import (
 
 MAX_PUBLISH_ATTEMPTS = 8
 LAG_SLO_S = 600  # the oldest due, unpublished event may wait this long
+SIDE_EFFECT = "publish_notification"  # each call is one attempt at it (job_side_effects_total)
 
 
 def due_events(ctx: BatchContext) -> sa.Select[Any]:
@@ -131,7 +132,7 @@ def record_publish_results(conn: Connection, ctx: BatchContext, results: list[An
     published = [i for i, state in recorded.items() if state == "done"]
     if published:
         conn.execute(MARK_NOTIFICATIONS_SENT, {"ids": published})
-    return outcome_of(decisions, recorded)
+    return outcome_of(decisions, recorded, SIDE_EFFECT)
 
 
 def oldest_unpublished_seconds(conn: Connection, ctx: BatchContext) -> float | None:
@@ -200,4 +201,5 @@ SPEC = JobSpec(
     defaults=JobDefaults(batch_size=256, concurrency=32),  # a multiple of the concurrency (bench)
     change="published once by event id, retried or dead-lettered",
     healthy="No outbox event overdue for publishing, and no dead letter waiting for a person.",
+    side_effects=(SIDE_EFFECT,),
 )

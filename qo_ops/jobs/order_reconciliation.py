@@ -164,6 +164,18 @@ ACTIONS = {
 }
 
 
+ADOPTED_EVENT = "order_status_adopted_event"
+RESUBMIT_EVENT = "order_resubmit_requested_event"
+
+
+def _event(conn: Connection, out: BatchOutcome, side_effect: str, values: dict[str, Any]) -> None:
+    """Append a correction event under its business key, counted as ``side_effect``."""
+    appended = conn.execute(EVENT, values).rowcount == 1
+    out.side_effect(side_effect, "success" if appended else "duplicate_prevented")
+    out.events_written += appended
+    out.duplicates_prevented += not appended
+
+
 def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
     """Classify each order; in execute, repair per type and record every mismatch."""
     import json
@@ -226,8 +238,10 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
                 None if adopted else "the order changed since it was read; left for the next run"
             )
             if adopted:
-                conn.execute(
-                    EVENT,
+                _event(
+                    conn,
+                    out,
+                    ADOPTED_EVENT,
                     {
                         "key": f"order:{r['id']}:adopted:{r['downstream']}",
                         "tenant": tenant,
@@ -242,8 +256,10 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
             requeued = conn.execute(RESUBMIT, {"id": r["id"]}).first()
             outcome = "corrected" if requeued else "failed"
             detail = None if requeued else "no delivery item to re-submit"
-            conn.execute(
-                EVENT,
+            _event(
+                conn,
+                out,
+                RESUBMIT_EVENT,
                 {
                     "key": f"order:{r['id']}:resubmit:{run}",
                     "tenant": tenant,
@@ -339,4 +355,5 @@ SPEC = JobSpec(
     rescan_when_complete=True,
     dry_run_scans=True,
     compete_with_skip_locked=False,  # read-only selection: one run per scope holds the lease
+    side_effects=(ADOPTED_EVENT, RESUBMIT_EVENT),
 )

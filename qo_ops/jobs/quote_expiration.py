@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import quote
+from qo_ops.platform.outbox import transitions_with_events
 from qo_ops.platform.selection import after_position, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
@@ -23,6 +24,8 @@ from qo_ops.platform.spec import (
     JobSpec,
     OutcomeCheck,
 )
+
+SIDE_EFFECT = "quote_expired_event"  # the event each transition appends (job_side_effects_total)
 
 GRACE = "interval '5 minutes'"  # the outcome check forgives quotes that expired this recently
 
@@ -85,13 +88,11 @@ def expire_quote_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) 
     row = conn.execute(
         EXPIRE_QUOTE_BATCH, {"ids": list(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]}
     ).one()
-    return BatchOutcome(
-        succeeded=row.expired,
-        skipped=len(ids) - row.expired,  # changed by someone else since selection
-        events_written=row.events,
-        duplicates_prevented=row.expired - row.events,
-        position={"expires_at": row.last_expires_at, "id": ids[-1]},
+    outcome = transitions_with_events(
+        SIDE_EFFECT, selected=len(ids), changed=row.expired, events=row.events
     )
+    outcome.position = {"expires_at": row.last_expires_at, "id": ids[-1]}
+    return outcome
 
 
 def check_quote_expiration(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
@@ -171,4 +172,5 @@ SPEC = JobSpec(
     defaults=JobDefaults(batch_size=2000),  # measured: p99 batch 125 ms at 1M (bench)
     change="ACTIVE → EXPIRED, QuoteExpired event",
     healthy="No ACTIVE quote past its expiry (backlog 0 after each run; oldest due age near 0).",
+    side_effects=(SIDE_EFFECT,),
 )

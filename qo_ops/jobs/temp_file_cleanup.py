@@ -94,6 +94,7 @@ from qo_ops.platform.spec import (
     RunResources,
 )
 
+SIDE_EFFECT = "object_delete"  # removing a file from the object store (job_side_effects_total)
 RETENTION_ENV = "QO_OPS_TEMP_FILE_RETENTION_DAYS"
 MAX_DELETE_ENV = "QO_OPS_CLEANUP_MAX_DELETE"
 MAX_SHARE_ENV = "QO_OPS_CLEANUP_MAX_SHARE"
@@ -611,7 +612,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
         tally["unsafe_storage_path"] = len(unsafe)
         ctx.params.setdefault(_REFUSED_KEY, set()).update(w["id"] for w in unsafe)
     last = work[-1] if work else None
-    return BatchOutcome(
+    outcome = BatchOutcome(
         position={"created_at": last["created_at"], "id": last["id"]} if last else None,
         succeeded=len(gone),
         skipped=len(kept),
@@ -619,6 +620,10 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
         failed_items=[(str(w["id"]), "unsafe_storage_path") for w in unsafe],
         tally=tally,
     )
+    # an object already gone was removed by an earlier attempt whose commit did not happen
+    outcome.side_effect(SIDE_EFFECT, "success", removed)
+    outcome.side_effect(SIDE_EFFECT, "duplicate_prevented", already_gone)
+    return outcome
 
 
 # ------------------------------------------------------------------------------ outcome
@@ -800,6 +805,7 @@ SPEC = JobSpec(
     healthy="No deletable temp file past retention plus a day of grace, and no file on legal hold ever deleted.",
     run_resources=RunResources(cpu_request="500m"),  # sha256 of every object it deletes
     destructive=True,
+    side_effects=(SIDE_EFFECT,),
 )
 
 __all__ = [

@@ -26,9 +26,9 @@ import re
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -42,9 +42,19 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from qo_ops.platform.control import Suspension, suspensions
+from qo_ops.platform.missed import MISSED_REASONS, first_scheduled_tick, missed_runs, tick_window_s
 from qo_ops.platform.runs import FINAL_STATUSES
 from qo_ops.platform.selection import capped_count
-from qo_ops.platform.spec import BatchContext, JobSpec, Scope, cadence_seconds
+from qo_ops.platform.spec import (
+    CHECKPOINT_RESETS,
+    CHECKPOINT_UPDATES,
+    SIDE_EFFECT_RESULTS,
+    BatchContext,
+    JobSpec,
+    Scope,
+    cadence_seconds,
+    cron_ticks,
+)
 from qo_ops.platform.telemetry import log_event
 
 log = logging.getLogger("qo_ops.metrics")
@@ -54,6 +64,8 @@ STREAK_WINDOW = 1000  # latest finished execute runs read for the failure streak
 SETTLE_S = 2.0  # rows newer than this may still be in uncommitted transactions
 DURATION_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200)
 FAILING = ("failed", "timeout")
+MISSED_LOOKBACK_S = 7 * 86400.0  # a starting exporter judges the ticks of the last week
+MAX_TICKS_PER_SCRAPE = 5000  # per job: a long backlog of ticks is judged over a few scrapes
 _ERROR_CLASS = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 
 
@@ -73,6 +85,12 @@ class _Feed:
     sums: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     duration: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     duration_sum: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    drift: dict[str, list[float]] = field(default_factory=dict)
+    drift_sum: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    side_effects: dict[tuple[str, str, str], int] = field(default_factory=lambda: defaultdict(int))
+    ambiguity: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    missed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    missed_cursor: dict[str, datetime] = field(default_factory=dict)  # last tick judged
 
 
 # Runs created in (cursor, cutoff), counted per job in the database.
@@ -113,8 +131,36 @@ _FINISHED_RUNS = sa.text(
      GROUP BY job_name, status, error_source, lease_lost, anomaly
     """
 )
+DRIFT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600)
+_DRIFT_COUNTS = ", ".join(f"count(*) FILTER (WHERE drift <= {b})" for b in DRIFT_BUCKETS)
+# Scheduled runs created in (cursor, cutoff): how late each started after its tick.
+_NEW_SCHEDULED = sa.text(
+    f"""
+    SELECT job_name, count(*) AS n, sum(drift) AS seconds, ARRAY[{_DRIFT_COUNTS}] AS buckets
+      FROM (SELECT job_name, extract(epoch FROM started_at - scheduled_for)::float8 AS drift
+              FROM job_run
+             WHERE created_at < :cutoff AND (created_at, id) > (:ts, :id)
+               AND scheduled_for IS NOT NULL) AS scheduled
+     GROUP BY job_name
+    """
+)
+# The platform's counts in the tallies of runs finished in (cursor, cutoff): side effects by
+# result, ambiguity by reason, checkpoint updates and resets.
+_FINISHED_TALLIES = sa.text(
+    r"""
+    SELECT job_name, t.key, sum(t.value::bigint) AS n
+      FROM job_run, jsonb_each_text(tally) AS t(key, value)
+     WHERE finished_at IS NOT NULL AND finished_at < :cutoff AND (finished_at, id) > (:ts, :id)
+       AND (t.key LIKE 'side\_effect%' OR t.key LIKE 'checkpoint.%')
+     GROUP BY 1, 2
+    """
+)
 _CUTOFF = sa.text("SELECT clock_timestamp() - make_interval(secs => :settle)")
 _CLOCK = sa.text("SELECT clock_timestamp()")
+TALLY_COUNTERS = {
+    CHECKPOINT_UPDATES: "job_checkpoint_updates_total",
+    CHECKPOINT_RESETS: "job_checkpoint_resets_total",
+}
 ITEM_SUMS = {
     "job_items_processed_total": ("processed_count", "Items processed"),
     "job_items_failed_total": ("failed_count", "Items failed"),
@@ -136,9 +182,14 @@ class JobCollector:
         specs: Iterable[JobSpec],
         refresh_s: float = 30.0,
         suspension_alert_after_s: float = 86400.0,
+        missed_lookback_s: float = MISSED_LOOKBACK_S,
+        clock: Callable[[], datetime] | None = None,
     ) -> None:
         self.engine = engine
         self.specs = list(specs)
+        self._by_name = {s.name: s for s in self.specs}
+        self.missed_lookback_s = missed_lookback_s
+        self._clock = clock  # None: the database's; a test may freeze it
         self.refresh_s = refresh_s
         self.suspension_alert_after_s = suspension_alert_after_s
         origin = (datetime(1970, 1, 1, tzinfo=UTC), uuid.UUID(int=0))
@@ -201,10 +252,14 @@ class JobCollector:
             feed.started[g.job_name] += int(g.n)
         finished_ts, finished_id = feed.finished_cursor
         for g in conn.execute(
-            _FINISHED_RUNS,
-            {"cutoff": cutoff, "ts": finished_ts, "id": finished_id, "failing": list(FAILING)},
+            _NEW_SCHEDULED, {"cutoff": cutoff, "ts": created_ts, "id": created_id}
         ):
+            self._count_drift(g)
+        finished = {"cutoff": cutoff, "ts": finished_ts, "id": finished_id}
+        for g in conn.execute(_FINISHED_RUNS, {**finished, "failing": list(FAILING)}):
             self._count_finished(g)
+        for g in conn.execute(_FINISHED_TALLIES, finished):
+            self._count_tally(g.job_name, g.key, int(g.n))
         lowest = uuid.UUID(int=0)
         feed.created_cursor = (
             max(created_ts, cutoff),
@@ -237,6 +292,53 @@ class JobCollector:
         buckets[-1] += n  # +Inf
         feed.duration_sum[key] += float(g.seconds or 0.0)
 
+    def _count_drift(self, g: Any) -> None:
+        feed = self._feed
+        buckets = feed.drift.setdefault(g.job_name, [0.0] * (len(DRIFT_BUCKETS) + 1))
+        for i, count in enumerate(g.buckets):
+            buckets[i] += count
+        buckets[-1] += int(g.n)
+        feed.drift_sum[g.job_name] += float(g.seconds or 0.0)
+
+    def _count_tally(self, job: str, key: str, n: int) -> None:
+        """One platform tally key of a job's finished runs; label values only from the
+        catalog (side effects) or a fixed word list (results), never free text."""
+        feed = self._feed
+        spec = self._by_name.get(job)
+        if spec is None:
+            return
+        parts = key.split(".")
+        if key in TALLY_COUNTERS:
+            feed.sums[(TALLY_COUNTERS[key], job)] += n
+        elif len(parts) == 3 and parts[0] == "side_effect":
+            name = parts[1] if parts[1] in spec.side_effects else "other"
+            result = parts[2] if parts[2] in SIDE_EFFECT_RESULTS else "other"
+            feed.side_effects[(job, name, result)] += n
+        elif len(parts) == 2 and parts[0] == "side_effect_ambiguity":
+            feed.ambiguity[(job, _error_class(parts[1]))] += n
+
+    def _judge_missed(self, conn: Connection, now: datetime) -> None:
+        """Judge the ticks whose window has passed since the last scrape (from the job's first
+        scheduled run, at most ``missed_lookback_s`` back; at most MAX_TICKS_PER_SCRAPE)."""
+        feed = self._feed
+        for spec in self.specs:
+            until = now - timedelta(seconds=tick_window_s(spec) + SETTLE_S)
+            after = feed.missed_cursor.get(spec.name)
+            if after is None:
+                first = first_scheduled_tick(conn, spec.name)
+                if first is None:
+                    continue  # never scheduled yet: nothing to judge
+                after = max(
+                    first - timedelta(microseconds=1),
+                    now - timedelta(seconds=self.missed_lookback_s),
+                )
+            ticks = cron_ticks(spec.cron_schedule, after, until)[:MAX_TICKS_PER_SCRAPE]
+            if not ticks:
+                continue
+            for missed in missed_runs(conn, spec, ticks):
+                feed.missed[(spec.name, missed.reason)] += 1
+            feed.missed_cursor[spec.name] = ticks[-1]
+
     # ------------------------------------------------------------------ collect
 
     def collect(self) -> Iterator[Metric]:
@@ -246,6 +348,7 @@ class JobCollector:
                 self._advance(conn)
                 held = suspensions(conn)
                 now = conn.execute(_CLOCK).scalar_one()
+                self._judge_missed(conn, self._clock() if self._clock else now)
                 now_families = [
                     *self._now(conn, _suspended_tenants(held)),
                     *self._suspensions(held, now),
@@ -405,6 +508,8 @@ class JobCollector:
             "job_lock_acquire_failed_total": "Lease acquisitions refused",
             "job_lease_lost_total": "Runs that lost their lease to another holder",
             "job_anomaly_stops_total": "Runs stopped by an anomaly threshold",
+            "job_checkpoint_updates_total": "Checkpoints saved (one per batch of a cursor job)",
+            "job_checkpoint_resets_total": "Checkpoints forgotten after a complete rescan",
         }
         for metric, text in per_job.items():
             family = CounterMetricFamily(metric, text, labels=["job_name"])
@@ -421,6 +526,48 @@ class JobCollector:
                 [job, st], list(zip(bounds, counts, strict=True)), feed.duration_sum[(job, st)]
             )
         yield duration
+        drift = HistogramMetricFamily(
+            "job_scheduler_drift_seconds",
+            "How late a scheduled run started after its tick",
+            labels=["job_name"],
+        )
+        for job, counts in sorted(feed.drift.items()):
+            bounds = [*(str(float(b)) for b in DRIFT_BUCKETS), "+Inf"]
+            drift.add_metric([job], list(zip(bounds, counts, strict=True)), feed.drift_sum[job])
+        yield drift
+        missed = CounterMetricFamily(
+            "job_missed_runs_total",
+            "Scheduled runs (one per tenant and tick) that did not start in their window",
+            labels=["job_name", "reason"],
+        )
+        for job in names:
+            for reason in MISSED_REASONS:
+                missed.add_metric([job, reason], feed.missed.get((job, reason), 0))
+        yield missed
+        effects = CounterMetricFamily(
+            "job_side_effects_total",
+            "Attempts at a side effect, by result",
+            labels=["job_name", "side_effect", "result"],
+        )
+        for spec in self.specs:
+            for name in spec.side_effects:
+                for result in SIDE_EFFECT_RESULTS:
+                    effects.add_metric(
+                        [spec.name, name, result],
+                        feed.side_effects.get((spec.name, name, result), 0),
+                    )
+        for (job, name, result), n in sorted(feed.side_effects.items()):
+            if name == "other" or result == "other":
+                effects.add_metric([job, name, result], n)
+        yield effects
+        ambiguity = CounterMetricFamily(
+            "job_side_effect_ambiguity_total",
+            "Side effects whose outcome is unknown, by reason (they need reconciliation)",
+            labels=["job_name", "reason"],
+        )
+        for (job, reason), n in sorted(feed.ambiguity.items()):
+            ambiguity.add_metric([job, reason], n)
+        yield ambiguity
 
 
 def _suspended_tenants(held: Iterable[Suspension]) -> dict[str, set[str]]:

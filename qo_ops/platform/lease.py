@@ -216,3 +216,16 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+
+
+def held_scopes(conn: Connection, job_name: str) -> set[str]:
+    """The scopes of ``job_name`` whose lease is held now (a run is working on them)."""
+    return set(
+        conn.execute(
+            sa.text(
+                "SELECT scope FROM job_lease WHERE job_name = :job "
+                "AND expires_at > clock_timestamp()"
+            ),
+            {"job": job_name},
+        ).scalars()
+    )

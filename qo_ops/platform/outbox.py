@@ -8,6 +8,8 @@ import json
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from qo_ops.platform.spec import BatchOutcome
+
 
 def append_event(
     conn: Connection,
@@ -36,3 +38,21 @@ def append_event(
         },
     ).first()
     return inserted is not None
+
+
+def transitions_with_events(
+    side_effect: str, *, selected: int, changed: int, events: int
+) -> BatchOutcome:
+    """The outcome of a batch that changed ``changed`` of ``selected`` rows, each change
+    appending one event under its business key: ``events`` were appended, the rest found
+    theirs already there (a duplicate prevented). Rows not changed had moved on since the
+    selection (skipped). Each change is one attempt at ``side_effect``."""
+    outcome = BatchOutcome(
+        succeeded=changed,
+        skipped=selected - changed,
+        events_written=events,
+        duplicates_prevented=changed - events,
+    )
+    outcome.side_effect(side_effect, "success", events)
+    outcome.side_effect(side_effect, "duplicate_prevented", changed - events)
+    return outcome

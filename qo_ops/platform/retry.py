@@ -152,6 +152,8 @@ class CallResult:
     error_class: ErrorClass | None = None
     code: str | None = None
     message: str | None = None
+    duplicate: bool = False  # the other system had seen this idempotency key: not done twice
+    outcome_unknown: bool = False  # failed, but the request may have landed
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ from qo_ops.platform import runs
 from qo_ops.platform.control import JobSuspended, suspension_for
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.spec import (
+    CHECKPOINT_RESETS,
+    CHECKPOINT_UPDATES,
     BatchContext,
     BatchOutcome,
     JobSpec,
@@ -177,6 +179,25 @@ def drift_warn_s() -> float:
     except ValueError:
         value = DEFAULT_DRIFT_WARN_S
     return value if value > 0 else DEFAULT_DRIFT_WARN_S
+
+
+def _drift_reason(
+    engine: Engine, spec: JobSpec, scope: Scope, run_id: uuid.UUID, tick: datetime
+) -> str:
+    """Why a scheduled run starts late, as far as the run records tell: another run of the
+    scope was running at its tick (it waited behind it), or nothing recorded explains it
+    (the daemon, the run queue or the run worker's start was slow)."""
+    with engine.connect() as conn:
+        behind = conn.execute(
+            sa.text(
+                "SELECT 1 FROM job_run WHERE job_name = :job AND scope = :scope AND id <> :id "
+                "AND status NOT IN ('skipped', 'accepted', 'awaiting_approval') "
+                "AND started_at <= :tick AND (finished_at IS NULL OR finished_at > :tick) "
+                "LIMIT 1"
+            ),
+            {"job": spec.name, "scope": scope.key, "id": run_id, "tick": tick},
+        ).first()
+    return "previous_run_active" if behind else "start_delayed"
 
 
 def _drift_s(options: RunOptions) -> float | None:
@@ -334,10 +355,12 @@ def run_job(
             **({"scheduler.drift_s": round(drift_s, 3)} if drift_s is not None else {}),
         )  # fmt: skip
         if drift_s is not None and drift_s > drift_warn_s():
+            assert options.scheduled_for is not None
             events.emit(
                 "job.scheduler.drift.detected",
                 logging.WARNING,
                 scheduled_for=options.scheduled_for,
+                reason=_drift_reason(engine, spec, scope, run_id, options.scheduled_for),
                 **{
                     "scheduler.drift_s": round(drift_s, 3),
                     "scheduler.drift_warn_s": drift_warn_s(),
@@ -487,11 +510,16 @@ def build_report(
 
 def _tally_row(key: str, value: int) -> ReportRow:
     """A tally counter as a report row; ``outcome.<class>.attempt_<n>.<state>`` (calls to
-    another system) becomes an outcome row by error class and attempt."""
+    another system) becomes an outcome row by error class and attempt, and side-effect
+    counts a row per side effect and result (or ambiguity reason)."""
     parts = key.split(".")
     if len(parts) == 4 and parts[0] == "outcome" and parts[2].startswith("attempt_"):
         attempt = parts[2].removeprefix("attempt_")
         return ReportRow("outcome", parts[1], value, f"attempt {attempt} → {parts[3]}")
+    if len(parts) == 3 and parts[0] == "side_effect":
+        return ReportRow("side_effect", parts[1], value, parts[2])
+    if len(parts) == 2 and parts[0] == "side_effect_ambiguity":
+        return ReportRow("side_effect_ambiguity", parts[1], value)
     return ReportRow("tally", key, value)
 
 
@@ -677,8 +705,10 @@ def _batch_loop(
                 if not items and ctx.params.pop("position", None) is not None:
                     continue  # one last pass from the start: rows others held locked are due too
                 if not items:
-                    if spec.uses_checkpoint and spec.rescan_when_complete and ctx.mode == "execute":
-                        _forget_cursor(conn, spec, ctx.scope)
+                    rescan = spec.uses_checkpoint and spec.rescan_when_complete
+                    if rescan and ctx.mode == "execute" and _forget_cursor(conn, spec, ctx.scope):
+                        _add_tally(conn, run_id, {CHECKPOINT_RESETS: 1})
+                        summary.tally[CHECKPOINT_RESETS] = 1
                     return
                 _crash_point("after_batch_select")
                 outcome = spec.transition(conn, ctx, items)
@@ -742,6 +772,7 @@ def _commit_effects(
     if spec.uses_checkpoint and outcome.cursor is not None and ctx.mode == "execute":
         with span("checkpoint.update", **{"job.name": spec.name}):
             _save_cursor(conn, spec, ctx.scope, run_id, outcome.cursor)
+        outcome.tally[CHECKPOINT_UPDATES] = outcome.tally.get(CHECKPOINT_UPDATES, 0) + 1
     runs.add_counts(
         conn,
         run_id,
@@ -754,23 +785,30 @@ def _commit_effects(
         duplicates_prevented_count=outcome.duplicates_prevented,
     )
     if outcome.tally:
-        conn.execute(
-            sa.text(
-                "UPDATE job_run SET tally = (SELECT coalesce(jsonb_object_agg(k, v), '{}') FROM ("
-                "SELECT k, sum(v)::bigint AS v FROM (SELECT key AS k, value::bigint AS v FROM jsonb_each_text(tally) "
-                "UNION ALL SELECT key, value::bigint FROM jsonb_each_text(CAST(:add AS jsonb))) a GROUP BY k) t) "
-                "WHERE id = :id"
-            ),
-            {"add": json.dumps(outcome.tally), "id": run_id},
-        )
+        _add_tally(conn, run_id, outcome.tally)
 
 
-def _forget_cursor(conn: Connection, spec: JobSpec, scope: Scope) -> None:
+def _add_tally(conn: Connection, run_id: uuid.UUID, add: dict[str, int]) -> None:
+    """Add ``add`` to the run record's tally, key by key, in the caller's transaction."""
     conn.execute(
+        sa.text(
+            "UPDATE job_run SET tally = (SELECT coalesce(jsonb_object_agg(k, v), '{}') FROM ("
+            "SELECT k, sum(v)::bigint AS v FROM (SELECT key AS k, value::bigint AS v FROM jsonb_each_text(tally) "
+            "UNION ALL SELECT key, value::bigint FROM jsonb_each_text(CAST(:add AS jsonb))) a GROUP BY k) t) "
+            "WHERE id = :id"
+        ),
+        {"add": json.dumps(add), "id": run_id},
+    )
+
+
+def _forget_cursor(conn: Connection, spec: JobSpec, scope: Scope) -> bool:
+    """Delete the scope's checkpoint; whether there was one."""
+    gone = conn.execute(
         sa.delete(job_checkpoint).where(
             job_checkpoint.c.job_name == spec.name, job_checkpoint.c.scope == scope.key
         )
     )
+    return bool(gone.rowcount)
 
 
 def _account(

@@ -7,7 +7,7 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, time
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -132,6 +132,33 @@ def cadence_seconds(cron: str) -> float:
     raise ValueError(f"unsupported cron for a cadence: {cron}")
 
 
+def cron_ticks(cron: str, after: datetime, until: datetime) -> list[datetime]:
+    """The ticks of ``cron`` (a catalog form, UTC) in (``after``, ``until``], oldest first.
+    Exact for the forms :func:`cadence_seconds` accepts; ``*/N`` restarts at minute 0 of
+    every hour, as cron does."""
+    cadence_seconds(cron)  # the form is one we know
+    minute, hour = cron.split()[:2]
+    step = int(minute[2:]) if minute.startswith("*/") else 1
+    if hour.isdigit():
+        period, offset = timedelta(days=1), timedelta(hours=int(hour), minutes=int(minute))
+    elif minute.isdigit():
+        period, offset = timedelta(hours=1), timedelta(minutes=int(minute))
+    else:
+        period, offset = timedelta(hours=1), timedelta(0)
+    minutes = range(0, 60, step) if not minute.isdigit() else (0,)
+    start = after.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    if period == timedelta(days=1):
+        start = start.replace(hour=0)
+    ticks: list[datetime] = []
+    while start <= until:
+        for m in minutes:
+            tick = start + offset + timedelta(minutes=m)
+            if after < tick <= until:
+                ticks.append(tick)
+        start += period
+    return ticks
+
+
 @dataclass(frozen=True)
 class JobDefaults:
     """Limits a run takes unless told otherwise."""
@@ -213,6 +240,36 @@ class BatchOutcome:
     tally: dict[str, int] = field(
         default_factory=dict
     )  # job-specific counts, e.g. mismatches by type
+
+    def side_effect(self, name: str, result: str, n: int = 1, *, reason: str = "") -> None:
+        """Count ``n`` attempts at the side effect ``name`` (one the job declares in
+        ``JobSpec.side_effects``) that ended in ``result`` (:data:`SIDE_EFFECT_RESULTS`); an
+        ``ambiguous`` one says why (``reason``: a short snake_case word). Kept in the run's
+        tally (``side_effect.<name>.<result>``, ``side_effect_ambiguity.<reason>``); the
+        exporter turns them into ``job_side_effects_total`` and
+        ``job_side_effect_ambiguity_total``."""
+        if result not in SIDE_EFFECT_RESULTS:
+            raise ValueError(f"unknown side-effect result {result!r}")
+        if (result == "ambiguous") != bool(reason):
+            raise ValueError("an ambiguous side effect, and only that, names its reason")
+        if n <= 0:
+            return
+        keys = [f"side_effect.{name}.{result}"]
+        if reason:
+            keys.append(f"side_effect_ambiguity.{reason}")
+        for key in keys:
+            self.tally[key] = self.tally.get(key, 0) + n
+
+
+# Platform counts kept in a run's tally (the exporter's job_checkpoint_*_total).
+CHECKPOINT_UPDATES = "checkpoint.updates"
+CHECKPOINT_RESETS = "checkpoint.resets"  # a rescanning job forgot its finished cursor
+
+# How an attempt at a side effect ended: done; not repeated because the business key or the
+# other system's idempotency key showed it was done before; refused or failed (retried or
+# dead-lettered); or unknown (the request may have landed, or it landed and our record of
+# it did not) -- those need reconciliation, and are counted by reason too.
+SIDE_EFFECT_RESULTS = ("success", "duplicate_prevented", "failed", "ambiguous")
 
 
 @dataclass(frozen=True)
@@ -298,3 +355,6 @@ class JobSpec:
     # Rows about what one run did, beyond its counters (per day, per mismatch type…), read
     # after the run by its job_run id; ids, states and numbers only.
     report: Callable[[Connection, BatchContext], list[ReportRow]] | None = None
+    # The side effects the job counts (``BatchOutcome.side_effect``), e.g. an outbox event or
+    # a call to the downstream: the only values the ``side_effect`` metric label takes.
+    side_effects: tuple[str, ...] = ()

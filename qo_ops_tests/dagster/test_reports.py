@@ -127,7 +127,9 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
         assert isinstance(figures["dead_letters"].value, int)
 
 
-def test_a_scheduled_run_records_its_tick_and_says_when_it_drifted(defs, instance, loaded, caplog):
+def test_a_scheduled_run_records_its_tick_and_says_when_it_drifted(
+    defs, instance, loaded, caplog, monkeypatch
+):
     """The schedule's tick travels in a tag; the run row keeps it next to its real start, and
     a start more than QO_OPS_DRIFT_WARN_S (300 s) late logs job.scheduler.drift.detected."""
     import json
@@ -161,3 +163,26 @@ def test_a_scheduled_run_records_its_tick_and_says_when_it_drifted(defs, instanc
         assert late_s <= started["scheduler.drift_s"] < late_s + 120
         drifted = [e for e in events if e["event.name"] == "job.scheduler.drift.detected"]
         assert len(drifted) == (1 if late_s > 300 else 0)
+        if drifted:  # nothing ran at its tick: the start itself was slow
+            assert drifted[0]["reason"] == "start_delayed"
+            previous = (row.started_at, summary["job_run_id"])
+
+    # a run whose tick fell while another run of its scope was running waited behind it
+    monkeypatch.setenv("QO_OPS_DRIFT_WARN_S", "0.001")
+    with loaded.engine.connect() as conn:
+        first = conn.execute(
+            sa.text("SELECT started_at, finished_at FROM job_run WHERE id = :id"),
+            {"id": uuid.UUID(previous[1])},
+        ).one()
+    tick = first.started_at + (first.finished_at - first.started_at) / 2
+    caplog.clear()
+    assert job.execute_in_process(
+        partition_key="tenant-001",
+        instance=instance,
+        run_config={"ops": {"quote_expiration_op": {"config": {"mode": "execute"}}}},
+        tags={"dagster/schedule_name": "quote_expiration_schedule",
+              "qo_ops/scheduled_for": tick.isoformat()},
+    ).success  # fmt: skip
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "qo_ops.events"]
+    [drifted] = [e for e in events if e["event.name"] == "job.scheduler.drift.detected"]
+    assert drifted["reason"] == "previous_run_active"

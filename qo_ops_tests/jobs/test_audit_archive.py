@@ -206,7 +206,11 @@ def test_execute_writes_verified_archives_and_deletes_exactly_their_rows(seeded,
 
     done = _execute(db.engine, batch_size=500)
     assert done.status == "success" and done.error_code is None
-    assert done.tally == {"archives_written": 3, "archives_verified": 3}
+    assert done.tally == {
+        "archives_written": 3,
+        "archives_verified": 3,
+        "side_effect.archive_file.success": 3,
+    }
 
     manifests = _manifests(db.engine)
     assert [m.status for m in manifests] == ["VERIFIED"] * 3
@@ -270,6 +274,9 @@ def test_restore_returns_exactly_the_original_records_and_twice_changes_nothing(
     rerun = _execute(db.engine, batch_size=500)
     assert rerun.status == "success" and rerun.tally["archives_adopted"] == 3
     assert "archives_written" not in rerun.tally
+    # counted as side effects not repeated: the files an earlier attempt wrote
+    assert rerun.tally["side_effect.archive_file.duplicate_prevented"] == 3
+    assert "side_effect.archive_file.success" not in rerun.tally
     assert _statuses(db.engine) == {"VERIFIED": 3} and len(_files(home)) == 3
     assert all(_checks(rerun).values())
     # restore with every row still present: idempotent by ON CONFLICT (id) DO NOTHING

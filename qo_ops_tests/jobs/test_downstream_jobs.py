@@ -11,14 +11,17 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
+from prometheus_client import CollectorRegistry, generate_latest
 
 from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, outbox_event
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs import delivery_retry, notification_publish, order_reconciliation
+from qo_ops.metrics.exporter import SETTLE_S, JobCollector
 from qo_ops.platform.runner import CRASH_ENV, RunSummary, run_job
 from qo_ops.platform.spec import JobSpec, RunOptions, Scope
 from qo_ops_tests.conftest import base_env, run_cli
+from qo_ops_tests.metrics.test_exporter import parse, value
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
 TENANT = "tenant-001"
@@ -124,6 +127,59 @@ def test_deliveries_under_faults_are_delivered_exactly_once(
     assert set(stats["deliveries_by_key"]) == delivered
     assert not {r.business_key for r in dead} & set(stats["deliveries_by_key"])
 
+    # every call is one attempt at the side effect, and the counts say how each one ended
+    effects = _tally_sums(db, "delivery_retry")
+    injected = stats["faults_injected"]
+    assert injected["timeout"] > 0 and injected["error"] > 0
+    assert effects["side_effect.submit_delivery.ambiguous"] == injected["timeout"]
+    assert effects["side_effect_ambiguity.timeout_after_send"] == injected["timeout"]
+    assert effects["side_effect.submit_delivery.failed"] == injected["error"] + injected["poison"]
+    # a timed-out request was stored: its re-send is answered from the idempotency key
+    assert (
+        effects["side_effect.submit_delivery.duplicate_prevented"]
+        == (stats["duplicates_suppressed"])
+    )
+    assert effects["side_effect.submit_delivery.duplicate_prevented"] == sum(
+        r.duplicates_prevented for r in runs
+    )
+    assert effects["side_effect.submit_delivery.success"] + effects[
+        "side_effect.submit_delivery.duplicate_prevented"
+    ] == len(delivered)  # one answered call per delivered item
+
+    # the exporter serves the same counts
+    time.sleep(SETTLE_S)
+    samples = _scrape(JobCollector(db.engine, [delivery_retry.SPEC]))
+    for result in ("success", "duplicate_prevented", "failed", "ambiguous"):
+        labels = {"job_name": "delivery_retry", "side_effect": "submit_delivery", "result": result}
+        assert value(samples, "job_side_effects_total", **labels) == effects.get(
+            f"side_effect.submit_delivery.{result}", 0
+        )
+    ambiguity = {"job_name": "delivery_retry", "reason": "timeout_after_send"}
+    assert value(samples, "job_side_effect_ambiguity_total", **ambiguity) == injected["timeout"]
+    assert (
+        value(samples, "job_duplicate_side_effect_prevented_total", job_name="delivery_retry")
+        == (stats["duplicates_suppressed"])
+    )
+
+
+def _tally_sums(db, job: str) -> dict[str, int]:
+    """The job's runs' tallies, summed key by key."""
+    return {
+        r.key: int(r.n)
+        for r in q(
+            db.engine,
+            "SELECT t.key, sum(t.value::bigint) AS n FROM job_run, jsonb_each_text(tally) "
+            "AS t(key, value) WHERE job_name = :job GROUP BY t.key",
+            job=job,
+        )
+    }
+
+
+def _scrape(collector: JobCollector):
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return parse(generate_latest(registry).decode())
+
 
 def test_backoff_and_downstream_fully_down(db, downstream_factory, monkeypatch, fast_retries):
     load_demo_data(db.engine, tenants=1, quotes=400, seed=3, as_of=AS_OF)
@@ -227,6 +283,12 @@ def test_killed_after_sending_then_rerun_delivers_once(db, downstream, fast_retr
     stats = downstream.client.stats()
     assert stats["deliveries_distinct"] == items  # still exactly one delivery each
     assert stats["duplicates_suppressed"] == items  # the re-sends were answered from the key
+    # ...and counted so: the killed run recorded nothing, the rerun's every call was a duplicate
+    assert _tally_sums(db, "delivery_retry") == {
+        "outcome.ok.attempt_2.delivered": items,
+        "side_effect.submit_delivery.duplicate_prevented": items,
+    }
+    assert scalar(db.engine, "SELECT sum(duplicates_prevented_count) FROM job_run") == items
 
 
 # ------------------------------------------------------------------------ notification_publish
@@ -381,12 +443,30 @@ def test_reconciliation_reports_repairs_and_explains_every_mismatch(
     assert order(planted["missing_downstream"]).delivery == "READY"
     assert order(planted["status_drift"]).needs_manual_review is True
     assert all(c.passed for c in done.checks)
+    # its side effects and checkpoints, counted: one event each, a checkpoint per batch, and
+    # the checkpoint forgotten once the window was gone through (the next run rescans it)
+    assert done.tally["side_effect.order_resubmit_requested_event.success"] == 1
+    assert done.tally["side_effect.order_status_adopted_event.success"] == 1
+    assert done.tally["checkpoint.updates"] == done.batches > 0
+    assert done.tally["checkpoint.resets"] == 1
+    assert scalar(db.engine, "SELECT count(*) FROM job_checkpoint") == 0
+    time.sleep(SETTLE_S)
+    samples = _scrape(JobCollector(db.engine, [order_reconciliation.SPEC]))
+    job = {"job_name": "order_reconciliation"}
+    assert value(samples, "job_checkpoint_updates_total", **job) == done.batches
+    assert value(samples, "job_checkpoint_resets_total", **job) == 1
+    resubmitted = {**job, "side_effect": "order_resubmit_requested_event", "result": "success"}
+    assert value(samples, "job_side_effects_total", **resubmitted) == 1
 
     # the re-submitted order is delivered (same idempotency key), then nothing is left to repair
     drain(delivery_retry.SPEC, db, lambda: order(planted["missing_downstream"]).delivery != "READY")
     again = execute(order_reconciliation.SPEC, db, scope)
     assert again.mutated_count == 0
-    assert not {k: v for k, v in again.tally.items() if k != "unknown_downstream"}
+    assert not {
+        k: v
+        for k, v in again.tally.items()
+        if k != "unknown_downstream" and not k.startswith("checkpoint.")
+    }
     assert (
         scalar(
             db.engine,

@@ -241,6 +241,7 @@ def test_dry_run_counts_exactly_what_execute_deletes_row_object_and_tombstone(lo
         "objects_removed": len(expected),
         "objects_already_gone": 0,
         "bytes_removed": sum(stored[i].size for i in expected),
+        "side_effect.object_delete.success": len(expected),
     }
     assert failed_checks(done) == []
     assert_consistent(db.engine, home, stored, set(expected), {done.job_run_id})
@@ -563,6 +564,8 @@ def test_sigkill_then_rerun_converges(loaded, point, objects_gone, intents):
     assert rerun.status == "success", (rerun.error_code, rerun.error_text)
     assert rerun.mutated_count == len(expected)
     assert rerun.tally["objects_already_gone"] == objects_gone
+    # the dead run's deletions are not repeated, and counted so
+    assert rerun.tally.get("side_effect.object_delete.duplicate_prevented", 0) == objects_gone
     assert failed_checks(rerun) == []
     # converged, with the original checksums even for the objects the dead run removed
     assert_consistent(db.engine, home, stored, set(expected), {rerun.job_run_id})
@@ -730,7 +733,11 @@ def test_a_day_of_the_dagster_demo_data_is_cleaned_without_an_anomaly(db, home):
     assert done.status == "success", (done.error_code, done.error_text)
     assert done.mutated_count == dry.eligible_count
     assert failed_checks(done) == []
-    assert done.tally == {"objects_removed": 0, "objects_already_gone": len(expected)}
+    assert done.tally == {
+        "objects_removed": 0,
+        "objects_already_gone": len(expected),
+        "side_effect.object_delete.duplicate_prevented": len(expected),
+    }
     assert {s.sha256 for s in tombstones(db.engine).values()} == {None}
 
 

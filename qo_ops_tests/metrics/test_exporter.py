@@ -44,7 +44,7 @@ SEED_METRICS = (
     "job_duplicate_side_effect_prevented_total",
     "job_checkpoint_age_seconds",
 )
-ALLOWED_LABELS = {"job_name", "status", "error_class"}
+ALLOWED_LABELS = {"job_name", "status", "error_class", "side_effect", "result", "reason"}
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

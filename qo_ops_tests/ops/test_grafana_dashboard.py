@@ -32,7 +32,7 @@ POSTGRES_EXPORTER_METRICS = {
 }
 POSTGRES_EXPORTER_LABELS = {"datname", "state", "mode"}
 # Labels of the contract, plus `le` of the histogram's buckets.
-CONTRACT_LABELS = {"job_name", "status", "error_class", "le"}
+CONTRACT_LABELS = {"job_name", "status", "error_class", "reason", "side_effect", "result", "le"}
 FORBIDDEN_LABEL = re.compile(r"tenant|run_id|quote|order", re.IGNORECASE)
 
 # Grafana's variables, as promtool gets them.

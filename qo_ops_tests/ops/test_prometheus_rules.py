@@ -38,6 +38,7 @@ ALERTS = {
     "QoOpsJobDeadLetters",
     "QoOpsJobLeaseTakeover",
     "QoOpsJobAnomalyStop",
+    "QoOpsJobMissedRuns",
     "QoOpsJobSuspendedTooLong",
     "QoOpsExporterDown",
 }

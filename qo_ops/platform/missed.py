@@ -1,0 +1,147 @@
+"""Missed scheduled runs, judged from the schedule's cadence and the run records.
+
+Every tick of a job's cron (UTC) expects one run per tenant that existed at the tick (for a
+windowed job: the day its schedule runs at that tick). A tick is judged once its window has
+passed -- the cadence, at most an hour: a run that has not started by then missed its tick
+(it still counts as a run, with its drift, if it starts later). An expected run with no run
+record for its tick (``job_run.scheduled_for``; a ``skipped`` run did nothing) is missed,
+and the records say why:
+
+- ``suspended``: the kill switch covered the scope at the tick (``job_audit`` suspend and
+  resume rows give the intervals; the schedule skipped it on purpose);
+- ``previous_run_active``: a run of the same scope was running at the tick (the schedule
+  skipped the scope while its lease was held, or the run it requested found the lease held);
+- ``daemon_down``: neither: no run was requested or none started -- the Dagster daemon was
+  down, the schedule was stopped, or the launch failed.
+
+No Dagster here: the platform judges from what the database recorded.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.errors import QoOpsError
+from qo_ops.platform.spec import JobSpec, Scope, cadence_seconds
+
+MISSED_REASONS = ("previous_run_active", "suspended", "daemon_down")
+WINDOW_CAP_S = 3600.0
+NOT_RUN = ("skipped", "accepted", "awaiting_approval")  # records of runs that did no work
+
+
+def tick_window_s(spec: JobSpec) -> float:
+    """How long after its tick a scheduled run may start and still count as that tick's."""
+    return min(cadence_seconds(spec.cron_schedule), WINDOW_CAP_S)
+
+
+@dataclass(frozen=True)
+class MissedRun:
+    tick: datetime
+    tenant_id: str
+    reason: str
+
+
+def first_scheduled_tick(conn: Connection, job_name: str) -> datetime | None:
+    """The tick of the job's oldest recorded scheduled run: judging starts there (before it,
+    the schedule may never have been on)."""
+    value: datetime | None = conn.execute(
+        sa.text(
+            "SELECT min(scheduled_for) FROM job_run "
+            "WHERE job_name = :job AND scheduled_for IS NOT NULL"
+        ),
+        {"job": job_name},
+    ).scalar()
+    return value
+
+
+def expected_scope(spec: JobSpec, tenant_id: str, tick: datetime) -> str:
+    """The scope key the schedule runs for ``tenant_id`` at ``tick``."""
+    if spec.partitioning != "tenant_day":
+        return tenant_id
+    try:
+        age = spec.scheduled_window_age_days() if spec.scheduled_window_age_days else 1
+    except QoOpsError:  # a bad retention setting: the schedule itself skips with the reason
+        age = 1
+    day = (tick - timedelta(days=age)).date()
+    return Scope(tenant_id, day, day + timedelta(days=1)).key
+
+
+# Runs that overlap the judged ticks: finished after the first, or still running
+# (ix_job_run_job_finished, ix_job_run_running).
+_RUNS = sa.text(
+    """
+    SELECT scope, scheduled_for, status, started_at, finished_at FROM job_run
+     WHERE job_name = :job AND finished_at > :lo AND started_at <= :hi
+    UNION ALL
+    SELECT scope, scheduled_for, status, started_at, finished_at FROM job_run
+     WHERE job_name = :job AND status = 'running' AND started_at <= :hi
+    """
+)
+_SUSPENSIONS = sa.text(
+    """
+    SELECT scope, action, occurred_at FROM job_audit
+     WHERE job_name = :job AND action IN ('suspend', 'resume') AND decision = 'allowed'
+       AND occurred_at <= :hi
+     ORDER BY occurred_at, id
+    """
+)
+
+
+def missed_runs(conn: Connection, spec: JobSpec, ticks: list[datetime]) -> list[MissedRun]:
+    """The expected runs of ``ticks`` (oldest first) that did not happen, with why."""
+    if not ticks:
+        return []
+    lo, hi = ticks[0], ticks[-1] + timedelta(seconds=tick_window_s(spec))
+    ran: set[tuple[datetime, str]] = set()
+    busy: dict[str, list[tuple[datetime, datetime | None]]] = defaultdict(list)
+    for run in conn.execute(_RUNS, {"job": spec.name, "lo": lo, "hi": hi}):
+        if run.status in NOT_RUN:
+            continue
+        if run.scheduled_for is not None:
+            ran.add((run.scheduled_for, run.scope))
+        busy[run.scope].append((run.started_at, run.finished_at))
+    suspended = _suspension_intervals(conn, spec.name, hi)
+    tenants = list(conn.execute(sa.text("SELECT id, created_at FROM tenant ORDER BY id")))
+    missed = []
+    for tick in ticks:
+        for tenant in tenants:
+            if tenant.created_at > tick:
+                continue
+            scope = expected_scope(spec, tenant.id, tick)
+            if (tick, scope) in ran:
+                continue
+            if _within(suspended.get("*", []), tick) or _within(suspended.get(tenant.id, []), tick):
+                reason = "suspended"
+            elif any(start <= tick and (end is None or end > tick) for start, end in busy[scope]):
+                reason = "previous_run_active"
+            else:
+                reason = "daemon_down"
+            missed.append(MissedRun(tick, tenant.id, reason))
+    return missed
+
+
+def _suspension_intervals(
+    conn: Connection, job_name: str, hi: datetime
+) -> dict[str, list[tuple[datetime, datetime | None]]]:
+    """Suspension key ('*' or a tenant) → [suspended_at, resumed_at or None), oldest first."""
+    intervals: dict[str, list[tuple[datetime, datetime | None]]] = defaultdict(list)
+    open_since: dict[str, datetime] = {}
+    for row in conn.execute(_SUSPENSIONS, {"job": job_name, "hi": hi}):
+        if row.action == "suspend":
+            open_since.setdefault(row.scope, row.occurred_at)
+        elif row.scope in open_since:
+            intervals[row.scope].append((open_since.pop(row.scope), row.occurred_at))
+    for key, since in open_since.items():
+        intervals[key].append((since, None))
+    return intervals
+
+
+def _within(intervals: list[tuple[datetime, datetime | None]], at: datetime) -> bool:
+    i = bisect_right([start for start, _ in intervals], at)
+    return i > 0 and (intervals[i - 1][1] is None or at < intervals[i - 1][1])  # type: ignore[operator]

@@ -1,0 +1,186 @@
+"""Did the job start when it should have, and did a scheduled run go missing? The real
+schedule is evaluated at frozen ticks (Dagster's clock frozen there), its run requests run
+through real Dagster execution, and the exporter -- its clock frozen after the ticks' windows
+-- reads the drift and the missed runs from the run records."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timedelta
+
+import dagster as dg
+import pytest
+import sqlalchemy as sa
+from dagster._core.test_utils import freeze_time
+from dagster._utils.schedules import cron_string_iterator
+from prometheus_client import CollectorRegistry, generate_latest
+
+from qo_ops.jobs.catalog import CATALOG
+from qo_ops.metrics.exporter import DRIFT_BUCKETS, SETTLE_S, JobCollector
+from qo_ops.platform import control, runs
+from qo_ops.platform.missed import tick_window_s
+from qo_ops.platform.spec import cron_ticks
+from qo_ops_tests.dagster.test_sensors import schedule_tick
+from qo_ops_tests.metrics.test_exporter import parse, value
+
+JOB = "quote_expiration"
+SPEC = CATALOG[JOB]
+
+
+def _execute(defs, instance, request: dg.RunRequest, **config):
+    """One run request of the schedule, executed as the daemon would launch it."""
+    run_config = request.run_config
+    op_config = run_config["ops"][f"{JOB}_op"]["config"]
+    return defs.resolve_job_def(JOB).execute_in_process(
+        run_config={"ops": {f"{JOB}_op": {"config": {**op_config, **config}}}},
+        tags=request.tags,
+        partition_key=request.partition_key,
+        instance=instance,
+        raise_on_error=False,
+    )
+
+
+def _scrape(collector: JobCollector):
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return parse(generate_latest(registry).decode())
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "cron", ["* * * * *", "*/15 * * * *", "*/7 * * * *", "5 * * * *", "30 2 * * *"]
+)
+def test_cron_ticks_are_the_ticks_dagster_schedules(cron):
+    start = datetime.fromisoformat("2026-11-28T22:53:17+00:00")
+    until = start + timedelta(days=2)
+    dagster_ticks = []
+    for tick in cron_string_iterator(start.timestamp(), cron, "UTC"):
+        if tick > until:
+            break
+        if tick > start:
+            dagster_ticks.append(tick)
+    assert cron_ticks(cron, start, until) == dagster_ticks
+    assert cron_ticks(cron, dagster_ticks[0], dagster_ticks[0]) == []  # (after, until]
+
+
+def _drifts(engine) -> list[tuple[str, str | None, float]]:
+    with engine.connect() as conn:
+        return [
+            (r.scope, r.status, float(r.drift))
+            for r in conn.execute(
+                sa.text(
+                    "SELECT scope, status, extract(epoch FROM started_at - scheduled_for) AS drift "
+                    "FROM job_run WHERE job_name = :job AND scheduled_for IS NOT NULL "
+                    "ORDER BY scope"
+                ),
+                {"job": JOB},
+            )
+        ]
+
+
+def _missed(samples) -> dict[str, float]:
+    return {
+        reason: value(samples, "job_missed_runs_total", job_name=JOB, reason=reason)
+        for reason in ("previous_run_active", "suspended", "daemon_down")
+    }
+
+
+def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loaded):
+    engine = loaded.engine
+    with engine.connect() as conn:
+        now = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+    cadence = timedelta(minutes=15)  # quote_expiration: */15
+    t0 = cron_ticks(SPEC.cron_schedule, now - cadence, now)[-1]  # the tick that just passed
+    t1, t2 = t0 + cadence, t0 + 2 * cadence
+    # the exporter's frozen clock: just after a tick's window (the cadence) has passed
+    window = timedelta(seconds=tick_window_s(SPEC) + SETTLE_S + 1)
+    frozen = {"now": t1 + window}
+    collector = JobCollector(engine, CATALOG.values(), clock=lambda: frozen["now"])
+
+    # tick t0: both tenants requested; tenant-002's run ends, tenant-001's is held running
+    with freeze_time(t0):
+        first = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t0)
+    requests = {r.partition_key: r for r in first.run_requests}
+    assert sorted(requests) == ["tenant-001", "tenant-002"]
+    assert _execute(defs, instance, requests["tenant-002"]).success
+
+    def running() -> sa.Row | None:
+        with engine.connect() as conn:
+            return conn.execute(
+                sa.text(
+                    "SELECT r.id FROM job_run r JOIN job_lease l ON l.job_run_id = r.id "
+                    "WHERE r.job_name = :job AND r.scope = 'tenant-001' "
+                    "AND r.status = 'running' AND l.expires_at > clock_timestamp()"
+                ),
+                {"job": JOB},
+            ).first()
+
+    who = {"actor": "ops@example.invalid", "known_jobs": set(CATALOG)}
+    with dg.instance_for_test() as other:  # the held run's own Dagster instance (own thread)
+        other.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
+        held = threading.Thread(
+            target=_execute,
+            args=(defs, other, requests["tenant-001"]),
+            kwargs={"batch_size": 1, "throttle_ms": 500},
+        )
+        held.start()
+        try:
+            _wait_for(lambda: running() is not None, "the held run never started")
+            control.suspend(engine, JOB, "tenant-002", reason="schedule test", **who)
+            # tick t1: tenant-001's previous run is still active, tenant-002 is suspended
+            with freeze_time(t1):
+                second = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t1)
+            assert not second.run_requests
+            assert "previous run still active for every tenant" in second.skip_message
+
+            # judged after t1's window, the run still active and the tenant still suspended:
+            # t0 ran for both tenants, t1 missed once for each reason
+            time.sleep(SETTLE_S)  # the exporter counts a run once it is older than this
+            samples = _scrape(collector)
+            assert _missed(samples) == {"previous_run_active": 1, "suspended": 1, "daemon_down": 0}
+            drifts = [d for _, _, d in _drifts(engine)]
+            assert len(drifts) == 2 and all(0 <= d < cadence.total_seconds() for d in drifts)
+            assert value(samples, "job_scheduler_drift_seconds_count", job_name=JOB) == 2
+            assert value(samples, "job_scheduler_drift_seconds_sum", job_name=JOB) == (
+                pytest.approx(sum(drifts))
+            )
+            for bound in DRIFT_BUCKETS:
+                assert value(
+                    samples,
+                    "job_scheduler_drift_seconds_bucket",
+                    job_name=JOB,
+                    le=str(float(bound)),
+                ) == sum(1 for d in drifts if d <= bound)
+            other_job = {"job_name": "delivery_retry", "reason": "daemon_down"}
+            assert value(samples, "job_missed_runs_total", **other_job) == 0  # never scheduled
+            # a tick is judged once; a restarted exporter judges the same ticks the same way
+            assert _missed(_scrape(collector)) == _missed(samples)
+            restarted = JobCollector(engine, CATALOG.values(), clock=lambda: t1 + window)
+            assert _missed(_scrape(restarted)) == _missed(samples)
+
+            row = running()
+            assert row is not None
+            runs.request_cancel(engine, row.id, "ops@example.invalid", "schedule test over")
+        finally:
+            held.join(timeout=120)
+    assert not held.is_alive()
+    control.resume(engine, JOB, "tenant-002", reason="schedule test over", **who)
+    assert [(scope, status) for scope, status, _ in _drifts(engine)] == [
+        ("tenant-001", "cancelled"),
+        ("tenant-002", "success"),
+    ]
+
+    # t2 had no tick evaluated at all, nothing running, nothing suspended: the daemon was down
+    frozen["now"] = t2 + window
+    assert _missed(_scrape(collector)) == {
+        "previous_run_active": 1,
+        "suspended": 1,
+        "daemon_down": 2,
+    }
