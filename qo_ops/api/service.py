@@ -19,6 +19,10 @@ from qo_ops.platform import runs
 from qo_ops.platform.spec import JobSpec, Scope
 
 IDEMPOTENCY_TTL_HOURS = 24
+_DELETE_EXPIRED_KEYS = sa.delete(api_idempotency).where(
+    api_idempotency.c.created_at
+    < sa.func.now() - sa.text(f"interval '{IDEMPOTENCY_TTL_HOURS} hours'")
+)
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,9 @@ def _submit_once(
             "client_address": meta.client_address,
         }
         if idempotency_key is not None:
+            # keys live a day: an expired one (whose run run_history_retention may have
+            # deleted since) is forgotten before the lookup, never replayed or collided with
+            conn.execute(_DELETE_EXPIRED_KEYS)
             seen = conn.execute(
                 sa.select(api_idempotency.c.request_sha256, job_run.c.id, job_run.c.status)
                 .join(job_run, job_run.c.id == api_idempotency.c.job_run_id)
@@ -212,12 +219,6 @@ def _submit_once(
                     idempotency_key=idempotency_key,
                     request_sha256=fingerprint,
                     job_run_id=run_id,
-                )
-            )
-            conn.execute(  # keys are kept for a day at least
-                sa.delete(api_idempotency).where(
-                    api_idempotency.c.created_at
-                    < sa.func.now() - sa.text(f"interval '{IDEMPOTENCY_TTL_HOURS} hours'")
                 )
             )
         runs.append_audit(

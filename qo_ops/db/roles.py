@@ -53,8 +53,8 @@ TABLE_NAMES = (*PLATFORM_TABLE_NAMES, *BUSINESS_TABLE_NAMES, VERSION_TABLE)
 EXPECTED: Matrix = {
     RUNNER: {
         "job_lease": SIU,  # acquire (upsert), heartbeat, release (expire): never deleted
-        "job_run": SIU,  # create, adopt, count, finish, reap, cancel request
-        "job_checkpoint": SIUD,  # cursor saved per batch, forgotten after a full rescan
+        "job_run": SIUD,  # create, adopt, count, finish, reap, cancel; run_history_retention
+        "job_checkpoint": SIUD,  # cursor saved per batch, forgotten after a full rescan, pruned
         "outbox_event": SIU,  # events written with the transition; relay claims/records
         "job_audit": SI,  # append only
         "api_token": NONE,

@@ -136,6 +136,10 @@ job_run = sa.Table(
         "scope",
         postgresql_where=sa.text("status IN ('awaiting_approval', 'accepted', 'running')"),
     ),
+    # run_history_retention: a tenant's runs (scope T or T/<window>) by finished_at; not
+    # partial, so that ANALYZE keeps statistics on the expression (the planner then knows
+    # how many runs a tenant has and walks the index in order)
+    sa.Index("ix_job_run_retention", sa.text("split_part(scope, '/', 1)"), "finished_at"),
 )
 
 # The resume point of a (job, scope); written in the transaction of the batch it follows.
@@ -147,6 +151,8 @@ job_checkpoint = sa.Table(
     sa.Column("cursor", JSONB, nullable=False),
     sa.Column("updated_at", TS, nullable=False, server_default=NOW),
     sa.Column("job_run_id", UUID(as_uuid=True)),
+    # run_history_retention: a tenant's checkpoints, least recently written first
+    sa.Index("ix_job_checkpoint_retention", sa.text("split_part(scope, '/', 1)"), "updated_at"),
 )
 
 # The kill switch: a row suspends a job for one tenant, or (tenant_id '') for every scope.
@@ -543,6 +549,8 @@ audit_archive_manifest = sa.Table(
     sa.Column("verified_at", TS),
     _status_check("status", MANIFEST_STATUSES),
     sa.Index("ix_audit_archive_manifest_tenant", "tenant_id", "window_start"),
+    # run_history_retention keeps the runs a manifest names
+    sa.Index("ix_audit_archive_manifest_job_run", "job_run_id"),
 )
 
 catalog_item = sa.Table(
@@ -624,6 +632,8 @@ temp_file_tombstone = sa.Table(
     sa.Column("deleted_at", TS),  # NULL: removal decided, not (yet) committed
     sa.CheckConstraint("sha256 IS NULL OR sha256 ~ '^[0-9a-f]{64}$'", name="sha256_format"),
     sa.Index("ix_temp_file_tombstone_tenant_created", "tenant_id", "file_created_at"),
+    # run_history_retention keeps the runs a tombstone names
+    sa.Index("ix_temp_file_tombstone_job_run", "job_run_id"),
 )
 
 # temp_file_cleanup: a tenant's files overall (the anomaly share) and a window's held files

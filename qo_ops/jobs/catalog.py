@@ -14,6 +14,7 @@ from qo_ops.jobs import (
     pricing_snapshot_recalculation,
     quote_expiration,
     read_model_repair,
+    run_history_retention,
     temp_file_cleanup,
 )
 from qo_ops.platform.spec import JobSpec
@@ -31,6 +32,7 @@ CATALOG: dict[str, JobSpec] = {
         temp_file_cleanup.SPEC,
         catalog_cache_refresh.SPEC,
         abandoned_checkout_close.SPEC,
+        run_history_retention.SPEC,
     )
 }
 

@@ -213,7 +213,7 @@ class JobCollector:
             for spec in self.specs:
                 if spec.dead_letters is not None:
                     values["job_deadletter_items"][spec.name] = float(spec.dead_letters(conn))
-                if spec.partitioning != "tenant":
+                if spec.partitioning != "tenant" or not spec.reports_backlog:
                     continue  # a windowed job's backlog belongs to its windows
                 backlog, worst = 0, 0.0
                 for tenant in tenants:

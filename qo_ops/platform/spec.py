@@ -324,6 +324,10 @@ class JobSpec:
     checks: tuple[CheckSpec, ...] = ()
     cron_schedule: str = "0 * * * *"  # default cadence of its schedule (UTC)
     backlog_threshold: int | None = None  # a backlog sensor launches the job past this
+    # Whether the exporter serves its eligible items as job_backlog_items (and lag), which
+    # QoOpsJobBacklogGrowing watches. A daily job whose items pile up by design all day
+    # (run_history_retention) opts out: its backlog grows between healthy runs.
+    reports_backlog: bool = True
     defaults: JobDefaults = field(default_factory=JobDefaults)
     run_resources: RunResources = field(default_factory=RunResources)  # one run's CPU and memory
     destructive: bool = False

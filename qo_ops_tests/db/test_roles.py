@@ -64,6 +64,7 @@ JOB_ORDER = (
     "pricing_snapshot_recalculation",
     "temp_file_cleanup",
     "audit_archive",
+    "run_history_retention",  # last: it prunes old history planted by _plant_old_runs
 )
 
 
@@ -144,6 +145,21 @@ def _scope_with_work(engine: Engine, spec: JobSpec) -> Scope:
     raise AssertionError(f"no day with work for {spec.name}")
 
 
+def _plant_old_runs(owner: Engine) -> None:
+    """Two finished runs of a year ago, each followed by a newer one: run_history_retention
+    may delete them (as the runner login)."""
+    with owner.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, status, "
+                "started_at, finished_at) SELECT gen_random_uuid(), 'quote_expiration', :t, "
+                "'dry_run', 'schedule', 'roles-test', 'success', now() - d * interval '1 day', "
+                "now() - d * interval '1 day' FROM unnest(ARRAY[400, 401]) AS d"
+            ),
+            {"t": TENANT},
+        )
+
+
 def _plant_mismatches(owner: Engine, downstream, scope: Scope) -> None:
     """The downstream finished one in-flight order of ``scope`` and has one we never sent,
     so order_reconciliation adopts a status (UPDATE customer_order) and records both."""
@@ -180,6 +196,8 @@ def test_runner_runs_every_job_and_is_refused_the_rest(
         scope = _scope_with_work(runner, spec)
         if name == "order_reconciliation":
             _plant_mismatches(db.engine, downstream, scope)
+        if name == "run_history_retention":
+            _plant_old_runs(db.engine)
         summary = run_job(
             spec, scope, RunOptions(mode="execute", trigger="schedule"), engine=runner
         )
@@ -232,7 +250,6 @@ def test_runner_runs_every_job_and_is_refused_the_rest(
         "VALUES ('x', 'y', 'z', gen_random_uuid())",
         "CREATE TABLE made_by_runner (id int)",
         "CREATE VIEW made_by_runner AS SELECT 1 AS one",
-        "DELETE FROM job_run",
         "DELETE FROM job_lease",
         "DELETE FROM outbox_event",
         "DELETE FROM quote",

@@ -11,7 +11,7 @@ from qo_ops.demo.data import load_demo_data
 
 AS_OF = datetime(2026, 6, 1, tzinfo=UTC)
 
-# The selections the ten jobs make (SPEC.md §1), in the shape the jobs will issue them.
+# The selections the catalog jobs make (SPEC.md §1 and run_history_retention), as issued.
 SELECTIONS = {
     "quote_expiration": (
         "quote",
@@ -58,6 +58,11 @@ SELECTIONS = {
         "SELECT id FROM temp_file WHERE tenant_id = 'tenant-001' AND legal_hold = false "
         "AND status IN ('COMPLETED', 'FAILED_TERMINAL') AND created_at < :now - interval '7 days' "
         "ORDER BY created_at, id LIMIT 500",
+    ),
+    "run_history_retention": (
+        "job_run",
+        "SELECT id FROM job_run WHERE split_part(scope, '/', 1) = 'tenant-001' "
+        "AND finished_at < :now - interval '90 days' ORDER BY finished_at LIMIT 500",
     ),
     "audit_archive": (
         "audit_record",

@@ -1,0 +1,385 @@
+"""run_history_retention (per tenant): the platform's own run history — ``job_run`` rows and
+``job_checkpoint`` cursors — is kept for a period and then deleted, in bounded, audited
+batches. ``job_audit`` is never touched (the database refuses UPDATE/DELETE on it anyway).
+
+The period is 90 days unless ``QO_OPS_RUN_HISTORY_DAYS`` says otherwise (a whole number of
+days, 7 to 3650); it is read when a run first selects and kept for that run. The cutoff is
+``now() - period`` of each statement (a run that lasts minutes prunes the rows that crossed
+it meanwhile too).
+
+**A run of tenant T** touches only history whose scope is T's: ``T`` (tenant jobs) or
+``T/<from>..<to>`` (tenant × day jobs), on ``ix_job_run_retention`` and
+``ix_job_checkpoint_retention`` (``split_part(scope, '/', 1)`` then time).
+
+**A ``job_run`` row goes** when it finished before the cutoff in a final status, unless it is
+
+- the latest run of its (job, scope): kept unless a later run of the same job and scope both
+  started and finished after it (``qo-ops status``, the API and the exporter read it);
+- the last success (execute, success/no_work) of its (job, scope): the freshness sensors,
+  the status and ``job_last_success_timestamp_seconds`` read it;
+- named by a held (unexpired) lease;
+- named by a business record that says which run did it: ``reconciliation_result``
+  (mismatches found), ``temp_file_tombstone`` (files deleted), ``audit_archive_manifest``
+  (records archived). None of them has a foreign key to ``job_run``, so nothing would stop
+  the delete; the run is kept so that the record keeps its context (window, trigger,
+  requester, reason). ``pricing_snapshot.job_run_id`` only stamps which run computed a
+  snapshot: such runs may go, the snapshot is untouched and its stamp stays as written.
+
+Active runs (``awaiting_approval``, ``accepted``, ``running``) never go: only final statuses
+with a ``finished_at`` are selected. ``api_idempotency`` rows are not touched: the runner
+has no privilege on that table, and a key naming a pruned run is past its 24-hour life (the
+period is at least 7 days), which the API treats as expired.
+
+**A ``job_checkpoint`` row goes** when it was last written before the cutoff and its (job,
+scope) has no unexpired lease and no active run. Every checkpointed job is idempotent (its
+writes are upserts or conditional), so a scope whose checkpoint went starts from the
+beginning if it is ever run again: more work, the same result.
+
+**Items** are both kinds in one selection, oldest first (``run:<id>``,
+``checkpoint:<job>:<scope>``): the dry run counts and samples them together, and each batch
+deletes up to ``batch_size`` of them. Each execute batch appends ONE ``job_audit`` row
+(action ``retention.prune``) in its own transaction: what went (counts, the cutoff, the
+oldest and newest times), so the proof outlives the retention run's own ``job_run`` row.
+
+Safe twice: the deletes re-check the whole predicate, so a second run finds nothing to do.
+No checkpoint: deleting an item removes it from the selection.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.errors import ConfigError
+from qo_ops.platform import runs
+from qo_ops.platform.selection import seconds_or_none
+from qo_ops.platform.spec import (
+    BatchContext,
+    BatchOutcome,
+    CheckSpec,
+    JobDefaults,
+    JobSpec,
+    OutcomeCheck,
+    ReportRow,
+)
+
+DAYS_ENV = "QO_OPS_RUN_HISTORY_DAYS"
+DEFAULT_DAYS = 90
+MIN_DAYS = 7  # never prunes what an incident review of last week would need
+MAX_DAYS = 3650
+GRACE = "interval '1 hour'"  # the outcome check forgives rows that crossed the cutoff this recently
+AUDIT_ACTION = "retention.prune"
+RUN_PREFIX, CHECKPOINT_PREFIX = "run:", "checkpoint:"
+TS = sa.DateTime(timezone=True)
+
+_FINAL = ", ".join(f"'{s}'" for s in runs.FINAL_STATUSES)
+_ACTIVE = ", ".join(f"'{s}'" for s in runs.ACTIVE_STATUSES)
+_CUTOFF = "now() - make_interval(days => CAST(:days AS integer))"
+
+# A prunable run of the tenant (alias r); shared by the selection and the delete. The
+# keep-rules are two per-row lookups by index: ``OFFSET 0`` keeps PostgreSQL from turning an
+# EXISTS into a join (a hash join would read all of job_run), and two of them (rather than
+# one per rule) keep its estimate of the rows they pass realistic, so the plan walks
+# ix_job_run_retention in order and stops at the batch size.
+PRUNABLE_RUN = f"""
+    split_part(r.scope, '/', 1) = :tenant
+    AND r.finished_at < {_CUTOFF}
+    AND r.status IN ({_FINAL})
+    -- a later run of the same job and scope started and finished after it (so it is not
+    -- the latest), and a later success if it is the last success (ix_job_run_history)
+    AND EXISTS (SELECT FROM job_run n
+                 WHERE n.job_name = r.job_name AND n.scope = r.scope
+                   AND n.started_at > r.started_at AND n.finished_at > r.finished_at
+                   AND (r.mode <> 'execute' OR r.status NOT IN ('success', 'no_work')
+                        OR (n.mode = 'execute' AND n.status IN ('success', 'no_work')))
+                OFFSET 0)
+    -- not named by a held lease (its primary key) nor by a business record that says
+    -- which run made it (each indexed by job_run_id)
+    AND NOT EXISTS (SELECT FROM job_lease l
+                     WHERE l.job_name = r.job_name AND l.scope = r.scope
+                       AND l.job_run_id = r.id AND l.expires_at > clock_timestamp()
+                    UNION ALL
+                    SELECT FROM reconciliation_result x WHERE x.job_run_id = r.id
+                    UNION ALL
+                    SELECT FROM temp_file_tombstone x WHERE x.job_run_id = r.id
+                    UNION ALL
+                    SELECT FROM audit_archive_manifest x WHERE x.job_run_id = r.id
+                    OFFSET 0)
+"""
+
+# A prunable checkpoint of the tenant (alias c): old, and nobody is working on its scope:
+# no unexpired lease (primary key), no active run (ix_job_run_active); one per-row lookup.
+PRUNABLE_CHECKPOINT = f"""
+    split_part(c.scope, '/', 1) = :tenant
+    AND c.updated_at < {_CUTOFF}
+    AND NOT EXISTS (SELECT FROM job_lease l
+                     WHERE l.job_name = c.job_name AND l.scope = c.scope
+                       AND l.expires_at > clock_timestamp()
+                    UNION ALL
+                    SELECT FROM job_run a
+                     WHERE a.job_name = c.job_name AND a.scope = c.scope
+                       AND a.status IN ({_ACTIVE})
+                    OFFSET 0)
+"""
+
+
+def history_days(environ: dict[str, str] | None = None) -> int:
+    """The retention period in days from ``QO_OPS_RUN_HISTORY_DAYS`` (default 90)."""
+    raw = (os.environ if environ is None else environ).get(DAYS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_DAYS
+    days = int(raw) if raw.isdigit() else 0
+    if not MIN_DAYS <= days <= MAX_DAYS:
+        raise ConfigError(
+            f"{DAYS_ENV} must be a whole number of days between {MIN_DAYS} and {MAX_DAYS}, "
+            f"got {raw!r}"
+        )
+    return days
+
+
+def _run_days(ctx: BatchContext) -> int:
+    """The run's period: read at its first use, then fixed for the run."""
+    if "run_history_days" not in ctx.params:
+        ctx.params["run_history_days"] = history_days()
+    return int(ctx.params["run_history_days"])
+
+
+def _history_sql(after: datetime | None) -> str:
+    """Both kinds of prunable history as (item, at, kind). After a position (``:after``),
+    each kind is its own ordered range cut at ``:cap`` (the batch size), so a batch reads
+    at most two batches' worth of index entries; without one (the counts, a run's first
+    batch and its last pass) it is the whole of what is prunable."""
+    if after is None:
+        return f"""
+            SELECT '{RUN_PREFIX}' || r.id::text AS item, r.finished_at AS at, 'job_run' AS kind
+              FROM job_run r WHERE {PRUNABLE_RUN}
+            UNION ALL
+            SELECT '{CHECKPOINT_PREFIX}' || c.job_name || ':' || c.scope, c.updated_at,
+                   'job_checkpoint'
+              FROM job_checkpoint c WHERE {PRUNABLE_CHECKPOINT}
+        """
+    return f"""
+        (SELECT '{RUN_PREFIX}' || r.id::text AS item, r.finished_at AS at, 'job_run' AS kind
+           FROM job_run r WHERE {PRUNABLE_RUN} AND r.finished_at > :after
+          ORDER BY r.finished_at LIMIT :cap)
+        UNION ALL
+        (SELECT '{CHECKPOINT_PREFIX}' || c.job_name || ':' || c.scope, c.updated_at,
+                'job_checkpoint'
+           FROM job_checkpoint c WHERE {PRUNABLE_CHECKPOINT} AND c.updated_at > :after
+          ORDER BY c.updated_at LIMIT :cap)
+    """
+
+
+def _history(ctx: BatchContext, after: datetime | None = None) -> sa.Subquery:
+    params: dict[str, Any] = {"tenant": ctx.scope.tenant_id, "days": _run_days(ctx)}
+    if after is not None:
+        params["after"] = after
+        params["cap"] = int(ctx.params.get("limits", {}).get("batch_size") or 500)
+    text = sa.text(_history_sql(after)).bindparams(**params)
+    return text.columns(
+        sa.column("item", sa.Text),
+        sa.column("at", TS),
+        sa.column("kind", sa.Text),
+    ).subquery("history")
+
+
+def prunable_history(ctx: BatchContext) -> sa.Select[Any]:
+    """The tenant's runs and checkpoints past the period that may go, oldest first.
+
+    Within a run, each batch starts after the last one (``position``): each kind is then a
+    range of its retention index read in order and cut at the batch size, and the batch
+    does not walk the index entries earlier batches left dead. The runner ends with one
+    pass from the start.
+    """
+    position = ctx.params.get("position")
+    history = _history(ctx, position["at"] if position else None)
+    return sa.select(history.c.item).order_by(history.c.at)
+
+
+# Deletes what is still prunable of the batch (the whole predicate again, so a row that
+# changed since the selection stays, and a second run deletes nothing); the main query sees
+# the rows as they were before the deletes (the batch's last time: where the next starts).
+PRUNE_HISTORY_BATCH = sa.text(
+    f"""
+    WITH keys AS (
+        SELECT j, s FROM unnest(CAST(:cp_jobs AS text[]), CAST(:cp_scopes AS text[])) AS k(j, s)
+    ), pruned_runs AS (
+        DELETE FROM job_run r
+         WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND {PRUNABLE_RUN}
+        RETURNING r.finished_at
+    ), pruned_checkpoints AS (
+        DELETE FROM job_checkpoint c
+         WHERE (c.job_name, c.scope) IN (SELECT j, s FROM keys) AND {PRUNABLE_CHECKPOINT}
+        RETURNING c.updated_at
+    )
+    SELECT (SELECT count(*) FROM pruned_runs) AS runs,
+           (SELECT min(finished_at) FROM pruned_runs) AS oldest_finished_at,
+           (SELECT max(finished_at) FROM pruned_runs) AS newest_finished_at,
+           (SELECT count(*) FROM pruned_checkpoints) AS checkpoints,
+           (SELECT min(updated_at) FROM pruned_checkpoints) AS oldest_checkpoint_at,
+           (SELECT max(updated_at) FROM pruned_checkpoints) AS newest_checkpoint_at,
+           {_CUTOFF} AS cutoff,
+           greatest((SELECT max(finished_at) FROM job_run WHERE id = ANY(CAST(:run_ids AS uuid[]))),
+                    (SELECT max(c.updated_at) FROM job_checkpoint c
+                      WHERE (c.job_name, c.scope) IN (SELECT j, s FROM keys))) AS last_at
+    """
+)
+
+
+def _split(items: Sequence[Any]) -> tuple[list[str], list[str], list[str]]:
+    """Run ids, and checkpoint (job, scope) pairs as two lists, from the batch's items."""
+    run_ids, jobs, scopes = [], [], []
+    for item in items:
+        if item.startswith(RUN_PREFIX):
+            run_ids.append(item.removeprefix(RUN_PREFIX))
+        else:
+            job, _, scope = item.removeprefix(CHECKPOINT_PREFIX).partition(":")
+            jobs.append(job)
+            scopes.append(scope)
+    return run_ids, jobs, scopes
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def prune_history_batch(conn: Connection, ctx: BatchContext, items: Sequence[Any]) -> BatchOutcome:
+    """Delete the selected runs and checkpoints that are still prunable, and append one
+    ``retention.prune`` audit row saying what went (counts and times; no ids, no free text)."""
+    days = _run_days(ctx)
+    run_ids, jobs, scopes = _split(items)
+    row = conn.execute(
+        PRUNE_HISTORY_BATCH,
+        {
+            "tenant": ctx.scope.tenant_id,
+            "days": days,
+            "run_ids": run_ids,
+            "cp_jobs": jobs,
+            "cp_scopes": scopes,
+        },
+    ).one()
+    requester = conn.execute(
+        sa.text("SELECT requester, correlation_id FROM job_run WHERE id = :id"),
+        {"id": ctx.job_run_id},
+    ).one()
+    runs.append_audit(
+        conn,
+        actor=requester.requester or "qo-ops",
+        action=AUDIT_ACTION,
+        decision="pruned",
+        job_name=ctx.job_name,
+        scope=ctx.scope.key,
+        mode=ctx.mode,
+        correlation_id=requester.correlation_id,
+        job_run_id=ctx.job_run_id,
+        details={
+            "retention_days": days,
+            "cutoff": _iso(row.cutoff),
+            "runs_deleted": row.runs,
+            "checkpoints_deleted": row.checkpoints,
+            "runs_finished_from": _iso(row.oldest_finished_at),
+            "runs_finished_to": _iso(row.newest_finished_at),
+            "checkpoints_updated_from": _iso(row.oldest_checkpoint_at),
+            "checkpoints_updated_to": _iso(row.newest_checkpoint_at),
+        },
+    )
+    deleted = row.runs + row.checkpoints
+    return BatchOutcome(
+        succeeded=deleted,
+        skipped=len(items) - deleted,  # changed since the selection (e.g. a newer run vanished)
+        tally={"runs_deleted": row.runs, "checkpoints_deleted": row.checkpoints},
+        position={"at": row.last_at} if row.last_at is not None else None,
+    )
+
+
+def _cutoff(ctx: BatchContext, minus: str = "") -> sa.ColumnElement[Any]:
+    """The run's cutoff as SQL (the period is a validated whole number), less ``minus``."""
+    extra = f" - {minus}" if minus else ""
+    return sa.literal_column(f"now() - interval '{_run_days(ctx)} days'{extra}", TS)
+
+
+def _counts(conn: Connection, ctx: BatchContext, older_than: str = "") -> dict[str, int]:
+    """Prunable rows now, by kind (optionally only those past the cutoff by ``older_than``)."""
+    history = _history(ctx)
+    query = sa.select(history.c.kind, sa.func.count()).group_by(history.c.kind)
+    if older_than:
+        query = query.where(history.c.at < _cutoff(ctx, older_than))
+    found = {"job_run": 0, "job_checkpoint": 0}
+    found.update({kind: int(n) for kind, n in conn.execute(query).all()})
+    return found
+
+
+def check_run_history(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
+    """Nothing of the tenant's history is past the period (beyond grace) but what must be
+    kept."""
+    expired = _counts(conn, ctx, GRACE)
+    return [
+        OutcomeCheck(
+            "no_expired_run_history",
+            sum(expired.values()) == 0,
+            "no run or checkpoint of the tenant is past the retention period (beyond an hour "
+            "of grace) apart from the ones that must be kept",
+            {
+                "expired_runs": expired["job_run"],
+                "expired_checkpoints": expired["job_checkpoint"],
+                "retention_days": _run_days(ctx),
+            },
+        )
+    ]
+
+
+def report_run_history(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
+    """What is prunable now, by table (a dry run: what execute would delete; after an
+    execute: what is left), and the period."""
+    days = _run_days(ctx)
+    word = "would be deleted" if ctx.mode == "dry_run" else "still past the period"
+    rows = [ReportRow("retention", "days", days, f"cutoff: now - {days} days")]
+    rows += [ReportRow("prunable", kind, n, word) for kind, n in _counts(conn, ctx).items()]
+    return rows
+
+
+def oldest_prunable_seconds(conn: Connection, ctx: BatchContext) -> float | None:
+    """Seconds since the oldest prunable run or checkpoint of the tenant passed the cutoff."""
+    history = _history(ctx)
+    value = conn.execute(
+        sa.select(sa.func.extract("epoch", _cutoff(ctx) - sa.func.min(history.c.at)))
+    ).scalar()
+    return seconds_or_none(value)
+
+
+SPEC = JobSpec(
+    validate_settings=history_days,
+    name="run_history_retention",
+    kind="cleanup",
+    description="Delete the tenant's job runs and checkpoints older than the retention period "
+    "(never an active run, the latest or last successful run of a job and scope, a leased "
+    "scope's, or job_audit), one audit row per batch",
+    partitioning="tenant",
+    eligible=prunable_history,
+    transition=prune_history_batch,
+    check=check_run_history,
+    lag=oldest_prunable_seconds,
+    report=report_run_history,
+    outcome_asset="run_history",
+    checks=(
+        CheckSpec(
+            "no_expired_run_history",
+            "No run or checkpoint of the tenant is past the retention period beyond grace, "
+            "apart from the ones that must be kept",
+        ),
+    ),
+    cron_schedule="40 4 * * *",  # daily, a quiet hour after the nightly jobs (UTC)
+    backlog_threshold=None,
+    reports_backlog=False,  # history ages out all day; the daily run clears it
+    defaults=JobDefaults(batch_size=500),
+    compete_with_skip_locked=False,  # a union cannot be locked; the lease keeps one run per tenant
+    change="run or checkpoint deleted (job_audit kept)",
+    healthy="No run or checkpoint older than the retention period, apart from the latest and "
+    "last successful run of each job and scope, leased scopes' and runs named by business records.",
+    destructive=True,
+)
