@@ -707,7 +707,7 @@ def _batch_loop(
                 if not items:
                     rescan = spec.uses_checkpoint and spec.rescan_when_complete
                     if rescan and ctx.mode == "execute" and _forget_cursor(conn, spec, ctx.scope):
-                        _add_tally(conn, run_id, {CHECKPOINT_RESETS: 1})
+                        runs.add_counts(conn, run_id, tally={CHECKPOINT_RESETS: 1})
                         summary.tally[CHECKPOINT_RESETS] = 1
                     return
                 _crash_point("after_batch_select")
@@ -783,21 +783,7 @@ def _commit_effects(
         retry_scheduled_count=outcome.retry_scheduled,
         deadlettered_count=outcome.deadlettered,
         duplicates_prevented_count=outcome.duplicates_prevented,
-    )
-    if outcome.tally:
-        _add_tally(conn, run_id, outcome.tally)
-
-
-def _add_tally(conn: Connection, run_id: uuid.UUID, add: dict[str, int]) -> None:
-    """Add ``add`` to the run record's tally, key by key, in the caller's transaction."""
-    conn.execute(
-        sa.text(
-            "UPDATE job_run SET tally = (SELECT coalesce(jsonb_object_agg(k, v), '{}') FROM ("
-            "SELECT k, sum(v)::bigint AS v FROM (SELECT key AS k, value::bigint AS v FROM jsonb_each_text(tally) "
-            "UNION ALL SELECT key, value::bigint FROM jsonb_each_text(CAST(:add AS jsonb))) a GROUP BY k) t) "
-            "WHERE id = :id"
-        ),
-        {"add": json.dumps(add), "id": run_id},
+        tally=outcome.tally,
     )
 
 

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
 
 from qo_ops.db.schema import job_audit, job_run
@@ -96,9 +97,26 @@ def create_run(
         return run_id
 
 
-def add_counts(conn: Connection, run_id: uuid.UUID, **deltas: int) -> None:
-    """Add to a run's counters, inside the caller's (batch) transaction."""
-    changes = {name: job_run.c[name] + value for name, value in deltas.items() if value}
+def add_counts(
+    conn: Connection, run_id: uuid.UUID, *, tally: dict[str, int] | None = None, **deltas: int
+) -> None:
+    """Add to a run's counters and to its tally (key by key), in one statement inside the
+    caller's (batch) transaction."""
+    changes: dict[str, Any] = {
+        name: job_run.c[name] + value for name, value in deltas.items() if value
+    }
+    if tally:
+        sums = [
+            part
+            for key, n in sorted(tally.items())
+            for part in (
+                sa.cast(sa.literal(key), sa.Text),
+                sa.cast(sa.func.coalesce(job_run.c.tally[key].astext, "0"), sa.BigInteger) + n,
+            )
+        ]
+        changes["tally"] = job_run.c.tally.op("||", return_type=JSONB)(
+            sa.func.jsonb_build_object(*sums)
+        )
     if changes:
         conn.execute(
             sa.update(job_run)
