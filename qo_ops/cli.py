@@ -70,15 +70,17 @@ def print_table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(title=title)
+        table = Table(title=Text(title))
         for h in headers:
             table.add_column(
                 h,
                 justify="right" if rows and isinstance(rows[0][headers.index(h)], int) else "left",
             )
         for r in rows:
-            table.add_row(*(f"{v:,}" if isinstance(v, int) else str(v) for v in r))
+            # Text: an operator's words (a suspension reason) are shown, never read as markup
+            table.add_row(*(Text(f"{v:,}" if isinstance(v, int) else str(v)) for v in r))
         Console().print(table)
         return
     cells = [headers] + [[str(v) for v in r] for r in rows]

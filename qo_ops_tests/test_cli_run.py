@@ -366,3 +366,41 @@ def test_cancel_of_an_unknown_run_is_bad_input_and_audits_nothing(demo, cli):
     result = cli("cancel", str(uuid.uuid4()), "--reason", "x")
     assert_one_line_error(result)
     assert digest(demo) == before
+
+
+def _on_a_terminal(db, *args: str) -> tuple[int, str]:
+    """Run ``qo-ops`` with its stdout on a pseudo-terminal (boxed tables); its output."""
+    import os
+    import pty
+    import subprocess
+
+    from qo_ops_tests.conftest import QO_OPS_BIN, base_env
+
+    master, slave = pty.openpty()
+    env = base_env(QO_OPS_DATABASE_URL=db.env_url, COLUMNS="200", TERM="xterm")
+    proc = subprocess.Popen(
+        [QO_OPS_BIN, *args], stdout=slave, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    _, err = proc.communicate(timeout=120)
+    out = b"".join(chunks).decode(errors="replace")
+    return proc.returncode, out + err.decode(errors="replace")
+
+
+def test_an_operators_words_in_a_terminal_table_are_shown_not_read_as_markup(demo, cli):
+    reason = "INC-9 [/] [bold]not bold[/bold] [link=http://x]y"
+    assert cli("suspend", JOB, "--tenant", TENANT, "--reason", reason).code == 0
+    code, out = _on_a_terminal(demo, "status", JOB)
+    assert code == 0, out
+    assert "Traceback" not in out and "MarkupError" not in out
+    assert "[bold]not bold[/bold]" in out and "[/]" in out  # the words, as typed
