@@ -22,6 +22,10 @@ def work_partition(loaded, job_name: str, tenant: str = "tenant-001") -> str:
     from qo_ops.platform.spec import BatchContext, Scope
 
     spec = CATALOG[job_name]
+    if job_name == "run_history_retention":  # its work is old run history: plant some
+        from qo_ops_tests.jobs.test_run_history_retention import plant_old_history
+
+        plant_old_history(loaded.engine, tenant)
     if spec.partitioning == "tenant":
         return tenant
     with loaded.engine.connect() as conn:
@@ -71,8 +75,9 @@ def _counts(loaded) -> tuple[int, str]:
 
 @pytest.mark.parametrize("job_name", SPECS)
 def test_dry_run_partition_changes_nothing_and_reports(defs, instance, loaded, job_name):
+    partition = work_partition(loaded, job_name)
     before = _counts(loaded)
-    result = _run(defs, instance, job_name, {"mode": "dry_run"})
+    result = _run(defs, instance, job_name, {"mode": "dry_run"}, partition=partition)
     assert result.success
     summary = _summary(result, job_name)
     assert summary["mode"] == "dry_run" and summary["scope"].startswith("tenant-001")

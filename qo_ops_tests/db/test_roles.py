@@ -44,6 +44,7 @@ from qo_ops.platform.retry import requeue_dead_letters
 from qo_ops.platform.runner import CRASH_ENV, RunSummary, count_eligible, run_job
 from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope
 from qo_ops.platform.status import job_status
+from qo_ops_tests.jobs.test_run_history_retention import plant_old_history
 
 if TYPE_CHECKING:
     pass
@@ -64,7 +65,7 @@ JOB_ORDER = (
     "pricing_snapshot_recalculation",
     "temp_file_cleanup",
     "audit_archive",
-    "run_history_retention",  # last: it prunes old history planted by _plant_old_runs
+    "run_history_retention",  # last: it prunes old history planted by plant_old_history
 )
 
 
@@ -145,21 +146,6 @@ def _scope_with_work(engine: Engine, spec: JobSpec) -> Scope:
     raise AssertionError(f"no day with work for {spec.name}")
 
 
-def _plant_old_runs(owner: Engine) -> None:
-    """Two finished runs of a year ago, each followed by a newer one: run_history_retention
-    may delete them (as the runner login)."""
-    with owner.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, status, "
-                "started_at, finished_at) SELECT gen_random_uuid(), 'quote_expiration', :t, "
-                "'dry_run', 'schedule', 'roles-test', 'success', now() - d * interval '1 day', "
-                "now() - d * interval '1 day' FROM unnest(ARRAY[400, 401]) AS d"
-            ),
-            {"t": TENANT},
-        )
-
-
 def _plant_mismatches(owner: Engine, downstream, scope: Scope) -> None:
     """The downstream finished one in-flight order of ``scope`` and has one we never sent,
     so order_reconciliation adopts a status (UPDATE customer_order) and records both."""
@@ -197,7 +183,7 @@ def test_runner_runs_every_job_and_is_refused_the_rest(
         if name == "order_reconciliation":
             _plant_mismatches(db.engine, downstream, scope)
         if name == "run_history_retention":
-            _plant_old_runs(db.engine)
+            plant_old_history(db.engine, TENANT)
         summary = run_job(
             spec, scope, RunOptions(mode="execute", trigger="schedule"), engine=runner
         )

@@ -64,6 +64,21 @@ def add_run(
     return run_id
 
 
+def plant_old_history(engine: sa.Engine, tenant: str) -> None:
+    """Two finished runs of a year ago, each followed by a newer one: history that
+    run_history_retention may delete (the demo data has no run history)."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, status, "
+                "started_at, finished_at) SELECT gen_random_uuid(), 'quote_expiration', :t, "
+                "'dry_run', 'schedule', 'planted', 'success', now() - d * interval '1 day', "
+                "now() - d * interval '1 day' FROM unnest(ARRAY[400, 401]) AS d"
+            ),
+            {"t": tenant},
+        )
+
+
 def add_checkpoint(
     conn: sa.Connection, job: str, scope: str, updated_days: float, run_id: uuid.UUID | None = None
 ) -> str:
