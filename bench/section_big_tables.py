@@ -100,7 +100,7 @@ BULK = {
                                                      mins => (g % 1440)::int) AS at) c
     """,
     # each job's runs at its cadence, for every tenant, going back from now as far as the
-    # share allows (the k-th run back of job g % 10 for tenant (g / 10) % t), oldest first;
+    # share allows (the k-th run back of job g % j for tenant (g / j) % t, j jobs), oldest first;
     # ~90 % success, 5 % dry runs
     "job_run": """
         INSERT INTO job_run (id, job_name, scope, window_start, window_end, mode, trigger_type,
@@ -118,14 +118,14 @@ BULK = {
                CASE WHEN s.status = 'failed' THEN 1 ELSE 0 END,
                CASE WHEN s.status IN ('failed', 'timeout') THEN 'downstream_unavailable' END
           FROM generate_series(1, :n) AS g
-          CROSS JOIN LATERAL (SELECT (CAST(:names AS text[]))[1 + g % 10] AS name,
-                                     (CAST(:windowed AS boolean[]))[1 + g % 10] AS windowed,
-                                     (CAST(:cadence AS int[]))[1 + g % 10] AS cadence) j
+          CROSS JOIN LATERAL (SELECT (CAST(:names AS text[]))[1 + g % :j] AS name,
+                                     (CAST(:windowed AS boolean[]))[1 + g % :j] AS windowed,
+                                     (CAST(:cadence AS int[]))[1 + g % :j] AS cadence) j
           CROSS JOIN LATERAL (SELECT (hashint8(g::bigint) & 2147483647) % 100 AS s,
                                      (hashint8(g::bigint + 7) & 2147483647) % 100 AS m) h
           CROSS JOIN LATERAL (
-              SELECT 'tenant-' || lpad((1 + (g / 10) % :t)::text, 3, '0') AS tenant,
-                     now() - make_interval(secs => 30 + ((:n - g) / (10 * :t)) * j.cadence
+              SELECT 'tenant-' || lpad((1 + (g / :j) % :t)::text, 3, '0') AS tenant,
+                     now() - make_interval(secs => 30 + ((:n - g) / (:j * :t)) * j.cadence
                                                   + g % 30) AS at,
                      make_interval(secs => 1 + g % 120) AS took
           ) x0
@@ -173,7 +173,7 @@ RUNNING_SQL = """
 """
 
 
-_INT = re.compile(r":(n|t|running|stale)\b")
+_INT = re.compile(r":(n|t|j|running|stale)\b")
 
 
 def _typed(sql: str) -> str:
@@ -191,7 +191,6 @@ def _load(url: URL, rows: int) -> dict[str, int]:
         engine, tenants=TENANTS, quotes=20, seed=3, as_of=datetime.now(UTC).replace(microsecond=0)
     )
     specs = list(CATALOG.values())
-    assert len(specs) == 10
     sizes = {table: max(TENANTS, int(rows * share)) for table, share in SHARES.items()}
     checkpointed = [s.name for s in specs if s.uses_checkpoint]
     with engine.begin() as conn:
@@ -205,6 +204,7 @@ def _load(url: URL, rows: int) -> dict[str, int]:
                     {
                         "n": sizes[table],
                         "t": TENANTS,
+                        "j": len(specs),
                         "base": base,
                         "names": [s.name for s in specs],
                         "windowed": [s.partitioning == "tenant_day" for s in specs],
