@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from qo_ops.errors import ConfigError
 
 DATABASE_URL_ENV = "QO_OPS_DATABASE_URL"
 HOME_ENV = "QO_OPS_HOME"
@@ -30,3 +33,24 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
     home = Path(env.get(HOME_ENV) or DEFAULT_HOME).expanduser().resolve()
     url = (env.get(DATABASE_URL_ENV) or "").strip() or None
     return Settings(home=home, database_url=url)
+
+
+def whole_number(
+    name: str,
+    default: int,
+    lo: int,
+    hi: int,
+    *,
+    unit: str = "",
+    environ: Mapping[str, str] | None = None,
+    error: type[ConfigError] = ConfigError,
+) -> int:
+    """The whole number in ``name`` (unset or blank: ``default``); anything else than a
+    whole number from ``lo`` to ``hi`` raises ``error`` with a one-line message."""
+    raw = ((os.environ if environ is None else environ).get(name) or "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or not lo <= int(raw) <= hi:
+        of = f" of {unit}" if unit else ""
+        raise error(f"{name} must be a whole number{of} from {lo} to {hi}, got {raw!r}")
+    return int(raw)

@@ -10,15 +10,14 @@ session takes it out of it, so a rerun simply finds what is left.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from qo_ops.config import whole_number
 from qo_ops.db.schema import checkout_session
-from qo_ops.errors import ConfigError
 from qo_ops.platform.outbox import transitions_with_events
 from qo_ops.platform.selection import after_position, seconds_or_none
 from qo_ops.platform.spec import (
@@ -47,19 +46,14 @@ OPEN: sa.ColumnElement[str] = sa.literal_column(
 
 def idle_timeout_hours(environ: dict[str, str] | None = None) -> int:
     """The idle timeout in hours from ``QO_OPS_CHECKOUT_IDLE_HOURS`` (default 24)."""
-    raw = (os.environ if environ is None else environ).get(IDLE_HOURS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_IDLE_HOURS
-    try:
-        hours = int(raw)
-    except ValueError:
-        hours = 0
-    if not MIN_IDLE_HOURS <= hours <= MAX_IDLE_HOURS:
-        raise ConfigError(
-            f"{IDLE_HOURS_ENV} must be a whole number of hours between {MIN_IDLE_HOURS} "
-            f"and {MAX_IDLE_HOURS}, got {raw!r}"
-        )
-    return hours
+    return whole_number(
+        IDLE_HOURS_ENV,
+        DEFAULT_IDLE_HOURS,
+        MIN_IDLE_HOURS,
+        MAX_IDLE_HOURS,
+        unit="hours",
+        environ=environ,
+    )
 
 
 def _run_idle_hours(ctx: BatchContext) -> int:

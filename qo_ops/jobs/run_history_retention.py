@@ -47,7 +47,6 @@ No checkpoint: deleting an item removes it from the selection.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -55,7 +54,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from qo_ops.errors import ConfigError
+from qo_ops.config import whole_number
 from qo_ops.platform import runs
 from qo_ops.platform.selection import seconds_or_none
 from qo_ops.platform.spec import (
@@ -130,16 +129,7 @@ PRUNABLE_CHECKPOINT = f"""
 
 def history_days(environ: dict[str, str] | None = None) -> int:
     """The retention period in days from ``QO_OPS_RUN_HISTORY_DAYS`` (default 90)."""
-    raw = (os.environ if environ is None else environ).get(DAYS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_DAYS
-    days = int(raw) if raw.isdigit() else 0
-    if not MIN_DAYS <= days <= MAX_DAYS:
-        raise ConfigError(
-            f"{DAYS_ENV} must be a whole number of days between {MIN_DAYS} and {MAX_DAYS}, "
-            f"got {raw!r}"
-        )
-    return days
+    return whole_number(DAYS_ENV, DEFAULT_DAYS, MIN_DAYS, MAX_DAYS, unit="days", environ=environ)
 
 
 def _run_days(ctx: BatchContext) -> int:

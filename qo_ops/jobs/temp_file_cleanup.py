@@ -77,7 +77,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from qo_ops.config import load_settings
+from qo_ops.config import load_settings, whole_number
 from qo_ops.db.schema import job_run, temp_file
 from qo_ops.errors import ConfigError
 from qo_ops.platform.runner import CRASH_ENV
@@ -154,8 +154,12 @@ class CleanupSettings:
 def settings_from_env(environ: Mapping[str, str] | None = None) -> CleanupSettings:
     """Read the cleanup settings; :class:`CleanupConfigError` names a bad value."""
     env = os.environ if environ is None else environ
-    retention = _int_env(env, RETENTION_ENV, DEFAULT_RETENTION_DAYS, 0, 36_500)
-    max_delete = _int_env(env, MAX_DELETE_ENV, DEFAULT_MAX_DELETE, 0, 10**12)
+    retention = whole_number(
+        RETENTION_ENV, DEFAULT_RETENTION_DAYS, 0, 36_500, environ=env, error=CleanupConfigError
+    )
+    max_delete = whole_number(
+        MAX_DELETE_ENV, DEFAULT_MAX_DELETE, 0, 10**12, environ=env, error=CleanupConfigError
+    )
     raw_share = (env.get(MAX_SHARE_ENV) or "").strip()
     try:
         share = float(raw_share) if raw_share else DEFAULT_MAX_SHARE
@@ -171,15 +175,6 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CleanupSettin
         override=(env.get(OVERRIDE_ENV) or "").strip() == "1",
         objects_root=home / OBJECTS_DIR,
     )
-
-
-def _int_env(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or not lo <= int(raw) <= hi:
-        raise CleanupConfigError(f"{name} must be a whole number from {lo} to {hi}, got {raw!r}")
-    return int(raw)
 
 
 def run_settings(ctx: BatchContext) -> CleanupSettings:

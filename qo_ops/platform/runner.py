@@ -33,6 +33,7 @@ from qo_ops.errors import BadInput, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.control import JobSuspended, suspension_for
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
+from qo_ops.platform.missed import scope_busy_at
 from qo_ops.platform.spec import (
     CHECKPOINT_RESETS,
     CHECKPOINT_UPDATES,
@@ -188,15 +189,7 @@ def _drift_reason(
     scope was running at its tick (it waited behind it), or nothing recorded explains it
     (the daemon, the run queue or the run worker's start was slow)."""
     with engine.connect() as conn:
-        behind = conn.execute(
-            sa.text(
-                "SELECT 1 FROM job_run WHERE job_name = :job AND scope = :scope AND id <> :id "
-                "AND status NOT IN ('skipped', 'accepted', 'awaiting_approval') "
-                "AND started_at <= :tick AND (finished_at IS NULL OR finished_at > :tick) "
-                "LIMIT 1"
-            ),
-            {"job": spec.name, "scope": scope.key, "id": run_id, "tick": tick},
-        ).first()
+        behind = scope_busy_at(conn, spec.name, scope.key, tick, other_than=run_id)
     return "previous_run_active" if behind else "start_delayed"
 
 

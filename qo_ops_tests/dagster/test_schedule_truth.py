@@ -14,7 +14,6 @@ import pytest
 import sqlalchemy as sa
 from dagster._core.test_utils import freeze_time
 from dagster._utils.schedules import cron_string_iterator
-from prometheus_client import CollectorRegistry, generate_latest
 
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.metrics.exporter import DRIFT_BUCKETS, SETTLE_S, JobCollector
@@ -22,7 +21,7 @@ from qo_ops.platform import control, runs
 from qo_ops.platform.missed import tick_window_s
 from qo_ops.platform.spec import cron_ticks
 from qo_ops_tests.dagster.test_sensors import schedule_tick
-from qo_ops_tests.metrics.test_exporter import parse, value
+from qo_ops_tests.metrics.test_exporter import collect, collect_when, value
 
 JOB = "quote_expiration"
 SPEC = CATALOG[JOB]
@@ -39,12 +38,6 @@ def _execute(defs, instance, request: dg.RunRequest, **config):
         instance=instance,
         raise_on_error=False,
     )
-
-
-def _scrape(collector: JobCollector):
-    registry = CollectorRegistry()
-    registry.register(collector)
-    return parse(generate_latest(registry).decode())
 
 
 def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
@@ -142,8 +135,10 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
 
             # judged after t1's window, the run still active and the tenant still suspended:
             # t0 ran for both tenants, t1 missed once for each reason
-            time.sleep(SETTLE_S)  # the exporter counts a run once it is older than this
-            samples = _scrape(collector)
+            drift_count = ("job_scheduler_drift_seconds_count", (("job_name", JOB),))
+            samples = collect_when(  # both t0 runs counted (runs settle for SETTLE_S first)
+                collector, lambda s: s.get(drift_count, 0) >= 2
+            )
             assert _missed(samples) == {"previous_run_active": 1, "suspended": 1, "daemon_down": 0}
             drifts = [d for _, _, d in _drifts(engine)]
             assert len(drifts) == 2 and all(0 <= d < cadence.total_seconds() for d in drifts)
@@ -161,9 +156,9 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
             other_job = {"job_name": "delivery_retry", "reason": "daemon_down"}
             assert value(samples, "job_missed_runs_total", **other_job) == 0  # never scheduled
             # a tick is judged once; a restarted exporter judges the same ticks the same way
-            assert _missed(_scrape(collector)) == _missed(samples)
+            assert _missed(collect(collector)) == _missed(samples)
             restarted = JobCollector(engine, CATALOG.values(), clock=lambda: t1 + window)
-            assert _missed(_scrape(restarted)) == _missed(samples)
+            assert _missed(collect(restarted)) == _missed(samples)
 
             row = running()
             assert row is not None
@@ -179,7 +174,7 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
 
     # t2 had no tick evaluated at all, nothing running, nothing suspended: the daemon was down
     frozen["now"] = t2 + window
-    assert _missed(_scrape(collector)) == {
+    assert _missed(collect(collector)) == {
         "previous_run_active": 1,
         "suspended": 1,
         "daemon_down": 2,

@@ -11,17 +11,16 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from prometheus_client import CollectorRegistry, generate_latest
 
 from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, outbox_event
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs import delivery_retry, notification_publish, order_reconciliation
-from qo_ops.metrics.exporter import SETTLE_S, JobCollector
+from qo_ops.metrics.exporter import JobCollector
 from qo_ops.platform.runner import CRASH_ENV, RunSummary, run_job
 from qo_ops.platform.spec import JobSpec, RunOptions, Scope
 from qo_ops_tests.conftest import base_env, run_cli
-from qo_ops_tests.metrics.test_exporter import parse, value
+from qo_ops_tests.metrics.test_exporter import collect_when, completed, finished_runs, value
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
 TENANT = "tenant-001"
@@ -147,8 +146,10 @@ def test_deliveries_under_faults_are_delivered_exactly_once(
     ] == len(delivered)  # one answered call per delivered item
 
     # the exporter serves the same counts
-    time.sleep(SETTLE_S)
-    samples = _scrape(JobCollector(db.engine, [delivery_retry.SPEC]))
+    samples = collect_when(
+        JobCollector(db.engine, [delivery_retry.SPEC]),
+        lambda s: completed(s, "delivery_retry") == finished_runs(db, "delivery_retry"),
+    )
     for result in ("success", "duplicate_prevented", "failed", "ambiguous"):
         labels = {"job_name": "delivery_retry", "side_effect": "submit_delivery", "result": result}
         assert value(samples, "job_side_effects_total", **labels) == effects.get(
@@ -173,12 +174,6 @@ def _tally_sums(db, job: str) -> dict[str, int]:
             job=job,
         )
     }
-
-
-def _scrape(collector: JobCollector):
-    registry = CollectorRegistry()
-    registry.register(collector)
-    return parse(generate_latest(registry).decode())
 
 
 def test_backoff_and_downstream_fully_down(db, downstream_factory, monkeypatch, fast_retries):
@@ -450,8 +445,10 @@ def test_reconciliation_reports_repairs_and_explains_every_mismatch(
     assert done.tally["checkpoint.updates"] == done.batches > 0
     assert done.tally["checkpoint.resets"] == 1
     assert scalar(db.engine, "SELECT count(*) FROM job_checkpoint") == 0
-    time.sleep(SETTLE_S)
-    samples = _scrape(JobCollector(db.engine, [order_reconciliation.SPEC]))
+    samples = collect_when(
+        JobCollector(db.engine, [order_reconciliation.SPEC]),
+        lambda s: completed(s, "order_reconciliation") == finished_runs(db, "order_reconciliation"),
+    )
     job = {"job_name": "order_reconciliation"}
     assert value(samples, "job_checkpoint_updates_total", **job) == done.batches
     assert value(samples, "job_checkpoint_resets_total", **job) == 1

@@ -305,7 +305,7 @@ def test_a_bad_period_is_one_line_and_changes_nothing(db, monkeypatch, raw):
     with pytest.raises(ConfigError) as caught:
         execute(db.engine)
     message = str(caught.value)
-    assert "\n" not in message and DAYS_ENV in message and "7 and 3650" in message
+    assert "\n" not in message and DAYS_ENV in message and "from 7 to 3650" in message
     assert {t: snapshot(db.engine, t) for t in before} == before
 
 

@@ -66,16 +66,46 @@ def value(samples, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-def scrape_when(url: str, ready, timeout: float = 30.0):
-    """Scrape until ``ready(samples)``: the exporter counts a run only once it is older than
-    its settle time (2 s), so a run that just ended appears a scrape or two later."""
+def _until(read, ready, timeout: float) -> Samples:
+    """``read()`` until ``ready(samples)``: the exporter counts a run only once it is older
+    than its settle time (2 s), so a run that just ended appears a scrape or two later."""
     deadline = time.monotonic() + timeout
     while True:
-        samples = scrape(url)
+        samples = read()
         if ready(samples):
             return samples
         assert time.monotonic() < deadline, "the exporter never showed the runs"
         time.sleep(0.25)
+
+
+def scrape_when(url: str, ready, timeout: float = 30.0) -> Samples:
+    """Scrape the exporter process at ``url`` until ``ready(samples)``."""
+    return _until(lambda: scrape(url), ready, timeout)
+
+
+def collect(collector: JobCollector) -> Samples:
+    """One scrape of an in-process collector."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return parse(generate_latest(registry).decode())
+
+
+def collect_when(collector: JobCollector, ready, timeout: float = 30.0) -> Samples:
+    """Scrape an in-process collector until ``ready(samples)``."""
+    return _until(lambda: collect(collector), ready, timeout)
+
+
+def finished_runs(db, job: str) -> int:
+    """How many runs of ``job`` have finished (what job_completed_total will count)."""
+    with db.engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM job_run WHERE job_name = :j AND finished_at IS NOT NULL"
+                ),
+                {"j": job},
+            ).scalar_one()
+        )
 
 
 def completed(samples, job: str) -> float:
