@@ -5,6 +5,8 @@ sub-commands that also run as modules (``qo_ops.downstream.cli``, ``qo_ops.jobs.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 import typer
 from sqlalchemy.exc import SQLAlchemyError
@@ -17,7 +19,12 @@ EXIT_INTERNAL = 70
 
 
 def run_typer_app(app: typer.Typer, argv: list[str] | None, prog: str) -> int:
-    """Run ``app`` with ``argv``; return its exit code, errors reported as one line."""
+    """Run ``app`` with ``argv``; return its exit code, errors reported as one line.
+
+    SIGTERM interrupts like SIGINT (a run installs its own handler while it runs): as PID 1
+    in a container, a process without a handler would ignore it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     command = typer.main.get_command(app)
     debug = os.environ.get("QO_OPS_DEBUG") == "1"
     try:
