@@ -298,21 +298,19 @@ def test_sigterm_during_a_slow_downstream_batch_releases_every_unsent_item(
     assert_nothing_left_behind(db.engine, "delivery_retry")
 
 
-def test_sigterm_to_pid_1_of_a_pid_namespace_ends_the_run(quotes, tmp_path):
+@pytest.mark.parametrize("init", [False, True], ids=["qo-ops-as-pid-1", "image-init-as-pid-1"])
+def test_sigterm_to_pid_1_of_a_pid_namespace_ends_the_run(quotes, tmp_path, init):
     """Without an init, the process is PID 1, and the kernel drops signals PID 1 has no
-    handler for: the runner's handler must be there."""
+    handler for: the runner's handler must be there. With the image's init (its ENTRYPOINT,
+    dumb-init), the init is PID 1 and must pass SIGTERM on."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) for a PID namespace")
     db, eligible = quotes
+    namespace = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    if init:
+        namespace += [str(Path(QO_OPS_BIN).with_name("dumb-init")), "--"]
     proc = start(
-        run_args("--batch-size", "50", "--throttle-ms", "300"),
-        cli_env(db),
-        tmp_path,
-        "unshare",
-        "--pid",
-        "--fork",
-        "--kill-child",
-        "--mount-proc",
+        run_args("--batch-size", "50", "--throttle-ms", "300"), cli_env(db), tmp_path, *namespace
     )
     wait_for(
         lambda: (scalar(db.engine, "SELECT max(processed_count) FROM job_run") or 0) >= 50,
@@ -321,12 +319,11 @@ def test_sigterm_to_pid_1_of_a_pid_namespace_ends_the_run(quotes, tmp_path):
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     assert len(children) == 1
     pid_1 = int(children[0])
-    ns_pids = [
-        ln
-        for ln in Path(f"/proc/{pid_1}/status").read_text().splitlines()
-        if ln.startswith("NSpid:")
-    ]
+    status = Path(f"/proc/{pid_1}/status").read_text().splitlines()
+    ns_pids = [ln for ln in status if ln.startswith("NSpid:")]
     assert ns_pids[0].split()[-1] == "1"  # PID 1 inside its namespace
+    name = [ln for ln in status if ln.startswith("Name:")][0].split()[-1]
+    assert name == ("dumb-init" if init else "qo-ops")
     os.kill(pid_1, signal.SIGTERM)
     try:
         code = proc.wait(timeout=120)
