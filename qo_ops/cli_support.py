@@ -21,9 +21,9 @@ EXIT_INTERNAL = 70
 def run_typer_app(app: typer.Typer, argv: list[str] | None, prog: str) -> int:
     """Run ``app`` with ``argv``; return its exit code, errors reported as one line.
 
-    SIGTERM interrupts like SIGINT (a run installs its own handler while it runs): as PID 1
-    in a container, a process without a handler would ignore it."""
-    if threading.current_thread() is threading.main_thread():
+    As PID 1 (a container without an init), SIGTERM interrupts like SIGINT: the kernel drops
+    signals PID 1 has no handler for. A run installs its own handler while it runs."""
+    if os.getpid() == 1 and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     command = typer.main.get_command(app)
     debug = os.environ.get("QO_OPS_DEBUG") == "1"
