@@ -50,7 +50,7 @@ from qo_ops.db.schema import customer_order
 from qo_ops.downstream.calls import downstream_client
 from qo_ops.downstream.client import DownstreamError
 from qo_ops.errors import one_line
-from qo_ops.platform.external import call_each
+from qo_ops.platform.external import NotCalled, call_each
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -154,8 +154,15 @@ def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
             return {**order, "error": exc.code}
         return {**order, "downstream": found.status if found else None}
 
-    results = call_each(work, look, ctx.params["limits"]["concurrency"])
+    looked = call_each(work, look, ctx.params["limits"]["concurrency"], ctx.stop)
     cursor = ctx.params.get("cursor")
+    if any(isinstance(r, NotCalled) for r in looked):  # the run is stopping: keep what was
+        # looked at up to the first order that was not, and resume from there next time
+        first = next(i for i, r in enumerate(looked) if isinstance(r, NotCalled))
+        done: list[Any] = looked[:first]
+        resume = done[-1]["id"] if done else (cursor or {}).get("last_id", 0)
+        return [*done, {"resume_after": int(resume)}]
+    results: list[dict[str, Any]] = list(looked)  # type: ignore[arg-type]
     if not ctx.params.get("unknown_scanned") and not cursor:
         ctx.params["unknown_scanned"] = True
         downstream: list[dict[str, Any]] = []
@@ -374,6 +381,9 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
         else {}
     )
     for r in results:
+        if "resume_after" in r:  # cut short by a stop: the checkpoint stays before the rest
+            out.cursor = {"last_id": r["resume_after"]}
+            continue
         if "downstream_orders" in r:
             known = set(
                 conn.execute(

@@ -386,3 +386,68 @@ def test_a_bad_budget_exits_2_with_one_line_and_writes_nothing(
     assert "Traceback" not in result.stderr + result.stdout
     with db.engine.connect() as conn:
         assert database_digest(conn) == before  # no run record, no lease, no audit row
+
+
+def test_a_reconciliation_stopped_mid_batch_keeps_its_checkpoint_before_unchecked_orders(world):
+    """A real SIGTERM while a batch asks a slow downstream: no further order is asked about,
+    and the checkpoint stays at the last order that was, so the rerun looks at the rest."""
+    import os
+    import signal
+    import threading
+    import time
+
+    db, downstream = world
+    start, end = SCOPE.window_bounds()
+    eligible = [
+        r.id
+        for r in rows(
+            db.engine,
+            "SELECT id FROM customer_order WHERE tenant_id = :t AND submitted_at >= :s "
+            "AND submitted_at < :e AND status IN ('SUBMITTED', 'IN_FULFILLMENT') "
+            "AND NOT needs_manual_review ORDER BY id",
+            t=TENANT,
+            s=start,
+            e=end,
+        )
+    ]
+    assert len(eligible) > 60
+    downstream.client.set_faults(latency_ms=150)
+
+    def terminate_during_the_second_batch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done = scalar(db.engine, "SELECT max(processed_count) FROM job_run") or 0
+            if done >= 20:
+                time.sleep(0.5)  # a few calls into the second batch
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=terminate_during_the_second_batch)
+    sender.start()
+    summary = run_job(
+        SPEC,
+        SCOPE,
+        RunOptions(
+            mode="execute", trigger="schedule", batch_size=20, concurrency=1,
+            progress_interval_s=3600,
+        ),
+        engine=db.engine,
+    )  # fmt: skip
+    sender.join()
+    assert (summary.status, summary.status_reason) == ("cancelled", "terminated")
+    last_id = scalar(
+        db.engine,
+        "SELECT (cursor->>'last_id')::bigint FROM job_checkpoint WHERE job_name = :j",
+        j=SPEC.name,
+    )
+    assert eligible[19] <= last_id < eligible[39]  # inside the second batch, not past it
+    recorded = scalar(
+        db.engine,
+        "SELECT max(order_id) FROM reconciliation_result WHERE job_run_id = :r",
+        r=summary.job_run_id,
+    )
+    assert recorded is None or recorded <= last_id  # nothing recorded past the checkpoint
+    downstream.client.set_faults(latency_ms=0)
+    rerun = reconcile(db)
+    assert rerun.checkpoint_before is not None and str(last_id) in rerun.checkpoint_before
