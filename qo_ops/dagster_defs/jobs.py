@@ -11,6 +11,7 @@ from typing import Any
 
 import dagster as dg
 import pandas as pd
+import sqlalchemy as sa
 from pydantic import Field
 
 from qo_ops.dagster_defs.k8s import k8s_config_tag
@@ -23,8 +24,9 @@ from qo_ops.dagster_defs.partitions import (
     scope_tag,
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
-from qo_ops.errors import BadInput, QoOpsError
+from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform import runs
+from qo_ops.platform.overdue import Backlog, tenant_backlog
 from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.spec import (
     MAX_BATCH_SIZE,
@@ -166,12 +168,13 @@ def summary_metadata(summary: RunSummary, scope: Scope | None = None) -> dict[st
 
 
 def outcome_observation(
-    asset_key: dg.AssetKey, summary: RunSummary, scope: Scope
+    asset_key: dg.AssetKey, summary: RunSummary, scope: Scope, backlog: Backlog
 ) -> dg.AssetObservation:
-    """What the run saw of its business outcome, as numbers Dagster plots over time."""
+    """What the run saw of its business outcome, as numbers Dagster plots over time: the
+    tenant's whole backlog (every day, for a windowed job; not only the run's window)."""
     figures: dict[str, Any] = {
-        "backlog": summary.backlog,
-        "oldest_due_age_s": summary.oldest_due_age_s,
+        "backlog": backlog.items,
+        "oldest_due_age_s": backlog.oldest_due_age_s,
         "checkpoint_age_s": summary.checkpoint_age_s,
         "dead_letters": summary.dead_letters,
     }
@@ -179,10 +182,28 @@ def outcome_observation(
     if mismatches:
         figures["mismatches"] = sum(mismatches)
     metadata = {k: v for k, v in figures.items() if v is not None}
+    where = {"scope": scope.tenant_id}  # whose backlog the point is
+    if scope.window_start is not None:
+        where["run_scope"] = scope.key  # the window the run itself covered
     return dg.AssetObservation(
         asset_key=asset_key,
-        metadata={**metadata, "scope": scope.key, "job": summary.job_name, "mode": summary.mode},
+        metadata={**metadata, **where, "job": summary.job_name, "mode": summary.mode},
     )
+
+
+def scope_backlog(
+    spec: JobSpec, engine: Any, summary: RunSummary, scope: Scope, log: Any
+) -> Backlog:
+    """The tenant's whole backlog after a run: the run's own figures for a tenant job (its
+    scope is the tenant), every day of the tenant for a windowed job."""
+    if scope.window_start is None:
+        return Backlog(summary.backlog, summary.oldest_due_age_s)
+    try:
+        with engine.connect() as conn:
+            return tenant_backlog(conn, spec, scope.tenant_id)
+    except sa.exc.SQLAlchemyError as exc:  # the run is recorded; only its plot point is lost
+        log.warning(f"tenant backlog not measured: {one_line(str(exc), 200)}")
+        return Backlog(None, None)
 
 
 def _adopted(
@@ -299,7 +320,8 @@ def _run_tenant_range(
             continue
         summaries.append(summary)
         if asset_key is not None and summary.status != "skipped":
-            yield outcome_observation(asset_key, summary, Scope(tenant))
+            backlog = scope_backlog(spec, engine, summary, Scope(tenant), context.log)
+            yield outcome_observation(asset_key, summary, Scope(tenant), backlog)
         context.log.info(
             f"{spec.name} {summary.scope} {summary.mode}: {summary.status} — "
             f"eligible {summary.eligible_count}, changed {summary.mutated_count}, "
@@ -424,7 +446,8 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
             context.log.warning(f"partial success: {summary.failed_count} item(s) failed")
         metadata = summary_metadata(summary, scope)
         if asset_key is not None and summary.status != "skipped":
-            yield outcome_observation(asset_key, summary, scope)
+            backlog = scope_backlog(spec, engine, summary, scope, context.log)
+            yield outcome_observation(asset_key, summary, scope, backlog)
         if asset_key is not None and summary.mode == "execute" and summary.status != "skipped":
             declared = {c.name: c for c in spec.checks}
             for check in summary.checks:

@@ -25,8 +25,9 @@ from qo_ops.dagster_defs.partitions import (
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import one_line
 from qo_ops.platform.control import suspensions
+from qo_ops.platform.overdue import backlog_scope, database_now
 from qo_ops.platform.runs import append_audit, finish_unstarted
-from qo_ops.platform.spec import BatchContext, JobSpec, Scope, cadence_seconds
+from qo_ops.platform.spec import BatchContext, JobSpec, cadence_seconds
 
 MAX_TENANTS_PER_TICK = 200  # a tick touches at most this many tenants; the cursor rotates
 BACKLOG_COOLDOWN_S = 300  # one backlog-triggered run per job and tenant per 5 minutes
@@ -85,10 +86,13 @@ def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefin
                     skip_reason=f"{held[None].describe()}; no run requested",
                     cursor=context.cursor,
                 )
+            now = database_now(conn)
             for tenant in window:
                 if tenant in held:
                     continue
-                ctx = BatchContext(spec.name, Scope(tenant), "dry_run", uuid.uuid4())
+                # the tenant's whole backlog (every day, were the job windowed)
+                scope = backlog_scope(spec, tenant, now)
+                ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
                 # bounded count: stop counting at the threshold
                 waiting = conn.execute(
                     sa.select(sa.func.count()).select_from(

@@ -836,9 +836,14 @@ def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
             """
             SELECT (SELECT count(*) FROM audit_record WHERE tenant_id = :t
                       AND occurred_at >= :s AND occurred_at < :e) AS remaining,
-                   (SELECT count(*) FROM audit_record r JOIN audit_archive_manifest m
-                       ON m.tenant_id = r.tenant_id AND r.id BETWEEN m.min_record_id AND m.max_record_id
-                      AND r.occurred_at >= m.window_start AND r.occurred_at < m.window_end
+                   -- per archive, the source rows of its own day and id range (an index
+                   -- range each), however many days the window spans
+                   (SELECT coalesce(sum(n.rows), 0) FROM audit_archive_manifest m
+                      CROSS JOIN LATERAL (
+                          SELECT count(*) AS rows FROM audit_record r
+                           WHERE r.tenant_id = m.tenant_id
+                             AND r.occurred_at >= m.window_start AND r.occurred_at < m.window_end
+                             AND r.id BETWEEN m.min_record_id AND m.max_record_id) n
                     WHERE m.tenant_id = :t AND m.status = 'VERIFIED'
                       AND m.window_start >= :s AND m.window_start < :e) AS both_places,
                    (SELECT count(*) FROM audit_archive_manifest WHERE tenant_id = :t

@@ -506,7 +506,8 @@ def check_reconciliation(conn: Connection, ctx: BatchContext) -> list[OutcomeChe
                    count(*) FILTER (WHERE r.outcome IN ('flagged', 'dead_letter_flagged',
                                                         'budget_exhausted', 'failed')) AS unresolved
               FROM reconciliation_result r JOIN customer_order o ON o.id = r.order_id
-             WHERE r.tenant_id = :t AND o.submitted_at >= :start AND o.submitted_at < :end
+             WHERE r.tenant_id = :t AND o.tenant_id = :t
+               AND o.submitted_at >= :start AND o.submitted_at < :end
             """
         ),
         {"t": ctx.scope.tenant_id, "start": start, "end": end},

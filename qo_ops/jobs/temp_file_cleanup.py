@@ -670,6 +670,7 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
         ),
         window,
     ).scalar_one()
+    # streamed: checked on its own, the window is every day of the tenant's deletions
     deleted_paths = conn.execute(
         sa.text(
             "SELECT t.storage_path FROM temp_file_tombstone t WHERE t.tenant_id = :tenant "
@@ -678,6 +679,7 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
             "AND NOT EXISTS (SELECT 1 FROM temp_file f WHERE f.storage_path = t.storage_path)"
         ),
         window,
+        execution_options={"yield_per": 10_000},
     ).scalars()
     with ObjectStore(settings.objects_root) as store:
         leftover = sum(1 for p in deleted_paths if store.exists(p))

@@ -23,7 +23,7 @@ import uuid
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -88,15 +88,21 @@ def first_scheduled_tick(conn: Connection, job_name: str) -> datetime | None:
     return value
 
 
+def scheduled_day(spec: JobSpec, tick: datetime) -> date:
+    """The day a windowed job's schedule runs at ``tick`` (yesterday, or for retention jobs
+    the day that has just aged out); :class:`QoOpsError` for a bad retention setting."""
+    age = spec.scheduled_window_age_days() if spec.scheduled_window_age_days else 1
+    return (tick - timedelta(days=age)).date()
+
+
 def expected_scope(spec: JobSpec, tenant_id: str, tick: datetime) -> str:
     """The scope key the schedule runs for ``tenant_id`` at ``tick``."""
     if spec.partitioning != "tenant_day":
         return tenant_id
     try:
-        age = spec.scheduled_window_age_days() if spec.scheduled_window_age_days else 1
+        day = scheduled_day(spec, tick)
     except QoOpsError:  # a bad retention setting: the schedule itself skips with the reason
-        age = 1
-    day = (tick - timedelta(days=age)).date()
+        day = (tick - timedelta(days=1)).date()
     return Scope(tenant_id, day, day + timedelta(days=1)).key
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from qo_ops.dagster_defs.partitions import MODE_TAG, scope_from_partition_key
 from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform.overdue import backlog_scope, database_now
 from qo_ops.platform.runner import REPORT_SAMPLE, count_eligible
 from qo_ops.platform.spec import BatchContext
 from qo_ops_tests.dagster.test_jobs import SPECS, _run, _summary, work_partition
@@ -116,12 +117,15 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
     observed = _observations(result, instance, job_name)
     assert len(observed) == 1
     figures = observed[0].metadata
-    assert figures["scope"].value == summary["scope"]
+    run_scope = scope_from_partition_key(spec, partition)
+    assert figures["scope"].value == run_scope.tenant_id  # whose backlog the point is
+    if spec.partitioning == "tenant_day":
+        assert figures["run_scope"].value == summary["scope"]
     if not spec.uses_checkpoint and not spec.dry_run_scans:
-        # what is still due, counted again here from the job's own selection
-        scope = scope_from_partition_key(spec, partition)
-        ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4(), params={"limits": {}})
+        # what is still due for the tenant, every day of it, from the job's own selection
         with loaded.engine.connect() as conn:
+            scope = backlog_scope(spec, run_scope.tenant_id, database_now(conn))
+            ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4(), params={"limits": {}})
             assert figures["backlog"].value == count_eligible(conn, spec, ctx)
     if spec.dead_letters is not None:
         assert isinstance(figures["dead_letters"].value, int)
