@@ -39,11 +39,13 @@ from qo_ops.platform.spec import (
     CHECKPOINT_UPDATES,
     BatchContext,
     BatchOutcome,
+    ExecuteRefused,
     JobSpec,
     OutcomeCheck,
     ReportRow,
     RunOptions,
     Scope,
+    check_consent,
 )
 from qo_ops.platform.telemetry import METRICS, EventContext, JobMetrics
 from qo_ops.platform.tracing import span
@@ -153,6 +155,7 @@ def _resolve(spec: JobSpec, options: RunOptions) -> dict[str, Any]:
 def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
     """Reject a run that cannot be right, before anything is written."""
     options.validated()
+    check_consent(options, destructive=spec.destructive, job_name=spec.name)
     if spec.validate_settings is not None:
         spec.validate_settings()
     windowed = spec.partitioning == "tenant_day"
@@ -210,6 +213,9 @@ def _audit_trigger(
     details: dict[str, Any],
 ) -> None:
     """The audit row of a run being started (or refused) for ``options.requester``."""
+    trigger: dict[str, str] = {"trigger": options.trigger}
+    if options.dagster_run_id:
+        trigger["dagster_run_id"] = options.dagster_run_id
     runs.append_audit(
         conn,
         actor=options.requester or "unknown",
@@ -221,7 +227,7 @@ def _audit_trigger(
         reason=options.reason,
         correlation_id=options.correlation_id,
         job_run_id=run_id,
-        details=details,
+        details={**trigger, **details},
     )
 
 
@@ -304,7 +310,15 @@ def run_job(
     metrics: JobMetrics = METRICS,
 ) -> RunSummary:
     """Run ``spec`` over ``scope`` once, safely; see the module docstring for the shape."""
-    validate_request(engine, spec, scope, options)
+    try:
+        validate_request(engine, spec, scope, options)
+    except ExecuteRefused as refused:  # a person's execute without consent: refused on record
+        with engine.begin() as conn:
+            _audit_trigger(
+                conn, spec, scope, options, "denied", options.job_run_id,
+                {"refused": refused.error_code, "cause": str(refused)},
+            )  # fmt: skip
+        raise
     _refuse_if_suspended(engine, spec, scope, options)
     limits = _resolve(spec, options)
     started = time.monotonic()
@@ -338,7 +352,7 @@ def run_job(
             window_end=scope.window_end.isoformat() if scope.window_end else None,
             progress_interval_s=options.progress_interval_s,
         )
-        if options.trigger == "manual":
+        if options.person_behind and options.job_run_id is None:  # API runs: audited on accept
             with engine.begin() as conn:
                 _audit_trigger(conn, spec, scope, options, "allowed", run_id, {"limits": limits})
         metrics.started.labels(spec.name).inc()
