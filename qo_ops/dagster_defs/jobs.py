@@ -320,13 +320,17 @@ def job_description(spec: JobSpec) -> str:
         "Launched by hand or by a backfill it runs as a dry run (counts and a sample, no "
         "change) unless config says mode: execute (with a reason)."
     )
-    lines.append(
-        "To execute a backfill: Materialize/Backfill the partitions with the tags "
-        "qo_ops/mode=execute and qo_ops/reason=<why> (Dagster cannot pass run config to a "
-        "backfill); schedules and sensors execute."
-    )
     if spec.destructive:
-        lines.append("Destructive: dry-run first, and read the report's sample.")
+        lines.append(
+            "Destructive: dry-run first, and read the report's sample. A backfill only "
+            "dry-runs it: to execute, use the operator API's approval flow."
+        )
+    else:
+        lines.append(
+            "To execute a backfill: Materialize/Backfill the partitions with the tags "
+            "qo_ops/mode=execute and qo_ops/reason=<why> (Dagster cannot pass run config to a "
+            "backfill); schedules and sensors execute."
+        )
     return " ".join(lines)
 
 

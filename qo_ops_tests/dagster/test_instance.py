@@ -142,7 +142,7 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         with db.engine.connect() as conn:
             scopes = conn.execute(
                 sa.text(
-                    "SELECT scope, mode, mutated_count FROM job_run WHERE dagster_run_id = ANY(:ids)"
+                    "SELECT scope, mode, succeeded_count FROM job_run WHERE dagster_run_id = ANY(:ids)"
                 ),
                 {"ids": [r.run_id for r in windowed]},
             ).all()
@@ -164,7 +164,7 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
             for d in days
         )
         assert {s.mode for s in scopes} == {"execute"}
-        assert sum(s.mutated_count for s in scopes) > 0 and unpriced == 0  # real work, all done
+        assert sum(s.succeeded_count for s in scopes) > 0 and unpriced == 0  # real work, all done
 
 
 BACKFILL_TAGS = {"qo_ops/mode": "execute", "qo_ops/reason": "backfill test"}
