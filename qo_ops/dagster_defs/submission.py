@@ -142,7 +142,11 @@ class QoOpsRunCoordinator(dg.QueuedRunCoordinator):
 
     def submit_run(self, context: dg.SubmitRunContext) -> dg.DagsterRun:
         run = context.dagster_run
-        refusal = refusal_at_submission(run)
+        try:
+            refusal = refusal_at_submission(run)
+        except Exception:  # a check that cannot decide lets the run queue: the runner decides
+            log.exception("run %s: submission check failed; the runner checks at start", run.run_id)
+            refusal = None
         if refusal is None or run.status != dg.DagsterRunStatus.NOT_STARTED:
             return super().submit_run(context)
         code, cause = refusal
