@@ -4,7 +4,6 @@ and its typed config into a ``run_job`` call, and reports what the runner return
 import enum
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
 
 # (no `from __future__ import annotations`: Dagster reads these annotations at decoration time)
 from typing import Any
@@ -18,12 +17,12 @@ from qo_ops.dagster_defs.k8s import k8s_config_tag
 from qo_ops.dagster_defs.partitions import (
     JOB_RUN_TAG,
     MODE_TAG,
-    REASON_TAG,
     partitions_def_for,
     scope_from_partition_key,
     scope_tag,
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.dagster_defs.submission import DESTRUCTIVE_TAG, run_options, trigger_from_tags
 from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.overdue import Backlog, tenant_backlog
@@ -82,30 +81,6 @@ class JobRunConfig(dg.Config):
         max_length=MAX_TEXT,
         description="Why this run is needed (required to execute by hand; kept in the audit trail).",
     )
-
-
-def trigger_from_tags(tags: dict[str, str]) -> Trigger:
-    """How this Dagster run came about, from the tags Dagster puts on it."""
-    if JOB_RUN_TAG in tags:
-        return "api"
-    if "dagster/backfill" in tags:
-        return "backfill"
-    if "dagster/schedule_name" in tags:
-        return "schedule"
-    if "dagster/sensor_name" in tags:
-        return "sensor"
-    if int(tags.get("dagster/retry_number", "0") or 0) > 0:
-        return "retry"
-    return "manual"
-
-
-def resolve_mode(config: JobRunConfig, tags: dict[str, str], trigger: Trigger) -> str:
-    """Config wins, then the mode tag (backfills), then: automatic triggers execute."""
-    if config.mode is not None:
-        return config.mode.value
-    if tags.get(MODE_TAG) in ("dry_run", "execute"):
-        return tags[MODE_TAG]
-    return "execute" if trigger in ("schedule", "sensor", "retry") else "dry_run"
 
 
 FAILING_STATUSES = ("failed", "timeout", "cancelled")
@@ -251,38 +226,6 @@ def _refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
         runs.finish_unstarted(conn, run_id, "failed", "refused_at_start", code, str(exc))
 
 
-def _options(
-    config: JobRunConfig, tags: dict[str, str], trigger: Trigger, run_id: str
-) -> RunOptions:
-    """Run options of a run that was not accepted by the API: config, then tags."""
-    return RunOptions(
-        mode=resolve_mode(config, tags, trigger),  # type: ignore[arg-type]
-        trigger=trigger,
-        batch_size=config.batch_size,
-        max_items=config.max_items,
-        throttle_ms=config.throttle_ms,
-        deadline_s=config.deadline_s,
-        requester=tags.get("dagster/user") or f"dagster:{trigger}",
-        reason=config.reason or tags.get(REASON_TAG),
-        correlation_id=run_id,
-        dagster_run_id=run_id,
-        progress_interval_s=10.0,
-        scheduled_for=_scheduled_for(tags) if trigger == "schedule" else None,
-    )
-
-
-SCHEDULED_FOR_TAG = "qo_ops/scheduled_for"  # set by the schedules: the tick's time
-
-
-def _scheduled_for(tags: dict[str, str]) -> datetime | None:
-    """The tick a scheduled run belongs to (UTC), from its tag; None when absent or bad."""
-    try:
-        when = datetime.fromisoformat(tags[SCHEDULED_FOR_TAG])
-    except (KeyError, ValueError):
-        return None
-    return when if when.tzinfo is not None else None
-
-
 def _run_tenant_range(
     spec: JobSpec,
     context: dg.OpExecutionContext,
@@ -308,7 +251,7 @@ def _run_tenant_range(
             allow_retries=False,
         )
     tenants = list(context.partition_keys)
-    options = _options(config, tags, trigger, context.run_id)
+    options = run_options(dict(config), tags, context.run_id)
     summaries: list[RunSummary] = []
     refused: list[str] = []
     for tenant in tenants:
@@ -399,13 +342,17 @@ def job_description(spec: JobSpec) -> str:
         "Launched by hand or by a backfill it runs as a dry run (counts and a sample, no "
         "change) unless config says mode: execute (with a reason)."
     )
-    lines.append(
-        "To execute a backfill: Materialize/Backfill the partitions with the tags "
-        "qo_ops/mode=execute and qo_ops/reason=<why> (Dagster cannot pass run config to a "
-        "backfill); schedules and sensors execute."
-    )
     if spec.destructive:
-        lines.append("Destructive: dry-run first, and read the report's sample.")
+        lines.append(
+            "Destructive: dry-run first, and read the report's sample. A backfill only "
+            "dry-runs it: to execute, use the operator API's approval flow."
+        )
+    else:
+        lines.append(
+            "To execute a backfill: Materialize/Backfill the partitions with the tags "
+            "qo_ops/mode=execute and qo_ops/reason=<why> (Dagster cannot pass run config to a "
+            "backfill); schedules and sensors execute."
+        )
     return " ".join(lines)
 
 
@@ -429,7 +376,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
                 scope, options = _adopted(spec, engine, tags[JOB_RUN_TAG], context)
             else:
                 scope = scope_from_partition_key(spec, context.partition_key)
-                options = _options(config, tags, trigger, context.run_id)
+                options = run_options(dict(config), tags, context.run_id)
             context.instance.add_run_tags(context.run_id, {MODE_TAG: options.mode})
             summary = run_job(spec, scope, options, engine=engine)
         except QoOpsError as exc:  # bad input: refused before anything was written
@@ -495,7 +442,12 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
             tags_for_partition_key_fn=lambda key: scope_tag(spec, key),
         ),
         executor_def=dg.in_process_executor,
-        tags={"qo_ops/job": spec.name, "qo_ops/kind": spec.kind, **k8s_config_tag(spec)},
+        tags={
+            "qo_ops/job": spec.name,
+            "qo_ops/kind": spec.kind,
+            **({DESTRUCTIVE_TAG: "true"} if spec.destructive else {}),
+            **k8s_config_tag(spec),
+        },
     )
     def catalog_job() -> None:
         run_catalog_job()

@@ -7,7 +7,6 @@ from datetime import timedelta
 
 import dagster as dg
 
-from qo_ops.dagster_defs.jobs import SCHEDULED_FOR_TAG
 from qo_ops.dagster_defs.partitions import (
     PARTITION_START_ENV,
     days_partitions_def,
@@ -16,6 +15,7 @@ from qo_ops.dagster_defs.partitions import (
     tenants_partitions_def,
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.dagster_defs.submission import SCHEDULED_FOR_TAG
 from qo_ops.errors import QoOpsError
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.lease import held_scopes

@@ -4,7 +4,7 @@
 - ``<job>_backlog_sensor``: launches the job for a tenant whose backlog passed its threshold;
 - ``stale_success_sensor``: says which job/scope has not succeeded for 3× its cadence;
 - ``checkpoint_age_sensor``: says which windowed job's checkpoint stopped advancing;
-- ``run_failure_recorder``: logs every failed Dagster run of a catalog job.
+- ``run_failure_recorder``: records every failed Dagster run of a catalog job, with its cause.
 """
 
 import json
@@ -23,6 +23,7 @@ from qo_ops.dagster_defs.partitions import (
     tenants_partitions_def,
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.dagster_defs.submission import REFUSED_PREFIX, REFUSED_TAG, op_config, run_options
 from qo_ops.errors import one_line
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.overdue import backlog_scope, database_now
@@ -275,25 +276,61 @@ def _job_run_id(tag: str | None) -> uuid.UUID | None:
         return None
 
 
+def failure_cause(context: dg.RunFailureSensorContext) -> str:
+    """Why the run failed, in one line: the first failed step's own description (the
+    runner's one-line error, e.g. a refusal) rather than Dagster's "Steps failed"."""
+    for event in context.get_step_failure_events():
+        data = event.step_failure_data
+        described = data.user_failure_data.description if data.user_failure_data else None
+        if described or data.error is not None:
+            return one_line(described or data.error.message, 300)  # type: ignore[union-attr]
+    return one_line(context.failure_event.message or "no message", 300)
+
+
 @dg.run_failure_sensor(name="run_failure_recorder", default_status=dg.DefaultSensorStatus.RUNNING)
 def run_failure_recorder(context: dg.RunFailureSensorContext, database: QoOpsDatabase) -> None:
-    """Record each failed catalog run in the audit trail (and the log), with its scope, so a
-    failure is on record even when it happened before the runner wrote a job_run row."""
+    """Record each failed catalog run in the audit trail (and the log), with its scope and
+    its cause, so a failure is on record even when it happened before the runner wrote a
+    job_run row. A run the coordinator refused before queueing (its failure message says so) is
+    recorded as the runner records a refusal: ``trigger``, ``denied``, who, mode, reason."""
     run = context.dagster_run
-    message = one_line(context.failure_event.message or "no message", 300)
-    context.log.error(
-        f"run {run.run_id} of {run.job_name} failed ({run.tags.get(SCOPE_TAG, '?')}): {message}"
+    refused = (context.failure_event.message or "").startswith(REFUSED_PREFIX)
+    message = (
+        one_line(context.failure_event.message or "", 300) if refused else failure_cause(context)
     )
+    scope = run.tags.get(SCOPE_TAG, "").partition(":")[2] or None
+    context.log.error(f"run {run.run_id} of {run.job_name} failed ({scope or '?'}): {message}")
     with database.engine().begin() as conn:
         accepted = _job_run_id(run.tags.get(JOB_RUN_TAG))
         if accepted is not None:  # an API run that failed before its op adopted the row
             finish_unstarted(conn, accepted, "failed", "dagster_run_failed", "dagster_run_failed")
+        if refused:
+            options = run_options(op_config(run), run.tags, run.run_id)
+            append_audit(
+                conn,
+                actor=options.requester or "unknown",
+                action="trigger",
+                decision="denied",
+                job_name=run.job_name,
+                scope=scope,
+                mode=options.mode,
+                reason=options.reason,
+                correlation_id=run.run_id,
+                details={
+                    "refused": run.tags.get(REFUSED_TAG, "bad_input"),
+                    "cause": message,
+                    "trigger": options.trigger,
+                    "dagster_run_id": run.run_id,
+                    "at": "submission",
+                },
+            )
+            return
         append_audit(
             conn,
             actor="dagster",
             action="run_failure",
             decision="recorded",
             job_name=run.job_name,
-            scope=run.tags.get(SCOPE_TAG, "").partition(":")[2] or None,
+            scope=scope,
             details={"dagster_run_id": run.run_id, "message": message},
         )

@@ -44,11 +44,13 @@ from qo_ops.platform.spec import (
     CHECKPOINT_UPDATES,
     BatchContext,
     BatchOutcome,
+    ExecuteRefused,
     JobSpec,
     OutcomeCheck,
     ReportRow,
     RunOptions,
     Scope,
+    check_consent,
 )
 from qo_ops.platform.stopping import TERMINATED, StopSignals, Terminated, stop_grace_s
 from qo_ops.platform.telemetry import METRICS, EventContext, JobMetrics
@@ -152,6 +154,7 @@ def _resolve(spec: JobSpec, options: RunOptions) -> dict[str, Any]:
 def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
     """Reject a run that cannot be right, before anything is written."""
     options.validated()
+    check_consent(options, destructive=spec.destructive, job_name=spec.name)
     if spec.validate_settings is not None:
         spec.validate_settings()
     windowed = spec.partitioning == "tenant_day"
@@ -209,6 +212,9 @@ def _audit_trigger(
     details: dict[str, Any],
 ) -> None:
     """The audit row of a run being started (or refused) for ``options.requester``."""
+    trigger: dict[str, str] = {"trigger": options.trigger}
+    if options.dagster_run_id:
+        trigger["dagster_run_id"] = options.dagster_run_id
     runs.append_audit(
         conn,
         actor=options.requester or "unknown",
@@ -220,7 +226,7 @@ def _audit_trigger(
         reason=options.reason,
         correlation_id=options.correlation_id,
         job_run_id=run_id,
-        details=details,
+        details={**trigger, **details},
     )
 
 
@@ -308,7 +314,15 @@ def run_job(
     database restarting, a bug -- the record is finished and the lease given back before
     this returns (or re-raises a foreign interrupt, e.g. Dagster's)."""
     with StopSignals(stop_grace_s()) as stop:  # a signal before the record: nothing written
-        validate_request(engine, spec, scope, options)
+        try:
+            validate_request(engine, spec, scope, options)
+        except ExecuteRefused as refused:  # a person's execute without consent: on record
+            with stop.deferred(), engine.begin() as conn:
+                _audit_trigger(
+                    conn, spec, scope, options, "denied", options.job_run_id,
+                    {"refused": refused.error_code, "cause": str(refused)},
+                )  # fmt: skip
+            raise
         _refuse_if_suspended(engine, spec, scope, options)
         limits = _resolve(spec, options)
         started = time.monotonic()
@@ -407,7 +421,7 @@ def _run(
     """Everything between the run record's creation and its end: audit, start events,
     orphans, the work (dry run or batches), then the outcome checks."""
     run_id = ctx.job_run_id
-    if options.trigger == "manual":
+    if options.person_behind and options.job_run_id is None:  # API runs: audited on accept
         with ctx.stop.deferred(), engine.begin() as conn:
             _audit_trigger(conn, spec, ctx.scope, options, "allowed", run_id, {"limits": limits})
     metrics.started.labels(spec.name).inc()
@@ -443,7 +457,11 @@ def _run(
     else:
         _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
     _crash_point("before_finalize")
-    if summary.status in ("skipped", "running") or summary.error_code == UNAVAILABLE or ctx.stop.requested:
+    if (
+        summary.status in ("skipped", "running")
+        or summary.error_code == UNAVAILABLE
+        or ctx.stop.requested
+    ):
         return  # nothing was done, or the checks cannot run now: nothing to check
     try:
         _hold_point("before_finalize")  # the outcome-check phase, as far as a signal knows

@@ -20,6 +20,11 @@ Mode = Literal["dry_run", "execute"]
 Trigger = Literal["schedule", "sensor", "manual", "backfill", "retry", "api"]
 Partitioning = Literal["tenant", "tenant_day"]
 TRIGGERS: tuple[str, ...] = ("schedule", "sensor", "manual", "backfill", "retry", "api")
+# Triggers a person stands behind: the CLI, the Launchpad and a person's re-execution
+# (manual), a partition backfill, the operator API, and Dagster's automatic retry of a run
+# a person launched (retries of scheduled and sensor runs keep their parent's trigger).
+# Their executes need a reason and are audited; schedules and sensors are not persons.
+TRIGGERS_WITH_A_PERSON: tuple[str, ...] = ("manual", "backfill", "retry", "api")
 
 TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 MAX_BATCH_SIZE = 10_000
@@ -99,15 +104,50 @@ class RunOptions:
         _check_range("deadline (s)", self.deadline_s, 0.001, MAX_DEADLINE_S)
         _check_range("lease TTL (s)", self.lease_ttl_s, 1, MAX_LEASE_TTL_S)
         _check_range("concurrency", self.concurrency, 1, MAX_CONCURRENCY)
-        for name in ("requester", "reason", "correlation_id"):
+        for name in ("requester", "correlation_id", "reason"):
+            if name == "reason":  # a blank reason is no reason: refused (and audited) as such
+                check_consent(self)
             value = getattr(self, name)
             if value is not None and (len(value) > MAX_TEXT or not value.strip()):
                 raise BadInput(f"{name.replace('_', ' ')} must be 1 to {MAX_TEXT} characters")
-        if self.mode == "execute" and self.trigger == "manual" and not (self.reason or "").strip():
-            raise BadInput(
-                "a manual execute needs a reason (CLI: --reason; Dagster: config reason)"
-            )
         return self
+
+    @property
+    def person_behind(self) -> bool:
+        """A person asked for this run (:data:`TRIGGERS_WITH_A_PERSON`): an execute needs a
+        reason, and the run is audited."""
+        return self.trigger in TRIGGERS_WITH_A_PERSON
+
+
+class ExecuteRefused(BadInput):
+    """An execute a person asked for that the rules do not allow (no reason; a destructive
+    job in a backfill). Nothing was run; ``run_job`` audits it as ``denied``."""
+
+    def __init__(self, message: str, *, error_code: str) -> None:
+        super().__init__(message)
+        self.error_code = error_code  # reason_required | approval_required
+
+
+def check_consent(options: RunOptions, *, destructive: bool = False, job_name: str = "") -> None:
+    """Raise :class:`ExecuteRefused` for an execute with a person behind it that gives no
+    reason, or that runs a destructive job from a backfill: a backfill names no approver, so
+    it cannot carry the second identity's approval the operator API asks for."""
+    if options.mode != "execute" or not options.person_behind:
+        return
+    if not (options.reason or "").strip():
+        raise ExecuteRefused(
+            f"an execute by a person ({options.trigger}) needs a reason (CLI: --reason; "
+            "Dagster: config reason, or the tag qo_ops/reason on a backfill or re-execution)",
+            error_code="reason_required",
+        )
+    if destructive and options.trigger == "backfill":
+        job = job_name or "{job}"
+        raise ExecuteRefused(
+            f"a backfill cannot execute {job_name or 'a destructive job'} (destructive): use "
+            f"the operator API's approval flow (POST /internal/jobs/{job}/runs as an approver, "
+            "or with requestApproval and a second identity's approval)",
+            error_code="approval_required",
+        )
 
 
 def _check_range(name: str, value: float | None, lo: float, hi: float) -> None:

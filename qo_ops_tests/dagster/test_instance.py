@@ -1,6 +1,6 @@
 """A real Dagster deployment on loopback: webserver + daemon over PostgreSQL storage, runs
 launched through the GraphQL API, the queue keeping one run per job and scope, a
-terminated run ending `cancelled` in job_run, and a partition backfill."""
+terminated run ending `cancelled` in job_run, and partition backfills (each run audited)."""
 
 from __future__ import annotations
 
@@ -116,23 +116,45 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         }
         assert overdue == 0 and expired > 0
 
+        # every run of the backfill is on record: who (the backfill), scope, mode, reason
+        with db.engine.connect() as conn:
+            audited = conn.execute(
+                sa.text(
+                    "SELECT actor, scope, mode, reason, decision, details FROM job_audit "
+                    "WHERE action = 'trigger' AND correlation_id = ANY(:ids) ORDER BY scope"
+                ),
+                {"ids": [r.run_id for r in runs]},
+            ).all()
+        assert [(a.actor, a.scope, a.mode, a.reason, a.decision) for a in audited] == [
+            (f"backfill:{backfill_id}", tenant, "execute", "backfill test", "allowed")
+            for tenant in ("tenant-001", "tenant-002")
+        ]
+        assert {a.details["trigger"] for a in audited} == {"backfill"}
+
         # a tenant × day backfill of a windowed job: 2 tenants × 3 days = 6 runs
         days = ["2026-02-10", "2026-02-11", "2026-02-12"]
         keys = [f"{day}|{tenant}" for tenant in ("tenant-001", "tenant-002") for day in days]
-        windowed = _finished_backfill_runs(instance, _backfill(port, "read_model_repair", keys), 6)
+        windowed = _finished_backfill_runs(
+            instance, _backfill(port, "pricing_snapshot_recalculation", keys), 6
+        )
         assert sorted(r.tags["dagster/partition"] for r in windowed) == sorted(keys)
         assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in windowed)
         with db.engine.connect() as conn:
             scopes = conn.execute(
-                sa.text("SELECT scope, mode FROM job_run WHERE dagster_run_id = ANY(:ids)"),
+                sa.text(
+                    "SELECT scope, mode, succeeded_count FROM job_run WHERE dagster_run_id = ANY(:ids)"
+                ),
                 {"ids": [r.run_id for r in windowed]},
             ).all()
-            drift_left = conn.scalar(
+            unpriced = conn.scalar(
                 sa.text(
                     """
-                    SELECT count(*) FROM customer_order o LEFT JOIN order_read_model r ON r.order_id = o.id
-                     WHERE o.submitted_at >= '2026-02-10' AND o.submitted_at < '2026-02-13'
-                       AND (r.order_id IS NULL OR r.total_amount <> o.total_amount OR r.status <> o.status)
+                    SELECT count(*) FROM quote q
+                      JOIN price_book pb ON pb.tenant_id = q.tenant_id AND pb.is_current
+                      LEFT JOIN pricing_snapshot s
+                        ON s.quote_id = q.id AND s.price_book_version = pb.version
+                     WHERE q.created_at >= '2026-02-10' AND q.created_at < '2026-02-13'
+                       AND s.quote_id IS NULL
                     """
                 )
             )
@@ -142,10 +164,15 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
             for d in days
         )
         assert {s.mode for s in scopes} == {"execute"}
-        assert drift_left == 0
+        assert sum(s.succeeded_count for s in scopes) > 0 and unpriced == 0  # real work, all done
 
 
-def _backfill(port: int, job_name: str, partitions: list[str]) -> str:
+BACKFILL_TAGS = {"qo_ops/mode": "execute", "qo_ops/reason": "backfill test"}
+
+
+def _backfill(
+    port: int, job_name: str, partitions: list[str], tags: dict[str, str] = BACKFILL_TAGS
+) -> str:
     """Launch a partition backfill through GraphQL; the mode comes from run tags."""
     result = httpx.post(
         f"http://127.0.0.1:{port}/graphql",
@@ -168,10 +195,7 @@ def _backfill(port: int, job_name: str, partitions: list[str]) -> str:
                         },
                     },
                     "partitionNames": partitions,
-                    "tags": [
-                        {"key": "qo_ops/mode", "value": "execute"},
-                        {"key": "qo_ops/reason", "value": "backfill test"},
-                    ],
+                    "tags": [{"key": k, "value": v} for k, v in tags.items()],
                 }
             },
         },

@@ -194,3 +194,6 @@ def test_run_failure_recorder_puts_the_failure_on_record(defs, loaded, instance)
         ).one()
     assert (row.actor, row.job_name, row.scope) == ("dagster", "quote_expiration", "tenant-001")
     assert row.details["dagster_run_id"] == failed.run_id
+    # the cause, in the runner's own words, not Dagster's "Steps failed: [...]"
+    assert "needs a reason" in row.details["message"], row.details
+    assert "Steps failed" not in row.details["message"] and "\n" not in row.details["message"]

@@ -46,7 +46,13 @@ def execute(engine: sa.Engine, scope: Scope = WINDOW, **options: Any) -> RunSumm
     return run_job(
         SPEC,
         scope,
-        RunOptions(mode="execute", trigger="backfill", progress_interval_s=3600, **options),
+        RunOptions(
+            mode="execute",
+            trigger="backfill",
+            reason="INC-1 backfill",
+            progress_interval_s=3600,
+            **options,
+        ),
         engine=engine,
     )
 

@@ -71,7 +71,13 @@ def test_rerun_resumes_from_the_checkpoint_and_never_repeats_a_batch(db):
     first = run_job(
         BUMP,
         scope,
-        RunOptions(mode="execute", trigger="backfill", batch_size=60, max_items=250),
+        RunOptions(
+            mode="execute",
+            trigger="backfill",
+            reason="INC-1 backfill",
+            batch_size=60,
+            max_items=250,
+        ),
         engine=db.engine,
     )
     assert (first.status, first.processed_count, first.batches) == ("success", 250, 5)
@@ -90,11 +96,19 @@ def test_rerun_resumes_from_the_checkpoint_and_never_repeats_a_batch(db):
     assert _versions(db.engine) == {2: 250, 1: 250}
 
     second = run_job(
-        BUMP, scope, RunOptions(mode="execute", trigger="backfill", batch_size=60), engine=db.engine
+        BUMP,
+        scope,
+        RunOptions(mode="execute", trigger="backfill", reason="INC-1 backfill", batch_size=60),
+        engine=db.engine,
     )
     assert second.processed_count == 250  # only what was left
     assert _versions(db.engine) == {2: 500}  # every quote bumped exactly once
-    third = run_job(BUMP, scope, RunOptions(mode="execute", trigger="backfill"), engine=db.engine)
+    third = run_job(
+        BUMP,
+        scope,
+        RunOptions(mode="execute", trigger="backfill", reason="INC-1 backfill"),
+        engine=db.engine,
+    )
     assert third.status == "no_work"
     with db.engine.connect() as conn:  # the other tenant was never touched
         assert (
@@ -118,7 +132,7 @@ def test_a_failed_batch_leaves_the_checkpoint_where_the_last_commit_was(db):
     failed = run_job(
         spec,
         Scope("tenant-001"),
-        RunOptions(mode="execute", trigger="backfill", batch_size=50),
+        RunOptions(mode="execute", trigger="backfill", reason="INC-1 backfill", batch_size=50),
         engine=db.engine,
     )
     assert (failed.status, failed.error_code) == ("failed", "internal_error")
@@ -131,6 +145,9 @@ def test_a_failed_batch_leaves_the_checkpoint_where_the_last_commit_was(db):
     assert int(last) == hundredth
     assert _versions(db.engine) == {2: 100, 1: 200}
     resumed = run_job(
-        BUMP, Scope("tenant-001"), RunOptions(mode="execute", trigger="backfill"), engine=db.engine
+        BUMP,
+        Scope("tenant-001"),
+        RunOptions(mode="execute", trigger="backfill", reason="INC-1 backfill"),
+        engine=db.engine,
     )
     assert resumed.processed_count == 200 and _versions(db.engine) == {2: 300}

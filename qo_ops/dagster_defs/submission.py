@@ -1,0 +1,159 @@
+"""Who and what a Dagster run is, from its tags and run config, before it runs: its trigger,
+mode, requester and run options — and the run coordinator that refuses, before the run is
+queued, a run the platform would refuse at start (``dagster.yaml``: ``QoOpsRunCoordinator``).
+
+Only Dagster and the platform's pure validation (``RunOptions.validated``, ``check_consent``)
+are imported here: the webserver and the daemon load this module with the instance.
+"""
+
+import logging
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import dagster as dg
+
+from qo_ops.dagster_defs.partitions import JOB_RUN_TAG, MODE_TAG, REASON_TAG
+from qo_ops.errors import BadInput
+from qo_ops.platform.spec import RunOptions, Trigger, check_consent
+
+USER_TAG = "dagster/user"  # the signed-in person (Dagster+; absent in the OSS webserver)
+BACKFILL_TAG = "dagster/backfill"
+PARENT_RUN_TAG = "dagster/parent_run_id"  # a re-execution (by a person, or an automatic retry)
+RETRY_NUMBER_TAG = "dagster/retry_number"  # only on Dagster's automatic run retries
+ROOT_RUN_TAG = "dagster/root_run_id"
+MAX_RETRIES_TAG = "dagster/max_retries"  # 0: the run-retry daemon leaves a failed run alone
+DESTRUCTIVE_TAG = "qo_ops/destructive"  # on every run of a JobSpec.destructive job
+REFUSED_TAG = "qo_ops/refused"  # set by QoOpsRunCoordinator on a run it refused: why (a code)
+REFUSED_PREFIX = "refused before queueing: "  # its failure message (re-executions copy tags)
+SCHEDULED_FOR_TAG = "qo_ops/scheduled_for"  # set by the schedules: the tick's time
+
+log = logging.getLogger(__name__)
+
+
+def trigger_from_tags(tags: Mapping[str, str]) -> Trigger:
+    """How this Dagster run came about, from the tags Dagster puts on it.
+
+    A re-execution copies its parent's tags (schedule and sensor names included): one
+    without ``dagster/retry_number`` was started by a person (``manual``). Dagster's own run
+    retries (``run_retries`` in dagster.yaml) carry that tag and keep their parent's
+    trigger, so ``retry`` is left for the retry of a run a person launched by hand."""
+    if JOB_RUN_TAG in tags:
+        return "api"
+    if BACKFILL_TAG in tags:
+        return "backfill"
+    retry_number = int(tags.get(RETRY_NUMBER_TAG, "0") or 0)
+    if PARENT_RUN_TAG in tags and retry_number == 0:
+        return "manual"
+    if "dagster/schedule_name" in tags:
+        return "schedule"
+    if "dagster/sensor_name" in tags:
+        return "sensor"
+    if retry_number > 0:
+        return "retry"
+    return "manual"
+
+
+def resolve_mode(config_mode: str | None, tags: Mapping[str, str], trigger: Trigger) -> str:
+    """Config wins, then the mode tag (backfills; a retry has its parent's), then: schedules
+    and sensors execute, everything a person started is a dry run."""
+    if config_mode is not None:
+        return config_mode
+    if tags.get(MODE_TAG) in ("dry_run", "execute"):
+        return tags[MODE_TAG]
+    return "execute" if trigger in ("schedule", "sensor") else "dry_run"
+
+
+def requester_from_tags(tags: Mapping[str, str], trigger: Trigger, run_id: str) -> str:
+    """Who asked: the Dagster user where Dagster knows one, else the backfill or the run a
+    person launched (a retry: its first run); ``dagster:<trigger>`` for schedules and
+    sensors."""
+    if tags.get(USER_TAG):
+        return tags[USER_TAG]
+    if trigger == "backfill":
+        return f"backfill:{tags[BACKFILL_TAG]}"
+    if trigger == "manual":
+        return f"dagster-run:{run_id}"
+    if trigger == "retry":
+        return f"dagster-run:{tags.get(ROOT_RUN_TAG, run_id)}"
+    return f"dagster:{trigger}"
+
+
+def _scheduled_for(tags: Mapping[str, str]) -> datetime | None:
+    """The tick a scheduled run belongs to (UTC), from its tag; None when absent or bad."""
+    try:
+        when = datetime.fromisoformat(tags[SCHEDULED_FOR_TAG])
+    except (KeyError, ValueError):
+        return None
+    return when if when.tzinfo is not None else None
+
+
+def run_options(config: Mapping[str, Any], tags: Mapping[str, str], run_id: str) -> RunOptions:
+    """Run options of a run that was not accepted by the API, from its op config (the
+    ``JobRunConfig`` fields) and its tags. Not validated: ``run_job`` does that."""
+    trigger = trigger_from_tags(tags)
+    mode = config.get("mode")
+    return RunOptions(
+        mode=resolve_mode(getattr(mode, "value", mode), tags, trigger),  # type: ignore[arg-type]
+        trigger=trigger,
+        batch_size=config.get("batch_size"),
+        max_items=config.get("max_items"),
+        throttle_ms=config.get("throttle_ms"),
+        deadline_s=config.get("deadline_s"),
+        requester=requester_from_tags(tags, trigger, run_id),
+        reason=config.get("reason") or tags.get(REASON_TAG),
+        correlation_id=run_id,
+        dagster_run_id=run_id,
+        progress_interval_s=10.0,
+        scheduled_for=_scheduled_for(tags) if trigger == "schedule" else None,
+    )
+
+
+def op_config(run: dg.DagsterRun) -> Mapping[str, Any]:
+    """The catalog op's config in a run's run config (``{}`` when none was given)."""
+    run_config: Mapping[str, Any] = run.run_config or {}
+    ops: Mapping[str, Any] = run_config.get("ops") or {}
+    return (ops.get(f"{run.job_name}_op") or {}).get("config") or {}
+
+
+def refusal_at_submission(run: dg.DagsterRun) -> tuple[str, str] | None:
+    """``(code, one-line cause)`` when the platform would refuse this run at start (options
+    out of range, a person's execute without a reason, a destructive backfill execute);
+    None to let it queue. API runs were validated when the API accepted them."""
+    tags = run.tags
+    if "qo_ops/job" not in tags or JOB_RUN_TAG in tags:
+        return None
+    options = run_options(op_config(run), tags, run.run_id)
+    try:
+        options.validated()
+        check_consent(
+            options, destructive=tags.get(DESTRUCTIVE_TAG) == "true", job_name=run.job_name
+        )
+    except BadInput as refused:
+        return getattr(refused, "error_code", "bad_input"), str(refused)
+    return None
+
+
+class QoOpsRunCoordinator(dg.QueuedRunCoordinator):
+    """Dagster's queue (same config), refusing at submission a run the platform would refuse
+    at start: the run ends FAILURE with one line (tag ``qo_ops/refused``) and is never
+    queued or launched; ``run_failure_recorder`` audits it as ``denied``. Every submission
+    passes here — the Launchpad, backfills, re-executions, schedules, sensors, retries."""
+
+    def submit_run(self, context: dg.SubmitRunContext) -> dg.DagsterRun:
+        run = context.dagster_run
+        try:
+            refusal = refusal_at_submission(run)
+        except Exception:  # a check that cannot decide lets the run queue: the runner decides
+            log.exception("run %s: submission check failed; the runner checks at start", run.run_id)
+            refusal = None
+        if refusal is None or run.status != dg.DagsterRunStatus.NOT_STARTED:
+            return super().submit_run(context)
+        code, cause = refusal
+        # never retried: an automatic retry would copy its config and tags and be refused again
+        self._instance.add_run_tags(run.run_id, {REFUSED_TAG: code, MAX_RETRIES_TAG: "0"})
+        self._instance.report_run_failed(run, message=REFUSED_PREFIX + cause)
+        log.warning("run %s of %s refused before queueing: %s", run.run_id, run.job_name, code)
+        refused = self._instance.get_run_by_id(run.run_id)
+        assert refused is not None
+        return refused
