@@ -31,10 +31,12 @@ from qo_ops.dagster_defs.partitions import (
     SCOPE_TAG,
     WINDOW_TAG,
 )
-from qo_ops.errors import one_line
+from qo_ops.errors import BadInput, one_line
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform import control, runs
 from qo_ops.platform.spec import (
+    FIRST_DAY,
+    LAST_DAY,
     MAX_BATCH_SIZE,
     MAX_ITEMS,
     MAX_TEXT,
@@ -650,10 +652,16 @@ def _validated(spec: JobSpec, body: RunRequestBody) -> service.RunRequest:
         )
         if v is not None
     }
+    try:
+        scope = Scope(body.tenant, start, end)  # days at the calendar's edges are refused
+    except BadInput:
+        raise ApiError(
+            422, f"the window's days must lie from {FIRST_DAY} to {LAST_DAY} (to is exclusive)"
+        ) from None
     return service.RunRequest(
         spec=spec,
         mode=body.mode,
-        scope=Scope(body.tenant, start, end),
+        scope=scope,
         limits=limits,
         reason=body.reason.strip() if body.reason else None,
         correlation_id=body.correlationId,

@@ -77,7 +77,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dtime
@@ -91,9 +91,9 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from qo_ops.config import load_settings
+from qo_ops.config import load_settings, whole_number
 from qo_ops.db.schema import audit_archive_manifest, audit_record
-from qo_ops.errors import BadInput, QoOpsError, one_line
+from qo_ops.errors import BadInput, ConfigError, QoOpsError, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.lease import LeaseLost
 from qo_ops.platform.runner import CRASH_ENV
@@ -108,6 +108,7 @@ from qo_ops.platform.spec import (
     ReportRow,
     RunResources,
     Scope,
+    run_settings,
 )
 
 JOB_NAME = "audit_archive"
@@ -174,23 +175,47 @@ def _crash_at(point: str) -> None:
 # ------------------------------------------------------------------------ settings, paths
 
 
-def retention_days() -> int:
-    """The retention in days (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365)."""
-    raw = os.environ.get(RETENTION_ENV, "").strip()
-    if not raw:
-        return DEFAULT_RETENTION_DAYS
-    try:
-        days = int(raw)
-    except ValueError:
-        raise BadInput(f"{RETENTION_ENV} must be a whole number of days, got {raw!r}") from None
-    if not 1 <= days <= MAX_RETENTION_DAYS:
-        raise BadInput(f"{RETENTION_ENV} must be between 1 and {MAX_RETENTION_DAYS}, got {days}")
-    return days
+class ArchiveConfigError(ConfigError):
+    """An audit_archive setting in the environment is unusable; nothing was run."""
+
+    error_code = "bad_config"
 
 
-def _cutoff() -> sa.ColumnElement[Any]:
-    """Records that occurred before this (database clock) are past retention."""
-    return sa.func.now() - sa.cast(sa.literal(f"{retention_days()} days"), sa.Interval)
+def retention_days(environ: Mapping[str, str] | None = None) -> int:
+    """The retention in days (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365, 1 to 36,500)."""
+    return whole_number(
+        RETENTION_ENV, DEFAULT_RETENTION_DAYS, 1, MAX_RETENTION_DAYS,
+        unit="days", environ=environ, error=ArchiveConfigError,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ArchiveSettings:
+    """What an archive run works with, checked before it locks or writes anything."""
+
+    retention_days: int
+    archive_root: Path  # QO_OPS_HOME/archive: where the files go
+
+
+def archive_settings(environ: Mapping[str, str] | None = None) -> ArchiveSettings:
+    """The retention, and an archive directory this process can write (it, or the nearest
+    directory above it that exists); :class:`ArchiveConfigError` names what is wrong."""
+    env = os.environ if environ is None else environ
+    days = retention_days(env)
+    root = load_settings(dict(env)).home / ARCHIVE_DIR
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ArchiveConfigError(
+            f"archive files go to {root}, but {existing} is not a writable directory "
+            "(check QO_OPS_HOME and its volume)"
+        )
+    return ArchiveSettings(days, root)
+
+
+def _cutoff(ctx: BatchContext) -> sa.ColumnElement[Any]:
+    """Records that occurred before this (database clock) are past the run's retention."""
+    days = run_settings(ctx, archive_settings).retention_days
+    return sa.func.now() - sa.cast(sa.literal(f"{days} days"), sa.Interval)
 
 
 def archive_home() -> Path:
@@ -384,7 +409,7 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
         audit_record.c.tenant_id == ctx.scope.tenant_id,
         audit_record.c.occurred_at >= start,
         audit_record.c.occurred_at < end,
-        audit_record.c.occurred_at < _cutoff(),
+        audit_record.c.occurred_at < _cutoff(ctx),
     )
     if end - start > timedelta(days=1):
         return query.order_by(_day_expr(), audit_record.c.id)
@@ -476,7 +501,7 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
         raise ArchiveVerificationFailed(ctx.params["archive_failure"])
     if "archive_baseline" not in ctx.params:
         ctx.params["archive_baseline"] = _baseline(conn, ctx.scope)
-    cutoff = conn.execute(sa.select(_cutoff())).scalar_one()  # now() of this transaction
+    cutoff = conn.execute(sa.select(_cutoff(ctx))).scalar_one()  # now() of this transaction
     table = copy_table(
         conn,
         "id = ANY(%(ids)s) AND tenant_id = %(t)s",
@@ -920,13 +945,13 @@ def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
             audit_record.c.tenant_id == ctx.scope.tenant_id,
             audit_record.c.occurred_at >= start,
             audit_record.c.occurred_at < end,
-            audit_record.c.occurred_at < _cutoff(),
+            audit_record.c.occurred_at < _cutoff(ctx),
         )
     ).scalar()
     if oldest is None:
         return None
     value = conn.execute(
-        sa.select(sa.func.extract("epoch", _cutoff() - sa.literal(oldest)))
+        sa.select(sa.func.extract("epoch", _cutoff(ctx) - sa.literal(oldest)))
     ).scalar()
     return seconds_or_none(value)
 
@@ -1089,7 +1114,7 @@ SPEC = JobSpec(
     # measured: 414 MiB peak RSS archiving 50,000-record chunks (CLI); a run worker adds Dagster
     run_resources=RunResources(cpu_request="500m", memory_request="1Gi", memory_limit="2Gi"),
     destructive=True,
-    validate_settings=retention_days,
+    validate_settings=archive_settings,  # retention and a writable archive directory
     scheduled_window_age_days=lambda: retention_days() + 1,
     side_effects=(SIDE_EFFECT,),
 )

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import customer_order
 from qo_ops.downstream.calls import downstream_client
-from qo_ops.downstream.client import DownstreamError
+from qo_ops.downstream.client import DownstreamError, downstream_url
 from qo_ops.errors import one_line
 from qo_ops.platform.external import call_each
 from qo_ops.platform.spec import (
@@ -36,6 +36,7 @@ from qo_ops.platform.spec import (
     JobSpec,
     OutcomeCheck,
     ReportRow,
+    run_settings,
 )
 
 IN_FLIGHT: list[sa.ColumnElement[str]] = [
@@ -81,7 +82,7 @@ def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Batc
 
 def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
     """Each order's downstream view; in the run's first batch also the unknown orders."""
-    client = downstream_client(ctx)
+    client = downstream_client(ctx, run_settings(ctx, downstream_url))
 
     def look(order: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -356,4 +357,5 @@ SPEC = JobSpec(
     dry_run_scans=True,
     compete_with_skip_locked=False,  # read-only selection: one run per scope holds the lease
     side_effects=(ADOPTED_EVENT, RESUBMIT_EVENT),
+    validate_settings=downstream_url,  # checked before the run reads or repairs anything
 )

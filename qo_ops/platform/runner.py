@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from qo_ops.config import number
 from qo_ops.db.schema import job_checkpoint
 from qo_ops.errors import BadInput, one_line
 from qo_ops.platform import runs
@@ -37,6 +38,7 @@ from qo_ops.platform.missed import scope_busy_at
 from qo_ops.platform.spec import (
     CHECKPOINT_RESETS,
     CHECKPOINT_UPDATES,
+    SETTINGS_PARAM,
     BatchContext,
     BatchOutcome,
     JobSpec,
@@ -150,11 +152,12 @@ def _resolve(spec: JobSpec, options: RunOptions) -> dict[str, Any]:
     }
 
 
-def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
-    """Reject a run that cannot be right, before anything is written."""
+def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> object:
+    """Reject a run that cannot be right, before anything is written; returns the job's
+    settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
     options.validated()
-    if spec.validate_settings is not None:
-        spec.validate_settings()
+    drift_warn_s()  # the runner's own setting
+    settings = spec.validate_settings() if spec.validate_settings is not None else None
     windowed = spec.partitioning == "tenant_day"
     if windowed and scope.window_start is None:
         raise BadInput(f"{spec.name} is windowed: give --date or --from/--to")
@@ -166,6 +169,7 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
         ).first()
     if known is None:
         raise BadInput(f"unknown tenant {scope.tenant_id}")
+    return settings
 
 
 DRIFT_WARN_ENV = "QO_OPS_DRIFT_WARN_S"
@@ -173,13 +177,9 @@ DEFAULT_DRIFT_WARN_S = 300.0
 
 
 def drift_warn_s() -> float:
-    """Above this many seconds late, a scheduled run logs job.scheduler.drift.detected."""
-    raw = os.environ.get(DRIFT_WARN_ENV, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_DRIFT_WARN_S
-    except ValueError:
-        value = DEFAULT_DRIFT_WARN_S
-    return value if value > 0 else DEFAULT_DRIFT_WARN_S
+    """Above this many seconds late, a scheduled run logs job.scheduler.drift.detected
+    (``QO_OPS_DRIFT_WARN_S``; a bad value is refused before a run starts)."""
+    return number(DRIFT_WARN_ENV, DEFAULT_DRIFT_WARN_S, 0.001, 86400.0, unit="seconds")
 
 
 def _drift_reason(
@@ -304,7 +304,7 @@ def run_job(
     metrics: JobMetrics = METRICS,
 ) -> RunSummary:
     """Run ``spec`` over ``scope`` once, safely; see the module docstring for the shape."""
-    validate_request(engine, spec, scope, options)
+    settings = validate_request(engine, spec, scope, options)
     _refuse_if_suspended(engine, spec, scope, options)
     limits = _resolve(spec, options)
     started = time.monotonic()
@@ -318,7 +318,10 @@ def run_job(
         "job.scope": scope.key,
     }
     with span(f"Job {spec.name}", **root_attributes) as root:
-        ctx = BatchContext(spec.name, scope, options.mode, run_id, params={"limits": limits})
+        ctx = BatchContext(
+            spec.name, scope, options.mode, run_id,
+            params={"limits": limits, SETTINGS_PARAM: settings},
+        )  # fmt: skip
         summary = RunSummary(
             job_run_id=str(run_id),
             job_name=spec.name,
@@ -451,7 +454,10 @@ def _after_run(
             summary.checkpoint_after = _cursor_text(saved[0])
             summary.checkpoint_age_s = float(saved[1])
     elif not spec.dry_run_scans:  # a selection of what is due: what is still due is backlog
-        fresh = BatchContext(spec.name, ctx.scope, ctx.mode, ctx.job_run_id, {"limits": limits})
+        fresh = BatchContext(
+            spec.name, ctx.scope, ctx.mode, ctx.job_run_id,
+            {"limits": limits, SETTINGS_PARAM: ctx.params.get(SETTINGS_PARAM)},
+        )  # fmt: skip
         summary.backlog = (
             summary.eligible_count if ctx.mode == "dry_run" else count_eligible(conn, spec, fresh)
         )

@@ -210,6 +210,18 @@ def test_malformed_unknown_out_of_range_and_unsafe_requests_get_422(api, db):
             path="/internal/jobs/pricing_snapshot_recalculation/runs",
             json={**DRY, "from": "2026-02-30", "to": "2026-03-01"},
         ),
+        "first day of the calendar": dict(
+            path="/internal/jobs/pricing_snapshot_recalculation/runs",
+            json={**DRY, "from": "0001-01-01", "to": "0001-01-02"},
+        ),
+        "a window from before 1900": dict(
+            path="/internal/jobs/order_reconciliation/runs",
+            json={**DRY, "from": "1899-12-31", "to": "1900-01-01"},
+        ),
+        "a window ending past the calendar": dict(
+            path="/internal/jobs/order_reconciliation/runs",
+            json={**DRY, "from": "9999-12-31", "to": "10000-01-01"},
+        ),
         "date with SQL": dict(
             path="/internal/jobs/pricing_snapshot_recalculation/runs",
             json={**DRY, "from": "2026-02-01' OR '1'='1", "to": "2026-02-02"},

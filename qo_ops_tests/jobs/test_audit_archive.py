@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from qo_ops.db.digest import database_digest, table_digest
 from qo_ops.db.schema import BUSINESS_TABLES, audit_record
 from qo_ops.demo.data import load_demo_data
-from qo_ops.errors import BadInput
+from qo_ops.errors import ConfigError
 from qo_ops.jobs import audit_archive
 from qo_ops.jobs.audit_archive import (
     ARCHIVE_CRASH_POINTS,
@@ -496,10 +496,10 @@ def test_orphans_and_temp_files_are_swept_only_when_old(seeded, home):
 def test_the_retention_setting_is_checked_and_used(seeded, home, monkeypatch):
     db = seeded
     monkeypatch.setenv(audit_archive.RETENTION_ENV, "soon")
-    with pytest.raises(BadInput, match="QO_OPS_AUDIT_RETENTION_DAYS"):
+    with pytest.raises(ConfigError, match="QO_OPS_AUDIT_RETENTION_DAYS"):
         run_job(SPEC, WINDOW, RunOptions(mode="dry_run"), engine=db.engine)
     monkeypatch.setenv(audit_archive.RETENTION_ENV, "0")
-    with pytest.raises(BadInput, match="between 1 and"):
+    with pytest.raises(ConfigError, match="from 1 to"):
         audit_archive.retention_days()
     # a retention longer than the records' age: nothing is eligible
     age = (datetime.now(UTC).date() - DAY).days
