@@ -9,7 +9,7 @@ import logging
 import re
 import time
 import uuid
-from datetime import UTC, date, datetime
+from datetime import date, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Header, Query, Request
@@ -427,8 +427,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         if active.get("dagster_run_id"):
             state = dagster.status(active["dagster_run_id"])
             return "dagster_run_ended_before_start" if state in DAGSTER_FINISHED else None
-        age = (datetime.now(UTC) - active["created_at"]).total_seconds()
-        return "launch_lost" if age > STALE_LAUNCH_S else None
+        return "launch_lost" if float(active["age_s"]) > STALE_LAUNCH_S else None
 
     def launch(
         request: Request, identity: str, spec: JobSpec, run_id: uuid.UUID, rr: service.RunRequest

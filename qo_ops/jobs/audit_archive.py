@@ -20,8 +20,9 @@ One batch of the runner is one chunk (or one per day when a window spans several
    fsync the directory; insert the manifest ``WRITTEN`` (its own committed transaction,
    fenced: only while this run's lease is current); read the file back and verify it:
    sha256 of its bytes equals the manifest's, it parses, its row count, id range, tenant
-   and window match. Orphan files (no manifest row, older than the lease TTL) in the
-   day's directory are removed.
+   and window match. Orphan files (no manifest row, older than the lease TTL by the
+   database's clock) in the day's directory are removed, unless another run holds a lease
+   over that day (:func:`_sweep_orphans`).
 3. **record** (batch transaction 2, guarded): lock the source rows of the manifest's
    tenant, id range and window; they must be exactly the file's rows: PostgreSQL digests
    the locked rows' own values (``_SOURCE_DIGEST``) and Arrow the rows read back from the
@@ -75,7 +76,6 @@ import hashlib
 import io
 import os
 import signal
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -669,31 +669,64 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
     return FileResult(chunk, True, ids=ids.to_pylist(), digests=table_digests(table))
 
 
-def _sweep_orphans(work: Work, directory: Path) -> int:
-    """Remove temp files and files without a manifest row, older than the lease TTL.
-
-    Safe against a live writer: a file swept before its manifest is committed makes that
-    manifest fail verification — nothing is deleted from the source then.
+# How the sweep judges a day's directory: by the database's clock (never this process's),
+# and whether another run holds a live lease of this job over a window containing the day.
+_SWEEP_STATE = sa.text(
     """
+    SELECT extract(epoch FROM clock_timestamp())::float8 AS now,
+           EXISTS (SELECT 1 FROM job_lease l JOIN job_run r ON r.id = l.job_run_id
+                    WHERE l.job_name = :job AND l.expires_at > clock_timestamp()
+                      AND l.job_run_id <> :run AND split_part(l.scope, '/', 1) = :tenant
+                      AND r.window_start <= :day AND r.window_end > :day) AS busy
+    """
+)
+
+
+def _sweep_orphans(work: Work, chunk: Chunk) -> int:
+    """Remove temp files and files without a manifest row from the chunk's day directory:
+    only those older than the lease TTL by the database's clock, and none while another run
+    holds a lease over that day (its newest file may not have its manifest yet).
+
+    No decision here reads this process's clock: a host whose clock runs ahead would take
+    a file another run has just written for an old one. Even so, a file swept before its
+    manifest is committed makes that manifest fail verification: nothing leaves the source.
+    """
+    directory = resolve_path(chunk.file_path).parent
     if not directory.is_dir():
         return 0
-    horizon = time.time() - work.min_file_age_s
+    seen: list[tuple[Path, float]] = []
+    for entry in directory.iterdir():
+        if not (entry.name.endswith(".tmp") or entry.suffix == ".parquet"):
+            continue  # not ours: leave it
+        try:
+            if entry.is_file():
+                seen.append((entry, entry.stat().st_mtime))
+        except FileNotFoundError:
+            continue
+    if not seen:
+        return 0
+    with work.engine.connect() as conn:
+        state = conn.execute(
+            _SWEEP_STATE,
+            {"job": work.job_name, "run": work.job_run_id, "tenant": chunk.tenant_id,
+             "day": chunk.day},
+        ).one()  # fmt: skip
+    if state.busy:
+        return 0
+    horizon = state.now - work.min_file_age_s
     candidates: dict[str, Path] = {}
     removed = 0
-    for entry in directory.iterdir():
-        try:
-            if not entry.is_file() or entry.stat().st_mtime > horizon:
-                continue
-        except FileNotFoundError:
+    for entry, mtime in seen:
+        if mtime > horizon:
             continue
         if entry.name.endswith(".tmp"):
             entry.unlink(missing_ok=True)
             removed += 1
-        elif entry.suffix == ".parquet":
-            try:
-                candidates[str(uuid.UUID(entry.stem))] = entry
-            except ValueError:
-                continue  # not ours: leave it
+            continue
+        try:
+            candidates[str(uuid.UUID(entry.stem))] = entry
+        except ValueError:
+            continue  # not ours: leave it
     if candidates:
         with work.engine.connect() as conn:
             known = {
@@ -743,7 +776,7 @@ def write_and_verify(ctx: BatchContext, work_items: list[Any]) -> list[Any]:
                 _crash_at("archive_after_manifest_written")
             assert chunk.sha256 is not None
             result = verify_file(chunk, chunk.sha256)
-            result.orphans_removed = _sweep_orphans(work, resolve_path(chunk.file_path).parent)
+            result.orphans_removed = _sweep_orphans(work, chunk)
             results.append(result)
     return results
 
