@@ -22,9 +22,10 @@ COPY pyproject.toml README.md ./
 COPY qo_ops ./qo_ops
 # Every version is pinned by constraints.txt (-c); no [dev] extra: no test or lint tools.
 # dagster-k8s: run workers load the instance, whose run launcher is the K8sRunLauncher.
+# dumb-init: the image's PID 1 (a static binary in a wheel, pinned like everything else).
 # The installer itself does not go to the runtime stage.
 RUN /opt/qo-ops/bin/pip install --no-cache-dir --no-build-isolation -c constraints.txt \
-        . dagster-k8s \
+        . dagster-k8s dumb-init \
     && /opt/qo-ops/bin/pip uninstall --yes pip setuptools wheel
 
 FROM ${PYTHON_IMAGE}
@@ -50,5 +51,8 @@ EXPOSE 3030 8090 9464
 # deploy/ (the chart probes the code location with this same command).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
     CMD ["dagster", "api", "grpc-health-check", "-p", "3030"]
-# No ENTRYPOINT: the chart and the K8sRunLauncher pass whole commands as container args.
+# An init as PID 1: it forwards SIGTERM to the process it starts and reaps orphans (the
+# kernel drops signals that PID 1 has no handler for). The chart, the K8sRunLauncher and
+# deploy/ pass whole commands as container args, which come after it.
+ENTRYPOINT ["/opt/qo-ops/bin/dumb-init", "--"]
 CMD ["dagster", "api", "grpc", "-h", "0.0.0.0", "-p", "3030", "-m", "qo_ops.definitions"]

@@ -5,6 +5,8 @@ sub-commands that also run as modules (``qo_ops.downstream.cli``, ``qo_ops.jobs.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 import typer
 from sqlalchemy.exc import SQLAlchemyError
@@ -17,7 +19,12 @@ EXIT_INTERNAL = 70
 
 
 def run_typer_app(app: typer.Typer, argv: list[str] | None, prog: str) -> int:
-    """Run ``app`` with ``argv``; return its exit code, errors reported as one line."""
+    """Run ``app`` with ``argv``; return its exit code, errors reported as one line.
+
+    As PID 1 (a container without an init), SIGTERM interrupts like SIGINT: the kernel drops
+    signals PID 1 has no handler for. A run installs its own handler while it runs."""
+    if os.getpid() == 1 and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     command = typer.main.get_command(app)
     debug = os.environ.get("QO_OPS_DEBUG") == "1"
     try:

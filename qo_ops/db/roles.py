@@ -77,6 +77,7 @@ EXPECTED: Matrix = {
         "catalog_item": SU,  # catalog_cache_refresh locks the items it refreshes
         "catalog_cache": SIU,  # catalog_cache_refresh upserts
         "reconciliation_result": SI,
+        "order_resubmission": SI,  # order_reconciliation appends one row per re-submission
         "temp_file_tombstone": SIUD,  # intents written, completed, dropped
         VERSION_TABLE: S,  # every command checks the schema revision
     },

@@ -599,12 +599,29 @@ reconciliation_result = sa.Table(
     sa.Column(
         "action", sa.Text, nullable=False
     ),  # report_only, resubmit, adopt_status, manual_review
-    sa.Column("outcome", sa.Text, nullable=False),  # reported, corrected, flagged, failed
+    # corrected, pending (a re-submission not yet delivered, or in its grace), flagged,
+    # dead_letter_flagged, budget_exhausted, failed
+    sa.Column("outcome", sa.Text, nullable=False),
     sa.Column("detail", sa.Text),
     sa.Column("created_at", TS, nullable=False, server_default=NOW),
     _status_check("mismatch_type", MISMATCH_TYPES),
     sa.UniqueConstraint("job_run_id", "order_number"),
     sa.Index("ix_reconciliation_result_order", "tenant_id", "order_number", "created_at"),
+)
+
+# order_reconciliation's re-submission budget (migration 0010): one row per re-submission of
+# an order the downstream misses, numbered from 1 in the transaction that puts its delivery
+# item back to READY. The number is the key of its OrderResubmitRequested event
+# (order:{id}:resubmit:{n}), so a rerun over unchanged state adds neither row nor event.
+order_resubmission = sa.Table(
+    "order_resubmission",
+    metadata,
+    sa.Column("order_id", sa.BigInteger, sa.ForeignKey("customer_order.id"), primary_key=True),
+    sa.Column("resubmission", sa.Integer, primary_key=True),  # 1, 2, … QO_OPS_RESUBMIT_MAX
+    _tenant_fk(),
+    sa.Column("job_run_id", UUID(as_uuid=True), nullable=False),  # a stamp, like pricing's
+    sa.Column("requested_at", TS, nullable=False, server_default=NOW),
+    sa.CheckConstraint("resubmission >= 1", name="resubmission_from_one"),
 )
 
 # temp_file_cleanup (migration 0003). One tombstone per temp file the job removes: written
@@ -658,4 +675,5 @@ BUSINESS_TABLES = (
     catalog_cache,
     reconciliation_result,
     temp_file_tombstone,
+    order_resubmission,
 )

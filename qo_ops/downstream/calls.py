@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qo_ops.downstream.client import DownstreamClient, DownstreamError, downstream_url
-from qo_ops.platform.external import call_each
+from qo_ops.platform.external import NotCalled, call_each
 from qo_ops.platform.retry import CallResult, Disposition, RetryPolicy, policy_from_env
 from qo_ops.platform.spec import BatchContext, BatchOutcome, run_settings
 
@@ -71,10 +71,37 @@ def call_for_each(
             )
         return CallResult(**base, ok=True, duplicate=duplicate is True)
 
-    return call_each(work, one, ctx.params["limits"]["concurrency"])
+    results = call_each(work, one, ctx.params["limits"]["concurrency"], ctx.stop)
+    return [
+        _released(r, attempt_field, max_attempts) if isinstance(r, NotCalled) else r
+        for r in results
+    ]
 
 
-_STATE_NAMES = {"done": "delivered", "retry": "retry_scheduled", "dead": "dead_lettered"}
+def _released(
+    not_called: NotCalled[dict[str, Any]],
+    attempt_field: str,
+    max_attempts: Callable[[dict[str, Any]], int],
+) -> CallResult:
+    """The result of a call the stopping run did not make, or did not wait for."""
+    item = not_called.item
+    return CallResult(
+        item_id=str(item["id"]),
+        attempt=item[attempt_field],
+        max_attempts=max_attempts(item),
+        ok=False,
+        code="terminated" if not_called.sent else "not_sent",
+        outcome_unknown=not_called.sent,
+        released=True,
+    )
+
+
+_STATE_NAMES = {
+    "done": "delivered",
+    "retry": "retry_scheduled",
+    "dead": "dead_lettered",
+    "release": "released",
+}
 
 
 def outcome_of(
@@ -87,7 +114,9 @@ def outcome_of(
     the downstream answered that it had this idempotency key already; ``failed``; or
     ``ambiguous`` -- the request may have landed (``<code>_after_send``: a read timeout, a
     reset after sending, an unreadable answer), or it landed and its result could not be
-    recorded because the claim had passed to another run (``claim_lost_after_call``)."""
+    recorded because the claim had passed to another run (``claim_lost_after_call``), or the
+    stopping run did not wait for its answer (``terminated_after_send``). A call the stopping
+    run never sent is no attempt; its item is released (counted skipped)."""
     states = [recorded.get(r.item_id) for r, _ in decisions]
     failed = [
         (r.item_id, r.code or "unknown")
@@ -96,14 +125,14 @@ def outcome_of(
     ]
     tally: dict[str, int] = {}
     for r, _ in decisions:  # outcomes by error class and attempt, for the run's report
-        klass = "ok" if r.ok else str(r.error_class or "unknown")
+        klass = "ok" if r.ok else "stopped" if r.released else str(r.error_class or "unknown")
         state = _STATE_NAMES.get(recorded.get(r.item_id) or "", "claim_lost")
         key = f"outcome.{klass}.attempt_{r.attempt}.{state}"
         tally[key] = tally.get(key, 0) + 1
     outcome = BatchOutcome(
         succeeded=states.count("done"),
         failed=len(failed),
-        skipped=states.count(None),
+        skipped=states.count(None) + states.count("release"),
         retry_scheduled=states.count("retry"),
         deadlettered=states.count("dead"),
         duplicates_prevented=sum(
@@ -117,6 +146,8 @@ def outcome_of(
             outcome.side_effect(side_effect, "ambiguous", reason="claim_lost_after_call")
         elif r.ok:
             outcome.side_effect(side_effect, "duplicate_prevented" if r.duplicate else "success")
+        elif r.released and not r.outcome_unknown:
+            continue  # never sent: no attempt at the side effect
         elif r.outcome_unknown:
             reason = "unreadable_answer" if r.code == "bad_response" else f"{r.code}_after_send"
             outcome.side_effect(side_effect, "ambiguous", reason=reason)

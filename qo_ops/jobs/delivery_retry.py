@@ -98,24 +98,29 @@ def send_deliveries(ctx: BatchContext, work: list[Any]) -> list[Any]:
     )
 
 
-# Record results, each only if the item is still under this claim (same attempt number).
+# Record results, each only if the item is still under this claim (same attempt number). A
+# released item (the run stopped before its call, or before its answer) is due again at once
+# with its attempt given back: stopping is not the item's failure.
 RECORD_DELIVERY_RESULTS = sa.text(
     """
     UPDATE delivery_attempt_item i
        SET status = r.status, next_attempt_at = clock_timestamp() + make_interval(secs => r.delay_s),
-           last_error_code = r.code, last_error_message = r.message,
-           last_error_at = CASE WHEN r.code IS NULL THEN i.last_error_at ELSE clock_timestamp() END,
+           attempt_count = i.attempt_count - r.refund,
+           last_error_code = CASE WHEN r.state = 'release' THEN i.last_error_code ELSE r.code END,
+           last_error_message = CASE WHEN r.state = 'release' THEN i.last_error_message ELSE r.message END,
+           last_error_at = CASE WHEN r.code IS NULL OR r.state = 'release' THEN i.last_error_at
+                                ELSE clock_timestamp() END,
            updated_at = clock_timestamp()
-      FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:statuses AS text[]),
-                  CAST(:delays AS float8[]), CAST(:codes AS text[]), CAST(:messages AS text[]))
-           AS r(id, attempt, status, delay_s, code, message)
+      FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:states AS text[]),
+                  CAST(:statuses AS text[]), CAST(:delays AS float8[]), CAST(:refunds AS int[]),
+                  CAST(:codes AS text[]), CAST(:messages AS text[]))
+           AS r(id, attempt, state, status, delay_s, refund, code, message)
      WHERE i.id = r.id AND i.status = 'IN_PROGRESS' AND i.attempt_count = r.attempt
-    RETURNING i.id, r.status
+    RETURNING i.id, r.state
     """
 )
 
-_STATE = {"done": "DELIVERED", "retry": "READY", "dead": "DEAD_LETTER"}
-_DISPOSITION = {status: state for state, status in _STATE.items()}
+_STATE = {"done": "DELIVERED", "retry": "READY", "dead": "DEAD_LETTER", "release": "READY"}
 
 
 def record_delivery_results(
@@ -129,15 +134,15 @@ def record_delivery_results(
         {
             "ids": [r.item_id for r, _ in decisions],
             "attempts": [r.attempt for r, _ in decisions],
+            "states": [d.state for _, d in decisions],
             "statuses": [_STATE[d.state] for _, d in decisions],
             "delays": [d.delay_s for _, d in decisions],
+            "refunds": [int(d.state == "release") for _, d in decisions],
             "codes": [r.code for r, _ in decisions],
             "messages": [one_line(r.message, 300) if r.message else None for r, _ in decisions],
         },
     ).all()
-    return outcome_of(
-        decisions, {str(row.id): _DISPOSITION[row.status] for row in rows}, SIDE_EFFECT
-    )
+    return outcome_of(decisions, {str(row.id): row.state for row in rows}, SIDE_EFFECT)
 
 
 def check_deliveries(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:

@@ -87,16 +87,19 @@ def publish_events(ctx: BatchContext, work: list[Any]) -> list[Any]:
     )
 
 
-# Record, each only while the event is still under this claim (same attempt number).
+# Record, each only while the event is still under this claim (same attempt number). A
+# released event (the run stopped before publishing it, or before the answer) is due again at
+# once with its attempt given back.
 RECORD_PUBLISH_RESULTS = sa.text(
     """
     UPDATE outbox_event e
        SET published_at = CASE WHEN r.state = 'done' THEN clock_timestamp() END,
            dead_lettered_at = CASE WHEN r.state = 'dead' THEN clock_timestamp() END,
-           available_at = CASE WHEN r.state = 'retry'
+           available_at = CASE WHEN r.state IN ('retry', 'release')
                                THEN clock_timestamp() + make_interval(secs => r.delay_s)
                                ELSE e.available_at END,
-           last_error_code = r.code
+           publish_attempts = e.publish_attempts - CASE WHEN r.state = 'release' THEN 1 ELSE 0 END,
+           last_error_code = CASE WHEN r.state = 'release' THEN e.last_error_code ELSE r.code END
       FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:states AS text[]),
                   CAST(:delays AS float8[]), CAST(:codes AS text[]))
            AS r(id, attempt, state, delay_s, code)

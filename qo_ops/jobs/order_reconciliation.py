@@ -3,10 +3,30 @@ the fulfilment system's view, and every mismatch is recorded with what was done 
 
 | mismatch | meaning | execute | dry-run |
 |---|---|---|---|
-| missing_downstream | we have it in flight, the downstream never received it | re-submit: its delivery item goes back to READY (same idempotency key) + OrderResubmitRequested event | counted |
+| missing_downstream | we have it in flight, the downstream never received it | re-submit within the budget (below), or flag it; a dead-lettered delivery item is flagged, never requeued | counted |
 | terminal_not_reflected | the downstream finished it (COMPLETED, CANCELLED, FAILED), we did not hear | adopt the downstream status, conditional on the version read + OrderStatusAdopted event | counted |
 | status_drift | the downstream is behind us or in a status we do not know | flag for manual review (excluded from later runs until cleared) | counted |
 | unknown_downstream | the downstream has an order of this tenant we do not know | manual review (result row only) | counted |
+
+**Re-submission budget** (``order_resubmission``: one row per re-submission, n from 1), for
+a ``missing_downstream`` order in execute:
+
+| the order's state | execute | result (action / outcome) |
+|---|---|---|
+| never re-submitted | re-submission 1 | resubmit / corrected |
+| re-submission n not delivered yet, or delivered less than the grace ago | nothing (event n: duplicate_prevented) | resubmit / pending |
+| re-submission n delivered (item DELIVERED after it) and the grace past, n < max | re-submission n + 1 | resubmit / corrected |
+| the same, n = max | flag for manual review | manual_review / budget_exhausted |
+| its delivery item DEAD_LETTER | flag; the item is left as it is (only ``qo-ops requeue`` moves it) | manual_review / dead_letter_flagged |
+| its delivery item being sent (IN_PROGRESS) | nothing | resubmit / pending |
+| no delivery item | flag | manual_review / flagged |
+
+A re-submission puts the delivery item back to READY (same idempotency key), appends its
+row and one OrderResubmitRequested event keyed ``order:{id}:resubmit:{n}`` in one savepoint,
+so a rerun over unchanged state inserts nothing. The grace is
+``QO_OPS_RESUBMIT_GRACE_MINUTES`` (default 60, 0 to 10080) after the delivery, on the
+database clock; max is ``QO_OPS_RESUBMIT_MAX`` (default 3, 0 to 10). Both are validated
+before a run writes anything and read once per run.
 
 Per batch: select orders after the cursor (one transaction), ask the downstream about them
 with no transaction open, then classify and repair in a second guarded transaction. The
@@ -17,17 +37,20 @@ looked for once per run, in its first batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from qo_ops.config import whole_number
 from qo_ops.db.schema import customer_order
 from qo_ops.downstream.calls import downstream_client
 from qo_ops.downstream.client import DownstreamError, downstream_url
 from qo_ops.errors import one_line
-from qo_ops.platform.external import call_each
+from qo_ops.platform.external import NotCalled, call_each
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -45,6 +68,57 @@ IN_FLIGHT: list[sa.ColumnElement[str]] = [
 ]
 TERMINAL = ("COMPLETED", "CANCELLED", "FAILED")
 MAX_UNKNOWN_SCAN = 50_000  # downstream orders looked at per run, at most
+
+RESUBMIT_GRACE_ENV = "QO_OPS_RESUBMIT_GRACE_MINUTES"
+DEFAULT_RESUBMIT_GRACE_MINUTES = 60  # the downstream's time to show a delivered order
+MAX_RESUBMIT_GRACE_MINUTES = 7 * 24 * 60
+RESUBMIT_MAX_ENV = "QO_OPS_RESUBMIT_MAX"
+DEFAULT_RESUBMIT_MAX = 3
+MAX_RESUBMIT_MAX = 10  # 0: never re-submit, every missing order goes to a person
+
+
+@dataclass(frozen=True)
+class ResubmitBudget:
+    """How often, and how soon again, a missing order may be re-submitted."""
+
+    grace_minutes: int
+    max_resubmissions: int
+
+
+def resubmit_budget(environ: Mapping[str, str] | None = None) -> ResubmitBudget:
+    """The budget from ``QO_OPS_RESUBMIT_GRACE_MINUTES`` and ``QO_OPS_RESUBMIT_MAX``; a
+    bad value raises ConfigError with one line (checked before a run writes anything)."""
+    return ResubmitBudget(
+        grace_minutes=whole_number(
+            RESUBMIT_GRACE_ENV,
+            DEFAULT_RESUBMIT_GRACE_MINUTES,
+            0,
+            MAX_RESUBMIT_GRACE_MINUTES,
+            unit="minutes",
+            environ=environ,
+        ),
+        max_resubmissions=whole_number(
+            RESUBMIT_MAX_ENV, DEFAULT_RESUBMIT_MAX, 0, MAX_RESUBMIT_MAX, environ=environ
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class ReconciliationSettings:
+    """What a reconciliation run works with, checked before it reads or writes anything."""
+
+    downstream_url: str
+    budget: ResubmitBudget
+
+
+def reconciliation_settings(environ: Mapping[str, str] | None = None) -> ReconciliationSettings:
+    """``QO_OPS_DOWNSTREAM_URL`` and the re-submission budget (``ConfigError`` if bad)."""
+    return ReconciliationSettings(downstream_url(environ), resubmit_budget(environ))
+
+
+def _run_budget(ctx: BatchContext) -> ResubmitBudget:
+    """The run's budget: the one checked before the run began, fixed for the run."""
+    return run_settings(ctx, reconciliation_settings).budget
 
 
 def in_flight_orders(ctx: BatchContext) -> sa.Select[Any]:
@@ -82,7 +156,7 @@ def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Batc
 
 def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
     """Each order's downstream view; in the run's first batch also the unknown orders."""
-    client = downstream_client(ctx, run_settings(ctx, downstream_url))
+    client = downstream_client(ctx, run_settings(ctx, reconciliation_settings).downstream_url)
 
     def look(order: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -91,8 +165,15 @@ def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
             return {**order, "error": exc.code}
         return {**order, "downstream": found.status if found else None}
 
-    results = call_each(work, look, ctx.params["limits"]["concurrency"])
+    looked = call_each(work, look, ctx.params["limits"]["concurrency"], ctx.stop)
     cursor = ctx.params.get("cursor")
+    if any(isinstance(r, NotCalled) for r in looked):  # the run is stopping: keep what was
+        # looked at up to the first order that was not, and resume from there next time
+        first = next(i for i, r in enumerate(looked) if isinstance(r, NotCalled))
+        done: list[Any] = looked[:first]
+        resume = done[-1]["id"] if done else (cursor or {}).get("last_id", 0)
+        return [*done, {"resume_after": int(resume)}]
+    results: list[dict[str, Any]] = list(looked)  # type: ignore[arg-type]
     if not ctx.params.get("unknown_scanned") and not cursor:
         ctx.params["unknown_scanned"] = True
         downstream: list[dict[str, Any]] = []
@@ -130,13 +211,46 @@ ADOPT_STATUS = sa.text(
     RETURNING id
     """
 )
-# Re-submit: the order's delivery item goes back to READY, keeping its idempotency key.
+# Where each missing order stands with its budget, read in the repair transaction: its
+# delivery items, its last re-submission, and whether that one was delivered (after it) and
+# the grace since has passed (database clock).
+RESUBMIT_STATE = sa.text(
+    """
+    SELECT o.id,
+           count(d.id) AS items,
+           array_remove(array_agg(CASE WHEN d.status = 'DEAD_LETTER' THEN d.id END), NULL)
+               AS dead_items,
+           count(d.id) FILTER (WHERE d.status = 'IN_PROGRESS') AS in_progress,
+           coalesce(r.resubmission, 0) AS resubmissions,
+           coalesce(bool_and(d.status = 'DELIVERED' AND d.updated_at > r.requested_at), false)
+               AS delivered,
+           coalesce(bool_and(d.updated_at + make_interval(mins => :grace) <= clock_timestamp()),
+                    false) AS past_grace
+      FROM customer_order o
+      LEFT JOIN delivery_attempt_item d ON d.order_id = o.id
+      LEFT JOIN LATERAL (SELECT s.resubmission, s.requested_at FROM order_resubmission s
+                          WHERE s.order_id = o.id ORDER BY s.resubmission DESC LIMIT 1) r ON true
+     WHERE o.id = ANY(CAST(:ids AS bigint[]))
+     GROUP BY o.id, r.resubmission, r.requested_at
+    """
+)
+# Re-submit: the order's delivery items go back to READY, keeping their idempotency key.
+# Never a DEAD_LETTER item (only the audited requeue moves those) nor one being sent.
 RESUBMIT = sa.text(
     """
     UPDATE delivery_attempt_item
        SET status = 'READY', next_attempt_at = clock_timestamp(), updated_at = clock_timestamp()
-     WHERE order_id = :id AND status IN ('DELIVERED', 'DEAD_LETTER', 'READY')
+     WHERE order_id = :id AND status IN ('DELIVERED', 'READY')
     RETURNING id
+    """
+)
+# Re-submission n is taken once: a rival or a rerun conflicts on (order, n) and adds nothing.
+RECORD_RESUBMISSION = sa.text(
+    """
+    INSERT INTO order_resubmission (order_id, resubmission, tenant_id, job_run_id, requested_at)
+    VALUES (:id, :n, :tenant, :run, clock_timestamp())
+    ON CONFLICT (order_id, resubmission) DO NOTHING
+    RETURNING resubmission
     """
 )
 FLAG_REVIEW = sa.text(
@@ -177,14 +291,110 @@ def _event(conn: Connection, out: BatchOutcome, side_effect: str, values: dict[s
     out.duplicates_prevented += not appended
 
 
+def _resubmit(conn: Connection, ctx: BatchContext, order_id: int, n: int) -> bool:
+    """Take re-submission ``n`` of the order: its delivery items back to READY and its
+    budget row, together or not at all (a savepoint: an item that started being sent or
+    was dead-lettered since it was read, or a rival that took ``n``, undoes both)."""
+    savepoint = conn.begin_nested()
+    requeued = conn.execute(RESUBMIT, {"id": order_id}).all()
+    taken = (
+        bool(requeued)
+        and conn.execute(
+            RECORD_RESUBMISSION,
+            {"id": order_id, "n": n, "tenant": ctx.scope.tenant_id, "run": ctx.job_run_id},
+        ).first()
+        is not None
+    )
+    if taken:
+        savepoint.commit()
+    else:
+        savepoint.rollback()
+    return taken
+
+
+def _resubmit_event(conn: Connection, ctx: BatchContext, out: BatchOutcome, r: Any, n: int) -> None:
+    _event(
+        conn,
+        out,
+        RESUBMIT_EVENT,
+        {
+            "key": f"order:{r['id']}:resubmit:{n}",  # one event per re-submission, never per run
+            "tenant": ctx.scope.tenant_id,
+            "id": r["id"],
+            "type": "OrderResubmitRequested",
+            "payload": json.dumps({"order_number": r["order_number"], "resubmission": n}),
+        },
+    )
+
+
+def _repair_missing(
+    conn: Connection, ctx: BatchContext, out: BatchOutcome, r: Any, state: Any
+) -> tuple[str, str, str | None]:
+    """What the budget allows for an order the downstream misses: (action, outcome, detail)."""
+    budget, n = _run_budget(ctx), int(state.resubmissions)
+    if state.dead_items:  # only the audited requeue moves a dead letter
+        conn.execute(FLAG_REVIEW, {"id": r["id"]})
+        item = state.dead_items[0]
+        return (
+            "manual_review",
+            "dead_letter_flagged",
+            f"delivery item {item} is dead-lettered: requeue it with qo-ops requeue "
+            f"delivery_retry --tenant {ctx.scope.tenant_id} --item {item} --reason …, "
+            "then clear the flag",
+        )
+    if not state.items:
+        conn.execute(FLAG_REVIEW, {"id": r["id"]})
+        return "manual_review", "flagged", "no delivery item to re-submit"
+    # the last re-submission (if any) was delivered and the downstream still misses the order
+    spent = n == 0 or (state.delivered and state.past_grace)
+    if spent and n >= budget.max_resubmissions:
+        conn.execute(FLAG_REVIEW, {"id": r["id"]})
+        return (
+            "manual_review",
+            "budget_exhausted",
+            f"re-submitted {n} times ({RESUBMIT_MAX_ENV}={budget.max_resubmissions}) "
+            "and still missing downstream",
+        )
+    if spent and not state.in_progress and _resubmit(conn, ctx, r["id"], n + 1):
+        _resubmit_event(conn, ctx, out, r, n + 1)
+        return "resubmit", "corrected", f"re-submission {n + 1} of {budget.max_resubmissions}"
+    if n:  # the earlier re-submission stands: its event is there already
+        _resubmit_event(conn, ctx, out, r, n)
+    if not spent:
+        why = (
+            f"re-submission {n} delivered; the downstream has {budget.grace_minutes} min to show it"
+            if state.delivered
+            else f"re-submission {n} not delivered yet"
+        )
+    else:
+        why = "its delivery item is being sent (or changed meanwhile); the next run looks again"
+    return "resubmit", "pending", why
+
+
 def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
     """Classify each order; in execute, repair per type and record every mismatch."""
-    import json
-
     execute = ctx.mode == "execute"
     tenant, run = ctx.scope.tenant_id, ctx.job_run_id
     out = BatchOutcome()
+    missing = [
+        r["id"]
+        for r in results
+        if "downstream" in r and _classify(r["status"], r["downstream"]) == "missing_downstream"
+    ]
+    states = (
+        {
+            row.id: row
+            for row in conn.execute(
+                RESUBMIT_STATE, {"ids": missing, "grace": _run_budget(ctx).grace_minutes}
+            )
+        }
+        if execute and missing
+        else {}
+    )
     for r in results:
+        if "resume_after" in r:  # cut short by a stop: the checkpoint stays before the rest
+            out.cursor = {"last_id": r["resume_after"]}
+            continue
         if "downstream_orders" in r:
             known = set(
                 conn.execute(
@@ -229,7 +439,7 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
         out.tally[kind] = out.tally.get(kind, 0) + 1
         if not execute:
             continue
-        outcome, detail = "flagged", None
+        action, outcome, detail = ACTIONS[kind], "flagged", None
         if kind == "terminal_not_reflected":
             adopted = conn.execute(
                 ADOPT_STATUS, {"id": r["id"], "version": r["version"], "status": r["downstream"]}
@@ -254,21 +464,7 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
                     },
                 )
         elif kind == "missing_downstream":
-            requeued = conn.execute(RESUBMIT, {"id": r["id"]}).first()
-            outcome = "corrected" if requeued else "failed"
-            detail = None if requeued else "no delivery item to re-submit"
-            _event(
-                conn,
-                out,
-                RESUBMIT_EVENT,
-                {
-                    "key": f"order:{r['id']}:resubmit:{run}",
-                    "tenant": tenant,
-                    "id": r["id"],
-                    "type": "OrderResubmitRequested",
-                    "payload": json.dumps({"order_number": r["order_number"]}),
-                },
-            )
+            action, outcome, detail = _repair_missing(conn, ctx, out, r, states[r["id"]])
         else:
             conn.execute(FLAG_REVIEW, {"id": r["id"]})
         conn.execute(
@@ -281,14 +477,16 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
                 "type": kind,
                 "ours": r["status"],
                 "theirs": r["downstream"],
-                "action": ACTIONS[kind],
+                "action": action,
                 "outcome": outcome,
-                "detail": one_line(detail, 200) if detail else None,
+                "detail": one_line(detail, 300) if detail else None,
             },
         )
         out.tally[f"action_{outcome}"] = out.tally.get(f"action_{outcome}", 0) + 1
         if outcome == "failed":
             out.failed += 1
+        elif outcome == "pending":
+            out.skipped += 1  # nothing changed: waiting for the earlier re-submission
         else:
             out.succeeded += 1
     return out
@@ -316,7 +514,8 @@ def check_reconciliation(conn: Connection, ctx: BatchContext) -> list[OutcomeChe
             """
             SELECT count(*) FILTER (WHERE r.action = 'adopt_status' AND r.outcome = 'corrected'
                                       AND o.status IN ('SUBMITTED', 'IN_FULFILLMENT')) AS still_mismatched,
-                   count(*) FILTER (WHERE r.outcome IN ('flagged', 'failed')) AS unresolved
+                   count(*) FILTER (WHERE r.outcome IN ('flagged', 'dead_letter_flagged',
+                                                        'budget_exhausted', 'failed')) AS unresolved
               FROM reconciliation_result r JOIN customer_order o ON o.id = r.order_id
              WHERE r.tenant_id = :t AND o.submitted_at >= :start AND o.submitted_at < :end
             """
@@ -357,5 +556,5 @@ SPEC = JobSpec(
     dry_run_scans=True,
     compete_with_skip_locked=False,  # read-only selection: one run per scope holds the lease
     side_effects=(ADOPTED_EVENT, RESUBMIT_EVENT),
-    validate_settings=downstream_url,  # checked before the run reads or repairs anything
+    validate_settings=reconciliation_settings,  # refused before anything is read or written
 )

@@ -1,26 +1,87 @@
 """Calling another system for the items of a batch: in parallel, bounded, outside any
-database transaction."""
+database transaction, and stoppable: once the run is asked to stop, no further call is
+sent, and calls already sent are waited for only until half the stop grace is gone."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
+from qo_ops.platform.stopping import StopSignals
 from qo_ops.platform.tracing import in_current_context
 
 T = TypeVar("T")
 R = TypeVar("R")
 
+_POLL_S = 0.05  # how often a waiting batch looks at the stop request
 
-def call_each(items: Sequence[T], call: Callable[[T], R], concurrency: int) -> list[R]:
+
+@dataclass(frozen=True)
+class NotCalled(Generic[T]):
+    """An item whose call the stopping run did not make (``sent`` False) or did not wait
+    for (``sent`` True: the request may have landed). Its claim must be given back."""
+
+    item: T
+    sent: bool
+
+
+def call_each(
+    items: Sequence[T],
+    call: Callable[[T], R],
+    concurrency: int,
+    stop: StopSignals | None = None,
+) -> list[R | NotCalled[T]]:
     """``call`` for every item, at most ``concurrency`` at once; results in item order.
 
     ``call`` must not raise for an item's failure: it returns that failure as its result.
+    The calls run on daemon threads, so a call stuck past the grace never holds up the
+    process's exit; its item comes back as ``NotCalled(sent=True)``.
     """
-    if concurrency <= 1 or len(items) <= 1:
-        return [call(item) for item in items]
-    with ThreadPoolExecutor(
-        max_workers=min(concurrency, len(items)), thread_name_prefix="qo-ops-call"
-    ) as pool:
-        return list(pool.map(in_current_context(call), items))  # calls join the batch's trace
+    pending = object()
+    results: list[object] = [pending] * len(items)
+    sent: set[int] = set()
+    lock = threading.Lock()
+    todo = iter(range(len(items)))
+    finished = threading.Semaphore(0)
+    traced = in_current_context(call)
+    workers = max(1, min(concurrency, len(items)))
+    raised: list[BaseException] = []
+
+    def work() -> None:  # one of ``workers`` threads: take the next item until none is left
+        while True:
+            with lock:
+                index = None if stop is not None and stop.requested else next(todo, None)
+                if index is not None:
+                    sent.add(index)
+            if index is None:
+                finished.release()
+                return
+            try:
+                results[index] = traced(items[index])
+            except BaseException as exc:  # a bug, not an item's failure: the batch fails
+                raised.append(exc)
+                with lock:
+                    for _ in todo:
+                        pass
+
+    for _ in range(workers):
+        threading.Thread(target=work, name="qo-ops-call", daemon=True).start()
+    idle = 0
+    while idle < workers:
+        deadline = stop.calls_deadline() if stop is not None else None
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        if finished.acquire(timeout=_POLL_S):
+            idle += 1
+    with lock:  # from here on, no worker takes another item
+        for _ in todo:
+            pass
+        if raised:
+            raise raised[0]
+        return [
+            NotCalled(items[i], sent=i in sent) if r is pending else r  # type: ignore[misc]
+            for i, r in enumerate(results)
+        ]

@@ -163,13 +163,16 @@ class CallResult:
     message: str | None = None
     duplicate: bool = False  # the other system had seen this idempotency key: not done twice
     outcome_unknown: bool = False  # failed, but the request may have landed
+    # the run stopped (SIGTERM) before making this call, or before its answer came (then
+    # ``outcome_unknown``): not the item's failure, so its claim and attempt are given back
+    released: bool = False
 
 
 @dataclass(frozen=True)
 class Disposition:
     """What to do with an item after a call: delivered, retry after ``delay_s``, or dead."""
 
-    state: str  # "done" | "retry" | "dead"
+    state: str  # "done" | "retry" | "dead" | "release" (due again now, attempt refunded)
     delay_s: float = 0.0
 
 
@@ -179,6 +182,8 @@ def dispose(
     """Apply the retry model to one call result."""
     if result.ok:
         return Disposition("done")
+    if result.released:
+        return Disposition("release")
     error = result.error_class or ErrorClass.UNKNOWN
     budget = RetryPolicy(policy.base, policy.cap, result.max_attempts, policy.jitter)
     if budget.decide(error, result.attempt) == "dead_letter":

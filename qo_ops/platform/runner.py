@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,8 +28,14 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from qo_ops.config import number
+from qo_ops.db.availability import (
+    UNAVAILABLE,
+    db_retry_s,
+    is_unavailable,
+    retry_while_unavailable,
+)
 from qo_ops.db.schema import job_checkpoint
-from qo_ops.errors import BadInput, one_line
+from qo_ops.errors import BadInput, DatabaseUnavailable, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.control import JobSuspended, suspension_for
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
@@ -47,6 +52,7 @@ from qo_ops.platform.spec import (
     RunOptions,
     Scope,
 )
+from qo_ops.platform.stopping import TERMINATED, StopSignals, Terminated, stop_grace_s
 from qo_ops.platform.telemetry import METRICS, EventContext, JobMetrics
 from qo_ops.platform.tracing import span
 
@@ -68,6 +74,17 @@ log = logging.getLogger(__name__)
 def _crash_point(name: str) -> None:
     if os.environ.get(CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+HOLD_ENV = "QO_OPS_HOLD_AT"
+# Test-only: with QO_OPS_HOLD_AT set to one of these, the run waits there (up to 120 s, as
+# a slow phase would), so that a fault test can send a signal at that moment.
+HOLD_POINTS = ("after_lease_acquire", "before_finalize")
+
+
+def _hold_point(name: str) -> None:
+    if os.environ.get(HOLD_ENV) == name:
+        time.sleep(120)
 
 
 @dataclass
@@ -122,24 +139,6 @@ def owner_identity() -> str:
 _PROCESS_NONCE = uuid.uuid4().hex[:8]
 
 
-class _StopSignals:
-    """SIGTERM/SIGINT ask the run to stop after the current batch (main thread only)."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, lambda *_: self.event.set())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def _resolve(spec: JobSpec, options: RunOptions) -> dict[str, Any]:
     d = spec.defaults
     return {
@@ -156,7 +155,7 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
     """Reject a run that cannot be right, before anything is written; returns the job's
     settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
     options.validated()
-    drift_warn_s()  # the runner's own setting
+    drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
     settings = spec.validate_settings() if spec.validate_settings is not None else None
     windowed = spec.partitioning == "tenant_day"
     if windowed and scope.window_start is None:
@@ -303,24 +302,22 @@ def run_job(
     engine: Engine,
     metrics: JobMetrics = METRICS,
 ) -> RunSummary:
-    """Run ``spec`` over ``scope`` once, safely; see the module docstring for the shape."""
-    settings = validate_request(engine, spec, scope, options)
-    _refuse_if_suspended(engine, spec, scope, options)
-    limits = _resolve(spec, options)
-    started = time.monotonic()
-    owner = owner_identity()
-    run_id = runs.create_run(engine, spec.name, scope, options, owner, limits)
-    root_attributes = {
-        "job.name": spec.name,
-        "job.run_id": str(run_id),
-        "job.trigger": options.trigger,
-        "job.mode": options.mode,
-        "job.scope": scope.key,
-    }
-    with span(f"Job {spec.name}", **root_attributes) as root:
+    """Run ``spec`` over ``scope`` once, safely; see the module docstring for the shape.
+
+    Whatever happens after the run record is written -- SIGTERM/SIGINT at any point, the
+    database restarting, a bug -- the record is finished and the lease given back before
+    this returns (or re-raises a foreign interrupt, e.g. Dagster's)."""
+    with StopSignals(stop_grace_s()) as stop:  # a signal before the record: nothing written
+        settings = validate_request(engine, spec, scope, options)
+        _refuse_if_suspended(engine, spec, scope, options)
+        limits = _resolve(spec, options)
+        started = time.monotonic()
+        owner = owner_identity()
+        with stop.deferred():
+            run_id = runs.create_run(engine, spec.name, scope, options, owner, limits)
         ctx = BatchContext(
             spec.name, scope, options.mode, run_id,
-            params={"limits": limits, SETTINGS_PARAM: settings},
+            params={"limits": limits, SETTINGS_PARAM: settings}, stop=stop,
         )  # fmt: skip
         summary = RunSummary(
             job_run_id=str(run_id),
@@ -341,96 +338,188 @@ def run_job(
             window_end=scope.window_end.isoformat() if scope.window_end else None,
             progress_interval_s=options.progress_interval_s,
         )
-        if options.trigger == "manual":
-            with engine.begin() as conn:
-                _audit_trigger(conn, spec, scope, options, "allowed", run_id, {"limits": limits})
-        metrics.started.labels(spec.name).inc()
-        drift_s = _drift_s(options)
-        events.emit(
-            "job.started", scheduled_for=options.scheduled_for, limits=limits,
-            **({"scheduler.drift_s": round(drift_s, 3)} if drift_s is not None else {}),
-        )  # fmt: skip
-        if drift_s is not None and drift_s > drift_warn_s():
-            assert options.scheduled_for is not None
+        root_attributes = {
+            "job.name": spec.name,
+            "job.run_id": str(run_id),
+            "job.trigger": options.trigger,
+            "job.mode": options.mode,
+            "job.scope": scope.key,
+        }
+        foreign: BaseException | None = None
+        with span(f"Job {spec.name}", **root_attributes) as root:
+            try:
+                _run(engine, spec, ctx, options, limits, owner, summary, events, metrics)
+            except Terminated:
+                _stopped_by_signal(summary, "")
+            except Exception as exc:  # a failure outside the batches: still a finished record
+                _failed(summary, exc)
+            except BaseException as exc:  # interrupted by the caller (Dagster terminating the
+                # run): the record still gets the batches' outcome before this goes on
+                foreign = exc
+                if summary.status == "running":
+                    summary.status = "cancelled"
+                summary.status_reason = summary.status_reason or "interrupted"
+            summary.duration_ms = int((time.monotonic() - started) * 1000)  # checks included
+            with stop.deferred():
+                _finish(engine, run_id, summary, stop)
+            _record_metrics(metrics, spec, summary, time.monotonic() - started)
             events.emit(
-                "job.scheduler.drift.detected",
-                logging.WARNING,
-                scheduled_for=options.scheduled_for,
-                reason=_drift_reason(engine, spec, scope, run_id, options.scheduled_for),
+                "job.finished",
+                logging.INFO
+                if summary.status in ("success", "no_work", "skipped")
+                else logging.WARNING,
                 **{
-                    "scheduler.drift_s": round(drift_s, 3),
-                    "scheduler.drift_warn_s": drift_warn_s(),
+                    "job.status": summary.status,
+                    "job.status_reason": summary.status_reason,
+                    "duration_ms": summary.duration_ms,
+                    "items.eligible": summary.eligible_count,
+                    "items.processed": summary.processed_count,
+                    "items.succeeded": summary.mutated_count,
+                    "items.failed": summary.failed_count,
+                    "items.skipped": summary.skipped_count,
+                    "retry.scheduled": summary.retry_scheduled_count,
+                    "items.deadlettered": summary.deadlettered_count,
+                    "duplicates.prevented": summary.duplicates_prevented,
+                    "tally": summary.tally or None,
+                    "error.class": summary.error_code,
+                    "checks.failed": [c.name for c in summary.checks if not c.passed],
+                    **({"stop.signal": stop.signal_name} if stop.requested else {}),
                 },
             )
-        reaped = runs.reap_orphans(engine, spec.name, grace_s=limits["lease_ttl_s"])
-        if reaped:
-            events.emit(
-                "job.orphans.reaped",
-                logging.WARNING,
-                count=len(reaped),
-                run_ids=[str(r) for r in reaped],
-            )
+            root.set_attribute("job.status", summary.status)
+            root.set_attribute("items.processed", summary.processed_count)
+            root.set_attribute("items.failed", summary.failed_count)
+        if foreign is not None:
+            raise foreign
+    return summary
 
-        if options.mode == "dry_run" and not spec.dry_run_scans:
-            _dry_run(engine, spec, ctx, options, summary)
-        else:
-            _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
 
-        _crash_point("before_finalize")
-        try:
-            if summary.status != "skipped":
-                with engine.connect() as conn:
-                    summary.checks = spec.check(conn, ctx)
-                    lag = spec.lag(conn, ctx) if spec.lag else None
-                    summary.oldest_due_age_s = lag
-                    _after_run(conn, spec, ctx, limits, summary)
-                metrics.lag.labels(spec.name).set(lag or 0.0)
-        except BaseException:  # interrupted while checking (Dagster terminating the run): the
-            # batches are over, so the run record still gets their outcome before this goes on
-            if summary.status == "running":
-                summary.status = "cancelled"
-            summary.status_reason = summary.status_reason or "interrupted during outcome checks"
-            runs.finish_run(
-                engine, run_id, summary.status, summary.status_reason, summary.error_code,
-                summary.error_text,
-            )  # fmt: skip
-            raise
-        summary.duration_ms = int((time.monotonic() - started) * 1000)  # outcome checks included
-        runs.finish_run(
-            engine,
-            run_id,
-            summary.status,
-            summary.status_reason,
-            summary.error_code,
-            summary.error_text,
-        )
-        _record_metrics(metrics, spec, summary, time.monotonic() - started)
+def _run(
+    engine: Engine,
+    spec: JobSpec,
+    ctx: BatchContext,
+    options: RunOptions,
+    limits: dict[str, Any],
+    owner: str,
+    summary: RunSummary,
+    events: EventContext,
+    metrics: JobMetrics,
+) -> None:
+    """Everything between the run record's creation and its end: audit, start events,
+    orphans, the work (dry run or batches), then the outcome checks."""
+    run_id = ctx.job_run_id
+    if options.trigger == "manual":
+        with ctx.stop.deferred(), engine.begin() as conn:
+            _audit_trigger(conn, spec, ctx.scope, options, "allowed", run_id, {"limits": limits})
+    metrics.started.labels(spec.name).inc()
+    drift_s = _drift_s(options)
+    events.emit(
+        "job.started", scheduled_for=options.scheduled_for, limits=limits,
+        **({"scheduler.drift_s": round(drift_s, 3)} if drift_s is not None else {}),
+    )  # fmt: skip
+    if drift_s is not None and drift_s > drift_warn_s():
+        assert options.scheduled_for is not None
         events.emit(
-            "job.finished",
-            logging.INFO
-            if summary.status in ("success", "no_work", "skipped")
-            else logging.WARNING,
+            "job.scheduler.drift.detected",
+            logging.WARNING,
+            scheduled_for=options.scheduled_for,
+            reason=_drift_reason(engine, spec, ctx.scope, run_id, options.scheduled_for),
             **{
-                "job.status": summary.status,
-                "job.status_reason": summary.status_reason,
-                "duration_ms": summary.duration_ms,
-                "items.eligible": summary.eligible_count,
-                "items.processed": summary.processed_count,
-                "items.succeeded": summary.mutated_count,
-                "items.failed": summary.failed_count,
-                "items.skipped": summary.skipped_count,
-                "retry.scheduled": summary.retry_scheduled_count,
-                "items.deadlettered": summary.deadlettered_count,
-                "duplicates.prevented": summary.duplicates_prevented,
-                "tally": summary.tally or None,
-                "error.class": summary.error_code,
-                "checks.failed": [c.name for c in summary.checks if not c.passed],
+                "scheduler.drift_s": round(drift_s, 3),
+                "scheduler.drift_warn_s": drift_warn_s(),
             },
         )
-        root.set_attribute("job.status", summary.status)
-        root.set_attribute("items.processed", summary.processed_count)
-        root.set_attribute("items.failed", summary.failed_count)
-    return summary
+    with ctx.stop.deferred():
+        reaped = runs.reap_orphans(engine, spec.name, grace_s=limits["lease_ttl_s"])
+    if reaped:
+        events.emit(
+            "job.orphans.reaped",
+            logging.WARNING,
+            count=len(reaped),
+            run_ids=[str(r) for r in reaped],
+        )
+
+    if options.mode == "dry_run" and not spec.dry_run_scans:
+        _dry_run(engine, spec, ctx, options, summary)
+    else:
+        _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
+    _crash_point("before_finalize")
+    if (
+        summary.status in ("skipped", "running")
+        or summary.error_code == UNAVAILABLE
+        or ctx.stop.requested
+    ):
+        return  # nothing was done, or the checks cannot run now: nothing to check
+    try:
+        _hold_point("before_finalize")  # the outcome-check phase, as far as a signal knows
+        with engine.connect() as conn:
+            summary.checks = spec.check(conn, ctx)
+            lag = spec.lag(conn, ctx) if spec.lag else None
+            summary.oldest_due_age_s = lag
+            _after_run(conn, spec, ctx, limits, summary)
+        metrics.lag.labels(spec.name).set(lag or 0.0)
+    except Terminated:
+        summary.checks = []
+        _stopped_by_signal(summary, " during outcome checks")
+        raise
+    except Exception as exc:
+        if not is_unavailable(exc):
+            raise
+        summary.checks = []  # the work is recorded; its checks wait for the next run
+        summary.status_reason = (
+            summary.status_reason or "outcome checks skipped: database unavailable"
+        )
+    except BaseException:
+        summary.status_reason = summary.status_reason or "interrupted during outcome checks"
+        raise
+
+
+def _stopped_by_signal(summary: RunSummary, where: str) -> None:
+    """A run stopped by SIGTERM/SIGINT: ``cancelled``/``terminated``, unless its work was
+    already over (then it keeps that status, and the reason says what was cut short)."""
+    if summary.status == "running":
+        summary.status, summary.status_reason = "cancelled", TERMINATED
+    else:
+        summary.status_reason = summary.status_reason or f"{TERMINATED}{where}"
+
+
+def _failed(summary: RunSummary, exc: BaseException) -> None:
+    """A run that ends on an error: ``failed``, with its class and a safe one-line text."""
+    summary.status = "failed"
+    summary.error_code = UNAVAILABLE if is_unavailable(exc) else _error_class(exc)
+    summary.status_reason = summary.error_code
+    summary.error_text = one_line(
+        f"{type(exc).__name__}: {getattr(exc, 'orig', exc)}", runs.ERROR_TEXT_LIMIT
+    )
+    log.debug("run failed", exc_info=True)
+
+
+def _finish(engine: Engine, run_id: uuid.UUID, summary: RunSummary, stop: StopSignals) -> None:
+    """Write the run's final record, riding out a database restart for a bounded time (the
+    stop grace, when stopping); if the database never comes back, the reaper ends it."""
+    limit = min(db_retry_s(), stop.remaining_s()) if stop.requested else db_retry_s()
+    try:
+        retry_while_unavailable(
+            lambda: runs.finish_run(
+                engine,
+                run_id,
+                summary.status,
+                summary.status_reason,
+                summary.error_code,
+                summary.error_text,
+            ),  # fmt: skip
+            limit_s=limit,
+            what="finishing the run record",
+        )
+    except DBAPIError as exc:
+        if not is_unavailable(exc):
+            raise
+        raise DatabaseUnavailable(
+            f"the database did not come back within {limit:.0f} s: run {run_id} ended "
+            f"{summary.status} but its record says running until the reaper ends it "
+            f"(qo-ops reap)",
+            exit_code=1,
+        ) from None
 
 
 def _cursor_text(cursor: Any) -> str | None:
@@ -549,10 +638,16 @@ def _execute(
     metrics: JobMetrics,
 ) -> None:
     run_id = ctx.job_run_id
-    with span("lease.acquire", **{"lock.name": f"{spec.name}:{ctx.scope.key}"}) as acquiring:
+    with (
+        span("lease.acquire", **{"lock.name": f"{spec.name}:{ctx.scope.key}"}) as acquiring,
+        ctx.stop.deferred(),  # taken or not, never half: the token must reach us
+    ):
         lease = acquire(engine, spec.name, ctx.scope.key, owner, limits["lease_ttl_s"], run_id)
         acquiring.set_attribute("lock.acquired", lease is not None)
     if lease is None:
+        if ctx.stop.requested:  # asked to stop while waiting for the lease
+            summary.status, summary.status_reason = "cancelled", TERMINATED
+            return
         metrics.lock_failed.labels(spec.name).inc()
         events.emit(
             "job.lock.acquire.failed",
@@ -569,32 +664,20 @@ def _execute(
             "lock.fencing_token": lease.fencing_token,
         },
     )
-    _crash_point("after_lease_acquire")
     summary.fencing_token = lease.fencing_token
-    if spec.uses_checkpoint:
-        ctx.params["cursor"] = _load_cursor(engine, spec, ctx.scope)
-        summary.checkpoint_before = _cursor_text(ctx.params["cursor"])
-    with engine.connect() as conn:
-        summary.eligible_count = count_eligible(conn, spec, ctx)
-    runs.set_eligible(engine, run_id, summary.eligible_count, lease.fencing_token)
-
     heartbeat = Heartbeat(engine, lease, run_id).start()
     deadline = time.monotonic() + limits["deadline_s"]
     try:
-        with _StopSignals() as stop:
-            _batches(
-                engine,
-                spec,
-                ctx,
-                limits,
-                lease,
-                heartbeat,
-                stop.event,
-                deadline,
-                summary,
-                events,
-                metrics,
-            )
+        _crash_point("after_lease_acquire")
+        _hold_point("after_lease_acquire")
+        if spec.uses_checkpoint:
+            ctx.params["cursor"] = _load_cursor(engine, spec, ctx.scope)
+            summary.checkpoint_before = _cursor_text(ctx.params["cursor"])
+        with engine.connect() as conn:
+            summary.eligible_count = count_eligible(conn, spec, ctx)
+        with ctx.stop.deferred():
+            runs.set_eligible(engine, run_id, summary.eligible_count, lease.fencing_token)
+        _batches(engine, spec, ctx, limits, lease, heartbeat, deadline, summary, events, metrics)
     except LeaseLost as exc:
         summary.status, summary.status_reason, summary.error_code = (
             "failed",
@@ -604,23 +687,28 @@ def _execute(
         summary.error_text = str(exc)
         events.emit("job.lock.lost", logging.ERROR, **{"lock.name": f"{spec.name}:{ctx.scope.key}"})
     except Exception as exc:  # any failure ends the run as failed, with a safe one-line reason
-        lost = not _still_held(engine, lease)
-        summary.status = "failed"
-        summary.error_code = "lease_lost" if lost else _error_class(exc)
-        summary.status_reason = summary.error_code
-        summary.error_text = one_line(
-            f"{type(exc).__name__}: {getattr(exc, 'orig', exc)}", runs.ERROR_TEXT_LIMIT
-        )
-        log.debug("run failed", exc_info=True)
-    finally:
+        _failed(summary, exc)
+        if summary.error_code != UNAVAILABLE and not _still_held(engine, lease):
+            summary.error_code = summary.status_reason = "lease_lost"
+    finally:  # on a signal too: the lease goes back before the run is recorded as ended
         heartbeat.stop()
-        try:
-            lease.release(engine)
-            events.emit("job.lock.released", **{"lock.name": f"{spec.name}:{ctx.scope.key}"})
-        except DBAPIError:
-            pass  # it expires by itself
+        with ctx.stop.deferred():
+            _release(engine, lease, ctx.stop, events)
     if summary.status == "running":
         summary.status = _final_status(summary)
+
+
+def _release(engine: Engine, lease: Lease, stop: StopSignals, events: EventContext) -> None:
+    """Give the lease back, riding out a database restart for a bounded time; if the
+    database stays away, the lease expires by itself (its TTL)."""
+    limit = min(db_retry_s(), stop.remaining_s()) if stop.requested else db_retry_s()
+    try:
+        retry_while_unavailable(
+            lambda: lease.release(engine), limit_s=limit, what="giving the lease back"
+        )
+    except DBAPIError:
+        return  # it expires by itself
+    events.emit("job.lock.released", **{"lock.name": f"{lease.job_name}:{lease.scope}"})
 
 
 def _batches(
@@ -630,7 +718,6 @@ def _batches(
     limits: dict[str, Any],
     lease: Lease,
     heartbeat: Heartbeat,
-    stop: threading.Event,
     deadline: float,
     summary: RunSummary,
     events: EventContext,
@@ -646,7 +733,6 @@ def _batches(
                 limits,
                 lease,
                 heartbeat,
-                stop,
                 deadline,
                 summary,
                 events,
@@ -670,7 +756,6 @@ def _batch_loop(
     limits: dict[str, Any],
     lease: Lease,
     heartbeat: Heartbeat,
-    stop: threading.Event,
     deadline: float,
     summary: RunSummary,
     events: EventContext,
@@ -681,8 +766,8 @@ def _batch_loop(
     while True:
         if heartbeat.lost.is_set():
             raise LeaseLost("heartbeat found the lease taken over or expired")
-        if stop.is_set():
-            summary.status, summary.status_reason = "cancelled", "cancel requested"
+        if ctx.stop.requested:  # SIGTERM/SIGINT: every batch before this one is recorded
+            summary.status, summary.status_reason = "cancelled", TERMINATED
             return
         if time.monotonic() >= deadline:
             summary.status, summary.status_reason = "timeout", "deadline reached"
@@ -691,10 +776,13 @@ def _batch_loop(
         if room <= 0:
             summary.status_reason = "max items reached"
             return
-        with span(
-            "batch",
-            **{"batch.number": summary.batches + 1, "items.processed": 0, "items.failed": 0},
-        ) as batch_span:
+        with (
+            ctx.stop.deferred(),  # a signal waits for the batch (and its calls) to be recorded
+            span(
+                "batch",
+                **{"batch.number": summary.batches + 1, "items.processed": 0, "items.failed": 0},
+            ) as batch_span,
+        ):
             batch_started = time.perf_counter()
             with _batch_transaction(conn, lease, run_id) as must_stop:
                 if must_stop:  # at a batch boundary: the batches before it are all committed
@@ -755,8 +843,8 @@ def _batch_loop(
                     else None,
                 }
             )
-            if limits["throttle_ms"] and stop.wait(limits["throttle_ms"] / 1000.0):
-                continue  # woken by a stop signal: the loop head ends the run as cancelled
+        if limits["throttle_ms"] and ctx.stop.event.wait(limits["throttle_ms"] / 1000.0):
+            continue  # woken by a stop signal: the loop head ends the run as cancelled
 
 
 def _commit_effects(

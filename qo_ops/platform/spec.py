@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.errors import BadInput
+from qo_ops.platform.stopping import DEFAULT_STOP_GRACE_S, StopSignals
 
 Mode = Literal["dry_run", "execute"]
 Trigger = Literal["schedule", "sensor", "manual", "backfill", "retry", "api"]
@@ -238,6 +239,8 @@ class BatchContext:
     mode: Mode
     job_run_id: uuid.UUID
     params: dict[str, Any] = field(default_factory=dict)
+    # the run's stop request (SIGTERM/SIGINT): external phases send no call once it is set
+    stop: StopSignals = field(default_factory=lambda: StopSignals(DEFAULT_STOP_GRACE_S))
 
 
 SETTINGS_PARAM = "settings"  # ctx.params: what the job's validate_settings returned

@@ -190,6 +190,8 @@ def test_runner_runs_every_job_and_is_refused_the_rest(
         summaries[name] = (scope, summary)
     tally = summaries["order_reconciliation"][1].tally
     assert tally.get("terminal_not_reflected") and tally.get("unknown_downstream"), tally
+    # orders never delivered are re-submitted: the runner appends to order_resubmission
+    assert tally.get("side_effect.order_resubmit_requested_event.success"), tally
     for name, (_, s) in summaries.items():
         assert "permission denied" not in (s.error_text or ""), (name, s.error_text)
         assert s.status in ("success", "partial_success"), (name, s.status, s.error_text)

