@@ -160,11 +160,16 @@ BAD_SETTINGS = {
         "delivery_retry", {"QO_OPS_RETRY_BASE_S": "60", "QO_OPS_RETRY_CAP_S": "10"}, "must not be below"
     ),
     "delivery: drift threshold abc": ("delivery_retry", {"QO_OPS_DRIFT_WARN_S": "abc"}, "QO_OPS_DRIFT_WARN_S"),
+    # read only when the database fails mid-run: checked up front all the same
+    "delivery: database retry abc": ("delivery_retry", {"QO_OPS_DB_RETRY_S": "abc"}, "QO_OPS_DB_RETRY_S"),
     "publish: downstream URL unset": (
         "notification_publish", {"QO_OPS_DOWNSTREAM_URL": None}, "QO_OPS_DOWNSTREAM_URL is not set"
     ),
     "publish: retry cap abc": ("notification_publish", {"QO_OPS_RETRY_CAP_S": "abc"}, "QO_OPS_RETRY_CAP_S"),
     "publish: retry base 1e400": ("notification_publish", {"QO_OPS_RETRY_BASE_S": "1e400"}, "QO_OPS_RETRY_BASE_S"),
+    "reconciliation: resubmit max 11": (
+        "order_reconciliation", {"QO_OPS_RESUBMIT_MAX": "11"}, "QO_OPS_RESUBMIT_MAX"
+    ),
     "reconciliation: downstream URL ftp": (
         "order_reconciliation", {"QO_OPS_DOWNSTREAM_URL": "ftp://x"}, "QO_OPS_DOWNSTREAM_URL must be"
     ),
