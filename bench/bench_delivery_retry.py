@@ -57,8 +57,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
 from bench.common import REPO, engine_for, fresh_database, print_table, settle, stopwatch
+from qo_ops.downstream.calls import CallSettings
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.jobs.delivery_retry import SPEC
+from qo_ops.platform.retry import policy_from_env
 from qo_ops.platform.runner import run_job
 from qo_ops.platform.spec import BatchContext, RunOptions, Scope
 
@@ -470,8 +472,9 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
             return outcome
 
         spec = dataclasses.replace(
-            SPEC, eligible=eligible, transition=transition, external=external, record=record
-        )
+            SPEC, eligible=eligible, transition=transition, external=external, record=record,
+            validate_settings=lambda: CallSettings(sim.url, policy_from_env()),  # in-process run
+        )  # fmt: skip
         engine = sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
         options = RunOptions(
             mode="execute",

@@ -280,14 +280,14 @@ def _scope(tenant: str, day: str | None, start: str | None, end: str | None) -> 
         raise BadInput("give either --date or --from/--to, not both")
     if day:
         d = _parse_date(day, "--date")
-        return Scope(tenant, d, d + timedelta(days=1))
+        return Scope.days(tenant, d, d)
     if start or end:
         if not (start and end):
             raise BadInput("--from and --to go together")
         first, last = _parse_date(start, "--from"), _parse_date(end, "--to")
         if last < first:
             raise BadInput("--to must not be before --from")
-        return Scope(tenant, first, last + timedelta(days=1))  # --to is inclusive
+        return Scope.days(tenant, first, last)  # --to is inclusive
     return Scope(tenant)
 
 

@@ -1,7 +1,11 @@
-"""Settings read from the environment, in one place."""
+"""Settings read from the environment, in one place: a reader per kind of value, each
+refusing a bad one with a one-line ``ConfigError`` that names the variable. A job's own
+settings are read with these by its ``JobSpec.validate_settings``, once, before its run
+writes anything (``qo_ops.platform.spec.run_settings``)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,3 +58,29 @@ def whole_number(
         of = f" of {unit}" if unit else ""
         raise error(f"{name} must be a whole number{of} from {lo} to {hi}, got {raw!r}")
     return int(raw)
+
+
+def number(
+    name: str,
+    default: float,
+    lo: float,
+    hi: float,
+    *,
+    unit: str = "",
+    environ: Mapping[str, str] | None = None,
+    error: type[ConfigError] = ConfigError,
+) -> float:
+    """The number in ``name`` (unset or blank: ``default``); anything else than a finite
+    number from ``lo`` to ``hi`` (``abc``, ``nan``, ``inf``, out of range) raises ``error``
+    with a one-line message."""
+    raw = ((os.environ if environ is None else environ).get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not lo <= value <= hi:  # also refuses nan
+        of = f" of {unit}" if unit else ""
+        raise error(f"{name} must be a number{of} from {lo:g} to {hi:g}, got {raw!r}")
+    return value

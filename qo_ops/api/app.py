@@ -9,7 +9,7 @@ import logging
 import re
 import time
 import uuid
-from datetime import UTC, date, datetime
+from datetime import date, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Header, Query, Request
@@ -31,10 +31,12 @@ from qo_ops.dagster_defs.partitions import (
     SCOPE_TAG,
     WINDOW_TAG,
 )
-from qo_ops.errors import one_line
+from qo_ops.errors import BadInput, one_line
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform import control, runs
 from qo_ops.platform.spec import (
+    FIRST_DAY,
+    LAST_DAY,
     MAX_BATCH_SIZE,
     MAX_ITEMS,
     MAX_TEXT,
@@ -425,8 +427,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         if active.get("dagster_run_id"):
             state = dagster.status(active["dagster_run_id"])
             return "dagster_run_ended_before_start" if state in DAGSTER_FINISHED else None
-        age = (datetime.now(UTC) - active["created_at"]).total_seconds()
-        return "launch_lost" if age > STALE_LAUNCH_S else None
+        return "launch_lost" if float(active["age_s"]) > STALE_LAUNCH_S else None
 
     def launch(
         request: Request, identity: str, spec: JobSpec, run_id: uuid.UUID, rr: service.RunRequest
@@ -650,10 +651,16 @@ def _validated(spec: JobSpec, body: RunRequestBody) -> service.RunRequest:
         )
         if v is not None
     }
+    try:
+        scope = Scope(body.tenant, start, end)  # days at the calendar's edges are refused
+    except BadInput:
+        raise ApiError(
+            422, f"the window's days must lie from {FIRST_DAY} to {LAST_DAY} (to is exclusive)"
+        ) from None
     return service.RunRequest(
         spec=spec,
         mode=body.mode,
-        scope=Scope(body.tenant, start, end),
+        scope=scope,
         limits=limits,
         reason=body.reason.strip() if body.reason else None,
         correlation_id=body.correlationId,

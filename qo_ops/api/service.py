@@ -105,7 +105,16 @@ def audit(
 
 def _active_run(conn: sa.Connection, job_name: str, scope: str) -> dict[str, Any] | None:
     row = conn.execute(
-        sa.select(job_run.c.id, job_run.c.status, job_run.c.dagster_run_id, job_run.c.created_at)
+        sa.select(
+            job_run.c.id,
+            job_run.c.status,
+            job_run.c.dagster_run_id,
+            job_run.c.created_at,
+            # its age by the database's clock: whether it is stale is no API replica's guess
+            sa.func.extract("epoch", sa.func.clock_timestamp() - job_run.c.created_at).label(
+                "age_s"
+            ),
+        )
         .where(
             job_run.c.job_name == job_name,
             job_run.c.scope == scope,

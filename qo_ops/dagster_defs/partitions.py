@@ -4,10 +4,11 @@ windowed jobs, tenant × day."""
 from __future__ import annotations
 
 import os
-from datetime import date, timedelta
+from datetime import date
 
 import dagster as dg
 
+from qo_ops.errors import BadInput
 from qo_ops.platform.spec import JobSpec, Scope
 
 PARTITION_START_ENV = "QO_OPS_PARTITION_START"
@@ -48,8 +49,11 @@ def scope_from_partition_key(spec: JobSpec, key: str) -> Scope:
     """Turn a partition key back into the platform's scope."""
     if spec.partitioning == "tenant_day":
         day_key, _, tenant = key.partition("|")  # dimensions in name order: day|tenant
-        day = date.fromisoformat(day_key)
-        return Scope(tenant, day, day + timedelta(days=1))
+        try:
+            day = date.fromisoformat(day_key)
+        except ValueError:
+            raise BadInput(f"partition key {key!r} is not day|tenant") from None
+        return Scope.days(tenant, day, day)
     return Scope(key)
 
 

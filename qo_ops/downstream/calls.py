@@ -1,22 +1,41 @@
-"""What delivery_retry and notification_publish share: calling the downstream for each
-claimed item, and turning recorded results into a batch outcome."""
+"""What delivery_retry and notification_publish share: their settings, calling the
+downstream for each claimed item, and turning recorded results into a batch outcome."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from qo_ops.downstream.client import DownstreamClient, DownstreamError, client_from_env
+from qo_ops.downstream.client import DownstreamClient, DownstreamError, downstream_url
 from qo_ops.platform.external import NotCalled, call_each
-from qo_ops.platform.retry import CallResult, Disposition
-from qo_ops.platform.spec import BatchContext, BatchOutcome
+from qo_ops.platform.retry import CallResult, Disposition, RetryPolicy, policy_from_env
+from qo_ops.platform.spec import BatchContext, BatchOutcome, run_settings
+
+_CLIENT_PARAM = "downstream_client"
 
 
-def downstream_client(ctx: BatchContext) -> DownstreamClient:
-    """The run's client (made once per run from QO_OPS_DOWNSTREAM_URL)."""
-    client = ctx.params.get("downstream_client")
+@dataclass(frozen=True)
+class CallSettings:
+    """What a job that sends items to the downstream works with: where it is, and how a
+    failed item is retried. Read and checked once, before the run claims anything."""
+
+    downstream_url: str
+    retry: RetryPolicy
+
+
+def call_settings(environ: Mapping[str, str] | None = None) -> CallSettings:
+    """``QO_OPS_DOWNSTREAM_URL`` and the retry policy (``QO_OPS_RETRY_BASE_S``/``_CAP_S``),
+    checked (``ConfigError``): the ``validate_settings`` of the jobs that call
+    :func:`call_for_each`."""
+    return CallSettings(downstream_url(environ), policy_from_env(environ=environ))
+
+
+def downstream_client(ctx: BatchContext, url: str) -> DownstreamClient:
+    """The run's client for ``url`` (the run's checked setting), made once per run."""
+    client = ctx.params.get(_CLIENT_PARAM)
     if client is None:
-        client = ctx.params["downstream_client"] = client_from_env()
+        client = ctx.params[_CLIENT_PARAM] = DownstreamClient(url)
     return client
 
 
@@ -30,7 +49,7 @@ def call_for_each(
 ) -> list[CallResult]:
     """``call(client, item)`` for every claimed item, concurrently; failures become results.
     ``call`` answers whether the downstream had already seen the item (a duplicate)."""
-    client = downstream_client(ctx)
+    client = downstream_client(ctx, run_settings(ctx, call_settings).downstream_url)
 
     def one(item: dict[str, Any]) -> CallResult:
         base = {

@@ -330,8 +330,9 @@ class DownstreamClient:
         return True
 
 
-def client_from_env(environ: Mapping[str, str] | None = None, **options: Any) -> DownstreamClient:
-    """A client for ``QO_OPS_DOWNSTREAM_URL``; ``options`` go to ``DownstreamClient``."""
+def downstream_url(environ: Mapping[str, str] | None = None) -> str:
+    """``QO_OPS_DOWNSTREAM_URL``, checked: an http(s) URL with a host. Unset, blank or
+    anything else raises ``ConfigError`` (one line, no password shown)."""
     env = os.environ if environ is None else environ
     url = (env.get(DOWNSTREAM_URL_ENV) or "").strip()
     if not url:
@@ -343,6 +344,18 @@ def client_from_env(environ: Mapping[str, str] | None = None, **options: Any) ->
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, ValueError):
         parsed = None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ConfigError(f"{DOWNSTREAM_URL_ENV} must be an http(s) URL, got {url!r}")
-    return DownstreamClient(url, **options)
+    if (
+        parsed is None
+        or parsed.scheme not in ("http", "https")
+        or not parsed.host
+        or "%" in parsed.host  # httpx quotes what no host name may hold (a space…)
+        or not 1 <= (80 if parsed.port is None else parsed.port) <= 65535
+    ):
+        raise ConfigError(f"{DOWNSTREAM_URL_ENV} must be an http(s) URL with a host, got {url!r}")
+    return url
+
+
+def client_from_env(environ: Mapping[str, str] | None = None, **options: Any) -> DownstreamClient:
+    """A client for ``QO_OPS_DOWNSTREAM_URL`` (:func:`downstream_url`); ``options`` go to
+    ``DownstreamClient``."""
+    return DownstreamClient(downstream_url(environ), **options)

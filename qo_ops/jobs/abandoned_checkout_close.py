@@ -27,6 +27,7 @@ from qo_ops.platform.spec import (
     JobDefaults,
     JobSpec,
     OutcomeCheck,
+    run_settings,
 )
 
 SIDE_EFFECT = (
@@ -57,11 +58,9 @@ def idle_timeout_hours(environ: dict[str, str] | None = None) -> int:
 
 
 def _run_idle_hours(ctx: BatchContext) -> int:
-    """The run's timeout: read at its first use, then fixed, so selection, transition and
-    check of one run agree even if the environment changes meanwhile."""
-    if "checkout_idle_hours" not in ctx.params:
-        ctx.params["checkout_idle_hours"] = idle_timeout_hours()
-    return int(ctx.params["checkout_idle_hours"])
+    """The run's timeout: the one checked before the run began, so selection, transition
+    and check of one run agree even if the environment changes meanwhile."""
+    return run_settings(ctx, idle_timeout_hours)
 
 
 def idle_checkouts(ctx: BatchContext) -> sa.Select[Any]:

@@ -20,8 +20,9 @@ One batch of the runner is one chunk (or one per day when a window spans several
    fsync the directory; insert the manifest ``WRITTEN`` (its own committed transaction,
    fenced: only while this run's lease is current); read the file back and verify it:
    sha256 of its bytes equals the manifest's, it parses, its row count, id range, tenant
-   and window match. Orphan files (no manifest row, older than the lease TTL) in the
-   day's directory are removed.
+   and window match. Orphan files (no manifest row, older than the lease TTL by the
+   database's clock) in the day's directory are removed, unless another run holds a lease
+   over that day (:func:`_sweep_orphans`).
 3. **record** (batch transaction 2, guarded): lock the source rows of the manifest's
    tenant, id range and window; they must be exactly the file's rows: PostgreSQL digests
    the locked rows' own values (``_SOURCE_DIGEST``) and Arrow the rows read back from the
@@ -75,9 +76,8 @@ import hashlib
 import io
 import os
 import signal
-import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dtime
@@ -91,9 +91,9 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from qo_ops.config import load_settings
+from qo_ops.config import load_settings, whole_number
 from qo_ops.db.schema import audit_archive_manifest, audit_record
-from qo_ops.errors import BadInput, QoOpsError, one_line
+from qo_ops.errors import BadInput, ConfigError, QoOpsError, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.lease import LeaseLost
 from qo_ops.platform.runner import CRASH_ENV
@@ -108,6 +108,7 @@ from qo_ops.platform.spec import (
     ReportRow,
     RunResources,
     Scope,
+    run_settings,
 )
 
 JOB_NAME = "audit_archive"
@@ -174,23 +175,47 @@ def _crash_at(point: str) -> None:
 # ------------------------------------------------------------------------ settings, paths
 
 
-def retention_days() -> int:
-    """The retention in days (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365)."""
-    raw = os.environ.get(RETENTION_ENV, "").strip()
-    if not raw:
-        return DEFAULT_RETENTION_DAYS
-    try:
-        days = int(raw)
-    except ValueError:
-        raise BadInput(f"{RETENTION_ENV} must be a whole number of days, got {raw!r}") from None
-    if not 1 <= days <= MAX_RETENTION_DAYS:
-        raise BadInput(f"{RETENTION_ENV} must be between 1 and {MAX_RETENTION_DAYS}, got {days}")
-    return days
+class ArchiveConfigError(ConfigError):
+    """An audit_archive setting in the environment is unusable; nothing was run."""
+
+    error_code = "bad_config"
 
 
-def _cutoff() -> sa.ColumnElement[Any]:
-    """Records that occurred before this (database clock) are past retention."""
-    return sa.func.now() - sa.cast(sa.literal(f"{retention_days()} days"), sa.Interval)
+def retention_days(environ: Mapping[str, str] | None = None) -> int:
+    """The retention in days (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365, 1 to 36,500)."""
+    return whole_number(
+        RETENTION_ENV, DEFAULT_RETENTION_DAYS, 1, MAX_RETENTION_DAYS,
+        unit="days", environ=environ, error=ArchiveConfigError,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ArchiveSettings:
+    """What an archive run works with, checked before it locks or writes anything."""
+
+    retention_days: int
+    archive_root: Path  # QO_OPS_HOME/archive: where the files go
+
+
+def archive_settings(environ: Mapping[str, str] | None = None) -> ArchiveSettings:
+    """The retention, and an archive directory this process can write (it, or the nearest
+    directory above it that exists); :class:`ArchiveConfigError` names what is wrong."""
+    env = os.environ if environ is None else environ
+    days = retention_days(env)
+    root = load_settings(dict(env)).home / ARCHIVE_DIR
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ArchiveConfigError(
+            f"archive files go to {root}, but {existing} is not a writable directory "
+            "(check QO_OPS_HOME and its volume)"
+        )
+    return ArchiveSettings(days, root)
+
+
+def _cutoff(ctx: BatchContext) -> sa.ColumnElement[Any]:
+    """Records that occurred before this (database clock) are past the run's retention."""
+    days = run_settings(ctx, archive_settings).retention_days
+    return sa.func.now() - sa.cast(sa.literal(f"{days} days"), sa.Interval)
 
 
 def archive_home() -> Path:
@@ -384,7 +409,7 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
         audit_record.c.tenant_id == ctx.scope.tenant_id,
         audit_record.c.occurred_at >= start,
         audit_record.c.occurred_at < end,
-        audit_record.c.occurred_at < _cutoff(),
+        audit_record.c.occurred_at < _cutoff(ctx),
     )
     if end - start > timedelta(days=1):
         return query.order_by(_day_expr(), audit_record.c.id)
@@ -476,7 +501,7 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
         raise ArchiveVerificationFailed(ctx.params["archive_failure"])
     if "archive_baseline" not in ctx.params:
         ctx.params["archive_baseline"] = _baseline(conn, ctx.scope)
-    cutoff = conn.execute(sa.select(_cutoff())).scalar_one()  # now() of this transaction
+    cutoff = conn.execute(sa.select(_cutoff(ctx))).scalar_one()  # now() of this transaction
     table = copy_table(
         conn,
         "id = ANY(%(ids)s) AND tenant_id = %(t)s",
@@ -644,31 +669,64 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
     return FileResult(chunk, True, ids=ids.to_pylist(), digests=table_digests(table))
 
 
-def _sweep_orphans(work: Work, directory: Path) -> int:
-    """Remove temp files and files without a manifest row, older than the lease TTL.
-
-    Safe against a live writer: a file swept before its manifest is committed makes that
-    manifest fail verification — nothing is deleted from the source then.
+# How the sweep judges a day's directory: by the database's clock (never this process's),
+# and whether another run holds a live lease of this job over a window containing the day.
+_SWEEP_STATE = sa.text(
     """
+    SELECT extract(epoch FROM clock_timestamp())::float8 AS now,
+           EXISTS (SELECT 1 FROM job_lease l JOIN job_run r ON r.id = l.job_run_id
+                    WHERE l.job_name = :job AND l.expires_at > clock_timestamp()
+                      AND l.job_run_id <> :run AND split_part(l.scope, '/', 1) = :tenant
+                      AND r.window_start <= :day AND r.window_end > :day) AS busy
+    """
+)
+
+
+def _sweep_orphans(work: Work, chunk: Chunk) -> int:
+    """Remove temp files and files without a manifest row from the chunk's day directory:
+    only those older than the lease TTL by the database's clock, and none while another run
+    holds a lease over that day (its newest file may not have its manifest yet).
+
+    No decision here reads this process's clock: a host whose clock runs ahead would take
+    a file another run has just written for an old one. Even so, a file swept before its
+    manifest is committed makes that manifest fail verification: nothing leaves the source.
+    """
+    directory = resolve_path(chunk.file_path).parent
     if not directory.is_dir():
         return 0
-    horizon = time.time() - work.min_file_age_s
+    seen: list[tuple[Path, float]] = []
+    for entry in directory.iterdir():
+        if not (entry.name.endswith(".tmp") or entry.suffix == ".parquet"):
+            continue  # not ours: leave it
+        try:
+            if entry.is_file():
+                seen.append((entry, entry.stat().st_mtime))
+        except FileNotFoundError:
+            continue
+    if not seen:
+        return 0
+    with work.engine.connect() as conn:
+        state = conn.execute(
+            _SWEEP_STATE,
+            {"job": work.job_name, "run": work.job_run_id, "tenant": chunk.tenant_id,
+             "day": chunk.day},
+        ).one()  # fmt: skip
+    if state.busy:
+        return 0
+    horizon = state.now - work.min_file_age_s
     candidates: dict[str, Path] = {}
     removed = 0
-    for entry in directory.iterdir():
-        try:
-            if not entry.is_file() or entry.stat().st_mtime > horizon:
-                continue
-        except FileNotFoundError:
+    for entry, mtime in seen:
+        if mtime > horizon:
             continue
         if entry.name.endswith(".tmp"):
             entry.unlink(missing_ok=True)
             removed += 1
-        elif entry.suffix == ".parquet":
-            try:
-                candidates[str(uuid.UUID(entry.stem))] = entry
-            except ValueError:
-                continue  # not ours: leave it
+            continue
+        try:
+            candidates[str(uuid.UUID(entry.stem))] = entry
+        except ValueError:
+            continue  # not ours: leave it
     if candidates:
         with work.engine.connect() as conn:
             known = {
@@ -718,7 +776,7 @@ def write_and_verify(ctx: BatchContext, work_items: list[Any]) -> list[Any]:
                 _crash_at("archive_after_manifest_written")
             assert chunk.sha256 is not None
             result = verify_file(chunk, chunk.sha256)
-            result.orphans_removed = _sweep_orphans(work, resolve_path(chunk.file_path).parent)
+            result.orphans_removed = _sweep_orphans(work, chunk)
             results.append(result)
     return results
 
@@ -925,13 +983,13 @@ def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
             audit_record.c.tenant_id == ctx.scope.tenant_id,
             audit_record.c.occurred_at >= start,
             audit_record.c.occurred_at < end,
-            audit_record.c.occurred_at < _cutoff(),
+            audit_record.c.occurred_at < _cutoff(ctx),
         )
     ).scalar()
     if oldest is None:
         return None
     value = conn.execute(
-        sa.select(sa.func.extract("epoch", _cutoff() - sa.literal(oldest)))
+        sa.select(sa.func.extract("epoch", _cutoff(ctx) - sa.literal(oldest)))
     ).scalar()
     return seconds_or_none(value)
 
@@ -1094,7 +1152,7 @@ SPEC = JobSpec(
     # measured: 414 MiB peak RSS archiving 50,000-record chunks (CLI); a run worker adds Dagster
     run_resources=RunResources(cpu_request="500m", memory_request="1Gi", memory_limit="2Gi"),
     destructive=True,
-    validate_settings=retention_days,
+    validate_settings=archive_settings,  # retention and a writable archive directory
     scheduled_window_age_days=lambda: retention_days() + 1,
     side_effects=(SIDE_EFFECT,),
 )

@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import delivery_attempt_item
-from qo_ops.downstream.calls import call_for_each, outcome_of
+from qo_ops.downstream.calls import call_for_each, call_settings, outcome_of
 from qo_ops.errors import one_line
-from qo_ops.platform.retry import dispose, policy_from_env
+from qo_ops.platform.retry import dispose
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
@@ -29,6 +29,7 @@ from qo_ops.platform.spec import (
     JobDefaults,
     JobSpec,
     OutcomeCheck,
+    run_settings,
 )
 
 # literals, so the selection matches the partial index's predicate in every plan
@@ -126,7 +127,7 @@ def record_delivery_results(
     conn: Connection, ctx: BatchContext, results: list[Any]
 ) -> BatchOutcome:
     """Write DELIVERED / READY with backoff / DEAD_LETTER for each call result."""
-    policy = policy_from_env()
+    policy = run_settings(ctx, call_settings).retry
     decisions = [(r, dispose(r, policy)) for r in results]
     rows = conn.execute(
         RECORD_DELIVERY_RESULTS,
@@ -216,4 +217,5 @@ SPEC = JobSpec(
     change="sent with its idempotency key: delivered, retried or dead-lettered",
     healthy="No delivery due for longer than 15 minutes, and no dead letter waiting for a person.",
     side_effects=(SIDE_EFFECT,),
+    validate_settings=call_settings,  # downstream URL and retry policy, before any claim
 )

@@ -17,9 +17,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import outbox_event
-from qo_ops.downstream.calls import call_for_each, outcome_of
+from qo_ops.downstream.calls import call_for_each, call_settings, outcome_of
 from qo_ops.errors import one_line
-from qo_ops.platform.retry import dispose, policy_from_env
+from qo_ops.platform.retry import dispose
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
@@ -28,6 +28,7 @@ from qo_ops.platform.spec import (
     JobDefaults,
     JobSpec,
     OutcomeCheck,
+    run_settings,
 )
 
 MAX_PUBLISH_ATTEMPTS = 8
@@ -119,7 +120,7 @@ MARK_NOTIFICATIONS_SENT = sa.text(
 
 def record_publish_results(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
     """Write published / retry with backoff / dead-lettered for each publish result."""
-    policy = policy_from_env(MAX_PUBLISH_ATTEMPTS)
+    policy = run_settings(ctx, call_settings).retry
     decisions = [(r, dispose(r, policy)) for r in results]
     rows = conn.execute(
         RECORD_PUBLISH_RESULTS,
@@ -205,4 +206,5 @@ SPEC = JobSpec(
     change="published once by event id, retried or dead-lettered",
     healthy="No outbox event overdue for publishing, and no dead letter waiting for a person.",
     side_effects=(SIDE_EFFECT,),
+    validate_settings=call_settings,  # downstream URL and retry policy, before any claim
 )

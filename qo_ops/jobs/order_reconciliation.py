@@ -48,7 +48,7 @@ from sqlalchemy.engine import Connection
 from qo_ops.config import whole_number
 from qo_ops.db.schema import customer_order
 from qo_ops.downstream.calls import downstream_client
-from qo_ops.downstream.client import DownstreamError
+from qo_ops.downstream.client import DownstreamError, downstream_url
 from qo_ops.errors import one_line
 from qo_ops.platform.external import NotCalled, call_each
 from qo_ops.platform.spec import (
@@ -59,6 +59,7 @@ from qo_ops.platform.spec import (
     JobSpec,
     OutcomeCheck,
     ReportRow,
+    run_settings,
 )
 
 IN_FLIGHT: list[sa.ColumnElement[str]] = [
@@ -102,12 +103,22 @@ def resubmit_budget(environ: Mapping[str, str] | None = None) -> ResubmitBudget:
     )
 
 
+@dataclass(frozen=True)
+class ReconciliationSettings:
+    """What a reconciliation run works with, checked before it reads or writes anything."""
+
+    downstream_url: str
+    budget: ResubmitBudget
+
+
+def reconciliation_settings(environ: Mapping[str, str] | None = None) -> ReconciliationSettings:
+    """``QO_OPS_DOWNSTREAM_URL`` and the re-submission budget (``ConfigError`` if bad)."""
+    return ReconciliationSettings(downstream_url(environ), resubmit_budget(environ))
+
+
 def _run_budget(ctx: BatchContext) -> ResubmitBudget:
-    """The run's budget: read at its first use, then fixed for the run."""
-    if "resubmit_budget" not in ctx.params:
-        ctx.params["resubmit_budget"] = resubmit_budget()
-    budget: ResubmitBudget = ctx.params["resubmit_budget"]
-    return budget
+    """The run's budget: the one checked before the run began, fixed for the run."""
+    return run_settings(ctx, reconciliation_settings).budget
 
 
 def in_flight_orders(ctx: BatchContext) -> sa.Select[Any]:
@@ -145,7 +156,7 @@ def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Batc
 
 def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
     """Each order's downstream view; in the run's first batch also the unknown orders."""
-    client = downstream_client(ctx)
+    client = downstream_client(ctx, run_settings(ctx, reconciliation_settings).downstream_url)
 
     def look(order: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -546,5 +557,5 @@ SPEC = JobSpec(
     dry_run_scans=True,
     compete_with_skip_locked=False,  # read-only selection: one run per scope holds the lease
     side_effects=(ADOPTED_EVENT, RESUBMIT_EVENT),
-    validate_settings=resubmit_budget,  # a bad budget is refused before anything is written
+    validate_settings=reconciliation_settings,  # refused before anything is read or written
 )

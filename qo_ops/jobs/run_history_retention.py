@@ -65,6 +65,7 @@ from qo_ops.platform.spec import (
     JobSpec,
     OutcomeCheck,
     ReportRow,
+    run_settings,
 )
 
 DAYS_ENV = "QO_OPS_RUN_HISTORY_DAYS"
@@ -133,10 +134,8 @@ def history_days(environ: dict[str, str] | None = None) -> int:
 
 
 def _run_days(ctx: BatchContext) -> int:
-    """The run's period: read at its first use, then fixed for the run."""
-    if "run_history_days" not in ctx.params:
-        ctx.params["run_history_days"] = history_days()
-    return int(ctx.params["run_history_days"])
+    """The run's period: the one checked before the run began, fixed for the run."""
+    return run_settings(ctx, history_days)
 
 
 def _history_sql(after: datetime | None) -> str:

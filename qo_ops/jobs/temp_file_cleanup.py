@@ -93,6 +93,7 @@ from qo_ops.platform.spec import (
     ReportRow,
     RunResources,
 )
+from qo_ops.platform.spec import run_settings as settings_of_run
 
 SIDE_EFFECT = "object_delete"  # removing a file from the object store (job_side_effects_total)
 RETENTION_ENV = "QO_OPS_TEMP_FILE_RETENTION_DAYS"
@@ -113,7 +114,6 @@ TERMINAL: list[sa.ColumnElement[str]] = [
     sa.literal_column("'FAILED_TERMINAL'"),
 ]
 _TERMINAL_SQL = "('COMPLETED', 'FAILED_TERMINAL')"
-_SETTINGS_KEY = "temp_file_cleanup.settings"
 _GATE_KEY = "temp_file_cleanup.gate"
 _GATE_MEASURE_KEY = "temp_file_cleanup.gate_measure"
 _REFUSED_KEY = "temp_file_cleanup.refused"  # ids this run will not take again
@@ -178,11 +178,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CleanupSettin
 
 
 def run_settings(ctx: BatchContext) -> CleanupSettings:
-    """The run's settings: read once per run, so every batch and check agrees."""
-    found = ctx.params.get(_SETTINGS_KEY)
-    if not isinstance(found, CleanupSettings):
-        found = ctx.params[_SETTINGS_KEY] = settings_from_env()
-    return found
+    """The run's settings: those checked before it started, so every batch and check agrees."""
+    return settings_of_run(ctx, settings_from_env)
 
 
 def _retention(ctx: BatchContext) -> sa.ColumnElement[Any]:

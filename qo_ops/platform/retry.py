@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -13,6 +14,8 @@ from enum import StrEnum
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from qo_ops.config import number
+from qo_ops.errors import ConfigError
 from qo_ops.platform.runs import append_audit
 
 
@@ -63,7 +66,8 @@ class RetryPolicy:
         """Delay before attempt ``attempt + 1`` after ``attempt`` failures (attempt ≥ 1)."""
         if attempt < 1:
             raise ValueError("attempt counts from 1")
-        raw = min(self.base.total_seconds() * 2 ** (attempt - 1), self.cap.total_seconds())
+        doublings = min(attempt - 1, 64)  # past the cap long before; 2**1024 overflows a float
+        raw = min(self.base.total_seconds() * 2**doublings, self.cap.total_seconds())
         low = raw * (1 - self.jitter)
         return timedelta(seconds=(rng or random).uniform(low, raw))
 
@@ -127,15 +131,20 @@ def requeue_dead_letters(
 
 RETRY_BASE_ENV = "QO_OPS_RETRY_BASE_S"
 RETRY_CAP_ENV = "QO_OPS_RETRY_CAP_S"
+MIN_RETRY_S = 0.01  # a shorter backoff is a hot loop against the other system
+MAX_RETRY_S = 7 * 86400.0
 
 
-def policy_from_env(max_attempts: int = 8) -> RetryPolicy:
+def policy_from_env(max_attempts: int = 8, environ: Mapping[str, str] | None = None) -> RetryPolicy:
     """The retry policy of the downstream jobs; base and cap may be set in the environment
-    (tests and drills shorten them; production keeps 30 s and 1 h)."""
-    import os
-
-    base = float(os.environ.get(RETRY_BASE_ENV, "30"))
-    cap = float(os.environ.get(RETRY_CAP_ENV, "3600"))
+    (tests and drills shorten them; production keeps 30 s and 1 h). A value that is not a
+    number of seconds from 0.01 to a week, or a cap below the base, raises ``ConfigError``."""
+    base = number(RETRY_BASE_ENV, 30.0, MIN_RETRY_S, MAX_RETRY_S, unit="seconds", environ=environ)
+    cap = number(RETRY_CAP_ENV, 3600.0, MIN_RETRY_S, MAX_RETRY_S, unit="seconds", environ=environ)
+    if cap < base:
+        raise ConfigError(
+            f"{RETRY_CAP_ENV} ({cap:g} s) must not be below {RETRY_BASE_ENV} ({base:g} s)"
+        )
     return RetryPolicy(
         base=timedelta(seconds=base), cap=timedelta(seconds=cap), max_attempts=max_attempts
     )

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from qo_ops.config import number
 from qo_ops.db.availability import (
     UNAVAILABLE,
     db_retry_s,
@@ -42,6 +43,7 @@ from qo_ops.platform.missed import scope_busy_at
 from qo_ops.platform.spec import (
     CHECKPOINT_RESETS,
     CHECKPOINT_UPDATES,
+    SETTINGS_PARAM,
     BatchContext,
     BatchOutcome,
     ExecuteRefused,
@@ -151,12 +153,13 @@ def _resolve(spec: JobSpec, options: RunOptions) -> dict[str, Any]:
     }
 
 
-def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
-    """Reject a run that cannot be right, before anything is written."""
+def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> object:
+    """Reject a run that cannot be right, before anything is written; returns the job's
+    settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
     options.validated()
     check_consent(options, destructive=spec.destructive, job_name=spec.name)
-    if spec.validate_settings is not None:
-        spec.validate_settings()
+    drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
+    settings = spec.validate_settings() if spec.validate_settings is not None else None
     windowed = spec.partitioning == "tenant_day"
     if windowed and scope.window_start is None:
         raise BadInput(f"{spec.name} is windowed: give --date or --from/--to")
@@ -168,6 +171,7 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
         ).first()
     if known is None:
         raise BadInput(f"unknown tenant {scope.tenant_id}")
+    return settings
 
 
 DRIFT_WARN_ENV = "QO_OPS_DRIFT_WARN_S"
@@ -175,13 +179,9 @@ DEFAULT_DRIFT_WARN_S = 300.0
 
 
 def drift_warn_s() -> float:
-    """Above this many seconds late, a scheduled run logs job.scheduler.drift.detected."""
-    raw = os.environ.get(DRIFT_WARN_ENV, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_DRIFT_WARN_S
-    except ValueError:
-        value = DEFAULT_DRIFT_WARN_S
-    return value if value > 0 else DEFAULT_DRIFT_WARN_S
+    """Above this many seconds late, a scheduled run logs job.scheduler.drift.detected
+    (``QO_OPS_DRIFT_WARN_S``; a bad value is refused before a run starts)."""
+    return number(DRIFT_WARN_ENV, DEFAULT_DRIFT_WARN_S, 0.001, 86400.0, unit="seconds")
 
 
 def _drift_reason(
@@ -315,7 +315,7 @@ def run_job(
     this returns (or re-raises a foreign interrupt, e.g. Dagster's)."""
     with StopSignals(stop_grace_s()) as stop:  # a signal before the record: nothing written
         try:
-            validate_request(engine, spec, scope, options)
+            settings = validate_request(engine, spec, scope, options)
         except ExecuteRefused as refused:  # a person's execute without consent: on record
             with stop.deferred(), engine.begin() as conn:
                 _audit_trigger(
@@ -330,8 +330,9 @@ def run_job(
         with stop.deferred():
             run_id = runs.create_run(engine, spec.name, scope, options, owner, limits)
         ctx = BatchContext(
-            spec.name, scope, options.mode, run_id, params={"limits": limits}, stop=stop
-        )
+            spec.name, scope, options.mode, run_id,
+            params={"limits": limits, SETTINGS_PARAM: settings}, stop=stop,
+        )  # fmt: skip
         summary = RunSummary(
             job_run_id=str(run_id),
             job_name=spec.name,
@@ -556,7 +557,10 @@ def _after_run(
             summary.checkpoint_after = _cursor_text(saved[0])
             summary.checkpoint_age_s = float(saved[1])
     elif not spec.dry_run_scans:  # a selection of what is due: what is still due is backlog
-        fresh = BatchContext(spec.name, ctx.scope, ctx.mode, ctx.job_run_id, {"limits": limits})
+        fresh = BatchContext(
+            spec.name, ctx.scope, ctx.mode, ctx.job_run_id,
+            {"limits": limits, SETTINGS_PARAM: ctx.params.get(SETTINGS_PARAM)},
+        )  # fmt: skip
         summary.backlog = (
             summary.eligible_count if ctx.mode == "dry_run" else count_eligible(conn, spec, fresh)
         )

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -34,6 +34,10 @@ MAX_DEADLINE_S = 7 * 24 * 3600
 MAX_LEASE_TTL_S = 3600
 MAX_TEXT = 500  # reason, requester, correlation id
 MAX_CONCURRENCY = 256
+# The days a window may cover: none before 1900 (older than any business record, and than
+# the day a 100-year retention ages out), none whose end would leave the calendar.
+FIRST_DAY = date(1900, 1, 1)
+LAST_DAY = date.max - timedelta(days=1)  # 9999-12-30: its window ends on 9999-12-31
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,16 @@ class Scope:
             raise BadInput("a window needs both a start and an end date")
         if self.window_start and self.window_end and self.window_end <= self.window_start:
             raise BadInput("the window's end date must be after its start date")
+        if self.window_start and self.window_end:
+            _check_days(self.window_start, self.window_end - timedelta(days=1))
+
+    @classmethod
+    def days(cls, tenant_id: str, first: date, last: date) -> Scope:
+        """The scope of ``tenant_id`` over the days ``first`` to ``last``, both included;
+        :class:`BadInput` when a day lies outside ``FIRST_DAY``..``LAST_DAY`` (so the
+        window's end is always a date)."""
+        _check_days(first, last)
+        return cls(tenant_id, first, last + timedelta(days=1))
 
     def window_bounds(self) -> tuple[datetime, datetime]:
         """The window as UTC timestamps: [start 00:00, end 00:00)."""
@@ -69,6 +83,13 @@ class Scope:
         if self.window_start is None:
             return self.tenant_id
         return f"{self.tenant_id}/{self.window_start.isoformat()}..{self.window_end.isoformat()}"  # type: ignore[union-attr]
+
+
+def _check_days(first: date, last: date) -> None:
+    if not (first >= FIRST_DAY and last <= LAST_DAY):
+        raise BadInput(
+            f"a window's days must lie from {FIRST_DAY} to {LAST_DAY}, got {first} to {last}"
+        )
 
 
 @dataclass(frozen=True)
@@ -262,6 +283,20 @@ class BatchContext:
     stop: StopSignals = field(default_factory=lambda: StopSignals(DEFAULT_STOP_GRACE_S))
 
 
+SETTINGS_PARAM = "settings"  # ctx.params: what the job's validate_settings returned
+T = TypeVar("T")
+
+
+def run_settings(ctx: BatchContext, read: Callable[[], T]) -> T:
+    """The job's settings as the run uses them: the value the runner got from the job's
+    ``validate_settings`` before the run wrote anything (``read`` is that same function),
+    so what was validated is what is used, read once. A context made outside a run (an
+    outcome check, a backlog count) reads them with ``read`` on first use."""
+    if ctx.params.get(SETTINGS_PARAM) is None:
+        ctx.params[SETTINGS_PARAM] = read()
+    return cast(T, ctx.params[SETTINGS_PARAM])
+
+
 @dataclass
 class BatchOutcome:
     """What one transition did; counters add up into the run record."""
@@ -393,7 +428,9 @@ class JobSpec:
     scheduled_window_age_days: Callable[[], int] | None = None
     # How many items sit dead-lettered now, all tenants (capped count; for the exporter).
     dead_letters: Callable[[Connection], int] | None = None
-    # Checks the job's own settings (environment) before anything is written; raises QoOpsError.
+    # Reads and checks every setting (environment) the job's functions use, before the run
+    # writes or claims anything: raises ConfigError (exit 2, one line), else returns them;
+    # the job's functions get that value through run_settings(ctx, <this function>).
     validate_settings: Callable[[], object] | None = None
     # What execute does to one item, in a few words (the dry-run report's "transition").
     change: str = ""

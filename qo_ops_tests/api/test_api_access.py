@@ -210,6 +210,18 @@ def test_malformed_unknown_out_of_range_and_unsafe_requests_get_422(api, db):
             path="/internal/jobs/pricing_snapshot_recalculation/runs",
             json={**DRY, "from": "2026-02-30", "to": "2026-03-01"},
         ),
+        "first day of the calendar": dict(
+            path="/internal/jobs/pricing_snapshot_recalculation/runs",
+            json={**DRY, "from": "0001-01-01", "to": "0001-01-02"},
+        ),
+        "a window from before 1900": dict(
+            path="/internal/jobs/order_reconciliation/runs",
+            json={**DRY, "from": "1899-12-31", "to": "1900-01-01"},
+        ),
+        "a window ending past the calendar": dict(
+            path="/internal/jobs/order_reconciliation/runs",
+            json={**DRY, "from": "9999-12-31", "to": "10000-01-01"},
+        ),
         "date with SQL": dict(
             path="/internal/jobs/pricing_snapshot_recalculation/runs",
             json={**DRY, "from": "2026-02-01' OR '1'='1", "to": "2026-02-02"},
@@ -278,6 +290,34 @@ def test_launch_failure_leaves_a_failed_run_and_a_503(api, db):
     assert view["status"] == "failed" and view["status_reason"] == "launch_failed"
     # a failed launch does not hold the scope: the next request is not a conflict
     assert api.post(RUNS, operator, json=DRY).status_code == 503
+
+
+def _accepted_run(db, minutes_ago: int) -> None:
+    """An accepted run of quote_expiration for tenant-001 whose launch never happened,
+    created ``minutes_ago`` by the database's clock."""
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, status, "
+                "created_at) VALUES (gen_random_uuid(), 'quote_expiration', 'tenant-001', "
+                "'dry_run', 'api', 'qo-ops-api', 'accepted', "
+                "clock_timestamp() - make_interval(mins => :m))"
+            ),
+            {"m": minutes_ago},
+        )
+
+
+def test_an_accepted_run_whose_launch_was_lost_is_judged_by_the_database_clock(api, db):
+    load_demo_data(db.engine, tenants=1, quotes=50, seed=9, as_of=AS_OF)
+    operator = api.token("olga", "operator")
+    _accepted_run(db, minutes_ago=0)  # its launch may still be in flight: it holds the scope
+    assert api.post(RUNS, operator, json=DRY).status_code == 409
+    with db.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE job_run SET created_at = created_at - interval '10 minutes'"))
+    assert api.post(RUNS, operator, json=DRY).status_code == 503  # expired; the new one ran
+    with db.engine.connect() as conn:
+        reasons = conn.execute(sa.text("SELECT status_reason FROM job_run ORDER BY created_at"))
+        assert reasons.scalars().all() == ["launch_lost", "launch_failed"]
 
 
 def test_a_destructive_execute_waits_for_a_second_identity(api, db):

@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from qo_ops.db.digest import database_digest, table_digest
 from qo_ops.db.schema import BUSINESS_TABLES, audit_record
 from qo_ops.demo.data import load_demo_data
-from qo_ops.errors import BadInput
+from qo_ops.errors import ConfigError
 from qo_ops.jobs import audit_archive
 from qo_ops.jobs.audit_archive import (
     ARCHIVE_CRASH_POINTS,
@@ -484,22 +484,113 @@ def test_orphans_and_temp_files_are_swept_only_when_old(seeded, home):
     foreign = directory / "notes.txt"
     for p in (old_orphan, old_tmp, young_orphan, foreign):
         p.write_bytes(b"x")
-    long_ago = time.time() - 3600
-    for p in (old_orphan, old_tmp, foreign):
-        os.utime(p, (long_ago, long_ago))
+    _set_mtime(db.engine, -3600, old_orphan, old_tmp, foreign)
     done = _execute(db.engine, batch_size=5000)
     assert done.status == "success" and done.tally["orphan_files_removed"] == 2
     assert not old_orphan.exists() and not old_tmp.exists()
     assert young_orphan.exists() and foreign.exists()
 
 
+def _db_epoch(engine: sa.Engine) -> float:
+    with engine.connect() as conn:
+        return float(conn.execute(sa.text("SELECT extract(epoch FROM clock_timestamp())")).scalar())
+
+
+def _set_mtime(engine: sa.Engine, offset_s: float, *paths: Path) -> None:
+    """Give ``paths`` the modification time "database clock now + ``offset_s``"."""
+    when = _db_epoch(engine) + offset_s
+    for path in paths:
+        os.utime(path, (when, when))
+
+
+def _orphan_files(directory: Path, n: int, suffix: str = ".parquet") -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"{uuid.uuid4()}{suffix}" for _ in range(n)]
+    for path in paths:
+        path.write_bytes(b"PAR1 not yet recorded")
+    return paths
+
+
+@pytest.mark.parametrize("skew_s", [7200, -7200], ids=["process clock 2 h ahead", "2 h behind"])
+def test_the_orphan_sweep_judges_file_age_by_the_database_clock(seeded, home, monkeypatch, skew_s):
+    """A unit test of the sweep with this process's clock skewed by two hours (a fake
+    time.time: the system clock cannot be moved), real files and the real database: a file
+    another run has just written (no manifest yet) stays, orphans past the TTL go."""
+    db = seeded
+    directory = home / "archive" / TENANT / DAY.isoformat()
+    (just_written,) = _orphan_files(directory, 1)
+    (old_orphan,) = _orphan_files(directory, 1)
+    (old_tmp,) = _orphan_files(directory, 1, ".parquet.tmp")
+    _set_mtime(db.engine, -1, just_written)
+    _set_mtime(db.engine, -120, old_orphan, old_tmp)  # past the 30 s TTL, within the skew
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + skew_s)
+    work = audit_archive.Work(
+        engine=db.engine, job_name=SPEC.name, scope_key=WINDOW.key, job_run_id=uuid.uuid4(),
+        fencing_token=None, min_file_age_s=30.0, chunks=[],
+    )  # fmt: skip
+    start, end = WINDOW.window_bounds()
+    manifest_id = uuid.uuid4()
+    chunk = audit_archive.Chunk(
+        manifest_id, TENANT, DAY, start, end,
+        audit_archive.relative_path(TENANT, DAY, manifest_id), 0, 0, 0, table=None,
+    )  # fmt: skip
+    assert audit_archive._sweep_orphans(work, chunk) == 2
+    assert just_written.exists()
+    assert not old_orphan.exists() and not old_tmp.exists()
+
+
+def _another_run_holds(engine: sa.Engine, scope: Scope) -> None:
+    """A live audit_archive run of another process over ``scope``: its row and lease."""
+    run_id = uuid.uuid4()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_run (id, job_name, scope, window_start, window_end, mode, "
+                "trigger_type, owner_id, status) VALUES (:id, :job, :scope, :ws, :we, "
+                "'execute', 'schedule', 'other-host:1:feedbeef', 'running')"
+            ),
+            {"id": run_id, "job": SPEC.name, "scope": scope.key,
+             "ws": scope.window_start, "we": scope.window_end},
+        )  # fmt: skip
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_lease (job_name, scope, owner_id, lease_token, fencing_token, "
+                "acquired_at, heartbeat_at, expires_at, job_run_id) VALUES (:job, :scope, "
+                "'other-host:1:feedbeef', 'their-token', 3, now(), now(), "
+                "now() + interval '1 hour', :id)"
+            ),
+            {"job": SPEC.name, "scope": scope.key, "id": run_id},
+        )
+
+
+def test_a_file_of_another_live_run_is_kept_however_old_it_looks(seeded, home):
+    """A real run over two days while another run holds the lease of the second: in the
+    first day's directory a just-written file stays and an old orphan goes; in the second,
+    a manifest-less file stays even though its time says hours ago (the writer's host clock
+    may be behind): the other run may be about to record it."""
+    db = seeded
+    first, second = DAY, DAY + timedelta(days=1)
+    _another_run_holds(db.engine, Scope(TENANT, second, second + timedelta(days=1)))
+    just_written, old_orphan = _orphan_files(home / "archive" / TENANT / first.isoformat(), 2)
+    (theirs,) = _orphan_files(home / "archive" / TENANT / second.isoformat(), 1)
+    _set_mtime(db.engine, -1, just_written)
+    _set_mtime(db.engine, -2 * 3600, old_orphan, theirs)
+    done = _execute(db.engine, Scope(TENANT, first, second + timedelta(days=1)), batch_size=5000)
+    assert done.status == "success", done.error_text
+    assert done.mutated_count == ROWS_ON_DAY + 2  # both days archived (the 2nd has 2 edge rows)
+    assert done.tally["orphan_files_removed"] == 1
+    assert not old_orphan.exists()
+    assert just_written.exists() and theirs.exists()
+
+
 def test_the_retention_setting_is_checked_and_used(seeded, home, monkeypatch):
     db = seeded
     monkeypatch.setenv(audit_archive.RETENTION_ENV, "soon")
-    with pytest.raises(BadInput, match="QO_OPS_AUDIT_RETENTION_DAYS"):
+    with pytest.raises(ConfigError, match="QO_OPS_AUDIT_RETENTION_DAYS"):
         run_job(SPEC, WINDOW, RunOptions(mode="dry_run"), engine=db.engine)
     monkeypatch.setenv(audit_archive.RETENTION_ENV, "0")
-    with pytest.raises(BadInput, match="between 1 and"):
+    with pytest.raises(ConfigError, match="from 1 to"):
         audit_archive.retention_days()
     # a retention longer than the records' age: nothing is eligible
     age = (datetime.now(UTC).date() - DAY).days
