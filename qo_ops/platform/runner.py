@@ -79,9 +79,8 @@ def _crash_point(name: str) -> None:
 
 
 HOLD_ENV = "QO_OPS_HOLD_AT"
-# Test-only: with QO_OPS_HOLD_AT set to one of these, the run waits there (up to 120 s, as
-# a slow phase would), so that a fault test can send a signal at that moment.
-HOLD_POINTS = ("after_lease_acquire", "before_finalize")
+# Test-only: with QO_OPS_HOLD_AT set to after_lease_acquire or before_finalize, the run waits
+# there (up to 120 s, as a slow phase would), so that a fault test can send a signal then.
 
 
 def _hold_point(name: str) -> None:

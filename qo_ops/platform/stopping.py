@@ -133,6 +133,3 @@ class StopSignals:
             yield
         finally:
             self._writing -= 1
-
-
-NO_STOP = StopSignals(DEFAULT_STOP_GRACE_S)  # for contexts built outside a run (never signalled)

@@ -413,15 +413,19 @@ def test_a_reconciliation_stopped_mid_batch_keeps_its_checkpoint_before_unchecke
     assert len(eligible) > 60
     downstream.client.set_faults(latency_ms=150)
 
+    def lookups() -> int:  # the simulator counts the latency it added, per request
+        return downstream.client.stats()["latency_injected_ms"] // 150
+
     def terminate_during_the_second_batch() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            done = scalar(db.engine, "SELECT max(processed_count) FROM job_run") or 0
-            if done >= 20:
-                time.sleep(0.5)  # a few calls into the second batch
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+            if (scalar(db.engine, "SELECT max(processed_count) FROM job_run") or 0) >= 20:
+                break  # the first batch is recorded
             time.sleep(0.05)
+        first = lookups()
+        while time.monotonic() < deadline and lookups() < first + 3:
+            time.sleep(0.05)  # until three orders of the second batch were asked about
+        os.kill(os.getpid(), signal.SIGTERM)
 
     sender = threading.Thread(target=terminate_during_the_second_batch)
     sender.start()
