@@ -8,6 +8,7 @@ import dagster as dg
 
 from qo_ops.config import DATABASE_URL_ENV
 from qo_ops.dagster_defs.checks import build_outcome_assets, build_outcome_checks
+from qo_ops.dagster_defs.freshness import build_recent_success_checks
 from qo_ops.dagster_defs.jobs import build_job
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.schedules import build_schedule
@@ -32,7 +33,7 @@ def build_definitions() -> dg.Definitions:
     )
     return dg.Definitions(
         assets=build_outcome_assets(specs),
-        asset_checks=build_outcome_checks(specs),
+        asset_checks=[*build_outcome_checks(specs), *build_recent_success_checks(specs)],
         jobs=list(jobs.values()),
         schedules=[build_schedule(spec, jobs[spec.name]) for spec in specs],
         sensors=[

@@ -11,6 +11,7 @@ from typing import Any
 import dagster as dg
 import sqlalchemy as sa
 
+from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import QoOpsError, one_line
 from qo_ops.platform.overdue import database_now, overdue_scope
@@ -33,6 +34,7 @@ def build_outcome_assets(specs: Sequence[JobSpec]) -> list[dg.AssetSpec]:
     return [
         dg.AssetSpec(
             key=dg.AssetKey(["qo_ops", asset]),
+            partitions_def=tenants_partitions_def,  # every tenant's outcome on its own partition
             description=_asset_description(jobs),
             group_name="business_outcomes",
             kinds={"postgres"},

@@ -2,20 +2,39 @@
 
 - ``tenants_sensor``: keeps the ``tenants`` dynamic partitions equal to the tenant table;
 - ``<job>_backlog_sensor``: launches the job for a tenant whose backlog passed its threshold;
-- ``stale_success_sensor``: says which job/scope has not succeeded for 3× its cadence;
+- ``stale_success_sensor``: marks each tenant partition whose job has not succeeded for 3× its
+  cadence (``recent_success`` check, ``freshness.py``) and names them;
 - ``checkpoint_age_sensor``: says which windowed job's checkpoint stopped advancing;
 - ``run_failure_recorder``: records every failed Dagster run of a catalog job, with its cause.
 """
 
+import base64
+import hashlib
+import itertools
 import json
 import time
 import uuid
+import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import dagster as dg
 import sqlalchemy as sa
 
 from qo_ops.dagster_defs.checks import outcome_asset_key
+from qo_ops.dagster_defs.freshness import (
+    RECENT_SUCCESS_CHECK,
+    RECENT_SUCCESS_JOB,
+    STALE_FACTOR,
+    Freshness,
+    Tenant,
+    all_tenants,
+    build_recent_success_job,
+    last_success_ages,
+    recent_tenants,
+    stale_limit_s,
+)
 from qo_ops.dagster_defs.partitions import (
     JOB_RUN_TAG,
     SCOPE_TAG,
@@ -28,11 +47,14 @@ from qo_ops.errors import one_line
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.overdue import backlog_scope, database_now
 from qo_ops.platform.runs import append_audit, finish_unstarted
-from qo_ops.platform.spec import BatchContext, JobSpec, cadence_seconds
+from qo_ops.platform.spec import BatchContext, JobSpec
 
-MAX_TENANTS_PER_TICK = 200  # a tick touches at most this many tenants; the cursor rotates
+MAX_TENANTS_PER_TICK = 200  # a backlog tick touches at most this many tenants; the cursor rotates
 BACKLOG_COOLDOWN_S = 300  # one backlog-triggered run per job and tenant per 5 minutes
-STALE_FACTOR = 3
+MAX_STALE_EVENTS_PER_TICK = 2_000  # recent_success evaluations a run records; the rest wait
+STALE_TAG = "qo_ops/stale"  # on a recent_success_job run: the tick's summary
+RUN_KEY_TAG = "dagster/run_key"  # set by the daemon on every run a sensor requested
+NAMED_STALE = 20  # stale job/tenant pairs named in the skip reason and the log
 CHECKPOINT_MAX_AGE_S = 3600
 
 
@@ -143,88 +165,186 @@ def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefin
     return backlog_sensor
 
 
-# Tenants with a success within the limit: a range of ix_job_run_job_finished (now(), not
-# clock_timestamp(): a volatile bound cannot use the index), so a tick reads only the last
-# 3 cadences of runs, however long job_run is.
-_RECENT_SUCCESS = sa.text(
-    """
-    SELECT DISTINCT split_part(scope, '/', 1) AS tenant FROM job_run
-     WHERE job_name = :job AND finished_at IS NOT NULL
-       AND finished_at > now() - make_interval(secs => :limit_s)
-       AND mode = 'execute' AND status IN ('success', 'no_work')
-    """
-)
-# The last success of the tenants without a recent one (rare). A tenant job's scope is the
-# tenant: ix_job_run_history reads only that tenant's runs.
-_LAST_SUCCESS_TENANT = sa.text(
-    """
-    SELECT t.id AS tenant, extract(epoch FROM clock_timestamp() - max(r.finished_at)) AS age
-      FROM unnest(CAST(:tenants AS text[])) AS t(id)
-      LEFT JOIN job_run r ON r.job_name = :job AND r.scope = t.id AND r.mode = 'execute'
-           AND r.status IN ('success', 'no_work')
-     GROUP BY t.id
-     ORDER BY t.id
-    """
-)
-# A windowed job's scopes are tenant/window: one pass over the job's successes.
-_LAST_SUCCESS_WINDOWED = sa.text(
-    """
-    SELECT t.id AS tenant, extract(epoch FROM clock_timestamp() - r.last) AS age
-      FROM unnest(CAST(:tenants AS text[])) AS t(id)
-      LEFT JOIN (SELECT split_part(scope, '/', 1) AS tenant, max(finished_at) AS last
-                   FROM job_run
-                  WHERE job_name = :job AND mode = 'execute'
-                    AND status IN ('success', 'no_work')
-                    AND split_part(scope, '/', 1) = ANY(CAST(:tenants AS text[]))
-                  GROUP BY 1) r ON r.tenant = t.id
-     ORDER BY t.id
-    """
-)
+def _digest(ids: Sequence[str]) -> str:
+    return hashlib.blake2b("\n".join(ids).encode(), digest_size=8).hexdigest()
+
+
+def _pack(ids: Sequence[str], reported: dict[str, set[str]]) -> dict[str, str]:
+    """One bit per tenant of ``ids`` a job (zlib, base64): a few dozen bytes when nearly none
+    or nearly all are set, at most ``len(ids) / 8`` bytes before base64."""
+    packed: dict[str, str] = {}
+    for job, names in sorted(reported.items()):
+        if names:
+            bits = bytearray((len(ids) + 7) // 8)
+            for i, tenant in enumerate(ids):
+                if tenant in names:
+                    bits[i >> 3] |= 1 << (i & 7)
+            packed[job] = base64.b64encode(zlib.compress(bytes(bits), 9)).decode()
+    return packed
+
+
+def _unpack(ids: Sequence[str], packed: dict[str, str]) -> dict[str, set[str]]:
+    out = {}
+    for job, blob in packed.items():
+        bits = zlib.decompress(base64.b64decode(blob))
+        out[job] = {t for i, t in enumerate(ids) if bits[i >> 3] & (1 << (i & 7))}
+    return out
+
+
+@dataclass
+class StaleCursor:
+    """What the stale-success sensor has had recorded: the (job → tenants) marked stale on
+    their partitions, and the run it requested last with what that run will record.
+
+    Kept as bits over the tick's tenant list, which the next tick rebuilds as today's list
+    without the tenants created since. When that fails (a tenant was removed, or added with
+    an older ``created_at``) the tick starts over and has every stale tenant marked again."""
+
+    stale: dict[str, set[str]]
+    pending_key: str | None = None  # run key of the recent_success_job run requested last
+    pending: dict[str, set[str]] | None = None  # ``stale`` once that run has succeeded
+    lost: bool = False
+
+    @classmethod
+    def read(cls, cursor: str | None, everyone: Sequence[Tenant]) -> "StaleCursor":
+        state = json.loads(cursor) if cursor else {}
+        if state.get("v") != 2:
+            return cls({})
+        known = [t.id for t in everyone if t.created <= state["at"]]
+        if len(known) != state["n"] or _digest(known) != state["digest"]:
+            return cls({}, lost=True)
+        pending = state.get("pending")
+        return cls(
+            _unpack(known, state["stale"]),
+            pending["key"] if pending else None,
+            _unpack(known, pending["stale"]) if pending else None,
+        )
+
+    def write(self, everyone: Sequence[Tenant], now: float) -> str:
+        ids = [t.id for t in everyone]
+        state: dict[str, Any] = {"v": 2, "at": now, "n": len(ids), "digest": _digest(ids)}
+        state["stale"] = _pack(ids, self.stale)
+        if self.pending_key is not None and self.pending is not None:
+            state["pending"] = {"key": self.pending_key, "stale": _pack(ids, self.pending)}
+        return json.dumps(state, separators=(",", ":"))
+
+
+def _fair(groups: dict[str, list[str]], limit: int) -> list[tuple[str, str]]:
+    """Up to ``limit`` (job, tenant) pairs, taking one of each job in turn."""
+    columns = [[(job, t) for t in tenants] for job, tenants in groups.items()]
+    rounds = itertools.chain.from_iterable(itertools.zip_longest(*columns))
+    return list(itertools.islice((p for p in rounds if p is not None), limit))
+
+
+def _run_status(instance: dg.DagsterInstance, run_key: str) -> dg.DagsterRunStatus | None:
+    runs = instance.get_runs(
+        filters=dg.RunsFilter(job_name=RECENT_SUCCESS_JOB, tags={RUN_KEY_TAG: run_key}), limit=1
+    )
+    return runs[0].status if runs else None
 
 
 def build_stale_success_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
-    """Say which (job, scope) has not ended success/no_work for 3× its cadence."""
+    """Judge every (job, tenant) each tick: no execute success/no_work within 3× the job's
+    cadence is stale. When tenants turned stale or recovered since the last tick, request a
+    ``recent_success_job`` run that records it on their partitions (up to
+    ``MAX_STALE_EVENTS_PER_TICK`` a run; the rest follow once it has succeeded). The skip
+    reason, the run's ``qo_ops/stale`` tag and the daemon log name the stale ones."""
+    by_name = {s.name: s for s in specs}
+    marked = {s.name for s in specs if s.outcome_asset}  # jobs with partitions to mark
 
     @dg.sensor(
         name="stale_success_sensor",
+        job=build_recent_success_job(specs),
         minimum_interval_seconds=300,
         default_status=dg.DefaultSensorStatus.RUNNING,
-        description="Reports jobs whose last success is older than 3× their cadence",
+        description="Marks each tenant partition whose job has not succeeded for "
+        f"{STALE_FACTOR}× its cadence ({RECENT_SUCCESS_CHECK} check) and names them",
     )
     def stale_success_sensor(
         context: dg.SensorEvaluationContext, database: QoOpsDatabase
-    ) -> dg.SkipReason:
-        stale: list[str] = []
+    ) -> dg.SensorResult:
         with database.engine().connect() as conn:
-            tenants = list(
-                conn.execute(
-                    sa.text("SELECT id FROM tenant ORDER BY id LIMIT :cap"),
-                    {"cap": MAX_TENANTS_PER_TICK},
-                ).scalars()
-            )
+            everyone, now = all_tenants(conn)
+            state = StaleCursor.read(context.cursor, everyone)
+            if state.lost:
+                context.log.info("the tenant list changed under the cursor: marking again")
+            waiting = None
+            if state.pending_key is not None:
+                status = _run_status(context.instance, state.pending_key)
+                if status == dg.DagsterRunStatus.SUCCESS:
+                    state.stale = state.pending or {}
+                elif status not in (
+                    None,
+                    dg.DagsterRunStatus.FAILURE,
+                    dg.DagsterRunStatus.CANCELED,
+                ):
+                    waiting = state.pending_key  # queued or running: one such run at a time
+                if waiting is None:
+                    state.pending_key = state.pending = None
+            # the whole judgement: one index range per job over its last 3 cadences of runs
+            stale: dict[str, list[str]] = {}
             for spec in specs:
-                limit_s = STALE_FACTOR * cadence_seconds(spec.cron_schedule)
-                recent = set(
-                    conn.execute(_RECENT_SUCCESS, {"job": spec.name, "limit_s": limit_s}).scalars()
-                )
-                missing = [t for t in tenants if t not in recent]
-                if not missing:
-                    continue
-                last = (
-                    _LAST_SUCCESS_TENANT
-                    if spec.partitioning == "tenant"
-                    else _LAST_SUCCESS_WINDOWED
-                )
-                for row in conn.execute(last, {"job": spec.name, "tenants": missing}):
-                    if row.age is None or row.age > limit_s:
-                        age = "never" if row.age is None else f"{row.age / 60:.0f} min ago"
-                        stale.append(
-                            f"{spec.name}/{row.tenant} (last success {age}, limit {limit_s / 60:.0f} min)"
-                        )
-        if stale:
-            context.log.warning("stale last success: " + "; ".join(stale[:50]))
-            return dg.SkipReason(f"STALE: {len(stale)} job scope(s): " + "; ".join(stale[:20]))
-        return dg.SkipReason("every job succeeded within 3× its cadence")
+                limit, recent = stale_limit_s(spec), recent_tenants(conn, spec)
+                stale[spec.name] = [
+                    t.id for t in everyone if t.age_s > limit and t.id not in recent
+                ]
+            named = [(j, t) for j, tenants in stale.items() for t in tenants][:NAMED_STALE]
+            wanted: dict[str, set[str]] = {}
+            for job, tenant in named:
+                wanted.setdefault(job, set()).add(tenant)
+            ages = {j: last_success_ages(conn, by_name[j], ts) for j, ts in wanted.items()}
+
+        current = {t.id for t in everyone}
+        state.stale = {j: names & current for j, names in state.stale.items() if j in marked}
+        turned = {j: [t for t in stale[j] if t not in state.stale.get(j, ())] for j in marked}
+        back = {j: sorted(state.stale.get(j, set()) - set(stale[j])) for j in marked}
+        changes = sum(map(len, turned.values())) + sum(map(len, back.values()))
+        chosen = [] if waiting else _fair(turned, MAX_STALE_EVENTS_PER_TICK)
+        recovered = [] if waiting else _fair(back, MAX_STALE_EVENTS_PER_TICK - len(chosen))
+
+        total = sum(map(len, stale.values()))
+        if total:
+            headline = f"STALE: {total} job scope(s)"
+            named_text = ": " + "; ".join(
+                f"{j}/{t} ({Freshness(t, ages[j][t], stale_limit_s(by_name[j])).describe()})"
+                for j, t in named
+            )
+            context.log.warning(f"stale last success: {headline}{named_text}")
+        else:
+            headline, named_text = f"every job succeeded within {STALE_FACTOR}× its cadence", ""
+        cursor = state.write(everyone, now) if now is not None else None
+        if waiting:
+            return dg.SensorResult(
+                skip_reason=f"{headline}{named_text} — {changes} change(s) to mark once run "
+                f"{waiting} has recorded the last",
+                cursor=cursor,
+            )
+        if not (chosen or recovered):
+            return dg.SensorResult(skip_reason=headline + named_text, cursor=cursor)
+        left = changes - len(chosen) - len(recovered)
+        marks = (
+            f" — marking {len(chosen)} tenant partition(s) stale, {len(recovered)} recovered"
+            + (f", {left} left for the next runs" if left else "")
+        )
+        context.log.info(headline + marks)
+        # what the run will have recorded: the cursor takes it once the run has succeeded
+        pending = {j: set(names) for j, names in state.stale.items()}
+        to_judge: dict[str, list[str]] = {}
+        for job, tenant in chosen:
+            pending.setdefault(job, set()).add(tenant)
+            to_judge.setdefault(job, []).append(tenant)
+        for job, tenant in recovered:
+            pending[job].discard(tenant)
+            to_judge.setdefault(job, []).append(tenant)
+        state.pending_key, state.pending = f"recent_success:{now:.3f}", pending
+        request = dg.RunRequest(
+            run_key=state.pending_key,
+            run_config={"ops": {"recent_success_op": {"config": {"tenants": to_judge}}}},
+            tags={STALE_TAG: headline + marks},
+        )
+        return dg.SensorResult(
+            run_requests=[request], cursor=state.write(everyone, now) if now is not None else None
+        )
 
     return stale_success_sensor
 

@@ -9,8 +9,10 @@ import dagster as dg
 import sqlalchemy as sa
 from dagster._core.definitions.partitions.context import partition_loading_context
 
+from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_JOB
 from qo_ops.dagster_defs.partitions import SCOPE_TAG
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.dagster_defs.sensors import STALE_TAG
 from qo_ops.jobs.catalog import CATALOG
 
 
@@ -85,11 +87,18 @@ def test_backlog_sensor_launches_only_past_the_threshold_and_rotates_its_cursor(
 
 def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, instance):
     sensor = defs.resolve_sensor_def("stale_success_sensor")
-    first = sensor.evaluate_tick(
-        dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
-    )
-    assert f"STALE: {2 * len(CATALOG)} job scope(s)" in first.skip_message
-    assert "quote_expiration/tenant-001 (last success never" in first.skip_message
+
+    def tick(cursor=None):
+        context = dg.build_sensor_context(
+            instance=instance, cursor=cursor, resources={"database": _database(loaded)}
+        )
+        return sensor.evaluate_tick(context)
+
+    first = tick()  # every job/tenant is stale: a run to mark them on their partitions
+    (request,) = first.run_requests
+    assert request.tags[STALE_TAG].startswith(f"STALE: {2 * len(CATALOG)} job scope(s) — ")
+    marked = request.run_config["ops"]["recent_success_op"]["config"]["tenants"]
+    assert marked["quote_expiration"] == ["tenant-001", "tenant-002"]
 
     job = defs.resolve_job_def("quote_expiration")
     for tenant in ("tenant-001", "tenant-002"):
@@ -100,11 +109,24 @@ def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, 
                 "ops": {"quote_expiration_op": {"config": {"mode": "execute", "reason": "t"}}}
             },
         ).success
-    fresh = sensor.evaluate_tick(
-        dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
+    fresh = tick(first.cursor)  # the first tick's run never ran: asked again, without those
+    (request,) = fresh.run_requests
+    assert request.tags[STALE_TAG].startswith(f"STALE: {2 * (len(CATALOG) - 1)} job scope(s)")
+    assert (
+        "quote_expiration"
+        not in request.run_config["ops"]["recent_success_op"]["config"]["tenants"]
     )
-    assert f"STALE: {2 * (len(CATALOG) - 1)} job scope(s)" in fresh.skip_message
-    assert "quote_expiration/" not in fresh.skip_message  # its scopes just succeeded
+    marking = defs.resolve_job_def(RECENT_SUCCESS_JOB).execute_in_process(
+        run_config=request.run_config,
+        tags={**request.tags, "dagster/run_key": request.run_key},
+        instance=instance,
+    )
+    assert marking.success
+    named = tick(fresh.cursor)  # marked: nothing to ask, the reason names them
+    assert not named.run_requests
+    assert named.skip_message.startswith(f"STALE: {2 * (len(CATALOG) - 1)} job scope(s): ")
+    assert "delivery_retry/tenant-001 (last success never" in named.skip_message
+    assert "quote_expiration/" not in named.skip_message  # its scopes just succeeded
 
 
 def schedule_tick(defs, instance, loaded, schedule_name: str, when: datetime):
