@@ -285,7 +285,16 @@ def _sensors(url: URL, repeats: int) -> dict[str, dict[str, Any]]:
             results[sensor.name] = {
                 "seconds": seconds,
                 "cold_s": first[0],
-                "skip": result.skip_message,
+                # a stale-success tick that asks for a marking run says it in the run's tag
+                "skip": result.skip_message
+                or next(
+                    (
+                        r.tags["qo_ops/stale"]
+                        for r in result.run_requests or []
+                        if "qo_ops/stale" in r.tags
+                    ),
+                    None,
+                ),
                 "cursor": result.cursor,
                 "run_requests": len(result.run_requests or []),
             }

@@ -428,3 +428,15 @@ def test_the_op_evaluation_is_a_warning_on_the_tenant_partition():
     assert evaluation.asset_check_key == _check_key("delivery_retry")
     assert evaluation.severity == dg.AssetCheckSeverity.WARN
     assert evaluation.metadata["limit_s"].value == 900
+
+
+def test_dagster_records_a_runless_evaluation_of_a_partition_only_once(instance):
+    """Why the sensor has a run record its marks: Dagster 1.13 keys a run-less evaluation
+    by (asset, check, run id '', partition), so the second one on a partition is refused.
+    When this starts passing through, the sensor could yield SensorResult(asset_events=…)."""
+    stale = recent_success_evaluation(CATALOG["delivery_retry"], "tenant-00007", False)
+    instance.report_runless_asset_event(stale)
+    with pytest.raises(sa.exc.IntegrityError):
+        instance.report_runless_asset_event(
+            recent_success_evaluation(CATALOG["delivery_retry"], "tenant-00007", True)
+        )
