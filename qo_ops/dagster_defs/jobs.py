@@ -43,9 +43,9 @@ from qo_ops.platform.spec import (
     MAX_ITEMS,
     MAX_TEXT,
     MAX_THROTTLE_MS,
+    TRIGGERS_WITH_A_PERSON,
     JobSpec,
     RunOptions,
-    TRIGGERS_WITH_A_PERSON,
     Scope,
     check_consent,
 )
