@@ -13,7 +13,7 @@ from typing import Any
 
 import dagster as dg
 
-from qo_ops.dagster_defs.partitions import JOB_RUN_TAG, MODE_TAG, REASON_TAG
+from qo_ops.dagster_defs.partitions import JOB_RUN_TAG, MODE_TAG, REASON_TAG, REQUESTER_TAG
 from qo_ops.errors import BadInput
 from qo_ops.platform.spec import RunOptions, Trigger, check_consent
 
@@ -27,6 +27,7 @@ DESTRUCTIVE_TAG = "qo_ops/destructive"  # on every run of a JobSpec.destructive 
 REFUSED_TAG = "qo_ops/refused"  # set by QoOpsRunCoordinator on a run it refused: why (a code)
 REFUSED_PREFIX = "refused before queueing: "  # its failure message (re-executions copy tags)
 SCHEDULED_FOR_TAG = "qo_ops/scheduled_for"  # set by the schedules: the tick's time
+BACKFILL_RUN_TAG = "qo_ops/backfill"  # a run of a tenant backfill: the launcher's run id
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def trigger_from_tags(tags: Mapping[str, str]) -> Trigger:
     trigger, so ``retry`` is left for the retry of a run a person launched by hand."""
     if JOB_RUN_TAG in tags:
         return "api"
-    if BACKFILL_TAG in tags:
+    if BACKFILL_TAG in tags or BACKFILL_RUN_TAG in tags:
         return "backfill"
     retry_number = int(tags.get(RETRY_NUMBER_TAG, "0") or 0)
     if PARENT_RUN_TAG in tags and retry_number == 0:
@@ -70,6 +71,8 @@ def requester_from_tags(tags: Mapping[str, str], trigger: Trigger, run_id: str) 
     sensors."""
     if tags.get(USER_TAG):
         return tags[USER_TAG]
+    if BACKFILL_RUN_TAG in tags:  # who launched the backfill, as its launcher saw it
+        return tags.get(REQUESTER_TAG) or f"dagster-run:{tags[BACKFILL_RUN_TAG]}"
     if trigger == "backfill":
         return f"backfill:{tags[BACKFILL_TAG]}"
     if trigger == "manual":
