@@ -49,12 +49,14 @@ def _asset_description(jobs: Sequence[JobSpec]) -> str:
     names = ", ".join(j.name for j in jobs)
     healthy = " ".join(j.healthy for j in jobs if j.healthy)
     return (
-        f"Business state kept right by: {names}. Healthy: {healthy} "
-        "Plots (from every run and the backlog sensors): backlog and oldest_due_age_s (a "
-        "tenant's whole backlog, every day of it), and where they apply checkpoint_age_s, "
-        "mismatches, dead_letters — each should stay flat near 0; a line that keeps rising "
-        "means the job is not keeping up. Checks executed on their own look at every tenant "
-        "and, for a windowed job, every day its schedule has run for."
+        f"Business state kept right by: {names}, one partition per tenant. Healthy: {healthy} "
+        "Each tenant's run records on the tenant's partition what it did (a materialization "
+        "when an execute run kept the outcome right, else an observation) and its checks. "
+        "Figures (per tenant): backlog and oldest_due_age_s (the tenant's whole backlog, every "
+        "day of it), and where they apply checkpoint_age_s, mismatches, dead_letters — each "
+        "should stay flat near 0; a line that keeps rising means the job is not keeping up. "
+        "A check executed on its own judges each tenant partition picked (a windowed job: "
+        "every day its schedule has run for)."
     )
 
 
