@@ -29,6 +29,7 @@ from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.submission import (
     DESTRUCTIVE_TAG,
     PARENT_RUN_TAG,
+    WINDOWED_TAG,
     run_options,
     trigger_from_tags,
 )
@@ -282,7 +283,10 @@ def requested_scopes(
         raise BadInput("give either a tenant partition or config tenants, not both")
     if not tenants:
         if spec.partitioning == "tenant_day":
-            raise BadInput(f"{spec.name} is windowed: name its tenants in run config (tenants)")
+            raise BadInput(
+                f"{spec.name} is windowed: name its tenants in run config (tenants), or "
+                "backfill tenants × days with tenant_backfill_job"
+            )
         if not context.has_partition_key_range and not context.has_partition_key:
             raise BadInput(f"{spec.name}: pick a tenant partition or name tenants in run config")
         tenants = list(context.partition_keys)
@@ -595,6 +599,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
             "qo_ops/job": spec.name,
             "qo_ops/kind": spec.kind,
             **({DESTRUCTIVE_TAG: "true"} if spec.destructive else {}),
+            **({WINDOWED_TAG: "true"} if spec.partitioning == "tenant_day" else {}),
             **k8s_config_tag(spec),
         },
     )

@@ -24,6 +24,7 @@ RETRY_NUMBER_TAG = "dagster/retry_number"  # only on Dagster's automatic run ret
 ROOT_RUN_TAG = "dagster/root_run_id"
 MAX_RETRIES_TAG = "dagster/max_retries"  # 0: the run-retry daemon leaves a failed run alone
 DESTRUCTIVE_TAG = "qo_ops/destructive"  # on every run of a JobSpec.destructive job
+WINDOWED_TAG = "qo_ops/windowed"  # on every run of a windowed job: its runs name their tenants
 REFUSED_TAG = "qo_ops/refused"  # set by QoOpsRunCoordinator on a run it refused: why (a code)
 REFUSED_PREFIX = "refused before queueing: "  # its failure message (re-executions copy tags)
 SCHEDULED_FOR_TAG = "qo_ops/scheduled_for"  # set by the schedules: the tick's time
@@ -126,8 +127,14 @@ def refusal_at_submission(run: dg.DagsterRun) -> tuple[str, str] | None:
     tags = run.tags
     if "qo_ops/job" not in tags or JOB_RUN_TAG in tags:
         return None
-    options = run_options(op_config(run), tags, run.run_id)
+    config = op_config(run)
+    options = run_options(config, tags, run.run_id)
     try:
+        if tags.get(WINDOWED_TAG) == "true" and not config.get("tenants"):
+            raise BadInput(
+                f"{run.job_name} is windowed: name its tenants in run config (tenants), or "
+                "backfill tenants × days with tenant_backfill_job"
+            )
         options.validated()
         check_consent(
             options, destructive=tags.get(DESTRUCTIVE_TAG) == "true", job_name=run.job_name

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
 from qo_ops.dagster_defs.partitions import MODE_TAG, REASON_TAG, SCOPE_TAG
 from qo_ops.dagster_defs.resources import QoOpsDatabase
-from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG
+from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, REFUSED_TAG, refusal_at_submission
 
 WINDOWED = "pricing_snapshot_recalculation"
 
@@ -170,3 +170,21 @@ def test_a_backfill_of_every_tenant_continues_over_ticks(defs, loaded, instance)
     assert len(tenants) == 1200 * 25 and len(set(tenants)) == 1200
     assert all(r.tags[MODE_TAG] == "dry_run" for r in first.run_requests)
     assert json.loads(third.cursor).get("after")
+
+
+def test_a_day_backfill_of_a_windowed_job_without_tenants_is_refused_before_queueing(defs):
+    from qo_ops_tests.dagster.test_submission import _coordinated_instance, _create, _submit
+
+    day = {"dagster/backfill": "b7", "dagster/partition": "2026-02-10"}
+    with _coordinated_instance() as instance:
+        refused = _submit(instance, defs, WINDOWED, {}, day)
+        assert refused.status == dg.DagsterRunStatus.FAILURE
+        assert refused.tags[REFUSED_TAG] == "bad_input"
+        (failure,) = instance.all_logs(refused.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+        message = failure.dagster_event.message
+        assert message.startswith("refused before queueing: ") and "\n" not in message
+        assert "name its tenants in run config" in message and BACKFILL_JOB in message
+        named = _create(instance, defs, WINDOWED, {"tenants": ["tenant-001"]}, day)
+        assert refusal_at_submission(named) is None
+        tenant_job = _create(instance, defs, "quote_expiration", {}, {"dagster/partition": "t"})
+        assert refusal_at_submission(tenant_job) is None  # its partition is the tenant
