@@ -262,13 +262,18 @@ MAX_NAMED = 50  # tenants named in a run's failure description and metadata
 
 
 def _parent_failed_tenants(context: dg.OpExecutionContext, tags: dict[str, str]) -> set[str] | None:
-    """A re-execution of a run that recorded which tenants failed runs only those: the
-    failed tenants of the parent run, or None (not a re-execution, or no record: run all)."""
+    """A re-execution of a failed run that recorded which tenants failed runs only those: the
+    failed tenants of the parent run, or None (not a re-execution, the parent succeeded, or
+    no record: run all)."""
     parent_id = tags.get(PARENT_RUN_TAG)
     if not parent_id:
         return None
     parent = context.instance.get_run_by_id(parent_id)
-    if parent is None or FAILED_TENANTS_TAG not in parent.tags:
+    if (
+        parent is None
+        or parent.status == dg.DagsterRunStatus.SUCCESS  # its tag (if inherited) is cleared
+        or FAILED_TENANTS_TAG not in parent.tags
+    ):
         return None
     return {t for t in parent.tags[FAILED_TENANTS_TAG].split(",") if t}
 
@@ -581,9 +586,12 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
         if len(scopes) == 1:
             if trigger == "api" and outcomes[0].refused is not None:
                 _refuse_accepted(engine, tags[JOB_RUN_TAG], outcomes[0].refused)
-            yield finish_single(spec, outcomes[0])
+            output = finish_single(spec, outcomes[0])
         else:
-            yield finish_chunk(spec, context, outcomes)
+            output = finish_chunk(spec, context, outcomes)
+        if tags.get(FAILED_TENANTS_TAG):  # a re-execution inherits its parent's: none failed now
+            context.instance.add_run_tags(context.run_id, {FAILED_TENANTS_TAG: ""})
+        yield output
 
     @dg.job(
         name=spec.name,

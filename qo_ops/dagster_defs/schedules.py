@@ -23,6 +23,7 @@ from qo_ops.platform.missed import expected_scope
 from qo_ops.platform.spec import JobSpec
 
 SCHEDULE_TIMEZONE = "UTC"
+PARTITION_TAG = "dagster/partition"  # Dagster's own tag of a run's partition
 
 
 def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinition:
@@ -106,11 +107,15 @@ def chunk_run_request(
 ) -> dg.RunRequest:
     """One run for a chunk of tenants (and a windowed job's day), executing: the tenants in
     run config, the chunk's queue tag so the next tick's same chunk waits behind it."""
+    # The day's partition tag given here marks the request resolved: Dagster would otherwise
+    # lay the day's own tags (queue tag <job>:<day>) over the chunk's, queueing every chunk
+    # of the day behind one another.
+    day_tag = {PARTITION_TAG: day.isoformat()} if day is not None else {}
     return dg.RunRequest(
         run_key=run_key,
         partition_key=day.isoformat() if day is not None else None,
         run_config={
             "ops": {f"{spec.name}_op": {"config": {"mode": "execute", "tenants": tenants}}}
         },
-        tags={**chunk_scope_tag(spec, tenants, day), **tags},
+        tags={**chunk_scope_tag(spec, tenants, day), **tags, **day_tag},
     )
