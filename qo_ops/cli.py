@@ -779,7 +779,13 @@ def demo_dagster_command(
                 instance=instance,
                 run_config={
                     "ops": {
-                        f"{spec.name}_op": {"config": {"mode": "execute", "reason": "make demo"}}
+                        f"{spec.name}_op": {
+                            "config": {
+                                "mode": "execute",
+                                "reason": "make demo",
+                                **({"tenants": [tenant]} if day is not None else {}),
+                            }
+                        }
                     }
                 },
                 raise_on_error=False,

@@ -7,6 +7,7 @@ import os
 import dagster as dg
 
 from qo_ops.config import DATABASE_URL_ENV
+from qo_ops.dagster_defs.backfills import build_backfill_job, build_backfill_sensor
 from qo_ops.dagster_defs.checks import build_outcome_assets, build_outcome_checks
 from qo_ops.dagster_defs.freshness import build_recent_success_checks
 from qo_ops.dagster_defs.jobs import build_job
@@ -34,13 +35,14 @@ def build_definitions() -> dg.Definitions:
     return dg.Definitions(
         assets=build_outcome_assets(specs),
         asset_checks=[*build_outcome_checks(specs), *build_recent_success_checks(specs)],
-        jobs=list(jobs.values()),
+        jobs=[*jobs.values(), build_backfill_job(specs)],
         schedules=[build_schedule(spec, jobs[spec.name]) for spec in specs],
         sensors=[
             tenants_sensor,
             *(build_backlog_sensor(s, jobs[s.name]) for s in specs if s.backlog_threshold),
             build_stale_success_sensor(specs),
             build_checkpoint_age_sensor(specs),
+            build_backfill_sensor(specs, list(jobs.values())),
             run_failure_recorder,
         ],
         resources={"database": database},

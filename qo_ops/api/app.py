@@ -445,6 +445,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
             "mode": rr.mode,
             **({"reason": rr.reason} if rr.reason else {}),
             **{k: v for k, v in rr.limits.items()},
+            **({"tenants": [rr.scope.tenant_id]} if spec.partitioning == "tenant_day" else {}),
         }
         try:
             dagster_run_id = dagster.launch(
@@ -670,7 +671,7 @@ def _validated(spec: JobSpec, body: RunRequestBody) -> service.RunRequest:
 
 def _partition_key(spec: JobSpec, scope: Scope) -> str:
     if spec.partitioning == "tenant_day":
-        return f"{scope.window_start}|{scope.tenant_id}"  # MultiPartitionKey: day|tenant
+        return str(scope.window_start)  # a windowed job's partition is the day; tenants: config
     return scope.tenant_id
 
 

@@ -1,7 +1,8 @@
-"""Business outcomes as assets with checks. The job ops report the checks after each execute
-run (``AssetCheckEvaluation``, the run's own scope). Executed on their own (asset → Checks →
-Execute all), one asset check per job evaluates them for every tenant: the tenant (tenant
-jobs), or every day that can hold overdue work (windowed jobs: ``overdue_scope``)."""
+"""Business outcomes as assets partitioned by tenant, with checks partitioned the same way.
+The job ops record each tenant's outcome and checks on its partition after each run.
+Executed on their own (asset → Checks → Execute), a check judges each tenant partition
+picked: the tenant (tenant jobs), or every day that can hold overdue work (windowed jobs:
+``overdue_scope``)."""
 
 import uuid
 from collections.abc import Iterator, Sequence
@@ -34,10 +35,10 @@ def build_outcome_assets(specs: Sequence[JobSpec]) -> list[dg.AssetSpec]:
     return [
         dg.AssetSpec(
             key=dg.AssetKey(["qo_ops", asset]),
-            partitions_def=tenants_partitions_def,  # every tenant's outcome on its own partition
             description=_asset_description(jobs),
             group_name="business_outcomes",
             kinds={"postgres"},
+            partitions_def=tenants_partitions_def,
         )
         for asset, jobs in sorted(by_asset.items())
     ]
@@ -48,12 +49,14 @@ def _asset_description(jobs: Sequence[JobSpec]) -> str:
     names = ", ".join(j.name for j in jobs)
     healthy = " ".join(j.healthy for j in jobs if j.healthy)
     return (
-        f"Business state kept right by: {names}. Healthy: {healthy} "
-        "Plots (from every run and the backlog sensors): backlog and oldest_due_age_s (a "
-        "tenant's whole backlog, every day of it), and where they apply checkpoint_age_s, "
-        "mismatches, dead_letters — each should stay flat near 0; a line that keeps rising "
-        "means the job is not keeping up. Checks executed on their own look at every tenant "
-        "and, for a windowed job, every day its schedule has run for."
+        f"Business state kept right by: {names}, one partition per tenant. Healthy: {healthy} "
+        "Each tenant's run records on the tenant's partition what it did (a materialization "
+        "when an execute run kept the outcome right, else an observation) and its checks. "
+        "Figures (per tenant): backlog and oldest_due_age_s (the tenant's whole backlog, every "
+        "day of it), and where they apply checkpoint_age_s, mismatches, dead_letters — each "
+        "should stay flat near 0; a line that keeps rising means the job is not keeping up. "
+        "A check executed on its own judges each tenant partition picked (a windowed job: "
+        "every day its schedule has run for)."
     )
 
 
@@ -65,81 +68,87 @@ def _figures(result: OutcomeCheck) -> str:
     return ", ".join(f"{k}={v}" for k, v in result.metadata.items())
 
 
-def _build_checks(spec: JobSpec) -> dg.AssetChecksDefinition:
-    """The job's declared checks, executed on their own: one pass over the tenants computes
-    every selected check (``spec.check`` returns them all at once)."""
-    asset = outcome_asset_key(spec)
-    declared = {dg.AssetCheckKey(asset, c.name): c for c in spec.checks}
+def _check_tenants(
+    spec: JobSpec, conn: Any, tenants: Sequence[str], selected: CheckSpec
+) -> Iterator[tuple[str, OutcomeCheck, dict[str, str]]]:
+    """``selected`` judged for each tenant: the tenant (tenant jobs), or every day that can
+    hold its overdue work (windowed jobs); one clock for every tenant of the evaluation."""
+    now = database_now(conn)
+    for tenant in tenants:
+        scope = overdue_scope(spec, tenant, now)
+        days: dict[str, str] = {}
+        if scope.window_start is not None and scope.window_end is not None:
+            last = scope.window_end - timedelta(days=1)
+            days = {"first_day": str(scope.window_start), "last_day": str(last)}
+        ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
+        results = {r.name: r for r in spec.check(conn, ctx)}
+        yield tenant, results[selected.name], days
 
-    @dg.multi_asset_check(
-        name=f"{spec.name}_outcome_checks",
-        specs=[
-            dg.AssetCheckSpec(c.name, asset=asset, description=c.description, blocking=c.blocking)
-            for c in spec.checks
-        ],
-        can_subset=True,
-        description=f"The outcome checks of {spec.name}, for every tenant"
-        + (
-            ", over every day that can hold overdue work"
-            if spec.partitioning == "tenant_day"
-            else ""
-        ),
+
+def _build_check(spec: JobSpec, declared: CheckSpec) -> dg.AssetChecksDefinition:
+    """One declared check, partitioned by tenant like its asset. Executed on its own for
+    some tenant partitions (asset → Checks → Execute), it records one evaluation on each of
+    them; with no partition, on every tenant. Its own result sums them up."""
+    asset = outcome_asset_key(spec)
+
+    @dg.asset_check(
+        asset=asset,
+        name=declared.name,
+        description=declared.description,
+        blocking=declared.blocking,
+        partitions_def=tenants_partitions_def,
     )
-    def outcome_checks(
+    def outcome_check(
         context: dg.AssetCheckExecutionContext, database: QoOpsDatabase
-    ) -> Iterator[dg.AssetCheckResult]:
-        selected = [declared[k] for k in declared if k in context.selected_asset_check_keys]
-        failing: dict[str, list[str]] = {c.name: [] for c in selected}
-        detail: dict[str, list[str]] = {c.name: [] for c in selected}
-        days: dict[str, str] = {}  # the same for every tenant: the days that can hold overdue work
+    ) -> dg.AssetCheckResult:
+        op = context.op_execution_context
+        failing: list[str] = []
+        detail: list[str] = []
+        checked = 0
         try:
             with database.engine().connect() as conn:
-                now = database_now(conn)  # one clock for every tenant of this evaluation
-                tenants = conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars().all()
-                for tenant in tenants:
-                    scope = overdue_scope(spec, tenant, now)
-                    if scope.window_start is not None and scope.window_end is not None:
-                        last = scope.window_end - timedelta(days=1)
-                        days = {"first_day": str(scope.window_start), "last_day": str(last)}
-                    ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
-                    results = {r.name: r for r in spec.check(conn, ctx)}
-                    for check in selected:
-                        result = results[check.name]
-                        if not result.passed:
-                            failing[check.name].append(tenant)
-                            if len(detail[check.name]) < MAX_DETAIL:
-                                detail[check.name].append(f"{tenant}: {_figures(result)}")
-        except QoOpsError as exc:  # a bad setting: the outcome cannot be judged, so not passed
-            for check in selected:
-                yield dg.AssetCheckResult(
-                    asset_key=asset,
-                    check_name=check.name,
-                    passed=False,
-                    severity=_severity(check),
-                    description=f"cannot check: {one_line(str(exc), 300)}",
+                tenants = (
+                    list(op.partition_keys)
+                    if op.has_partition_key or op.has_partition_key_range
+                    else conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars().all()
                 )
-            return
-        for check in selected:
-            names = failing[check.name]
-            metadata: dict[str, Any] = {
-                "tenants_checked": len(tenants),
-                "tenants_failing": len(names),
-                "failing_tenants": ", ".join(names[:MAX_NAMED_TENANTS]) or "none",
-            }
-            metadata |= days
-            if detail[check.name]:
-                metadata["failing_detail"] = one_line("; ".join(detail[check.name]), 1000)
-            yield dg.AssetCheckResult(
-                asset_key=asset,
-                check_name=check.name,
-                passed=not names,
-                severity=_severity(check),
-                metadata=metadata,
+                for tenant, result, days in _check_tenants(spec, conn, tenants, declared):
+                    checked += 1
+                    op.log_event(  # Dagster records it per partition; its annotation lags
+                        dg.AssetCheckEvaluation(  # type: ignore[arg-type]
+                            asset_key=asset,
+                            check_name=declared.name,
+                            passed=result.passed,
+                            partition=tenant,
+                            metadata={**result.metadata, **days},
+                            severity=_severity(declared),
+                            description=result.description,
+                        )
+                    )
+                    if not result.passed:
+                        failing.append(tenant)
+                        if len(detail) < MAX_DETAIL:
+                            detail.append(f"{tenant}: {_figures(result)}")
+        except QoOpsError as exc:  # a bad setting: the outcome cannot be judged, so not passed
+            return dg.AssetCheckResult(
+                passed=False,
+                severity=_severity(declared),
+                description=f"cannot check: {one_line(str(exc), 300)}",
             )
+        metadata: dict[str, Any] = {
+            "tenants_checked": checked,
+            "tenants_failing": len(failing),
+            "failing_tenants": ", ".join(failing[:MAX_NAMED_TENANTS]) or "none",
+        }
+        if detail:
+            metadata["failing_detail"] = one_line("; ".join(detail), 1000)
+        return dg.AssetCheckResult(
+            passed=not failing, severity=_severity(declared), metadata=metadata
+        )
 
-    return outcome_checks
+    return outcome_check
 
 
 def build_outcome_checks(specs: Sequence[JobSpec]) -> list[dg.AssetChecksDefinition]:
-    """Every check every catalog job declares (one asset check definition per job)."""
-    return [_build_checks(spec) for spec in specs if spec.outcome_asset and spec.checks]
+    """Every check every catalog job declares, each partitioned by tenant."""
+    return [_build_check(s, c) for s in specs if s.outcome_asset for c in s.checks]

@@ -1,9 +1,12 @@
 """One Dagster job per catalog entry: a single op that turns the partition, the run's tags
-and its typed config into a ``run_job`` call, and reports what the runner returned."""
+and its typed config into ``run_job`` calls — one per tenant the run covers (a tick's chunk
+of tenants, or one) — and reports on each tenant's partition what the runner returned."""
 
 import enum
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import date
 
 # (no `from __future__ import annotations`: Dagster reads these annotations at decoration time)
 from typing import Any
@@ -15,6 +18,7 @@ from pydantic import Field
 
 from qo_ops.dagster_defs.k8s import k8s_config_tag
 from qo_ops.dagster_defs.partitions import (
+    FAILED_TENANTS_TAG,
     JOB_RUN_TAG,
     MODE_TAG,
     partitions_def_for,
@@ -22,7 +26,14 @@ from qo_ops.dagster_defs.partitions import (
     scope_tag,
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
-from qo_ops.dagster_defs.submission import DESTRUCTIVE_TAG, run_options, trigger_from_tags
+from qo_ops.dagster_defs.submission import (
+    DESTRUCTIVE_TAG,
+    PARENT_RUN_TAG,
+    WINDOWED_TAG,
+    run_options,
+    trigger_from_tags,
+)
+from qo_ops.db.availability import is_unavailable
 from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.overdue import Backlog, tenant_backlog
@@ -33,11 +44,13 @@ from qo_ops.platform.spec import (
     MAX_ITEMS,
     MAX_TEXT,
     MAX_THROTTLE_MS,
+    TRIGGERS_WITH_A_PERSON,
     JobSpec,
     RunOptions,
     Scope,
-    Trigger,
+    check_consent,
 )
+from qo_ops.platform.stopping import TERMINATED
 
 
 class Mode(enum.Enum):
@@ -81,9 +94,18 @@ class JobRunConfig(dg.Config):
         max_length=MAX_TEXT,
         description="Why this run is needed (required to execute by hand; kept in the audit trail).",
     )
+    tenants: list[str] | None = Field(
+        default=None,
+        description=(
+            "The tenants this run covers, each run on its own (lease, job run, kill switch). "
+            "Required for a windowed job (its partition is the day); a tenant job's run "
+            "covers its tenant partition when empty. Schedules and sensors fill it in chunks."
+        ),
+    )
 
 
 FAILING_STATUSES = ("failed", "timeout", "cancelled")
+KEPT_RIGHT = ("success", "no_work", "partial_success")  # an execute run that kept its outcome
 
 
 REPORT_COLUMNS = (("kind", "string"), ("name", "string"), ("count", "int"), ("detail", "string"))
@@ -142,11 +164,13 @@ def summary_metadata(summary: RunSummary, scope: Scope | None = None) -> dict[st
     return metadata
 
 
-def outcome_observation(
+def outcome_event(
     asset_key: dg.AssetKey, summary: RunSummary, scope: Scope, backlog: Backlog
-) -> dg.AssetObservation:
-    """What the run saw of its business outcome, as numbers Dagster plots over time: the
-    tenant's whole backlog (every day, for a windowed job; not only the run's window)."""
+) -> dg.AssetMaterialization | dg.AssetObservation:
+    """What one tenant's run did to its business outcome, on the tenant's partition of the
+    outcome asset: a materialization when an execute run kept it right (success, no work,
+    partial success), an observation otherwise (dry run, failed, skipped). Its figures are
+    the tenant's whole backlog (every day, for a windowed job), plotted over time."""
     figures: dict[str, Any] = {
         "backlog": backlog.items,
         "oldest_due_age_s": backlog.oldest_due_age_s,
@@ -157,13 +181,20 @@ def outcome_observation(
     if mismatches:
         figures["mismatches"] = sum(mismatches)
     metadata = {k: v for k, v in figures.items() if v is not None}
-    where = {"scope": scope.tenant_id}  # whose backlog the point is
+    metadata |= {
+        "status": summary.status,
+        "job": summary.job_name,
+        "mode": summary.mode,
+        "job_run_id": summary.job_run_id,
+        "eligible_count": summary.eligible_count,
+        "mutated_count": summary.mutated_count,
+        "failed_count": summary.failed_count,
+    }
     if scope.window_start is not None:
-        where["run_scope"] = scope.key  # the window the run itself covered
-    return dg.AssetObservation(
-        asset_key=asset_key,
-        metadata={**metadata, **where, "job": summary.job_name, "mode": summary.mode},
-    )
+        metadata["run_scope"] = scope.key  # the window the run itself covered
+    kept_right = summary.mode == "execute" and summary.status in KEPT_RIGHT
+    event = dg.AssetMaterialization if kept_right else dg.AssetObservation
+    return event(asset_key=asset_key, partition=scope.tenant_id, metadata=metadata)
 
 
 def scope_backlog(
@@ -191,7 +222,7 @@ def _adopted(
     except ValueError:
         raise BadInput(f"tag {JOB_RUN_TAG} is not a job run id") from None
     accepted = runs.load_accepted(engine, run_id, spec.name)
-    partition = scope_from_partition_key(spec, context.partition_key)
+    partition = scope_from_partition_key(spec, context.partition_key, accepted.scope.tenant_id)
     if partition.tenant_id != accepted.scope.tenant_id or (
         partition.window_start is not None and partition.window_start != accepted.scope.window_start
     ):
@@ -226,111 +257,278 @@ def _refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
         runs.finish_unstarted(conn, run_id, "failed", "refused_at_start", code, str(exc))
 
 
-def _run_tenant_range(
-    spec: JobSpec,
-    context: dg.OpExecutionContext,
-    config: JobRunConfig,
-    tags: dict[str, str],
-    trigger: Trigger,
-    engine: Any,
-    asset_key: dg.AssetKey | None,
-) -> Iterator[Any]:
-    """One Dagster run over a range of tenant partitions (tags
-    ``dagster/asset_partition_range_start`` / ``_end``): ``run_job`` for each tenant in
-    turn, each with its own lease and job_run row, so a tick over many tenants costs one
-    run process instead of one per tenant. A tenant that fails does not stop the others;
-    the run fails at the end if any did. One check evaluation per check covers the range."""
-    if spec.partitioning != "tenant":
-        raise dg.Failure(
-            description=f"{spec.name} is windowed: launch it per partition, not over a range",
-            allow_retries=False,
-        )
-    if trigger == "api":
-        raise dg.Failure(
-            description="an API-accepted run covers one partition, not a range",
-            allow_retries=False,
-        )
-    tenants = list(context.partition_keys)
-    options = run_options(dict(config), tags, context.run_id)
-    summaries: list[RunSummary] = []
-    refused: list[str] = []
+MAX_TENANTS_PER_RUN = 1000  # a run naming more tenants is refused: split it (ticks chunk by 50)
+MAX_NAMED = 50  # tenants named in a run's failure description and metadata
+
+
+def _parent_failed_tenants(context: dg.OpExecutionContext, tags: dict[str, str]) -> set[str] | None:
+    """A re-execution of a failed run that recorded which tenants failed runs only those: the
+    failed tenants of the parent run, or None (not a re-execution, the parent succeeded, or
+    no record: run all)."""
+    parent_id = tags.get(PARENT_RUN_TAG)
+    if not parent_id:
+        return None
+    parent = context.instance.get_run_by_id(parent_id)
+    if (
+        parent is None
+        or parent.status == dg.DagsterRunStatus.SUCCESS  # its tag (if inherited) is cleared
+        or FAILED_TENANTS_TAG not in parent.tags
+    ):
+        return None
+    return {t for t in parent.tags[FAILED_TENANTS_TAG].split(",") if t}
+
+
+def requested_scopes(
+    spec: JobSpec, context: dg.OpExecutionContext, tenants: list[str] | None, tags: dict[str, str]
+) -> list[Scope]:
+    """The scopes a run covers, validated before any is claimed: its tenants (run config, or
+    the tenant partition(s) of a tenant job) and, for a windowed job, its day partition(s)
+    as one window. A re-execution narrows them to the tenants its parent failed."""
+    if tenants and spec.partitioning == "tenant" and context.has_partition_key:
+        raise BadInput("give either a tenant partition or config tenants, not both")
+    if not tenants:
+        if spec.partitioning == "tenant_day":
+            raise BadInput(
+                f"{spec.name} is windowed: name its tenants in run config (tenants), or "
+                "backfill tenants × days with tenant_backfill_job"
+            )
+        if not context.has_partition_key_range and not context.has_partition_key:
+            raise BadInput(f"{spec.name}: pick a tenant partition or name tenants in run config")
+        tenants = list(context.partition_keys)
+    if len(tenants) > MAX_TENANTS_PER_RUN:
+        raise BadInput(f"a run covers at most {MAX_TENANTS_PER_RUN} tenants, got {len(tenants)}")
+    if len(set(tenants)) != len(tenants):
+        raise BadInput("config tenants names a tenant twice")
+    failed_before = _parent_failed_tenants(context, tags)
+    if failed_before is not None:
+        tenants = [t for t in tenants if t in failed_before]
+    window: tuple[date, date] | None = None
+    if spec.partitioning == "tenant_day":
+        if not (context.has_partition_key or context.has_partition_key_range):
+            raise BadInput(f"{spec.name} is windowed: pick its day partition(s)")
+        days = sorted(date.fromisoformat(k.partition("|")[0]) for k in context.partition_keys)
+        window = (days[0], days[-1])
+    scopes = []
     for tenant in tenants:
         try:
-            summary = run_job(spec, Scope(tenant), options, engine=engine)
-        except QoOpsError as exc:  # bad input: refused before anything was written
-            refused.append(tenant)
-            context.log.error(f"{spec.name} {tenant}: refused: {exc}")
-            continue
-        summaries.append(summary)
-        if asset_key is not None and summary.status != "skipped":
-            backlog = scope_backlog(spec, engine, summary, Scope(tenant), context.log)
-            yield outcome_observation(asset_key, summary, Scope(tenant), backlog)
-        context.log.info(
-            f"{spec.name} {summary.scope} {summary.mode}: {summary.status} — "
-            f"eligible {summary.eligible_count}, changed {summary.mutated_count}, "
-            f"failed {summary.failed_count}"
+            scopes.append(Scope.days(tenant, *window) if window else Scope(tenant))
+        except BadInput as exc:
+            raise BadInput(f"tenant {tenant[:64]!r}: {exc}") from None
+    return scopes
+
+
+def known_tenants(
+    engine: Any, scopes: list[Scope], trigger: str, context: dg.OpExecutionContext
+) -> list[Scope]:
+    """The scopes whose tenant exists. A person naming an unknown tenant is refused before
+    any tenant runs; a tick's tenant removed since the tick is left out, with a warning."""
+    with engine.connect() as conn:
+        known = set(
+            conn.execute(
+                sa.text("SELECT id FROM tenant WHERE id = ANY(:ids)"),
+                {"ids": [s.tenant_id for s in scopes]},
+            ).scalars()
         )
+    unknown = [s.tenant_id for s in scopes if s.tenant_id not in known]
+    if unknown and trigger in TRIGGERS_WITH_A_PERSON:
+        raise BadInput(f"unknown tenant(s): {', '.join(unknown[:MAX_NAMED])}")
+    if unknown:
+        context.log.warning(f"tenants removed since the tick, not run: {', '.join(unknown)}")
+    return [s for s in scopes if s.tenant_id in known]
+
+
+@dataclass
+class TenantOutcome:
+    """How one tenant of a run ended: its summary, or why it did not run."""
+
+    scope: Scope
+    summary: RunSummary | None = None
+    refused: QoOpsError | None = None
+    error: str | None = None  # an unexpected error: the other tenants ran on
+
+    @property
+    def failed(self) -> bool:
+        return self.summary is None or self.summary.status in FAILING_STATUSES
+
+
+def check_evaluations(
+    spec: JobSpec, asset_key: dg.AssetKey, summary: RunSummary, scope: Scope
+) -> Iterator[dg.AssetCheckEvaluation]:
+    """The run's outcome checks, each on the tenant's partition of the outcome asset."""
+    if summary.mode != "execute" or summary.status == "skipped":
+        return
     declared = {c.name: c for c in spec.checks}
-    checked = [s for s in summaries if s.mode == "execute" and s.status != "skipped"]
-    failing_checks: dict[str, list[str]] = {}
-    for s in checked:
-        for check in s.checks:
-            failing_checks.setdefault(check.name, [])
-            if not check.passed:
-                failing_checks[check.name].append(s.scope)
-    if asset_key is not None:
-        for name, scopes in failing_checks.items():
-            declared_check = declared.get(name)
-            yield dg.AssetCheckEvaluation(
-                asset_key=asset_key,
-                check_name=name,
-                passed=not scopes,
-                metadata={
-                    "scopes_checked": len(checked),
-                    "failing_scopes": ", ".join(scopes[:50]) or "none",
-                    "range": f"{tenants[0]}..{tenants[-1]}" if tenants else "",
-                },
-                severity=dg.AssetCheckSeverity.ERROR
-                if declared_check is None or declared_check.blocking
-                else dg.AssetCheckSeverity.WARN,
+    for check in summary.checks:
+        declared_check = declared.get(check.name)
+        yield dg.AssetCheckEvaluation(
+            asset_key=asset_key,
+            check_name=check.name,
+            passed=check.passed,
+            partition=scope.tenant_id,
+            metadata={**check.metadata, "scope": scope.key, "job_run_id": summary.job_run_id},
+            severity=dg.AssetCheckSeverity.ERROR
+            if declared_check is None or declared_check.blocking
+            else dg.AssetCheckSeverity.WARN,
+            description=check.description,
+        )
+
+
+def run_tenants(
+    spec: JobSpec,
+    scopes: list[Scope],
+    options: RunOptions,
+    engine: Any,
+    context: dg.OpExecutionContext,
+    outcomes: list[TenantOutcome],
+) -> Iterator[Any]:
+    """``run_job`` for each scope in turn, each with its own lease, job_run row, kill-switch
+    check and limits; what each did goes on its tenant's partition of the outcome asset.
+    A tenant refused, failing or raising does not stop the others; a stop signal, or the
+    database gone (every tenant would wait out its retry), stops the rest, which count as
+    failed so that a re-execution runs them."""
+    asset_key = dg.AssetKey(["qo_ops", spec.outcome_asset]) if spec.outcome_asset else None
+    for n, scope in enumerate(scopes, 1):
+        outcome = TenantOutcome(scope)
+        outcomes.append(outcome)
+        try:
+            outcome.summary = run_job(spec, scope, options, engine=engine)
+        except QoOpsError as exc:  # bad input for this tenant (e.g. suspended): nothing written
+            outcome.refused = exc
+            context.log.error(f"{spec.name} {scope.key}: refused: {exc}")
+            continue
+        except Exception as exc:  # a bug or the database: this tenant failed, the others run
+            outcome.error = one_line(f"{type(exc).__name__}: {exc}", 300)
+            context.log.error(f"{spec.name} {scope.key}: error: {outcome.error}")
+            if is_unavailable(exc):
+                context.log.error("database unavailable: the remaining tenants are not run")
+                outcomes.extend(TenantOutcome(s, error="not run") for s in scopes[n:])
+                return
+            continue
+        summary = outcome.summary
+        context.log.info(
+            f"{spec.name} {scope.key} {summary.mode}: {summary.status}"
+            f"{' (' + summary.status_reason + ')' if summary.status_reason else ''} — "
+            f"eligible {summary.eligible_count}, processed {summary.processed_count}, "
+            f"changed {summary.mutated_count}, failed {summary.failed_count}"
+            + (f" [{n}/{len(scopes)}]" if len(scopes) > 1 else "")
+        )
+        if asset_key is not None:
+            backlog = scope_backlog(spec, engine, summary, scope, context.log)
+            yield outcome_event(asset_key, summary, scope, backlog)
+            yield from check_evaluations(spec, asset_key, summary, scope)
+        if (summary.status_reason or "").startswith(TERMINATED):  # the process is stopping
+            outcomes.extend(TenantOutcome(s, error="not run: terminated") for s in scopes[n:])
+            return
+
+
+def tenants_table(outcomes: list[TenantOutcome]) -> dg.TableMetadataValue:
+    """One row per tenant of the run: how it ended, its counts and its job run."""
+    columns = (
+        ("tenant", "string"),
+        ("status", "string"),
+        ("eligible", "int"),
+        ("changed", "int"),
+        ("failed", "int"),
+        ("job_run_id", "string"),
+        ("detail", "string"),
+    )
+    records = []
+    for o in outcomes:
+        s = o.summary
+        records.append(
+            dg.TableRecord(
+                {
+                    "tenant": o.scope.tenant_id,
+                    "status": s.status if s else ("refused" if o.refused else "error"),
+                    "eligible": s.eligible_count if s else 0,
+                    "changed": s.mutated_count if s else 0,
+                    "failed": s.failed_count if s else 0,
+                    "job_run_id": s.job_run_id if s else "",
+                    "detail": one_line(
+                        (s.status_reason or "") if s else str(o.refused or o.error), 200
+                    ),
+                }
             )
+        )
+    schema = dg.TableSchema(columns=[dg.TableColumn(c, t) for c, t in columns])
+    return dg.MetadataValue.table(records, schema)
+
+
+def finish_chunk(
+    spec: JobSpec, context: dg.OpExecutionContext, outcomes: list[TenantOutcome]
+) -> dg.Output:
+    """The run of many tenants ends: its metadata names every tenant's status; the run
+    fails, naming the tenants that failed (and tags them, so that re-executing the run runs
+    only those), if any tenant failed, was refused or missed a blocking outcome check."""
+    declared_blocking = {c.name for c in spec.checks if c.blocking}
+    summaries = [o.summary for o in outcomes if o.summary is not None]
+    failed = [o.scope.tenant_id for o in outcomes if o.failed]
+    blocking = [
+        o.scope.tenant_id
+        for o in outcomes
+        if o.summary is not None
+        and not o.failed
+        and o.summary.mode == "execute"
+        and o.summary.status != "skipped"
+        and any(not c.passed and c.name in declared_blocking for c in o.summary.checks)
+    ]
     by_status: dict[str, int] = {}
-    for s in summaries:
-        by_status[s.status] = by_status.get(s.status, 0) + 1
+    for o in outcomes:
+        key = o.summary.status if o.summary else ("refused" if o.refused else "error")
+        by_status[key] = by_status.get(key, 0) + 1
+    rerun = sorted(set(failed) | set(blocking))
     metadata: dict[str, Any] = {
-        "tenants": len(tenants),
+        "tenants": len(outcomes),
         **{f"status_{k}": v for k, v in sorted(by_status.items())},
-        "refused": len(refused),
+        "tenants_failed": len(failed),
+        "tenants_outcome_not_met": len(blocking),
+        "failed_tenants": ", ".join(rerun[:MAX_NAMED]) or "none",
         "eligible_count": sum(s.eligible_count for s in summaries),
         "processed_count": sum(s.processed_count for s in summaries),
         "mutated_count": sum(s.mutated_count for s in summaries),
         "failed_count": sum(s.failed_count for s in summaries),
+        "tenant_runs": tenants_table(outcomes),
     }
-    failed = [s.scope for s in summaries if s.status in FAILING_STATUSES]
-    blocking = sorted(
-        {
-            scope
-            for name, scopes in failing_checks.items()
-            if name in declared and declared[name].blocking
-            for scope in scopes
-        }
-    )
-    if refused or failed or blocking:
+    if rerun:
+        context.instance.add_run_tags(context.run_id, {FAILED_TENANTS_TAG: ",".join(rerun)})
+        named = ", ".join(rerun[:MAX_NAMED]) + (" …" if len(rerun) > MAX_NAMED else "")
         raise dg.Failure(
-            description=f"{spec.name} over {len(tenants)} tenants: "
-            + "; ".join(
-                part
-                for part in (
-                    f"refused {', '.join(refused)}" if refused else "",
-                    f"ended failing {', '.join(failed)}" if failed else "",
-                    f"outcome not met {', '.join(blocking)}" if blocking else "",
-                )
-                if part
-            ),
+            description=f"{spec.name}: {len(rerun)} of {len(outcomes)} tenants failed or missed "
+            f"their outcome: {named}. Re-execute this run to run only those.",
             metadata=metadata,
             allow_retries=False,
         )
-    yield dg.Output({"runs": [s.as_dict() for s in summaries]}, metadata=metadata)
+    return dg.Output({"runs": [s.as_dict() for s in summaries]}, metadata=metadata)
+
+
+def finish_single(spec: JobSpec, outcome: TenantOutcome) -> dg.Output:
+    """The run of one scope ends as the runner said: its summary as the op's output, a
+    failure (with the runner's one line) when it failed or missed a blocking check."""
+    if outcome.summary is None:
+        raise dg.Failure(description=str(outcome.refused or outcome.error), allow_retries=False)
+    summary = outcome.summary
+    if summary.status == "partial_success":
+        log_warning = f"partial success: {summary.failed_count} item(s) failed"
+        dg.get_dagster_logger().warning(log_warning)
+    metadata = summary_metadata(summary, outcome.scope)
+    if summary.status in FAILING_STATUSES:
+        raise dg.Failure(
+            description=f"{spec.name} ended {summary.status}: {summary.status_reason or summary.error_code}",
+            metadata=metadata,
+            allow_retries=False,
+        )
+    blocking_failed = [
+        c.name
+        for c in summary.checks
+        if not c.passed and any(d.name == c.name and d.blocking for d in spec.checks)
+    ]
+    if summary.mode == "execute" and summary.status != "skipped" and blocking_failed:
+        raise dg.Failure(
+            description=f"business outcome not met after {spec.name}: {', '.join(blocking_failed)}",
+            metadata=metadata,
+            allow_retries=False,
+        )
+    return dg.Output(summary.as_dict(), metadata=metadata)
 
 
 def job_description(spec: JobSpec) -> str:
@@ -359,7 +557,6 @@ def job_description(spec: JobSpec) -> str:
 def build_job(spec: JobSpec) -> dg.JobDefinition:
     """The Dagster job of ``spec``: partitioned, one op, in-process executor."""
     partitions_def = partitions_def_for(spec)
-    asset_key = dg.AssetKey(["qo_ops", spec.outcome_asset]) if spec.outcome_asset else None
 
     @dg.op(name=f"{spec.name}_op", description=spec.description, tags={"kind": spec.kind})
     def run_catalog_job(
@@ -368,69 +565,33 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
         tags = dict(context.run.tags)
         trigger = trigger_from_tags(tags)
         engine = database.engine()
-        if context.has_partition_key_range and not context.has_partition_key:
-            yield from _run_tenant_range(spec, context, config, tags, trigger, engine, asset_key)
-            return
         try:
             if trigger == "api":
                 scope, options = _adopted(spec, engine, tags[JOB_RUN_TAG], context)
+                scopes = [scope]
             else:
-                scope = scope_from_partition_key(spec, context.partition_key)
+                scopes = requested_scopes(spec, context, config.tenants, tags)
                 options = run_options(dict(config), tags, context.run_id)
+                if len(scopes) > 1:  # refuse once, not once per tenant (run_job checks again)
+                    options.validated()
+                    check_consent(options, destructive=spec.destructive, job_name=spec.name)
+                    scopes = known_tenants(engine, scopes, trigger, context)
             context.instance.add_run_tags(context.run_id, {MODE_TAG: options.mode})
-            summary = run_job(spec, scope, options, engine=engine)
         except QoOpsError as exc:  # bad input: refused before anything was written
             if trigger == "api":  # the accepted row must not wait forever
                 _refuse_accepted(engine, tags[JOB_RUN_TAG], exc)
             raise dg.Failure(description=str(exc), allow_retries=False) from None
-        context.log.info(
-            f"{spec.name} {scope.key} {summary.mode}: {summary.status}"
-            f"{' (' + summary.status_reason + ')' if summary.status_reason else ''} — "
-            f"eligible {summary.eligible_count}, processed {summary.processed_count}, "
-            f"changed {summary.mutated_count}, failed {summary.failed_count}"
-        )
-        if summary.status == "partial_success":
-            context.log.warning(f"partial success: {summary.failed_count} item(s) failed")
-        metadata = summary_metadata(summary, scope)
-        if asset_key is not None and summary.status != "skipped":
-            backlog = scope_backlog(spec, engine, summary, scope, context.log)
-            yield outcome_observation(asset_key, summary, scope, backlog)
-        if asset_key is not None and summary.mode == "execute" and summary.status != "skipped":
-            declared = {c.name: c for c in spec.checks}
-            for check in summary.checks:
-                declared_check = declared.get(check.name)
-                yield dg.AssetCheckEvaluation(
-                    asset_key=asset_key,
-                    check_name=check.name,
-                    passed=check.passed,
-                    metadata={
-                        **check.metadata,
-                        "scope": scope.key,
-                        "job_run_id": summary.job_run_id,
-                    },
-                    severity=dg.AssetCheckSeverity.ERROR
-                    if declared_check is None or declared_check.blocking
-                    else dg.AssetCheckSeverity.WARN,
-                    description=check.description,
-                )
-        if summary.status in FAILING_STATUSES:
-            raise dg.Failure(
-                description=f"{spec.name} ended {summary.status}: {summary.status_reason or summary.error_code}",
-                metadata=metadata,
-                allow_retries=False,
-            )
-        blocking_failed = [
-            c.name
-            for c in summary.checks
-            if not c.passed and any(d.name == c.name and d.blocking for d in spec.checks)
-        ]
-        if summary.mode == "execute" and summary.status != "skipped" and blocking_failed:
-            raise dg.Failure(
-                description=f"business outcome not met after {spec.name}: {', '.join(blocking_failed)}",
-                metadata=metadata,
-                allow_retries=False,
-            )
-        yield dg.Output(summary.as_dict(), metadata=metadata)
+        outcomes: list[TenantOutcome] = []
+        yield from run_tenants(spec, scopes, options, engine, context, outcomes)
+        if len(scopes) == 1:
+            if trigger == "api" and outcomes[0].refused is not None:
+                _refuse_accepted(engine, tags[JOB_RUN_TAG], outcomes[0].refused)
+            output = finish_single(spec, outcomes[0])
+        else:
+            output = finish_chunk(spec, context, outcomes)
+        if tags.get(FAILED_TENANTS_TAG):  # a re-execution inherits its parent's: none failed now
+            context.instance.add_run_tags(context.run_id, {FAILED_TENANTS_TAG: ""})
+        yield output
 
     @dg.job(
         name=spec.name,
@@ -446,6 +607,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
             "qo_ops/job": spec.name,
             "qo_ops/kind": spec.kind,
             **({DESTRUCTIVE_TAG: "true"} if spec.destructive else {}),
+            **({WINDOWED_TAG: "true"} if spec.partitioning == "tenant_day" else {}),
             **k8s_config_tag(spec),
         },
     )

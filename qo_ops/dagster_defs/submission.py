@@ -13,7 +13,7 @@ from typing import Any
 
 import dagster as dg
 
-from qo_ops.dagster_defs.partitions import JOB_RUN_TAG, MODE_TAG, REASON_TAG
+from qo_ops.dagster_defs.partitions import JOB_RUN_TAG, MODE_TAG, REASON_TAG, REQUESTER_TAG
 from qo_ops.errors import BadInput
 from qo_ops.platform.spec import RunOptions, Trigger, check_consent
 
@@ -24,9 +24,11 @@ RETRY_NUMBER_TAG = "dagster/retry_number"  # only on Dagster's automatic run ret
 ROOT_RUN_TAG = "dagster/root_run_id"
 MAX_RETRIES_TAG = "dagster/max_retries"  # 0: the run-retry daemon leaves a failed run alone
 DESTRUCTIVE_TAG = "qo_ops/destructive"  # on every run of a JobSpec.destructive job
+WINDOWED_TAG = "qo_ops/windowed"  # on every run of a windowed job: its runs name their tenants
 REFUSED_TAG = "qo_ops/refused"  # set by QoOpsRunCoordinator on a run it refused: why (a code)
 REFUSED_PREFIX = "refused before queueing: "  # its failure message (re-executions copy tags)
 SCHEDULED_FOR_TAG = "qo_ops/scheduled_for"  # set by the schedules: the tick's time
+BACKFILL_RUN_TAG = "qo_ops/backfill"  # a run of a tenant backfill: the launcher's run id
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ def trigger_from_tags(tags: Mapping[str, str]) -> Trigger:
     trigger, so ``retry`` is left for the retry of a run a person launched by hand."""
     if JOB_RUN_TAG in tags:
         return "api"
-    if BACKFILL_TAG in tags:
+    if BACKFILL_TAG in tags or BACKFILL_RUN_TAG in tags:
         return "backfill"
     retry_number = int(tags.get(RETRY_NUMBER_TAG, "0") or 0)
     if PARENT_RUN_TAG in tags and retry_number == 0:
@@ -70,6 +72,8 @@ def requester_from_tags(tags: Mapping[str, str], trigger: Trigger, run_id: str) 
     sensors."""
     if tags.get(USER_TAG):
         return tags[USER_TAG]
+    if BACKFILL_RUN_TAG in tags:  # who launched the backfill, as its launcher saw it
+        return tags.get(REQUESTER_TAG) or f"dagster-run:{tags[BACKFILL_RUN_TAG]}"
     if trigger == "backfill":
         return f"backfill:{tags[BACKFILL_TAG]}"
     if trigger == "manual":
@@ -123,8 +127,14 @@ def refusal_at_submission(run: dg.DagsterRun) -> tuple[str, str] | None:
     tags = run.tags
     if "qo_ops/job" not in tags or JOB_RUN_TAG in tags:
         return None
-    options = run_options(op_config(run), tags, run.run_id)
+    config = op_config(run)
+    options = run_options(config, tags, run.run_id)
     try:
+        if tags.get(WINDOWED_TAG) == "true" and not config.get("tenants"):
+            raise BadInput(
+                f"{run.job_name} is windowed: name its tenants in run config (tenants), or "
+                "backfill tenants × days with tenant_backfill_job"
+            )
         options.validated()
         check_consent(
             options, destructive=tags.get(DESTRUCTIVE_TAG) == "true", job_name=run.job_name

@@ -408,6 +408,9 @@ class JobSpec:
     reports_backlog: bool = True
     defaults: JobDefaults = field(default_factory=JobDefaults)
     run_resources: RunResources = field(default_factory=RunResources)  # one run's CPU and memory
+    # Tenants one Dagster run covers when a schedule or sensor tick fans out (one run, and on
+    # Kubernetes one pod, per chunk; each tenant still runs through run_job on its own).
+    tenants_per_run: int = 50
     destructive: bool = False
     uses_checkpoint: bool = False
     compete_with_skip_locked: bool = True  # lock selected rows FOR UPDATE SKIP LOCKED

@@ -1,0 +1,336 @@
+"""Backfills by tenant and date range, from the UI, as chunked runs like a tick.
+
+Dagster's own backfill dialog makes one run per partition and cannot carry run config
+(dagster#10079), so 10,000 tenants would be 10,000 runs, and a windowed job's day
+partitions cannot say which tenants. Instead an operator launches ``tenant_backfill_job``
+from its Launchpad: the job (a drop-down), the tenants (some, or empty for all), the days
+(first and last), the mode and, to execute, a reason. Its op validates all of it before
+anything is claimed, audits it, and records the plan; ``tenant_backfill_sensor`` then
+requests the plan's runs — one per chunk of ``tenants_per_run`` tenants (and, for a windowed
+job, per window of at most ``days_per_run`` days) — each tagged ``qo_ops/backfill`` with
+the launcher's run id, executing or dry-running as asked, every tenant on its own.
+"""
+
+import enum
+import json
+from collections.abc import Sequence
+from datetime import date, datetime, timedelta
+from typing import Any
+
+import dagster as dg
+import sqlalchemy as sa
+from pydantic import Field
+
+from qo_ops.dagster_defs.partitions import (
+    MODE_TAG,
+    REASON_TAG,
+    REQUESTER_TAG,
+    chunk_scope_tag,
+    chunk_tenants,
+    days_partitions_def,
+)
+from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, run_options
+from qo_ops.errors import BadInput, QoOpsError, one_line
+from qo_ops.platform.runs import append_audit
+from qo_ops.platform.spec import MAX_TEXT, JobSpec, RunOptions, check_consent
+
+BACKFILL_JOB = "tenant_backfill_job"
+BACKFILL_OP = "plan_tenant_backfill"
+MAX_DAYS_PER_RUN = 366
+MAX_REQUESTS_PER_TICK = 500  # a bigger plan continues on the next tick (the cursor)
+MAX_BACKFILL_RUNS = 20_000
+
+
+class BackfillMode(enum.Enum):
+    """dry_run counts and samples what execute would change, and changes nothing."""
+
+    dry_run = "dry_run"
+    execute = "execute"
+
+
+def _backfill_config(job_names: Sequence[str]) -> type[dg.Config]:
+    """The Launchpad's form: the job is a drop-down of the catalog's jobs."""
+    target = enum.Enum("CatalogJob", {n: n for n in job_names})  # type: ignore[misc]
+
+    class TenantBackfillConfig(dg.Config):
+        """What to backfill. Runs are requested by tenant_backfill_sensor once this succeeds."""
+
+        job: target = Field(description="The catalog job to run.")
+        tenants: list[str] = Field(
+            default_factory=list, description="Tenants to cover; empty: every tenant."
+        )
+        first_day: str | None = Field(
+            default=None, description="Windowed jobs: the first day (YYYY-MM-DD)."
+        )
+        last_day: str | None = Field(
+            default=None, description="Windowed jobs: the last day, included (YYYY-MM-DD)."
+        )
+        mode: BackfillMode = Field(
+            default=BackfillMode.dry_run, description="dry_run (default) or execute."
+        )
+        reason: str | None = Field(
+            default=None, max_length=MAX_TEXT, description="Why (required to execute; audited)."
+        )
+        tenants_per_run: int | None = Field(
+            default=None, ge=1, le=1000, description="Tenants per run (default: the job's)."
+        )
+        days_per_run: int = Field(
+            default=31, ge=1, le=MAX_DAYS_PER_RUN, description="Windowed jobs: days per run."
+        )
+
+    return TenantBackfillConfig
+
+
+def _day(name: str, value: str | None) -> date:
+    try:
+        return date.fromisoformat(value or "")
+    except ValueError:
+        raise BadInput(f"{name} must be a day (YYYY-MM-DD), got {value!r}") from None
+
+
+def backfill_windows(
+    spec: JobSpec, first_day: str | None, last_day: str | None, days_per_run: int, today: date
+) -> list[tuple[date, date]]:
+    """The windows (first, last day, both included) of a backfill; ``[]`` for a tenant job,
+    which has no days. Refused: missing or reversed days, days outside the partitions."""
+    if spec.partitioning != "tenant_day":
+        if first_day or last_day:
+            raise BadInput(f"{spec.name} is not windowed: leave first_day and last_day empty")
+        return []
+    first, last = _day("first_day", first_day), _day("last_day", last_day)
+    start = days_partitions_def.start.date()
+    if last < first:
+        raise BadInput("last_day must not be before first_day")
+    if first < start or last >= today:
+        raise BadInput(f"days must lie from {start} (the first partition) to yesterday")
+    windows = []
+    while first <= last:
+        end = min(first + timedelta(days=days_per_run - 1), last)
+        windows.append((first, end))
+        first = end + timedelta(days=1)
+    return windows
+
+
+def backfill_run_requests(
+    spec: JobSpec, plan: dict[str, Any], tenants: Sequence[str], launcher_run_id: str
+) -> list[dg.RunRequest]:
+    """Every run of a backfill: one per chunk of tenants × window, deterministic run keys
+    (a repeated tick requests nothing twice), each carrying mode, reason and who asked."""
+    windows = [(date.fromisoformat(a), date.fromisoformat(b)) for a, b in plan["windows"]]
+    requests = []
+    each: list[tuple[date, date] | None] = list(windows) or [None]  # a tenant job: no days
+    for chunk in chunk_tenants(spec, tenants, plan.get("tenants_per_run")):
+        for window in each:
+            tags = {
+                BACKFILL_RUN_TAG: launcher_run_id,
+                MODE_TAG: plan["mode"],
+                REQUESTER_TAG: plan["requester"],
+                **({REASON_TAG: plan["reason"]} if plan.get("reason") else {}),
+                **chunk_scope_tag(spec, chunk, window[0] if window else None),
+            }
+            if window is not None:  # one run over the window's days (a partition range)
+                tags["dagster/asset_partition_range_start"] = window[0].isoformat()
+                tags["dagster/asset_partition_range_end"] = window[1].isoformat()
+            config: dict[str, Any] = {"mode": plan["mode"], "tenants": chunk}
+            if plan.get("reason"):
+                config["reason"] = plan["reason"]
+            where = f"{window[0]}..{window[1]}" if window else "tenants"
+            requests.append(
+                dg.RunRequest(
+                    run_key=f"backfill:{launcher_run_id}:{where}:{chunk[0]}..{chunk[-1]}",
+                    job_name=spec.name,
+                    run_config={"ops": {f"{spec.name}_op": {"config": config}}},
+                    tags=tags,
+                )
+            )
+    return requests
+
+
+def _tenants(conn: Any, named: Sequence[str]) -> list[str]:
+    """The backfill's tenants: those named (each must exist), or every tenant."""
+    if not named:
+        return list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
+    if len(set(named)) != len(named):
+        raise BadInput("tenants names a tenant twice")
+    known = set(
+        conn.execute(
+            sa.text("SELECT id FROM tenant WHERE id = ANY(:ids)"), {"ids": list(named)}
+        ).scalars()
+    )
+    unknown = [t for t in named if t not in known]
+    if unknown:
+        raise BadInput(f"unknown tenant(s): {', '.join(t[:64] for t in unknown[:20])}")
+    return sorted(named)
+
+
+def build_backfill_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
+    """``tenant_backfill_job``: validate, audit and plan a backfill of one catalog job."""
+    by_name = {s.name: s for s in specs}
+    config_type = _backfill_config(list(by_name))
+
+    @dg.op(name=BACKFILL_OP, description="Validate, audit and plan a backfill")
+    def plan_tenant_backfill(
+        context: dg.OpExecutionContext,
+        config: config_type,  # type: ignore[valid-type]
+        database: QoOpsDatabase,
+    ) -> dg.Output:
+        spec = by_name[config.job.value]  # type: ignore[attr-defined]
+        mode = config.mode.value  # type: ignore[attr-defined]
+        requester = run_options({}, dict(context.run.tags), context.run_id).requester
+        try:
+            windows = backfill_windows(
+                spec,
+                config.first_day,  # type: ignore[attr-defined]
+                config.last_day,  # type: ignore[attr-defined]
+                config.days_per_run,  # type: ignore[attr-defined]
+                datetime.now().astimezone().date(),
+            )
+            check_consent(
+                RunOptions(mode=mode, trigger="backfill", reason=config.reason),  # type: ignore[attr-defined]
+                destructive=spec.destructive,
+                job_name=spec.name,
+            )
+            with database.engine().begin() as conn:
+                tenants = _tenants(conn, config.tenants)  # type: ignore[attr-defined]
+                size = config.tenants_per_run or spec.tenants_per_run  # type: ignore[attr-defined]
+                runs = -(-len(tenants) // size) * max(len(windows), 1)
+                if runs > MAX_BACKFILL_RUNS:
+                    raise BadInput(
+                        f"the backfill would be {runs} runs (at most {MAX_BACKFILL_RUNS}): "
+                        "pick fewer tenants or days, or raise tenants_per_run/days_per_run"
+                    )
+                append_audit(
+                    conn,
+                    actor=requester or "unknown",
+                    action="backfill",
+                    decision="accepted",
+                    job_name=spec.name,
+                    mode=mode,
+                    reason=config.reason,  # type: ignore[attr-defined]
+                    correlation_id=context.run_id,
+                    details={
+                        "tenants": len(tenants),
+                        "windows": len(windows),
+                        "runs": runs,
+                        "dagster_run_id": context.run_id,
+                    },
+                )
+        except QoOpsError as exc:  # refused before anything was claimed
+            raise dg.Failure(description=one_line(str(exc), 300), allow_retries=False) from None
+        plan = {
+            "job": spec.name,
+            "mode": mode,
+            "reason": config.reason,  # type: ignore[attr-defined]
+            "requester": requester,
+            "tenants": config.tenants,  # type: ignore[attr-defined]  # empty: all
+            "tenants_per_run": size,
+            "windows": [[a.isoformat(), b.isoformat()] for a, b in windows],
+        }
+        context.log.info(
+            f"backfill of {spec.name} ({mode}): {len(tenants)} tenants"
+            + (f" × {len(windows)} window(s) {windows[0][0]}..{windows[-1][1]}" if windows else "")
+            + f" → {runs} runs, requested by tenant_backfill_sensor"
+        )
+        return dg.Output(
+            plan,
+            metadata={
+                "job": spec.name,
+                "mode": mode,
+                "tenants": len(tenants),
+                "windows": len(windows),
+                "runs": runs,
+                "plan": json.dumps(plan),
+            },
+        )
+
+    @dg.job(
+        name=BACKFILL_JOB,
+        description=(
+            "Backfill one catalog job over tenants (some or all) and, for a windowed job, a "
+            "range of days, as chunked runs like a tick (tenant_backfill_sensor requests them)."
+            " Dry run unless mode: execute with a reason; destructive jobs only dry-run."
+        ),
+        tags={"qo_ops/backfill_launcher": "true"},
+    )
+    def tenant_backfill_job() -> None:
+        plan_tenant_backfill()
+
+    return tenant_backfill_job
+
+
+def build_backfill_sensor(
+    specs: Sequence[JobSpec], jobs: Sequence[dg.JobDefinition]
+) -> dg.SensorDefinition:
+    """``tenant_backfill_sensor``: request the runs of each succeeded backfill plan."""
+    by_name = {s.name: s for s in specs}
+
+    @dg.sensor(
+        name="tenant_backfill_sensor",
+        jobs=list(jobs),
+        minimum_interval_seconds=30,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Requests the chunked runs of every tenant_backfill_job run that succeeded",
+    )
+    def tenant_backfill_sensor(
+        context: dg.SensorEvaluationContext, database: QoOpsDatabase
+    ) -> dg.SensorResult:
+        state = json.loads(context.cursor) if context.cursor else {}
+        after = datetime.fromisoformat(state["after"]) if state.get("after") else None
+        records = context.instance.get_run_records(
+            filters=dg.RunsFilter(
+                job_name=BACKFILL_JOB,
+                statuses=[dg.DagsterRunStatus.SUCCESS],
+                updated_after=after,
+            ),
+            order_by="update_timestamp",
+            ascending=True,
+            limit=20,
+        )
+        requests: list[dg.RunRequest] = []
+        for record in records:
+            plan = plan_from_events(context.instance, record.dagster_run.run_id)
+            if plan is None or plan["job"] not in by_name:
+                state["after"] = record.update_timestamp.isoformat()
+                continue
+            spec = by_name[plan["job"]]
+            with database.engine().connect() as conn:
+                tenants = _tenants_now(conn, plan["tenants"])
+            every = backfill_run_requests(spec, plan, tenants, record.dagster_run.run_id)
+            start = state.get("next", 0) if state.get("run") == record.dagster_run.run_id else 0
+            room = MAX_REQUESTS_PER_TICK - len(requests)
+            requests.extend(every[start : start + room])
+            if start + room < len(every):  # the rest on the next tick
+                state |= {"run": record.dagster_run.run_id, "next": start + room}
+                break
+            state = {"after": record.update_timestamp.isoformat()}
+        return dg.SensorResult(
+            run_requests=requests,
+            cursor=json.dumps(state),
+            skip_reason=None if requests else "no new backfill plan",
+        )
+
+    return tenant_backfill_sensor
+
+
+def _tenants_now(conn: Any, named: Sequence[str]) -> list[str]:
+    """The plan's tenants as they are now: those named that still exist, or every tenant."""
+    if not named:
+        return list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
+    return sorted(
+        conn.execute(
+            sa.text("SELECT id FROM tenant WHERE id = ANY(:ids)"), {"ids": list(named)}
+        ).scalars()
+    )
+
+
+def plan_from_events(instance: dg.DagsterInstance, run_id: str) -> dict[str, Any] | None:
+    """The plan a launcher run recorded: the ``plan`` metadata of its op's output."""
+    records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_OUTPUT)
+    for record in records.records:
+        event = record.event_log_entry.dagster_event
+        data = event.step_output_data if event is not None else None
+        plan = data.metadata.get("plan") if data is not None else None
+        if plan is not None:
+            return json.loads(plan.value)  # type: ignore[arg-type]
+    return None

@@ -1,0 +1,76 @@
+"""One run for many tenants: overlap with another run of the same tenant leaves the
+tenant to whoever holds its lease, and each tenant's truth lands on its own partition."""
+
+from __future__ import annotations
+
+import uuid
+
+import dagster as dg
+
+from qo_ops.platform.lease import acquire
+
+JOB = "quote_expiration"
+
+
+def _chunk(defs, instance, tenants):
+    job = defs.resolve_job_def(JOB)
+    config = {"mode": "execute", "reason": "chunk overlap", "tenants": tenants}
+    return job.execute_in_process(
+        instance=instance,
+        run_config={"ops": {f"{JOB}_op": {"config": config}}},
+        raise_on_error=False,
+    )
+
+
+def _events(result, kind):
+    return {
+        e.event_specific_data.materialization.partition
+        if kind == "ASSET_MATERIALIZATION"
+        else e.event_specific_data.asset_observation.partition: e
+        for e in result.all_events
+        if e.event_type_value == kind
+    }
+
+
+def test_a_tenant_whose_lease_another_run_holds_is_skipped_and_the_others_run(
+    defs, loaded, instance
+):
+    held = acquire(loaded.engine, JOB, "tenant-001", "another-run", 300, uuid.uuid4())
+    assert held is not None
+    result = _chunk(defs, instance, ["tenant-001", "tenant-002"])
+    assert result.success  # a skipped tenant is not a failure: the lease holder does its work
+    output = result.output_for_node(f"{JOB}_op")
+    assert {(r["scope"], r["status"]) for r in output["runs"]} == {
+        ("tenant-001", "skipped"),
+        ("tenant-002", "success"),
+    }
+    metadata = next(
+        e for e in result.all_events if e.event_type_value == "STEP_OUTPUT"
+    ).event_specific_data.metadata
+    assert metadata["status_skipped"].value == 1 and metadata["status_success"].value == 1
+    assert metadata["failed_tenants"].value == "none"
+    # each tenant's truth on its own partition: tenant-002 kept right, tenant-001 only observed
+    assert set(_events(result, "ASSET_MATERIALIZATION")) == {"tenant-002"}
+    observed = _events(result, "ASSET_OBSERVATION")
+    assert set(observed) == {"tenant-001"}
+    assert (
+        observed["tenant-001"].event_specific_data.asset_observation.metadata["status"].value
+        == "skipped"
+    )
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(["qo_ops", "quotes"])), limit=10
+    ).records
+    assert {r.partition_key for r in records} == {"tenant-002"}
+
+
+def test_a_person_naming_an_unknown_tenant_is_refused_before_any_tenant_runs(
+    defs, loaded, instance
+):
+    result = _chunk(defs, instance, ["tenant-001", "tenant-404"])
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    assert failure.step_failure_data.user_failure_data.description == (
+        "unknown tenant(s): tenant-404"
+    )
+    with loaded.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM job_run").scalar() == 0

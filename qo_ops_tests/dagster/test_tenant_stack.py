@@ -1,0 +1,121 @@
+"""Chunked runs on a real deployment (webserver + daemon over PostgreSQL): a backfill
+launched from tenant_backfill_job's Launchpad becomes chunked runs through the daemon's
+sensor; a chunk with a failing tenant fails naming it, and Dagster's re-execution (the UI's
+Re-execute, through GraphQL) runs only that tenant."""
+
+from __future__ import annotations
+
+import dagster as dg
+import httpx
+import sqlalchemy as sa
+
+from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
+from qo_ops.dagster_defs.partitions import FAILED_TENANTS_TAG
+from qo_ops.platform.control import resume, suspend
+from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
+
+FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
+JOB = "quote_expiration"
+
+
+def _status(instance: dg.DagsterInstance, run_id: str) -> dg.DagsterRunStatus:
+    run = instance.get_run_by_id(run_id)
+    assert run is not None
+    return run.status
+
+
+def _job_runs(db, dagster_run_id: str) -> list:
+    with db.engine.connect() as conn:
+        return conn.execute(
+            sa.text(
+                "SELECT scope, trigger_type, mode, status, reason FROM job_run "
+                "WHERE dagster_run_id = :id ORDER BY scope"
+            ),
+            {"id": dagster_run_id},
+        ).all()
+
+
+def _reexecute(port: int, parent_run_id: str) -> str:
+    """What the run page's Re-execute button sends."""
+    answer = httpx.post(
+        f"http://127.0.0.1:{port}/graphql",
+        json={
+            "query": """
+            mutation($params: ReexecutionParams!) {
+              launchRunReexecution(reexecutionParams: $params) {
+                __typename
+                ... on LaunchRunSuccess { run { runId } }
+                ... on PythonError { message }
+              }
+            }""",
+            "variables": {"params": {"parentRunId": parent_run_id, "strategy": "ALL_STEPS"}},
+        },
+        timeout=60,
+    ).json()["data"]["launchRunReexecution"]
+    assert answer["__typename"] == "LaunchRunSuccess", answer
+    return answer["run"]["runId"]
+
+
+def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_deployment(
+    loaded, tmp_path
+):
+    db = loaded
+    with dagster_stack(db, tmp_path) as (client, instance, port):
+        instance.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
+
+        # the Launchpad form of tenant_backfill_job: every tenant, one per run, dry run
+        launcher = client.submit_job_execution(
+            BACKFILL_JOB,
+            repository_location_name=LOCATION,
+            run_config={"ops": {BACKFILL_OP: {"config": {"job": JOB, "tenants_per_run": 1}}}},
+        )
+        wait_for(lambda: _status(instance, launcher) in FINISHED, 180, "the launcher run")
+        assert _status(instance, launcher) == dg.DagsterRunStatus.SUCCESS
+
+        def backfill_runs() -> list[dg.DagsterRun]:
+            return list(
+                instance.get_runs(filters=dg.RunsFilter(tags={"qo_ops/backfill": launcher}))
+            )
+
+        wait_for(lambda: len(backfill_runs()) == 2, 180, "the sensor to request both chunks")
+        wait_for(lambda: all(r.status in FINISHED for r in backfill_runs()), 240, "both chunk runs")
+        runs = backfill_runs()
+        assert {r.status for r in runs} == {dg.DagsterRunStatus.SUCCESS}
+        scopes = sorted(row.scope for r in runs for row in _job_runs(db, r.run_id))
+        assert scopes == ["tenant-001", "tenant-002"]
+        assert {(row.trigger_type, row.mode) for r in runs for row in _job_runs(db, r.run_id)} == {
+            ("backfill", "dry_run")
+        }
+
+        # a chunk of both tenants with tenant-002 suspended: tenant-001 runs, the run fails
+        suspend(db.engine, JOB, "tenant-002", actor="sre", reason="stack test", known_jobs={JOB})
+        chunk = client.submit_job_execution(
+            JOB,
+            repository_location_name=LOCATION,
+            run_config={
+                "ops": {
+                    f"{JOB}_op": {
+                        "config": {
+                            "mode": "execute",
+                            "reason": "chunk test",
+                            "tenants": ["tenant-001", "tenant-002"],
+                        }
+                    }
+                }
+            },
+        )
+        wait_for(lambda: _status(instance, chunk) in FINISHED, 240, "the chunk run")
+        assert _status(instance, chunk) == dg.DagsterRunStatus.FAILURE
+        parent = instance.get_run_by_id(chunk)
+        assert parent is not None and parent.tags[FAILED_TENANTS_TAG] == "tenant-002"
+        assert [(r.scope, r.status) for r in _job_runs(db, chunk)] == [("tenant-001", "success")]
+
+        # lift the suspension, press Re-execute: only tenant-002 runs
+        resume(db.engine, JOB, "tenant-002", actor="sre", reason="done", known_jobs={JOB})
+        child = _reexecute(port, chunk)
+        wait_for(lambda: _status(instance, child) in FINISHED, 240, "the re-execution")
+        assert _status(instance, child) == dg.DagsterRunStatus.SUCCESS
+        rows = _job_runs(db, child)
+        assert [(r.scope, r.trigger_type, r.mode, r.reason) for r in rows] == [
+            ("tenant-002", "manual", "execute", "chunk test")
+        ]
