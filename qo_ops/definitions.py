@@ -8,7 +8,11 @@ import dagster as dg
 
 from qo_ops.config import DATABASE_URL_ENV
 from qo_ops.dagster_defs.backfills import build_backfill_job, build_backfill_sensor
-from qo_ops.dagster_defs.checks import build_outcome_assets, build_outcome_checks
+from qo_ops.dagster_defs.checks import (
+    build_outcome_assets,
+    build_outcome_checks,
+    build_outcome_checks_job,
+)
 from qo_ops.dagster_defs.freshness import build_recent_success_checks
 from qo_ops.dagster_defs.jobs import build_job
 from qo_ops.dagster_defs.resources import QoOpsDatabase
@@ -35,7 +39,7 @@ def build_definitions() -> dg.Definitions:
     return dg.Definitions(
         assets=build_outcome_assets(specs),
         asset_checks=[*build_outcome_checks(specs), *build_recent_success_checks(specs)],
-        jobs=[*jobs.values(), build_backfill_job(specs)],
+        jobs=[*jobs.values(), build_backfill_job(specs), build_outcome_checks_job(specs)],
         schedules=[build_schedule(spec, jobs[spec.name]) for spec in specs],
         sensors=[
             tenants_sensor,

@@ -1,16 +1,19 @@
 """Business outcomes as assets partitioned by tenant, with checks partitioned the same way.
 The job ops record each tenant's outcome and checks on its partition after each run.
-Executed on their own (asset → Checks → Execute), a check judges each tenant partition
-picked: the tenant (tenant jobs), or every day that can hold overdue work (windowed jobs:
-``overdue_scope``)."""
+Judged on their own (``outcome_checks_job`` from the Launchpad, or a check executed for
+some partitions), a check judges each tenant: the tenant (tenant jobs), or every day that
+can hold overdue work (windowed jobs: ``overdue_scope``)."""
 
+import enum
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import dagster as dg
 import sqlalchemy as sa
+from pydantic import Field
 
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
@@ -68,11 +71,12 @@ def _figures(result: OutcomeCheck) -> str:
     return ", ".join(f"{k}={v}" for k, v in result.metadata.items())
 
 
-def _check_tenants(
-    spec: JobSpec, conn: Any, tenants: Sequence[str], selected: CheckSpec
-) -> Iterator[tuple[str, OutcomeCheck, dict[str, str]]]:
-    """``selected`` judged for each tenant: the tenant (tenant jobs), or every day that can
-    hold its overdue work (windowed jobs); one clock for every tenant of the evaluation."""
+def judge_declared(
+    spec: JobSpec, conn: Any, tenants: Sequence[str], selected: Sequence[CheckSpec]
+) -> Iterator[tuple[str, CheckSpec, OutcomeCheck, dict[str, str]]]:
+    """The ``selected`` checks judged for each tenant: the tenant (tenant jobs), or every
+    day that can hold its overdue work (windowed jobs); one clock for every tenant.
+    Raises :class:`QoOpsError` for a bad setting (the outcome cannot be judged)."""
     now = database_now(conn)
     for tenant in tenants:
         scope = overdue_scope(spec, tenant, now)
@@ -82,71 +86,149 @@ def _check_tenants(
             days = {"first_day": str(scope.window_start), "last_day": str(last)}
         ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
         results = {r.name: r for r in spec.check(conn, ctx)}
-        yield tenant, results[selected.name], days
+        for check in selected:
+            yield tenant, check, results[check.name], days
+
+
+def declared_evaluations(
+    spec: JobSpec, conn: Any, tenants: Sequence[str], selected: Sequence[CheckSpec]
+) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+    """One evaluation per tenant partition and check, then the summed-up output: tenants
+    checked, failing tenants per check (first 50) and the figures of the first 10. A
+    blocking check failing anywhere fails the step, as Dagster does for blocking checks;
+    a bad setting fails every selected check on every tenant with ``cannot check: …``."""
+    asset = outcome_asset_key(spec)
+    failing: dict[str, list[str]] = {c.name: [] for c in selected}
+    detail: list[str] = []
+    try:
+        judged = list(judge_declared(spec, conn, tenants, selected))
+    except QoOpsError as exc:
+        cause = f"cannot check: {one_line(str(exc), 300)}"
+        for tenant in tenants:
+            for check in selected:
+                yield dg.AssetCheckEvaluation(
+                    asset_key=asset, check_name=check.name, passed=False, partition=tenant,
+                    severity=_severity(check), description=cause,
+                )  # fmt: skip
+        raise dg.Failure(description=cause, allow_retries=False) from None
+    for tenant, check, result, days in judged:
+        yield dg.AssetCheckEvaluation(
+            asset_key=asset,
+            check_name=check.name,
+            passed=result.passed,
+            partition=tenant,
+            metadata={**result.metadata, **days},
+            severity=_severity(check),
+            description=result.description,
+        )
+        if not result.passed:
+            failing[check.name].append(tenant)
+            if len(detail) < MAX_DETAIL:
+                detail.append(f"{check.name} {tenant}: {_figures(result)}")
+    metadata: dict[str, Any] = {"tenants_checked": len(tenants)}
+    for name, names in failing.items():
+        metadata[f"{name}_failing"] = len(names)
+        metadata[f"{name}_failing_tenants"] = ", ".join(names[:MAX_NAMED_TENANTS]) or "none"
+    if detail:
+        metadata["failing_detail"] = one_line("; ".join(detail), 1000)
+    blocked = sorted({t for c in selected if c.blocking for t in failing[c.name]})
+    if blocked:
+        raise dg.Failure(
+            description=f"{spec.name}: a blocking outcome check failed for {len(blocked)} "
+            f"tenant(s): {', '.join(blocked[:MAX_NAMED_TENANTS])}",
+            metadata=metadata,
+            allow_retries=False,
+        )
+    yield dg.Output(None, metadata=metadata)
 
 
 def _build_check(spec: JobSpec, declared: CheckSpec) -> dg.AssetChecksDefinition:
-    """One declared check, partitioned by tenant like its asset. Executed on its own for
-    some tenant partitions (asset → Checks → Execute), it records one evaluation on each of
-    them; with no partition, on every tenant. Its own result sums them up."""
-    asset = outcome_asset_key(spec)
+    """One declared check, partitioned by tenant like its asset. Executed for some tenant
+    partitions (Dagster's UI does not execute partitioned checks on their own in 1.13.27:
+    through GraphQL or Python, or ``outcome_checks_job``), it records one evaluation on
+    each of them."""
+    with warnings.catch_warnings():  # partitioned checks are a preview in the pinned Dagster
+        warnings.simplefilter("ignore", dg.PreviewWarning)
 
-    @dg.asset_check(
-        asset=asset,
-        name=declared.name,
-        description=declared.description,
-        blocking=declared.blocking,
-        partitions_def=tenants_partitions_def,
-    )
-    def outcome_check(
-        context: dg.AssetCheckExecutionContext, database: QoOpsDatabase
-    ) -> dg.AssetCheckResult:
-        op = context.op_execution_context
-        failing: list[str] = []
-        detail: list[str] = []
-        checked = 0
-        try:
-            with database.engine().connect() as conn:
-                tenants = (
-                    list(op.partition_keys)
-                    if op.has_partition_key or op.has_partition_key_range
-                    else conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars().all()
-                )
-                for tenant, result, days in _check_tenants(spec, conn, tenants, declared):
-                    checked += 1
-                    op.log_event(  # Dagster records it per partition; its annotation lags
-                        dg.AssetCheckEvaluation(  # type: ignore[arg-type]
-                            asset_key=asset,
-                            check_name=declared.name,
-                            passed=result.passed,
-                            partition=tenant,
-                            metadata={**result.metadata, **days},
-                            severity=_severity(declared),
-                            description=result.description,
-                        )
-                    )
-                    if not result.passed:
-                        failing.append(tenant)
-                        if len(detail) < MAX_DETAIL:
-                            detail.append(f"{tenant}: {_figures(result)}")
-        except QoOpsError as exc:  # a bad setting: the outcome cannot be judged, so not passed
-            return dg.AssetCheckResult(
-                passed=False,
-                severity=_severity(declared),
-                description=f"cannot check: {one_line(str(exc), 300)}",
-            )
-        metadata: dict[str, Any] = {
-            "tenants_checked": checked,
-            "tenants_failing": len(failing),
-            "failing_tenants": ", ".join(failing[:MAX_NAMED_TENANTS]) or "none",
-        }
-        if detail:
-            metadata["failing_detail"] = one_line("; ".join(detail), 1000)
-        return dg.AssetCheckResult(
-            passed=not failing, severity=_severity(declared), metadata=metadata
+        @dg.asset_check(  # type: ignore[arg-type]  # yields evaluations, not one AssetCheckResult
+            asset=outcome_asset_key(spec),
+            name=declared.name,
+            description=declared.description,
+            blocking=declared.blocking,
+            partitions_def=tenants_partitions_def,
         )
+        def outcome_check(
+            context: dg.AssetCheckExecutionContext, database: QoOpsDatabase
+        ) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+            # one evaluation per tenant partition: an AssetCheckResult has no partition
+            with database.engine().connect() as conn:
+                yield from declared_evaluations(
+                    spec, conn, list(context.partition_keys), [declared]
+                )
 
     return outcome_check
+
+
+OUTCOME_CHECKS_JOB = "outcome_checks_job"
+
+
+def build_outcome_checks_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
+    """``outcome_checks_job``: a person judges a job's declared checks now, for some or
+    every tenant, from the Launchpad; each result lands on the tenant's partition."""
+    by_name = {s.name: s for s in specs if s.outcome_asset and s.checks}
+    target = enum.Enum("CheckedJob", {n: n for n in by_name})  # type: ignore[misc]
+
+    class OutcomeChecksConfig(dg.Config):
+        """Which job's checks, for which tenants."""
+
+        job: target = Field(description="The catalog job whose declared checks to judge.")
+        tenants: list[str] = Field(
+            default_factory=list, description="Tenants to judge; empty: every tenant."
+        )
+        checks: list[str] = Field(
+            default_factory=list, description="Check names; empty: every declared check."
+        )
+
+    @dg.op(name="outcome_checks_op", description="Judge a job's declared outcome checks now")
+    def outcome_checks_op(
+        context: dg.OpExecutionContext,
+        config: OutcomeChecksConfig,
+        database: QoOpsDatabase,
+    ) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+        spec = by_name[config.job.value]
+        declared = {c.name: c for c in spec.checks}
+        unknown = [c for c in config.checks if c not in declared]
+        if unknown:
+            raise dg.Failure(
+                description=f"{spec.name} declares no check {', '.join(unknown[:10])} "
+                f"(it declares {', '.join(declared)})",
+                allow_retries=False,
+            )
+        selected = [declared[c] for c in config.checks] or list(spec.checks)
+        with database.engine().connect() as conn:
+            every = list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
+            missing = sorted(set(config.tenants) - set(every))
+            if missing:  # validated before anything is recorded
+                raise dg.Failure(
+                    description=f"unknown tenant(s): {', '.join(missing[:20])}",
+                    allow_retries=False,
+                )
+            tenants = sorted(config.tenants) or every
+            context.log.info(
+                f"judging {', '.join(c.name for c in selected)} of {spec.name} "
+                f"for {len(tenants)} tenant(s)"
+            )
+            yield from declared_evaluations(spec, conn, tenants, selected)
+
+    @dg.job(
+        name=OUTCOME_CHECKS_JOB,
+        description="Judge a catalog job's declared outcome checks now, for some or every "
+        "tenant; each evaluation lands on the tenant's partition of the job's outcome asset",
+    )
+    def outcome_checks_job() -> None:
+        outcome_checks_op()
+
+    return outcome_checks_job
 
 
 def build_outcome_checks(specs: Sequence[JobSpec]) -> list[dg.AssetChecksDefinition]:
