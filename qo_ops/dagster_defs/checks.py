@@ -12,6 +12,11 @@ from typing import Any
 import dagster as dg
 import sqlalchemy as sa
 
+# not exported by dagster; its AssetCheckResult fills the same field the same way
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
+
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import QoOpsError, one_line
@@ -24,6 +29,24 @@ MAX_DETAIL = 10  # failing tenants whose figures are shown
 
 def outcome_asset_key(spec: JobSpec) -> dg.AssetKey:
     return dg.AssetKey(["qo_ops", spec.outcome_asset])
+
+
+def judged_materialization(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, tenant: str
+) -> AssetCheckEvaluationTargetMaterializationData | None:
+    """The tenant partition's latest materialization, which a check evaluation on that
+    partition judges. Without it Dagster counts the evaluation as older than the
+    materialization: the check's Partitions tab shows the tenant as Missing."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[tenant]), limit=1
+    ).records
+    if not records:
+        return None
+    return AssetCheckEvaluationTargetMaterializationData(
+        storage_id=records[0].storage_id,
+        run_id=records[0].run_id,
+        timestamp=records[0].timestamp,
+    )
 
 
 def build_outcome_assets(specs: Sequence[JobSpec]) -> list[dg.AssetSpec]:
@@ -118,6 +141,9 @@ def _build_check(spec: JobSpec, declared: CheckSpec) -> dg.AssetChecksDefinition
                             check_name=declared.name,
                             passed=result.passed,
                             partition=tenant,
+                            target_materialization_data=judged_materialization(
+                                op.instance, asset, tenant
+                            ),
                             metadata={**result.metadata, **days},
                             severity=_severity(declared),
                             description=result.description,
