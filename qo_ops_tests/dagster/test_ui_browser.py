@@ -61,7 +61,7 @@ TENANT = "tenant-001"
 TENANTS = ("tenant-001", "tenant-002", "tenant-003")
 HEALTHY = "tenant-002"  # a tenant the chunk run kept right
 STALE = "tenant-003"  # more overdue quotes than a run may expire: its check fails
-LEFT_BEHIND = 12  # STALE's overdue quotes the chunk run leaves (its max_items)
+LEFT_BEHIND = 12  # STALE's overdue quotes beyond the chunk run's max_items
 WINDOWED = "temp_file_cleanup"
 OUTCOME_JOB = "quote_expiration"
 QUOTES_PAGE = "/assets/qo_ops/quotes"
@@ -262,12 +262,8 @@ NAV_COLLAPSED = "dagster-nav-collapsed"  # Dagster keeps "Hide navigation" in lo
 
 def show_navigation(page: Page, shown: bool) -> None:
     """Dagster's left navigation shown or hidden from the next page on ("Hide navigation")."""
-    script = (
-        f"localStorage.removeItem('{NAV_COLLAPSED}')"
-        if shown
-        else (f"localStorage.setItem('{NAV_COLLAPSED}', 'true')")
-    )
-    page.evaluate(f"() => {script}")
+    store = "removeItem(key)" if shown else "setItem(key, 'true')"
+    page.evaluate(f"key => localStorage.{store}", NAV_COLLAPSED)
 
 
 def open_check_partition(page: Page, deployment: Deployment, check: str, tenant: str) -> Locator:
@@ -388,7 +384,7 @@ def test_asset_check_page_shows_the_passing_check(page: Page, deployment: Deploy
         expect(page.get_by_text("Partition", exact=True)).to_be_visible()
         expect(page.get_by_text(TENANTS[-1], exact=True).first).to_be_visible()
     finally:
-        save_screenshot(page, shots, "asset-check")
+        save_screenshot(page, shots, "asset-check", publish=False)
 
 
 def test_partition_page_shows_a_tenants_materialization_and_checks(
@@ -418,7 +414,7 @@ def test_partition_page_shows_a_tenants_materialization_and_checks(
             ).scalar_one()
         for label, value in (("status", "success"), ("backlog", "0"), ("job_run_id", job_run)):
             expect(_metadata_value(pane, label)).to_have_text(_exact(str(value)))
-        save_screenshot(page, shots, "asset-partition", publish=False)
+        save_screenshot(page, shots, "asset-partition")
         for check in CATALOG[OUTCOME_JOB].checks:
             expect_check_on_partition(page, deployment, check.name, HEALTHY, "Passed")
     finally:
@@ -435,6 +431,7 @@ def test_stale_tenant_shows_its_failing_check_on_its_partition(
 
     try:
         pane = expect_check_on_partition(page, deployment, OVERDUE_CHECK, STALE, "Failed")
+        expect(pane.get_by_text(deployment.runs["chunk"][:8], exact=True)).to_be_visible()
         expect(_metadata_value(pane, "overdue_active_quotes")).to_have_text(
             _exact(str(LEFT_BEHIND))
         )
@@ -445,7 +442,7 @@ def test_stale_tenant_shows_its_failing_check_on_its_partition(
             colour = "red" if tenant == STALE else "green"
             expect(_partition_dot(page, tenant)).to_have_attribute("style", re.compile(colour))
     finally:
-        save_screenshot(page, shots, "asset-check-stale-tenant")
+        save_screenshot(page, shots, "asset-check-partitions")
         show_navigation(page, True)
 
 
