@@ -13,6 +13,11 @@ from typing import Any
 
 import dagster as dg
 import sqlalchemy as sa
+
+# not exported by dagster; its AssetCheckResult fills the same field the same way
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
 from pydantic import Field
 
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
@@ -27,6 +32,24 @@ MAX_DETAIL = 10  # failing tenants whose figures are shown
 
 def outcome_asset_key(spec: JobSpec) -> dg.AssetKey:
     return dg.AssetKey(["qo_ops", spec.outcome_asset])
+
+
+def judged_materialization(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, tenant: str
+) -> AssetCheckEvaluationTargetMaterializationData | None:
+    """The tenant partition's latest materialization, which a check evaluation on that
+    partition judges. Without it Dagster counts the evaluation as older than the
+    materialization: the check's Partitions tab shows the tenant as Missing."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[tenant]), limit=1
+    ).records
+    if not records:
+        return None
+    return AssetCheckEvaluationTargetMaterializationData(
+        storage_id=records[0].storage_id,
+        run_id=records[0].run_id,
+        timestamp=records[0].timestamp,
+    )
 
 
 def build_outcome_assets(specs: Sequence[JobSpec]) -> list[dg.AssetSpec]:
@@ -91,7 +114,11 @@ def judge_declared(
 
 
 def declared_evaluations(
-    spec: JobSpec, conn: Any, tenants: Sequence[str], selected: Sequence[CheckSpec]
+    spec: JobSpec,
+    conn: Any,
+    tenants: Sequence[str],
+    selected: Sequence[CheckSpec],
+    instance: dg.DagsterInstance,
 ) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
     """One evaluation per tenant partition and check, then the summed-up output: tenants
     checked, failing tenants per check (first 50) and the figures of the first 10. A
@@ -117,6 +144,7 @@ def declared_evaluations(
             check_name=check.name,
             passed=result.passed,
             partition=tenant,
+            target_materialization_data=judged_materialization(instance, asset, tenant),
             metadata={**result.metadata, **days},
             severity=_severity(check),
             description=result.description,
@@ -144,9 +172,9 @@ def declared_evaluations(
 
 def _build_check(spec: JobSpec, declared: CheckSpec) -> dg.AssetChecksDefinition:
     """One declared check, partitioned by tenant like its asset. Executed for some tenant
-    partitions (Dagster's UI does not execute partitioned checks on their own in 1.13.27:
-    through GraphQL or Python, or ``outcome_checks_job``), it records one evaluation on
-    each of them."""
+    partitions (GraphQL or Python: Dagster 1.13.27's UI disables Execute on a partitioned
+    check) it records one evaluation on each; through the Checks tab's "Execute all" (no
+    partition) or ``outcome_checks_job``, on every tenant."""
     with warnings.catch_warnings():  # partitioned checks are a preview in the pinned Dagster
         warnings.simplefilter("ignore", dg.PreviewWarning)
 
@@ -161,10 +189,14 @@ def _build_check(spec: JobSpec, declared: CheckSpec) -> dg.AssetChecksDefinition
             context: dg.AssetCheckExecutionContext, database: QoOpsDatabase
         ) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
             # one evaluation per tenant partition: an AssetCheckResult has no partition
+            op = context.op_execution_context
             with database.engine().connect() as conn:
-                yield from declared_evaluations(
-                    spec, conn, list(context.partition_keys), [declared]
+                tenants = (  # the Checks tab's "Execute all" launches without a partition
+                    list(op.partition_keys)
+                    if op.has_partition_key or op.has_partition_key_range
+                    else list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
                 )
+                yield from declared_evaluations(spec, conn, tenants, [declared], op.instance)
 
     return outcome_check
 
@@ -218,7 +250,7 @@ def build_outcome_checks_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
                 f"judging {', '.join(c.name for c in selected)} of {spec.name} "
                 f"for {len(tenants)} tenant(s)"
             )
-            yield from declared_evaluations(spec, conn, tenants, selected)
+            yield from declared_evaluations(spec, conn, tenants, selected, context.instance)
 
     @dg.job(
         name=OUTCOME_CHECKS_JOB,

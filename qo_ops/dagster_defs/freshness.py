@@ -30,7 +30,7 @@ import dagster as dg
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from qo_ops.dagster_defs.checks import outcome_asset_key
+from qo_ops.dagster_defs.checks import judged_materialization, outcome_asset_key
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.platform.spec import JobSpec, cadence_seconds
@@ -178,6 +178,7 @@ def recent_success_evaluation(
     passed: bool,
     metadata: Mapping[str, Any] | None = None,
     description: str | None = None,
+    instance: dg.DagsterInstance | None = None,
 ) -> dg.AssetCheckEvaluation:
     """The ``recent_success`` evaluation of ``spec`` on ``tenant``'s partition (WARN: a stale
     tenant is a warning, never a blocked asset). ``limit_s`` is always in the metadata."""
@@ -189,10 +190,18 @@ def recent_success_evaluation(
         severity=dg.AssetCheckSeverity.WARN,
         metadata={"limit_s": round(stale_limit_s(spec)), **(metadata or {})},
         description=description,
+        # judging the partition's latest materialization, or the UI shows the tenant Missing
+        target_materialization_data=judged_materialization(
+            instance, outcome_asset_key(spec), tenant
+        )
+        if instance is not None
+        else None,
     )
 
 
-def evaluation_of(spec: JobSpec, freshness: Freshness) -> dg.AssetCheckEvaluation:
+def evaluation_of(
+    spec: JobSpec, freshness: Freshness, instance: dg.DagsterInstance
+) -> dg.AssetCheckEvaluation:
     """A judged tenant as its ``recent_success`` evaluation."""
     return recent_success_evaluation(
         spec,
@@ -200,6 +209,7 @@ def evaluation_of(spec: JobSpec, freshness: Freshness) -> dg.AssetCheckEvaluatio
         passed=not freshness.stale,
         metadata=freshness.metadata(),
         description=("STALE: " if freshness.stale else "") + freshness.describe(),
+        instance=instance,
     )
 
 
@@ -225,7 +235,7 @@ def _build_check(spec: JobSpec) -> dg.AssetChecksDefinition:
             with database.engine().connect() as conn:
                 judged = judge(conn, spec, list(context.partition_keys))
             for freshness in judged:
-                yield evaluation_of(spec, freshness)
+                yield evaluation_of(spec, freshness, context.instance)
             yield dg.Output(None)  # the check's own output; the evaluations above are its result
 
     return recent_success
@@ -275,7 +285,7 @@ def build_recent_success_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
         stale = [f"{job}/{f.tenant}" for job, found in judged.items() for f in found if f.stale]
         for job, found in judged.items():
             for freshness in found:
-                yield evaluation_of(by_name[job], freshness)
+                yield evaluation_of(by_name[job], freshness, context.instance)
         total = sum(map(len, judged.values()))
         context.log.info(f"{total} tenant partition(s) judged, {len(stale)} stale")
         yield dg.Output(

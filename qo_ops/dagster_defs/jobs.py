@@ -16,6 +16,8 @@ import pandas as pd
 import sqlalchemy as sa
 from pydantic import Field
 
+from qo_ops.dagster_defs.checks import judged_materialization
+from qo_ops.dagster_defs.freshness import recent_success_evaluation
 from qo_ops.dagster_defs.k8s import k8s_config_tag
 from qo_ops.dagster_defs.partitions import (
     FAILED_TENANTS_TAG,
@@ -352,12 +354,20 @@ class TenantOutcome:
 
 
 def check_evaluations(
-    spec: JobSpec, asset_key: dg.AssetKey, summary: RunSummary, scope: Scope
+    spec: JobSpec,
+    asset_key: dg.AssetKey,
+    summary: RunSummary,
+    scope: Scope,
+    instance: dg.DagsterInstance,
 ) -> Iterator[dg.AssetCheckEvaluation]:
-    """The run's outcome checks, each on the tenant's partition of the outcome asset."""
+    """The run's outcome checks, each on the tenant's partition of the outcome asset,
+    judging its latest materialization (the one just recorded, when the run kept it right)."""
     if summary.mode != "execute" or summary.status == "skipped":
         return
     declared = {c.name: c for c in spec.checks}
+    judged = (
+        judged_materialization(instance, asset_key, scope.tenant_id) if summary.checks else None
+    )
     for check in summary.checks:
         declared_check = declared.get(check.name)
         yield dg.AssetCheckEvaluation(
@@ -365,6 +375,7 @@ def check_evaluations(
             check_name=check.name,
             passed=check.passed,
             partition=scope.tenant_id,
+            target_materialization_data=judged,
             metadata={**check.metadata, "scope": scope.key, "job_run_id": summary.job_run_id},
             severity=dg.AssetCheckSeverity.ERROR
             if declared_check is None or declared_check.blocking
@@ -415,7 +426,16 @@ def run_tenants(
         if asset_key is not None:
             backlog = scope_backlog(spec, engine, summary, scope, context.log)
             yield outcome_event(asset_key, summary, scope, backlog)
-            yield from check_evaluations(spec, asset_key, summary, scope)
+            yield from check_evaluations(spec, asset_key, summary, scope, context.instance)
+            if summary.mode == "execute" and summary.status in ("success", "no_work"):
+                yield recent_success_evaluation(  # the tenant is fresh again, at once
+                    spec,
+                    scope.tenant_id,
+                    True,
+                    {"last_success_age_s": 0, "job_run_id": summary.job_run_id},
+                    f"{spec.name} ended {summary.status} just now",
+                    context.instance,
+                )
         if (summary.status_reason or "").startswith(TERMINATED):  # the process is stopping
             outcomes.extend(TenantOutcome(s, error="not run: terminated") for s in scopes[n:])
             return

@@ -7,14 +7,23 @@ Where Dagster 1.13.27 shows each thing (its UI source, ``ui-core/src``):
 - a run's report: ``/runs/<run id>?logs=type:STEP_OUTPUT`` filters the run's log to the op's
   output event; metadata taller than a log row (200 px) sits behind "View full message",
   which opens a dialog where a table entry is an HTML table (``TableMetadataEntryComponent``);
-- an asset check: ``/assets/qo_ops/quotes?view=checks&checkDetail=<check>``, its latest
-  result as a "Passed"/"Failed" tag and the list of its executions;
 - a run's mode: user tags such as ``qo_ops/mode`` are pinned in the run list (``/runs``); the
   run page's header shows only Dagster's own tags (the rest: "View tags and config");
-- plots: there is no Plots tab; the asset's Overview (``?view=overview``) has a Metadata
-  section with a Table/Plots toggle, and Plots draws one chart per numeric metadata label of
-  the asset's last 100 materializations *and observations*, over time
-  (``AssetTimeMetadataPlots``), each titled with its label.
+- an outcome asset (partitioned by tenant) has the tabs Overview, Partitions, Events,
+  Checks, Lineage (no Plots tab);
+- a tenant's status: the asset's Partitions tab (``?view=partitions&partition=<tenant>``)
+  lists the tenants with a status dot and counts ("Materialized (3)"); a tenant's page there
+  has the "Materialized" tag, its latest run and the metadata of its latest
+  materialization. It shows no checks;
+- a tenant's checks: Checks tab → a check (``?view=checks&checkDetail=<check>``) → its own
+  "Partitions" tab (a button, not in the URL): counts by status ("Failed (1)", "Passed (2)",
+  "Missing (0)"...), a dot per tenant, and for the tenant picked its latest evaluation: a
+  "Passed"/"Failed" tag, the run, the target materialization and the metadata. The check's
+  "Overview" tab shows the latest evaluation of any tenant ("Partition: <tenant>");
+- plots: the asset's Overview has a Metadata section with a Table/Plots toggle; for a
+  partitioned asset Plots has a "Partitions"/"Events" toggle. Partitions: one chart per
+  numeric metadata label, one point per tenant (its latest materialization, else its latest
+  observation), the tenants on the x axis; Events: the last events of every tenant over time.
 
 Screenshots (1280×800) land in the test's temporary folder, and in ``docs/screenshots/``
 with ``QO_OPS_UPDATE_SCREENSHOTS=1``.
@@ -31,9 +40,10 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 import pytest
+import sqlalchemy as sa
 from dagster_graphql import DagsterGraphQLClient
 
-from qo_ops.dagster_defs.partitions import MODE_TAG, SCOPE_TAG, scope_from_partition_key
+from qo_ops.dagster_defs.partitions import MODE_TAG, chunk_scope_tag, scope_tag
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops_tests.conftest import TestDatabase as Database
@@ -48,11 +58,21 @@ if TYPE_CHECKING:
     from playwright.sync_api import Locator, Page
 
 TENANT = "tenant-001"
+TENANTS = ("tenant-001", "tenant-002", "tenant-003")
+HEALTHY = "tenant-002"  # a tenant the chunk run kept right
+STALE = "tenant-003"  # more overdue quotes than a run may expire: its check fails
+LEFT_BEHIND = 12  # STALE's overdue quotes beyond the chunk run's max_items
 WINDOWED = "temp_file_cleanup"
+OUTCOME_JOB = "quote_expiration"
 QUOTES_PAGE = "/assets/qo_ops/quotes"
-CHECK = "no_overdue_active_quotes"
+OVERDUE_CHECK = "no_overdue_active_quotes"
+EVENT_CHECK = "one_event_per_expired_quote"  # passes on every tenant
 REPORT_COLUMNS = ("kind", "name", "count", "detail")
 FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
+OVERDUE = sa.text(  # what no_overdue_active_quotes counts (past expiry beyond its grace)
+    "SELECT tenant_id, count(*) FROM quote WHERE status = 'ACTIVE' "
+    "AND expires_at < now() - interval '5 minutes' GROUP BY tenant_id"
+)
 
 
 @dataclass
@@ -64,21 +84,23 @@ class Deployment:
     window_partition: str
 
 
-def _launch(client: DagsterGraphQLClient, job: str, partition: str, config: dict) -> str:
+def _launch(client: DagsterGraphQLClient, job: str, partition: str | None, config: dict) -> str:
+    """Submit a run through the webserver: of one partition, or (none) of config tenants."""
     spec = CATALOG[job]
+    if partition is None:  # a chunk run, tagged as the schedules tag theirs
+        tags = chunk_scope_tag(spec, config["tenants"])
+    else:
+        tags = {"dagster/partition": partition, **scope_tag(spec, partition)}
     return client.submit_job_execution(
         job,
         repository_location_name=LOCATION,
         run_config={"ops": {f"{job}_op": {"config": config}}},
-        tags={
-            "dagster/partition": partition,
-            SCOPE_TAG: f"{job}:{scope_from_partition_key(spec, partition).key}",
-        },
+        tags=tags,
     )
 
 
-def _finish(instance: dg.DagsterInstance, run_id: str) -> None:
-    """Wait for the run to end; fail with its error messages unless it succeeded."""
+def _finish(instance: dg.DagsterInstance, run_id: str, expected: dg.DagsterRunStatus) -> None:
+    """Wait for the run to end; fail with its error messages unless it ended as expected."""
 
     def status() -> dg.DagsterRunStatus:
         run = instance.get_run_by_id(run_id)
@@ -86,13 +108,32 @@ def _finish(instance: dg.DagsterInstance, run_id: str) -> None:
         return run.status
 
     wait_for(lambda: status() in FINISHED, 300, f"run {run_id}")
-    if status() != dg.DagsterRunStatus.SUCCESS:
+    if status() != expected:
         errors = [
             str(e.user_message)
             for e in instance.all_logs(run_id)
             if e.dagster_event is not None and e.dagster_event.is_failure
         ]
-        pytest.fail(f"run {run_id} ended {status()}: {errors}")
+        pytest.fail(f"run {run_id} ended {status()}, not {expected}: {errors}")
+
+
+def _overdue(db: Database) -> dict[str, int]:
+    with db.engine.connect() as conn:
+        return {t: 0 for t in TENANTS} | dict(conn.execute(OVERDUE).tuples().all())
+
+
+def plant_overdue_quotes(db: Database, tenant: str, count: int) -> None:
+    """``count`` more of the tenant's quotes ACTIVE and two days past their expiry."""
+    with db.engine.begin() as conn:
+        changed = conn.execute(
+            sa.text(
+                "UPDATE quote SET status = 'ACTIVE', expires_at = now() - interval '2 days' "
+                "WHERE id IN (SELECT id FROM quote WHERE tenant_id = :tenant "
+                "AND status = 'DRAFT' ORDER BY id LIMIT :count)"
+            ),
+            {"tenant": tenant, "count": count},
+        ).rowcount
+    assert changed == count, f"{tenant} has only {changed} draft quotes"
 
 
 @contextmanager
@@ -102,8 +143,10 @@ def _database(pg_server, template_database: str) -> Iterator[Database]:
 
 @pytest.fixture(scope="module")
 def deployment(pg_server, template_database, tmp_path_factory) -> Iterator[Deployment]:
-    """Webserver + daemon over demo data; quote_expiration dry-run then execute for a
-    tenant, and a windowed job executed for a tenant × day with work."""
+    """Webserver + daemon over demo data of three tenants: quote_expiration dry-run then
+    execute for one tenant, a windowed job executed for that tenant on a day with work, then
+    one chunk run of quote_expiration over the three tenants, as a schedule tick makes it,
+    with a max_items that leaves STALE, which has more overdue quotes, LEFT_BEHIND of them."""
     home = tmp_path_factory.mktemp("ui-browser")
     dagster_home = home / "dagster"
     # the "Join the Dagster community" dialog covers every page on 127.0.0.1 until this
@@ -111,29 +154,33 @@ def deployment(pg_server, template_database, tmp_path_factory) -> Iterator[Deplo
     (dagster_home / ".nux").mkdir(parents=True)
     (dagster_home / ".nux" / "nux.yaml").write_text("seen: 1\n")
     with _database(pg_server, template_database) as db:
-        load_demo_data(db.engine, tenants=2, quotes=400, seed=9, as_of=AS_OF)
+        load_demo_data(db.engine, tenants=len(TENANTS), quotes=400, seed=9, as_of=AS_OF)
         window_partition = work_partition(db, WINDOWED, TENANT)
+        overdue = _overdue(db)
+        max_items = max(n for t, n in overdue.items() if t != STALE)  # enough for the others
+        plant_overdue_quotes(db, STALE, max_items - overdue[STALE] + LEFT_BEHIND)
         env = {"QO_OPS_HOME": str(home / "qo_ops")}  # the object store of temp_file_cleanup
         with dagster_stack(db, dagster_home, env=env) as (client, instance, port):
-            instance.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
+            instance.add_dynamic_partitions("tenants", list(TENANTS))
             runs = {}
-            for name, job, partition, config in (
-                ("dry_run", "quote_expiration", TENANT, {"mode": "dry_run"}),
-                (
-                    "execute",
-                    "quote_expiration",
-                    TENANT,
-                    {"mode": "execute", "reason": "UI test: expire overdue quotes"},
-                ),
+            success, failure = dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE
+            execute = {"mode": "execute", "reason": "UI test: expire overdue quotes"}
+            chunk = {**execute, "tenants": list(TENANTS), "max_items": max_items}
+            for name, job, partition, config, ends in (
+                ("dry_run", OUTCOME_JOB, TENANT, {"mode": "dry_run"}, success),
+                ("execute", OUTCOME_JOB, TENANT, execute, success),
                 (
                     "window",
                     WINDOWED,
                     window_partition,
-                    {"mode": "execute", "reason": "UI test: clean one day"},
+                    {"mode": "execute", "reason": "UI test: clean one day", "tenants": [TENANT]},
+                    success,
                 ),
+                # it fails: STALE missed its blocking outcome check
+                ("chunk", OUTCOME_JOB, None, chunk, failure),
             ):
                 runs[name] = _launch(client, job, partition, config)
-                _finish(instance, runs[name])  # one after the other: the plot has an order
+                _finish(instance, runs[name], ends)  # one after the other: the plot has an order
             yield Deployment(db, instance, f"http://127.0.0.1:{port}", runs, window_partition)
 
 
@@ -190,6 +237,105 @@ def _row(table: Locator, kind: str) -> Locator:
     return table.locator("tbody tr").filter(has=table.page.locator("td", has_text=_exact(kind)))
 
 
+DOT = "div[style*='border-radius: 100%']"  # a partition's status dot
+
+
+def _partition_row(page: Page, tenant: str) -> Locator:
+    """The tenant's row in a list of partitions: the innermost box holding its name (the one
+    with a tooltip; the partition picker's chips have one too, but no dot) and a dot."""
+    name = page.locator(f"div[data-tooltip='{tenant}']")
+    return page.locator("div").filter(has=name).filter(has=page.locator(DOT)).last
+
+
+def _partition_dot(page: Page, tenant: str) -> Locator:
+    return _partition_row(page, tenant).locator(DOT)
+
+
+def _metadata_value(pane: Locator, label: str) -> Locator:
+    """The value cell of a metadata row (``label`` in its first cell)."""
+    row = pane.locator("tr").filter(has=pane.page.locator("td", has_text=_exact(label)))
+    return row.locator("td").nth(1)
+
+
+NAV_COLLAPSED = "dagster-nav-collapsed"  # Dagster keeps "Hide navigation" in localStorage
+
+
+def show_navigation(page: Page, shown: bool) -> None:
+    """Dagster's left navigation shown or hidden from the next page on ("Hide navigation")."""
+    store = "removeItem(key)" if shown else "setItem(key, 'true')"
+    page.evaluate(f"key => localStorage.{store}", NAV_COLLAPSED)
+
+
+def open_check_partition(page: Page, deployment: Deployment, check: str, tenant: str) -> Locator:
+    """The asset's Checks tab → ``check`` → its Partitions tab → ``tenant``: the pane with
+    the tenant's latest evaluation of the check (its tag, run, target and metadata). The
+    navigation is hidden: at 1280 px with it the pane's right edge, where the tag is, lies
+    outside the window (``show_navigation(page, True)`` brings it back)."""
+    from playwright.sync_api import expect
+
+    page.goto(f"{deployment.url}{QUOTES_PAGE}?view=checks&checkDetail={check}")
+    show_navigation(page, False)
+    page.reload()
+    tab = page.locator("button[role='tab']#partitions")  # the check's tab (the asset's: a link)
+    expect(tab).to_be_visible()
+    tab.click()
+    _partition_row(page, tenant).click()
+    pane = (
+        page.locator("div")
+        .filter(has=page.get_by_text("Target materialization", exact=True))
+        .filter(has=page.locator(f"[title='{tenant}']"))
+        .last  # the innermost: the detail pane, not the page around it
+    )
+    expect(pane).to_be_visible()
+    return pane
+
+
+def expect_check_on_partition(
+    page: Page, deployment: Deployment, check: str, tenant: str, result: str
+) -> Locator:
+    """What a person sees of ``check`` on the tenant's partition: its dot in the check's list
+    of partitions (green for "Passed", red for "Failed") and the result's tag on the tenant's
+    latest evaluation, in the window. Any check partitioned by tenant: a declared one, or
+    recent_success (``expect_check_on_partition(page, d, "recent_success", t, "Failed")``)."""
+    from playwright.sync_api import expect
+
+    pane = open_check_partition(page, deployment, check, tenant)
+    expect(pane.locator(f"[title='{tenant}']").first).to_be_in_viewport()  # its heading
+    expect(pane.get_by_text(result, exact=True)).to_be_in_viewport()  # the tag beside it
+    colour = {"Passed": "accent-green", "Failed": "accent-red"}[result]
+    expect(_partition_dot(page, tenant)).to_have_attribute("style", re.compile(colour))
+    return pane
+
+
+def _chart_data(canvas: Locator) -> dict:
+    """What a Chart.js chart was drawn from: the props react-chartjs-2 was given (its x
+    labels, its points' y values, its title) — the canvas itself is only pixels."""
+    return canvas.evaluate(
+        """c => {
+          const key = Object.keys(c).find(k => k.startsWith('__reactFiber$'));
+          for (let f = key && c[key]; f; f = f.return) {
+            const d = f.memoizedProps && f.memoizedProps.data;
+            if (d && d.datasets) {
+              return {label: d.datasets[0].label, labels: d.labels || null,
+                      ys: d.datasets[0].data.map(p => Number.isNaN(p.y) ? null : p.y)};
+            }
+          }
+          return null;
+        }"""
+    )
+
+
+def _latest_materialization(deployment: Deployment, tenant: str) -> dg.EventLogRecord:
+    records = deployment.instance.fetch_materializations(
+        dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey(["qo_ops", "quotes"]), asset_partitions=[tenant]
+        ),
+        limit=1,
+    ).records
+    assert records, f"{tenant} has no materialization"
+    return records[0]
+
+
 def test_run_page_shows_the_dry_run_report(page: Page, deployment: Deployment, shots: Path):
     from playwright.sync_api import expect
 
@@ -215,9 +361,10 @@ def test_windowed_run_page_shows_its_window_and_report(
 
     try:
         dialog = _open_report(page, deployment, "window")
-        day = deployment.window_partition.split("|")[0]
+        day = deployment.window_partition  # a windowed job's partition is its day
         for key in ("window_start", "window_end", "fencing_token"):
             expect(dialog.get_by_text(key, exact=True)).to_be_visible()
+        expect(_metadata_value(dialog, "window_start")).to_contain_text(day)
         table = _report_table(dialog)
         _centre(table)
         expect(table.locator("td", has_text=_exact(day)).first).to_be_visible()  # per-day rows
@@ -229,16 +376,79 @@ def test_asset_check_page_shows_the_passing_check(page: Page, deployment: Deploy
     from playwright.sync_api import expect
 
     try:
-        page.goto(f"{deployment.url}{QUOTES_PAGE}?view=checks&checkDetail={CHECK}")
-        expect(page.get_by_text(CHECK, exact=True).first).to_be_visible()
+        page.goto(f"{deployment.url}{QUOTES_PAGE}?view=checks&checkDetail={EVENT_CHECK}")
+        expect(page.get_by_text(EVENT_CHECK, exact=True).first).to_be_visible()
         expect(page.get_by_text("Latest execution", exact=True)).to_be_visible()
         expect(page.get_by_text("Passed", exact=True)).to_be_visible()  # the evaluation result
-        expect(page.get_by_text("Failed", exact=True)).to_have_count(0)
+        # the latest evaluation is one tenant's: the chunk's last
+        expect(page.get_by_text("Partition", exact=True)).to_be_visible()
+        expect(page.get_by_text(TENANTS[-1], exact=True).first).to_be_visible()
     finally:
-        save_screenshot(page, shots, "asset-check")
+        save_screenshot(page, shots, "asset-check", publish=False)
 
 
-def test_asset_plots_show_the_backlog_over_time(page: Page, deployment: Deployment, shots: Path):
+def test_partition_page_shows_a_tenants_materialization_and_checks(
+    page: Page, deployment: Deployment, shots: Path
+):
+    """(a) a tenant the chunk run kept right: Materialized on its partition, with the
+    chunk run and its figures, and each declared check Passed on that partition."""
+    from playwright.sync_api import expect
+
+    try:
+        page.goto(f"{deployment.url}{QUOTES_PAGE}?view=partitions&partition={HEALTHY}")
+        expect(page.get_by_text(f"Materialized ({len(TENANTS)})", exact=True)).to_be_visible()
+        for tenant in TENANTS:  # every tenant's run kept its quotes' state: a green dot
+            expect(_partition_dot(page, tenant)).to_have_attribute("style", re.compile("green"))
+        pane = (
+            page.locator("div")
+            .filter(has=page.get_by_text("Latest materialization", exact=True))
+            .filter(has=page.get_by_text("Materialized", exact=True))
+            .last
+        )
+        expect(pane.locator(f"[title='{HEALTHY}']").first).to_be_visible()
+        expect(pane.get_by_text(deployment.runs["chunk"][:8], exact=True)).to_be_visible()
+        with deployment.db.engine.connect() as conn:
+            job_run = conn.execute(
+                sa.text("SELECT id FROM job_run WHERE dagster_run_id = :run AND scope = :tenant"),
+                {"run": deployment.runs["chunk"], "tenant": HEALTHY},
+            ).scalar_one()
+        for label, value in (("status", "success"), ("backlog", "0"), ("job_run_id", job_run)):
+            expect(_metadata_value(pane, label)).to_have_text(_exact(str(value)))
+        save_screenshot(page, shots, "asset-partition")
+        for check in CATALOG[OUTCOME_JOB].checks:
+            expect_check_on_partition(page, deployment, check.name, HEALTHY, "Passed")
+    finally:
+        save_screenshot(page, shots, "asset-check-partition-passed", publish=False)
+        show_navigation(page, True)
+
+
+def test_stale_tenant_shows_its_failing_check_on_its_partition(
+    page: Page, deployment: Deployment, shots: Path
+):
+    """(c) the tenant left behind: its check Failed on its partition (the others Passed),
+    with the overdue quotes the check counted."""
+    from playwright.sync_api import expect
+
+    try:
+        pane = expect_check_on_partition(page, deployment, OVERDUE_CHECK, STALE, "Failed")
+        expect(pane.get_by_text(deployment.runs["chunk"][:8], exact=True)).to_be_visible()
+        expect(_metadata_value(pane, "overdue_active_quotes")).to_have_text(
+            _exact(str(LEFT_BEHIND))
+        )
+        expect(pane.get_by_text("Passed", exact=True)).to_have_count(0)
+        for label in ("Failed (1)", f"Passed ({len(TENANTS) - 1})", "Missing (0)"):
+            expect(page.get_by_text(label, exact=True)).to_be_in_viewport()
+        for tenant in TENANTS:
+            colour = "red" if tenant == STALE else "green"
+            expect(_partition_dot(page, tenant)).to_have_attribute("style", re.compile(colour))
+    finally:
+        save_screenshot(page, shots, "asset-check-partitions")
+        show_navigation(page, True)
+
+
+def test_asset_plots_show_each_tenants_backlog(page: Page, deployment: Deployment, shots: Path):
+    """(b) the backlog by tenant: one point per tenant partition, each the backlog its
+    latest materialization recorded — 0 where the run kept up, LEFT_BEHIND for STALE."""
     from playwright.sync_api import expect
 
     try:
@@ -246,13 +456,22 @@ def test_asset_plots_show_the_backlog_over_time(page: Page, deployment: Deployme
         plots = page.get_by_role("button", name="Plots")  # the Metadata section's toggle
         expect(plots).to_be_visible()
         plots.click()
-        title = page.get_by_text("backlog", exact=True)
-        expect(title).to_be_visible()
-        heading = page.get_by_text("backlog", exact=True)  # the chart's own box holds both
+        by_partition = page.get_by_role("button", name="Partitions")  # (the other: Events)
+        expect(by_partition).to_be_visible()
+        by_partition.click()
+        heading = page.get_by_text("backlog", exact=True)
+        expect(heading).to_be_visible()
         box = page.locator("div").filter(has=heading).filter(has=page.locator("canvas")).last
         chart = box.locator("canvas")
         expect(chart).to_be_visible()
         _centre(chart)
+        recorded = [
+            _latest_materialization(deployment, t).asset_materialization.metadata["backlog"].value  # type: ignore[union-attr]
+            for t in TENANTS
+        ]
+        assert recorded == [0, 0, LEFT_BEHIND]
+        wait_for(lambda: _chart_data(chart) is not None, 60, "the backlog chart's data")
+        assert _chart_data(chart) == {"label": "backlog", "labels": list(TENANTS), "ys": recorded}
         # Chart.js has painted the series (and its axes) into the canvas
         wait_for(
             lambda: chart.evaluate(
@@ -272,7 +491,7 @@ def test_runs_list_shows_each_runs_mode(page: Page, deployment: Deployment, shot
     try:
         page.goto(f"{deployment.url}/runs")
         # user tags are pinned in the run list; the run page's header shows Dagster's own
-        for mode, count in (("dry_run", 1), ("execute", 2)):
+        for mode, count in (("dry_run", 1), ("execute", 3)):
             tags = page.get_by_text(_exact(f"{MODE_TAG}: {mode}"))
             expect(tags).to_have_count(count)
             expect(tags.first).to_be_visible()
@@ -286,12 +505,19 @@ def test_runs_carry_their_mode_tag(deployment: Deployment):
         run = deployment.instance.get_run_by_id(run_id)
         assert run is not None
         modes[name] = run.tags.get(MODE_TAG)
-    assert modes == {"dry_run": "dry_run", "execute": "execute", "window": "execute"}
+    assert modes == {
+        "dry_run": "dry_run",
+        "execute": "execute",
+        "window": "execute",
+        "chunk": "execute",
+    }
 
 
 def test_nothing_the_deployment_recorded_carries_personal_data(deployment: Deployment):
     found = event_values(deployment.instance)
-    assert found.event_types["STEP_OUTPUT"] == len(deployment.runs)
-    assert found.event_types["ASSET_OBSERVATION"] >= len(deployment.runs)
+    assert found.event_types["STEP_OUTPUT"] == len(deployment.runs) - 1  # the chunk failed
+    tenant_runs = len(deployment.runs) - 1 + len(TENANTS)  # each records its outcome
+    outcomes = found.event_types["ASSET_OBSERVATION"] + found.event_types["ASSET_MATERIALIZATION"]
+    assert outcomes >= tenant_runs
     leaks = find_leaks(found, forbidden_values(deployment.db.engine, deployment.db.url.password))
     assert not leaks, "\n".join(leaks)
