@@ -43,6 +43,7 @@ import pytest
 import sqlalchemy as sa
 from dagster_graphql import DagsterGraphQLClient
 
+from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_JOB
 from qo_ops.dagster_defs.partitions import MODE_TAG, chunk_scope_tag, scope_tag
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
@@ -62,6 +63,7 @@ TENANTS = ("tenant-001", "tenant-002", "tenant-003")
 HEALTHY = "tenant-002"  # a tenant the chunk run kept right
 STALE = "tenant-003"  # more overdue quotes than a run may expire: its check fails
 LEFT_BEHIND = 12  # STALE's overdue quotes beyond the chunk run's max_items
+NOT_RECENT = "tenant-001"  # its last success of quote_expiration is made 2 hours old
 WINDOWED = "temp_file_cleanup"
 OUTCOME_JOB = "quote_expiration"
 QUOTES_PAGE = "/assets/qo_ops/quotes"
@@ -82,6 +84,7 @@ class Deployment:
     url: str
     runs: dict[str, str]  # what was run → Dagster run id
     window_partition: str
+    freshness_run: str  # recent_success_job judging NOT_RECENT
 
 
 def _launch(client: DagsterGraphQLClient, job: str, partition: str | None, config: dict) -> str:
@@ -181,7 +184,32 @@ def deployment(pg_server, template_database, tmp_path_factory) -> Iterator[Deplo
             ):
                 runs[name] = _launch(client, job, partition, config)
                 _finish(instance, runs[name], ends)  # one after the other: the plot has an order
-            yield Deployment(db, instance, f"http://127.0.0.1:{port}", runs, window_partition)
+            # NOT_RECENT's last success 2 hours back (3 cadences are 45 min): the run that
+            # stale_success_sensor requests for such a tenant marks it stale on its partition
+            with db.engine.begin() as conn:
+                conn.execute(
+                    sa.text(
+                        "UPDATE job_run SET started_at = started_at - interval '2 hours', "
+                        "finished_at = finished_at - interval '2 hours', "
+                        "created_at = created_at - interval '2 hours' "
+                        "WHERE job_name = :job AND scope = :tenant"
+                    ),
+                    {"job": OUTCOME_JOB, "tenant": NOT_RECENT},
+                )
+                conn.execute(sa.text("UPDATE tenant SET created_at = now() - interval '1 day'"))
+            freshness = client.submit_job_execution(
+                RECENT_SUCCESS_JOB,
+                repository_location_name=LOCATION,
+                run_config={
+                    "ops": {
+                        "recent_success_op": {"config": {"tenants": {OUTCOME_JOB: [NOT_RECENT]}}}
+                    }
+                },
+            )
+            _finish(instance, freshness, success)
+            yield Deployment(
+                db, instance, f"http://127.0.0.1:{port}", runs, window_partition, freshness
+            )
 
 
 @pytest.fixture(scope="module")
@@ -515,9 +543,34 @@ def test_runs_carry_their_mode_tag(deployment: Deployment):
 
 def test_nothing_the_deployment_recorded_carries_personal_data(deployment: Deployment):
     found = event_values(deployment.instance)
-    assert found.event_types["STEP_OUTPUT"] == len(deployment.runs) - 1  # the chunk failed
+    outputs = [  # of the catalog runs (the daemon's sensors may launch runs of their own)
+        e
+        for run_id in deployment.runs.values()
+        for e in deployment.instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_OUTPUT)
+    ]
+    assert len(outputs) == len(deployment.runs) - 1  # the chunk failed
     tenant_runs = len(deployment.runs) - 1 + len(TENANTS)  # each records its outcome
     outcomes = found.event_types["ASSET_OBSERVATION"] + found.event_types["ASSET_MATERIALIZATION"]
     assert outcomes >= tenant_runs
     leaks = find_leaks(found, forbidden_values(deployment.db.engine, deployment.db.url.password))
     assert not leaks, "\n".join(leaks)
+
+
+def test_a_tenant_without_a_recent_success_is_stale_on_its_partition(
+    page: Page, deployment: Deployment, shots: Path
+):
+    """A tenant whose last success is older than 3 cadences: recent_success Failed on its
+    partition, saying so, judged by the run stale_success_sensor requests for it."""
+    from playwright.sync_api import expect
+
+    try:
+        pane = expect_check_on_partition(page, deployment, "recent_success", NOT_RECENT, "Failed")
+        expect(pane.get_by_text(deployment.freshness_run[:8], exact=True)).to_be_visible()
+        expect(pane.get_by_text(re.compile(r"^STALE: ")).first).to_be_visible()
+        expect(pane.get_by_text("Passed", exact=True)).to_have_count(0)
+        for tenant in TENANTS:  # the others succeeded within the limit (the chunk run)
+            colour = "red" if tenant == NOT_RECENT else "green"
+            expect(_partition_dot(page, tenant)).to_have_attribute("style", re.compile(colour))
+    finally:
+        save_screenshot(page, shots, "asset-recent-success")
+        show_navigation(page, True)
