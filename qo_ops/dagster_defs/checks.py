@@ -34,9 +34,12 @@ def outcome_asset_key(spec: JobSpec) -> dg.AssetKey:
     return dg.AssetKey(["qo_ops", spec.outcome_asset])
 
 
+TargetMaterialization = AssetCheckEvaluationTargetMaterializationData
+
+
 def judged_materialization(
     instance: dg.DagsterInstance, asset_key: dg.AssetKey, tenant: str
-) -> AssetCheckEvaluationTargetMaterializationData | None:
+) -> TargetMaterialization | None:
     """The tenant partition's latest materialization, which a check evaluation on that
     partition judges. Without it Dagster counts the evaluation as older than the
     materialization: the check's Partitions tab shows the tenant as Missing."""

@@ -30,7 +30,11 @@ import dagster as dg
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from qo_ops.dagster_defs.checks import judged_materialization, outcome_asset_key
+from qo_ops.dagster_defs.checks import (
+    TargetMaterialization,
+    judged_materialization,
+    outcome_asset_key,
+)
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.platform.spec import JobSpec, cadence_seconds
@@ -178,7 +182,7 @@ def recent_success_evaluation(
     passed: bool,
     metadata: Mapping[str, Any] | None = None,
     description: str | None = None,
-    instance: dg.DagsterInstance | None = None,
+    target: TargetMaterialization | None = None,
 ) -> dg.AssetCheckEvaluation:
     """The ``recent_success`` evaluation of ``spec`` on ``tenant``'s partition (WARN: a stale
     tenant is a warning, never a blocked asset). ``limit_s`` is always in the metadata."""
@@ -190,12 +194,9 @@ def recent_success_evaluation(
         severity=dg.AssetCheckSeverity.WARN,
         metadata={"limit_s": round(stale_limit_s(spec)), **(metadata or {})},
         description=description,
-        # judging the partition's latest materialization, or the UI shows the tenant Missing
-        target_materialization_data=judged_materialization(
-            instance, outcome_asset_key(spec), tenant
-        )
-        if instance is not None
-        else None,
+        # the partition's latest materialization (judged_materialization), or the UI shows
+        # the tenant Missing once it has one
+        target_materialization_data=target,
     )
 
 
@@ -209,7 +210,7 @@ def evaluation_of(
         passed=not freshness.stale,
         metadata=freshness.metadata(),
         description=("STALE: " if freshness.stale else "") + freshness.describe(),
-        instance=instance,
+        target=judged_materialization(instance, outcome_asset_key(spec), freshness.tenant),
     )
 
 

@@ -3,8 +3,10 @@ and its typed config into ``run_job`` calls — one per tenant the run covers (a
 of tenants, or one) — and reports on each tenant's partition what the runner returned."""
 
 import enum
+import logging
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date
 
@@ -53,6 +55,7 @@ from qo_ops.platform.spec import (
     check_consent,
 )
 from qo_ops.platform.stopping import TERMINATED
+from qo_ops.platform.telemetry import EVENT_LOGGER
 
 
 class Mode(enum.Enum):
@@ -361,13 +364,21 @@ def check_evaluations(
     instance: dg.DagsterInstance,
 ) -> Iterator[dg.AssetCheckEvaluation]:
     """The run's outcome checks, each on the tenant's partition of the outcome asset,
-    judging its latest materialization (the one just recorded, when the run kept it right)."""
+    judging its latest materialization (the one just recorded, when the run kept it right);
+    after a success, ``recent_success`` passing there too (the tenant is fresh at once)."""
     if summary.mode != "execute" or summary.status == "skipped":
         return
     declared = {c.name: c for c in spec.checks}
-    judged = (
-        judged_materialization(instance, asset_key, scope.tenant_id) if summary.checks else None
-    )
+    judged = judged_materialization(instance, asset_key, scope.tenant_id)
+    if summary.status in ("success", "no_work"):
+        yield recent_success_evaluation(
+            spec,
+            scope.tenant_id,
+            True,
+            {"last_success_age_s": 0, "job_run_id": summary.job_run_id},
+            f"{spec.name} ended {summary.status} just now",
+            judged,
+        )
     for check in summary.checks:
         declared_check = declared.get(check.name)
         yield dg.AssetCheckEvaluation(
@@ -427,18 +438,44 @@ def run_tenants(
             backlog = scope_backlog(spec, engine, summary, scope, context.log)
             yield outcome_event(asset_key, summary, scope, backlog)
             yield from check_evaluations(spec, asset_key, summary, scope, context.instance)
-            if summary.mode == "execute" and summary.status in ("success", "no_work"):
-                yield recent_success_evaluation(  # the tenant is fresh again, at once
-                    spec,
-                    scope.tenant_id,
-                    True,
-                    {"last_success_age_s": 0, "job_run_id": summary.job_run_id},
-                    f"{spec.name} ended {summary.status} just now",
-                    context.instance,
-                )
         if (summary.status_reason or "").startswith(TERMINATED):  # the process is stopping
             outcomes.extend(TenantOutcome(s, error="not run: terminated") for s in scopes[n:])
             return
+
+
+class _WarningsTo(logging.Handler):
+    """Hands the warnings and errors it receives to another handler."""
+
+    def __init__(self, target: logging.Handler) -> None:
+        super().__init__(logging.WARNING)
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.target.handle(record)
+
+
+@contextmanager
+def runner_lines_for_people(many_tenants: bool) -> Iterator[None]:
+    """In a run of many tenants, only the runner's warnings and errors are copied into the
+    Dagster event log (``managed_python_loggers``): its routine lines, ~5 a tenant, would
+    bury the op's one line per tenant, and each costs an event-log write (~25 ms here). They
+    still reach the run worker's own log (stdout, the pod's log) as JSON."""
+    logger = logging.getLogger(EVENT_LOGGER)
+    dagsters = [  # Dagster's handler for the run (dagster._core.log_manager); it ignores
+        h  # added filters, so it is swapped for one that passes it warnings only
+        for h in logger.handlers
+        if many_tenants and type(h).__name__ == "DagsterLogHandler"
+    ]
+    forwards = [_WarningsTo(h) for h in dagsters]
+    for dagster, forward in zip(dagsters, forwards, strict=True):
+        logger.removeHandler(dagster)
+        logger.addHandler(forward)
+    try:
+        yield
+    finally:
+        for dagster, forward in zip(dagsters, forwards, strict=True):
+            logger.removeHandler(forward)
+            logger.addHandler(dagster)
 
 
 def tenants_table(outcomes: list[TenantOutcome]) -> dg.TableMetadataValue:
@@ -602,7 +639,8 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
                 _refuse_accepted(engine, tags[JOB_RUN_TAG], exc)
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         outcomes: list[TenantOutcome] = []
-        yield from run_tenants(spec, scopes, options, engine, context, outcomes)
+        with runner_lines_for_people(len(scopes) > 1):
+            yield from run_tenants(spec, scopes, options, engine, context, outcomes)
         if len(scopes) == 1:
             if trigger == "api" and outcomes[0].refused is not None:
                 _refuse_accepted(engine, tags[JOB_RUN_TAG], outcomes[0].refused)

@@ -35,6 +35,14 @@ def _job_runs(db, dagster_run_id: str) -> list:
         ).all()
 
 
+def _runner_lines(instance: dg.DagsterInstance, run_id: str, event: str) -> int:
+    """How many of the runner's ``event`` lines the run's Dagster event log holds."""
+    return sum(
+        f'"event.name": "{event}"' in (entry.user_message or "")
+        for entry in instance.all_logs(run_id)
+    )
+
+
 def _reexecute(port: int, parent_run_id: str) -> str:
     """What the run page's Re-execute button sends."""
     answer = httpx.post(
@@ -109,6 +117,13 @@ def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_depl
         parent = instance.get_run_by_id(chunk)
         assert parent is not None and parent.tags[FAILED_TENANTS_TAG] == "tenant-002"
         assert [(r.scope, r.status) for r in _job_runs(db, chunk)] == [("tenant-001", "success")]
+        # a run of many tenants keeps the runner's routine lines out of the event log (the
+        # op's one line per tenant stays); a run of one tenant shows them
+        assert _runner_lines(instance, chunk, "job.started") == 0
+        assert all(_runner_lines(instance, r.run_id, "job.started") == 1 for r in runs)
+        op_lines = [e.user_message or "" for e in instance.all_logs(chunk)]
+        assert sum(f"{JOB} tenant-001 execute: success" in m for m in op_lines) == 1
+        assert sum(f"{JOB} tenant-002: refused: " in m for m in op_lines) == 1
 
         # lift the suspension, press Re-execute: only tenant-002 runs
         resume(db.engine, JOB, "tenant-002", actor="sre", reason="done", known_jobs={JOB})
