@@ -349,15 +349,32 @@ def stale_note(sensors: dict[str, Any], planted: list[str], jobs: int, cap: int)
         return "No stale_success_sensor in the code location."
     skip = stale["skip"]
     match = re.search(r"STALE: (\d+) job scope", skip)
-    named = sorted({t for t in planted if t in skip})
-    first = [t for t in planted if int(t.rsplit("-", 1)[1]) <= cap]
     if match is None:
         return f"stale_success_sensor on {len(planted)} planted stale tenants: {skip[:200]!r}."
+    reported = int(match.group(1))
+    first = [t for t in planted if int(t.rsplit("-", 1)[1]) <= cap]
+    note = (
+        f"stale_success_sensor reported {reported} stale job scope(s) for {len(planted)} "
+        f"planted stale tenants × {jobs} jobs ({len(planted) * jobs} expected)"
+    )
+    if reported == len(first) * jobs < len(planted) * jobs:
+        note += (
+            f": only those of the {len(first)} planted tenant(s) among the first {cap} tenant "
+            f"ids ({', '.join(first)}) — a tick reads the first {cap} tenants (ORDER BY id "
+            "LIMIT), so the others are never checked"
+        )
+    return note + "."
+
+
+def observations_note(sensors: dict[str, Any]) -> str:
+    """How many asset events the sensors' ticks hand to the daemon to store."""
+    events = {n: s["asset_events"] for n, s in sensors.items() if s["asset_events"]}
+    if not events:
+        return ""
     return (
-        f"stale_success_sensor reported {match.group(1)} stale job scope(s) for "
-        f"{len(planted)} planted stale tenants × {jobs} jobs ({len(planted) * jobs} expected); "
-        f"its message names {', '.join(named) or 'none'}; {len(first)} of the planted tenants "
-        f"lie among the first {cap} tenant ids."
+        f"{len(events)} sensors return asset events on a tick ({sum(events.values())} in all, "
+        f"up to {max(events.values())} each: one observation per tenant checked), which the "
+        "daemon then writes to the event log; that write is not part of the evaluation timed."
     )
 
 
