@@ -1,16 +1,19 @@
 """The benchmark suite: one table of figures, each against its limit measured in the same run
 on the same machine, written to BENCHMARKS.md.
 
-    python -m bench.suite                 # default sizes (make bench): fits in 20 minutes
+    python -m bench.suite                 # default sizes (make bench): ~20 minutes
     python -m bench.suite --profile full  # the published sizes (1,000,000 rows, 10,000,000 big)
     python -m bench.suite --profile quick # seconds: a smoke check (make test), no figures kept
     python -m bench.suite --only jobs,partitions
+    python -m bench.suite --profile full --only orchestration  # re-measure one section
 
 Each section is a module ``bench/section_<name>.py`` with ``TITLE`` and
 ``run(profile: Profile) -> Section``. A section measures, verifies that the work was really
 done (a benchmark of wrong work is worthless), and returns rows; medians are over
 ``profile.repeats`` runs. Raw figures go to ``bench/results/<profile>.json``; the full and
-default profiles also write ``BENCHMARKS.md``.
+default profiles also write ``BENCHMARKS.md``. With ``--only``, the sections measured replace
+their own rows, notes and raw figures there (a section's ``REPLACES`` names titles it had
+before) and the rest stay as they were measured.
 """
 
 from __future__ import annotations
@@ -45,13 +48,32 @@ class Profile:
     repeats: int  # runs per figure; the table shows medians
     tenants_parallel: tuple[int, ...]  # concurrent tenant processes (section 4)
     rows_per_tenant: int  # section 4
-    orchestration_tenants: int  # tenants of one schedule tick through Dagster (section 5)
+    # orchestration: a schedule tick through Dagster at each size (the largest is the
+    # daemon's real tick), the chunk sizes compared at the largest, the tenants of the
+    # staggered-load tick, and the tenants of the tick-evaluation and partition counts
+    orchestration_tenants: tuple[int, ...]
+    chunk_sizes: tuple[int, ...]
+    stagger_tenants: int
+    eval_tenants: int
     big_rows: int  # rows in the largest tables for sensors and the exporter (section 6)
     dry_run_rows: int  # eligible rows to count (section 7)
 
 
 PROFILES = {
-    "quick": Profile("quick", 2_000, (500, 1_000, 2_000), 1, (1, 2), 1_000, 3, 20_000, 2_000),
+    "quick": Profile(
+        "quick",
+        2_000,
+        (500, 1_000, 2_000),
+        1,
+        (1, 2),
+        1_000,
+        orchestration_tenants=(3, 8),
+        chunk_sizes=(3, 50),
+        stagger_tenants=4,
+        eval_tenants=300,
+        big_rows=20_000,
+        dry_run_rows=2_000,
+    ),  # fmt: skip
     "default": Profile(
         "default",
         250_000,
@@ -59,9 +81,12 @@ PROFILES = {
         3,
         (1, 2, 4),
         100_000,
-        100,
-        2_000_000,
-        1_000_000,
+        orchestration_tenants=(100, 1_000),
+        chunk_sizes=(20, 50, 100),
+        stagger_tenants=100,
+        eval_tenants=10_000,
+        big_rows=2_000_000,
+        dry_run_rows=1_000_000,
     ),  # fmt: skip
     "full": Profile(
         "full",
@@ -70,9 +95,12 @@ PROFILES = {
         3,
         (1, 2, 4),
         250_000,
-        100,
-        10_000_000,
-        1_000_000,
+        orchestration_tenants=(100, 1_000),
+        chunk_sizes=(20, 50, 100),
+        stagger_tenants=100,
+        eval_tenants=10_000,
+        big_rows=10_000_000,
+        dry_run_rows=1_000_000,
     ),  # fmt: skip
 }
 
@@ -144,21 +172,28 @@ def machine() -> dict[str, Any]:
     }
 
 
+def table_rows(section: Section) -> list[str]:
+    """The section's lines of the table (markdown)."""
+    lines = []
+    for r in section.rows:
+        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+        met = "" if r.met is None else ("yes" if r.met else "**no**")
+        lines.append(
+            f"| {section.title} | {r.what} | {r.size} | {r.figure} | {r.limit} | {ratio} | "
+            f"{r.goal} | {met} |"
+        )
+    return lines
+
+
+TABLE_HEADER = [
+    "| section | what | size | figure | limit / baseline | ratio | goal | met |",
+    "|---|---|---|---|---|---|---|---|",
+]
+
+
 def render_table(sections: list[Section]) -> str:
     """The one table (markdown), section by section."""
-    lines = [
-        "| section | what | size | figure | limit / baseline | ratio | goal | met |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for s in sections:
-        for r in s.rows:
-            ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
-            met = "" if r.met is None else ("yes" if r.met else "**no**")
-            lines.append(
-                f"| {s.title} | {r.what} | {r.size} | {r.figure} | {r.limit} | {ratio} | "
-                f"{r.goal} | {met} |"
-            )
-    return "\n".join(lines)
+    return "\n".join(TABLE_HEADER + [line for s in sections for line in table_rows(s)])
 
 
 def write_benchmarks_md(profile: Profile, sections: list[Section], took_s: float) -> None:
@@ -187,6 +222,103 @@ def write_benchmarks_md(profile: Profile, sections: list[Section], took_s: float
     (REPO / "BENCHMARKS.md").write_text("\n".join(parts))
 
 
+def _replaces(name: str) -> set[str]:
+    """The titles whose rows and notes section ``name`` replaces: its own, and the older
+    titles it names in ``REPLACES``."""
+    module = importlib.import_module(f"bench.section_{name}")
+    return {module.TITLE, *getattr(module, "REPLACES", ())}
+
+
+def write_results(
+    profile: Profile, sections: list[Section], took_s: float, replaced: dict[str, set[str]] | None
+) -> None:
+    """Raw figures to bench/results/<profile>.json; with ``replaced`` (an --only run), only the
+    sections measured replace theirs in the existing file."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{profile.name}.json"
+    fresh = [asdict(s) for s in sections]
+    data: dict[str, Any] = {
+        "machine": machine(),
+        "profile": asdict(profile),
+        "took_s": took_s,
+        "sections": fresh,
+    }
+    if replaced is not None and path.exists():
+        old = json.loads(path.read_text())
+        gone = set().union(*replaced.values())
+        kept = [s for s in old.get("sections", []) if s.get("title") not in gone]
+        data = {**old, "sections": kept + fresh}
+        data.setdefault("remeasured", {}).update(
+            {s.title: {"machine": machine(), "took_s": took_s} for s in sections}
+        )
+    path.write_text(json.dumps(data, indent=2, default=str))
+
+
+def update_benchmarks_md(
+    profile: Profile,
+    sections: list[Section],
+    replaced: list[set[str]],
+    names: list[str],
+    took_s: float,
+    path: Path = REPO / "BENCHMARKS.md",
+) -> None:
+    """Re-measured sections replace their table rows (in place) and their notes in
+    BENCHMARKS.md; a line under the header says which were re-measured, when and how. The
+    other sections stay as they were measured."""
+    if not path.exists():
+        write_benchmarks_md(profile, sections, took_s)
+        return
+    lines = path.read_text().splitlines()
+    top = lines.index(TABLE_HEADER[0])
+    end = next((i for i in range(top + 2, len(lines)) if not lines[i].startswith("|")), len(lines))
+    owner = {title: s for s, titles in zip(sections, replaced, strict=True) for title in titles}
+    rows: list[str] = []
+    placed: set[str] = set()
+    for line in lines[top + 2 : end]:
+        section = owner.get(line.split("|")[1].strip())
+        if section is None:
+            rows.append(line)
+        elif section.title not in placed:
+            rows += table_rows(section)
+            placed.add(section.title)
+    for section in sections:
+        if section.title not in placed:
+            rows += table_rows(section)
+    m = machine()
+    head = [line for line in lines[:top] if not any(
+        line.startswith(f"- re-measured: {s.title} ") for s in sections
+    )]  # fmt: skip
+    while head and not head[-1].strip():
+        head.pop()
+    for section in sections:
+        head.append(
+            f"- re-measured: {section.title} ({profile.name} profile, commit {m['commit']}, "
+            f"{m['date']}, {took_s / 60:.1f} minutes for {', '.join(names)}): `python -m "
+            f"bench.suite --profile {profile.name} --only {','.join(names)}`"
+        )
+    rest = lines[end:]
+    out_rest: list[str] = []
+    i = 0
+    done: set[str] = set()
+    while i < len(rest):
+        line = rest[i]
+        section = owner.get(line[3:].strip()) if line.startswith("## ") else None
+        if section is None:
+            out_rest.append(line)
+            i += 1
+            continue
+        i += 1
+        while i < len(rest) and not rest[i].startswith("## ") and not rest[i].startswith("# "):
+            i += 1
+        if section.title not in done:
+            out_rest += [f"## {section.title}", "", *[f"- {n}" for n in section.notes], ""]
+            done.add(section.title)
+    for section in sections:
+        if section.title not in done and section.notes:
+            out_rest += [f"## {section.title}", "", *[f"- {n}" for n in section.notes], ""]
+    path.write_text("\n".join([*head, "", *TABLE_HEADER, *rows, *out_rest]) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
@@ -212,22 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     table = render_table(sections)
     print()
     print(table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{profile.name}.json").write_text(
-        json.dumps(
-            {
-                "machine": machine(),
-                "profile": asdict(profile),
-                "took_s": took,
-                "sections": [asdict(s) for s in sections],
-            },
-            indent=2,
-            default=str,
-        )
-    )
-    if profile.name != "quick" and not args.no_write and chosen == list(SECTIONS):
-        write_benchmarks_md(profile, sections, took)
-        print(f"\nwrote BENCHMARKS.md ({took / 60:.1f} minutes)")
+    every = chosen == list(SECTIONS)
+    replaced = {name: _replaces(name) for name in chosen}
+    write_results(profile, sections, took, None if every else replaced)
+    if profile.name != "quick" and not args.no_write:
+        if every:
+            write_benchmarks_md(profile, sections, took)
+            print(f"\nwrote BENCHMARKS.md ({took / 60:.1f} minutes)")
+        else:
+            update_benchmarks_md(profile, sections, list(replaced.values()), chosen, took)
+            print(f"\nupdated {', '.join(chosen)} in BENCHMARKS.md ({took / 60:.1f} minutes)")
     failed = [r.what for s in sections for r in s.rows if r.met is False]
     if failed:
         print(f"goals missed: {', '.join(failed)}")

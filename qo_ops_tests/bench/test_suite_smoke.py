@@ -25,4 +25,8 @@ def test_every_section_runs_at_the_quick_profile(pg_server, tmp_path):
     for name in SECTIONS:
         module = __import__(f"bench.section_{name}", fromlist=["TITLE"])
         assert f"== {module.TITLE} (quick)" in result.stdout
+    # the orchestration section went through a real daemon tick and evaluated every tick
+    assert "(real daemon tick)" in result.stdout
+    assert "| tick evaluation: quote_expiration_schedule |" in result.stdout
+    assert "| partitions: tenants (dynamic) |" in result.stdout
     assert "Traceback" not in result.stderr
