@@ -4,6 +4,7 @@ of tenants, or one) — and reports on each tenant's partition what the runner r
 
 import enum
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -342,6 +343,28 @@ def known_tenants(
     return [s for s in scopes if s.tenant_id in known]
 
 
+class ChunkProgress:
+    """A run of many tenants says how far it is at most every ``interval_s`` and at its end
+    (a line per tenant would cost an event-log write each: their figures are on the
+    tenants' partitions and in the run's ``tenant_runs`` table)."""
+
+    def __init__(self, job: str, total: int, log: Any, interval_s: float = 10.0) -> None:
+        self.job, self.total, self.log, self.interval_s = job, total, log, interval_s
+        self.last = time.monotonic()
+
+    def tick(self, done: int, outcomes: list["TenantOutcome"]) -> None:
+        now = time.monotonic()
+        if self.total < 2 or (done < self.total and now - self.last < self.interval_s):
+            return
+        self.last = now
+        counts: dict[str, int] = {}
+        for o in outcomes:
+            key = o.summary.status if o.summary else ("refused" if o.refused else "error")
+            counts[key] = counts.get(key, 0) + 1
+        tally = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        self.log.info(f"{self.job}: {done}/{self.total} tenants done — {tally}")
+
+
 @dataclass
 class TenantOutcome:
     """How one tenant of a run ended: its summary, or why it did not run."""
@@ -409,6 +432,7 @@ def run_tenants(
     database gone (every tenant would wait out its retry), stops the rest, which count as
     failed so that a re-execution runs them."""
     asset_key = dg.AssetKey(["qo_ops", spec.outcome_asset]) if spec.outcome_asset else None
+    progress = ChunkProgress(spec.name, len(scopes), context.log)
     for n, scope in enumerate(scopes, 1):
         outcome = TenantOutcome(scope)
         outcomes.append(outcome)
@@ -417,6 +441,7 @@ def run_tenants(
         except QoOpsError as exc:  # bad input for this tenant (e.g. suspended): nothing written
             outcome.refused = exc
             context.log.error(f"{spec.name} {scope.key}: refused: {exc}")
+            progress.tick(n, outcomes)
             continue
         except Exception as exc:  # a bug or the database: this tenant failed, the others run
             outcome.error = one_line(f"{type(exc).__name__}: {exc}", 300)
@@ -425,15 +450,20 @@ def run_tenants(
                 context.log.error("database unavailable: the remaining tenants are not run")
                 outcomes.extend(TenantOutcome(s, error="not run") for s in scopes[n:])
                 return
+            progress.tick(n, outcomes)
             continue
         summary = outcome.summary
-        context.log.info(
+        line = (
             f"{spec.name} {scope.key} {summary.mode}: {summary.status}"
             f"{' (' + summary.status_reason + ')' if summary.status_reason else ''} — "
             f"eligible {summary.eligible_count}, processed {summary.processed_count}, "
             f"changed {summary.mutated_count}, failed {summary.failed_count}"
-            + (f" [{n}/{len(scopes)}]" if len(scopes) > 1 else "")
         )
+        if len(scopes) == 1:
+            context.log.info(line)
+        elif summary.status not in ("success", "no_work"):  # what needs a look: on its own
+            context.log.warning(f"{line} [{n}/{len(scopes)}]")
+        progress.tick(n, outcomes)
         if asset_key is not None:
             backlog = scope_backlog(spec, engine, summary, scope, context.log)
             yield outcome_event(asset_key, summary, scope, backlog)

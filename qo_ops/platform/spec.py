@@ -410,7 +410,9 @@ class JobSpec:
     run_resources: RunResources = field(default_factory=RunResources)  # one run's CPU and memory
     # Tenants one Dagster run covers when a schedule or sensor tick fans out (one run, and on
     # Kubernetes one pod, per chunk; each tenant still runs through run_job on its own).
-    tenants_per_run: int = 50
+    tenants_per_run: int = (
+        100  # measured at 1,000 tenants: 20 → 0.09, 50 → 0.12, 100 → 0.21 of in-process
+    )
     destructive: bool = False
     uses_checkpoint: bool = False
     compete_with_skip_locked: bool = True  # lock selected rows FOR UPDATE SKIP LOCKED

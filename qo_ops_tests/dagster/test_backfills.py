@@ -151,7 +151,7 @@ def test_a_backfill_of_every_tenant_continues_over_ticks(defs, loaded, instance)
         )
     result = _launch(
         defs, instance, job=WINDOWED, first_day="2026-01-01", last_day="2026-01-25",
-        days_per_run=1,
+        days_per_run=1, tenants_per_run=50,
     )  # fmt: skip
     assert result.success, _failure(result)
     first = _tick(defs, loaded, instance)

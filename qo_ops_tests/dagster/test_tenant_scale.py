@@ -203,9 +203,9 @@ def test_the_backlog_sensor_over_10k_tenants_launches_chunks_once_per_cooldown(
     spec = CATALOG[job_name]
     threshold = spec.backlog_threshold
     assert threshold is not None
-    # 60 tenants of the first tick's window past the threshold (more than one chunk), 5 far
+    # 160 tenants of the first tick's window past the threshold (more than one chunk), 5 far
     # apart, one just below it; one past it is suspended
-    planted = [sf.tenant_id(n) for n in range(1, 61)] + [
+    planted = [sf.tenant_id(n) for n in range(1, 161)] + [
         sf.tenant_id(n) for n in (1234, 3333, 5555, 7777, 9998)
     ]
     sf.plant_expired_quotes(env.engine, planted, threshold)
@@ -240,8 +240,9 @@ def test_the_backlog_sensor_over_10k_tenants_launches_chunks_once_per_cooldown(
                 launched += chunk
                 launches += [(t, bucket) for t in chunk]
         per_rotation.append(launched)
-    # the first window's 59 due tenants: one run of 50 and one of 9, not 59 runs
-    assert first_tick_chunks == [9, 50]
+    # the first window's 159 due tenants: one run of 100 and one of 59, not 159 runs
+    assert spec.tenants_per_run == 100
+    assert first_tick_chunks == [59, 100]
     # one rotation visits every tenant once: every tenant past the threshold, exactly once
     assert sorted(per_rotation[0]) == due
     # never twice in one cooldown bucket (a second rotation in the same bucket: nothing)

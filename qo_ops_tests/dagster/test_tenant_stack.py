@@ -122,7 +122,7 @@ def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_depl
         assert _runner_lines(instance, chunk, "job.started") == 0
         assert all(_runner_lines(instance, r.run_id, "job.started") == 1 for r in runs)
         op_lines = [e.user_message or "" for e in instance.all_logs(chunk)]
-        assert sum(f"{JOB} tenant-001 execute: success" in m for m in op_lines) == 1
+        assert sum(f"{JOB}: 2/2 tenants done — 1 refused, 1 success" in m for m in op_lines) == 1
         assert sum(f"{JOB} tenant-002: refused: " in m for m in op_lines) == 1
 
         # lift the suspension, press Re-execute: only tenant-002 runs
