@@ -6,13 +6,13 @@ Re-execute, through GraphQL) runs only that tenant."""
 from __future__ import annotations
 
 import dagster as dg
-import httpx
 import sqlalchemy as sa
 
 from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
 from qo_ops.dagster_defs.partitions import FAILED_TENANTS_TAG
 from qo_ops.platform.control import resume, suspend
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
+from qo_ops_tests.dagster.test_person_runs import _reexecute
 
 FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 JOB = "quote_expiration"
@@ -41,27 +41,6 @@ def _runner_lines(instance: dg.DagsterInstance, run_id: str, event: str) -> int:
         f'"event.name": "{event}"' in (entry.user_message or "")
         for entry in instance.all_logs(run_id)
     )
-
-
-def _reexecute(port: int, parent_run_id: str) -> str:
-    """What the run page's Re-execute button sends."""
-    answer = httpx.post(
-        f"http://127.0.0.1:{port}/graphql",
-        json={
-            "query": """
-            mutation($params: ReexecutionParams!) {
-              launchRunReexecution(reexecutionParams: $params) {
-                __typename
-                ... on LaunchRunSuccess { run { runId } }
-                ... on PythonError { message }
-              }
-            }""",
-            "variables": {"params": {"parentRunId": parent_run_id, "strategy": "ALL_STEPS"}},
-        },
-        timeout=60,
-    ).json()["data"]["launchRunReexecution"]
-    assert answer["__typename"] == "LaunchRunSuccess", answer
-    return answer["run"]["runId"]
 
 
 def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_deployment(
