@@ -437,7 +437,9 @@ def run_tenants(
         outcome = TenantOutcome(scope)
         outcomes.append(outcome)
         try:
-            outcome.summary = run_job(spec, scope, options, engine=engine)
+            # (around the call only: Dagster re-attaches its handler when the op resumes)
+            with runner_lines_for_people(len(scopes) > 1):
+                outcome.summary = run_job(spec, scope, options, engine=engine)
         except QoOpsError as exc:  # bad input for this tenant (e.g. suspended): nothing written
             outcome.refused = exc
             context.log.error(f"{spec.name} {scope.key}: refused: {exc}")
@@ -669,8 +671,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
                 _refuse_accepted(engine, tags[JOB_RUN_TAG], exc)
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         outcomes: list[TenantOutcome] = []
-        with runner_lines_for_people(len(scopes) > 1):
-            yield from run_tenants(spec, scopes, options, engine, context, outcomes)
+        yield from run_tenants(spec, scopes, options, engine, context, outcomes)
         if len(scopes) == 1:
             if trigger == "api" and outcomes[0].refused is not None:
                 _refuse_accepted(engine, tags[JOB_RUN_TAG], outcomes[0].refused)

@@ -74,7 +74,10 @@ def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_depl
             ("backfill", "dry_run")
         }
 
-        # a chunk of both tenants with tenant-002 suspended: tenant-001 runs, the run fails
+        # a chunk of three tenants, tenant-002 suspended: the other two run, the run fails
+        with db.engine.begin() as conn:  # a tenant with nothing to do
+            conn.execute(sa.text("INSERT INTO tenant (id, name) VALUES ('tenant-003', 'T3')"))
+        instance.add_dynamic_partitions("tenants", ["tenant-003"])
         suspend(db.engine, JOB, "tenant-002", actor="sre", reason="stack test", known_jobs={JOB})
         chunk = client.submit_job_execution(
             JOB,
@@ -85,7 +88,7 @@ def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_depl
                         "config": {
                             "mode": "execute",
                             "reason": "chunk test",
-                            "tenants": ["tenant-001", "tenant-002"],
+                            "tenants": ["tenant-001", "tenant-003", "tenant-002"],
                         }
                     }
                 }
@@ -95,13 +98,17 @@ def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_depl
         assert _status(instance, chunk) == dg.DagsterRunStatus.FAILURE
         parent = instance.get_run_by_id(chunk)
         assert parent is not None and parent.tags[FAILED_TENANTS_TAG] == "tenant-002"
-        assert [(r.scope, r.status) for r in _job_runs(db, chunk)] == [("tenant-001", "success")]
+        assert [(r.scope, r.status) for r in _job_runs(db, chunk)] == [
+            ("tenant-001", "success"),
+            ("tenant-003", "no_work"),
+        ]
         # a run of many tenants keeps the runner's routine lines out of the event log (the
         # op's one line per tenant stays); a run of one tenant shows them
         assert _runner_lines(instance, chunk, "job.started") == 0
         assert all(_runner_lines(instance, r.run_id, "job.started") == 1 for r in runs)
         op_lines = [e.user_message or "" for e in instance.all_logs(chunk)]
-        assert sum(f"{JOB}: 2/2 tenants done — 1 refused, 1 success" in m for m in op_lines) == 1
+        done = f"{JOB}: 3/3 tenants done — 1 no_work, 1 refused, 1 success"
+        assert sum(done in m for m in op_lines) == 1
         assert sum(f"{JOB} tenant-002: refused: " in m for m in op_lines) == 1
 
         # lift the suspension, press Re-execute: only tenant-002 runs
@@ -113,3 +120,4 @@ def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_depl
         assert [(r.scope, r.trigger_type, r.mode, r.reason) for r in rows] == [
             ("tenant-002", "manual", "execute", "chunk test")
         ]
+        assert _runner_lines(instance, child, "job.started") == 1  # one tenant: all its lines
