@@ -4,11 +4,11 @@ it is met. Each check is tested both ways it runs:
 - **at run time**: a real Dagster run of one partition (``execute_in_process``: a tenant
   job's tenant, a windowed job's day with the tenant in run config) yields an
   ``AssetCheckEvaluation`` for each check on the tenant's partition of the outcome asset;
-- **on its own**: the code location's asset checks (partitioned by tenant), executed the
-  way the UI's asset → Checks → Execute all does (the asset job's subset of those checks,
-  no asset and no job run). Each records one evaluation per tenant partition and sums them
-  up in its own result. They look at every tenant and, for windowed jobs, every day that
-  can hold overdue work, not only the last week.
+- **on its own**: ``outcome_checks_job`` launched for the job from the Launchpad (no job
+  run), which records each check's evaluation on every tenant partition and sums them up
+  in its run's metadata; the code location's partitioned asset checks, executed for both
+  tenant partitions, must agree. They look at every tenant and, for windowed jobs, every
+  day that can hold overdue work, not only the last week.
 
 Each test first makes the job's outcome healthy for every tenant and every day: one execute
 run per tenant over all its days, through the platform's runner. Then it checks that the
@@ -35,7 +35,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from qo_ops.dagster_defs.checks import outcome_asset_key
+from qo_ops.dagster_defs.checks import OUTCOME_CHECKS_JOB, outcome_asset_key
 from qo_ops.dagster_defs.partitions import partition_key_for
 from qo_ops.demo.data import load_demo_data
 from qo_ops.downstream.client import DownstreamClient
@@ -53,6 +53,10 @@ from qo_ops.platform.runner import count_eligible, run_job
 from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope
 
 TENANT = "tenant-001"
+RANGE = {  # one run over both tenants' partitions
+    "dagster/asset_partition_range_start": "tenant-001",
+    "dagster/asset_partition_range_end": "tenant-002",
+}
 OLD_LOOKBACK_DAYS = 7  # what the checks executed on their own used to look at
 PARTITION_START = date(2026, 1, 1)
 # the demo's audit records go back 200 days: with 150 days of retention, some age out
@@ -125,29 +129,63 @@ def heal(env: Env, spec: JobSpec) -> None:
             assert summary.status in ("success", "no_work", "partial_success"), summary
 
 
-def standalone_by_tenant(
-    env: Env, spec: JobSpec
-) -> tuple[dict[str, dg.AssetCheckEvaluation], dict[tuple[str, str], dg.AssetCheckEvaluation]]:
-    """The job's asset checks executed on their own, as the UI's Execute all runs them:
-    each check's own result (the sum over tenants) by name, and its evaluation of each
-    tenant partition by (name, tenant)."""
-    asset = outcome_asset_key(spec)
+@dataclass
+class Judged:
+    """A job's declared checks judged on their own: each check's evaluation of each tenant
+    partition, and the run's summed-up metadata (its output, or its failure's)."""
+
+    evaluations: dict[tuple[str, str], dg.AssetCheckEvaluation]
+    summary: dict[str, Any]
+    success: bool
+    failure: str | None
+
+    def of(self, check: str) -> dict[str, dg.AssetCheckEvaluation]:
+        """The check's evaluation by tenant."""
+        return {t: e for (c, t), e in self.evaluations.items() if c == check}
+
+
+def _per_tenant(result: dg.ExecuteInProcessResult) -> dict[tuple[str, str], Any]:
+    evaluations = result.get_asset_check_evaluations()
+    assert all(e.partition is not None for e in evaluations), "each on a tenant partition"
+    by_key = {(e.check_name, e.partition): e for e in evaluations}
+    assert len(by_key) == len(evaluations), "one per check and tenant"
+    return by_key
+
+
+def standalone(env: Env, spec: JobSpec) -> Judged:
+    """The job's checks judged on their own for every tenant, as a person does from the
+    Launchpad (``outcome_checks_job``); the code location's partitioned asset checks,
+    executed for both tenant partitions, judge every tenant the same way."""
+    result = env.defs.resolve_job_def(OUTCOME_CHECKS_JOB).execute_in_process(
+        instance=env.instance,
+        run_config={"ops": {"outcome_checks_op": {"config": {"job": spec.name}}}},
+        raise_on_error=False,
+    )
+    evaluations = _per_tenant(result)
+    assert sorted(evaluations) == sorted(
+        (c.name, t) for c in spec.checks for t in ("tenant-001", "tenant-002")
+    )
+    failure = next((e for e in result.all_events if e.is_step_failure), None)
+    if failure is None:
+        output = next(e for e in result.all_events if e.event_type_value == "STEP_OUTPUT")
+        metadata = output.event_specific_data.metadata
+        described = None
+    else:
+        data = failure.step_failure_data.user_failure_data
+        metadata, described = (data.metadata, data.description) if data else ({}, None)
+    judged = Judged(
+        evaluations, {k: v.value for k, v in metadata.items()}, result.success, described
+    )
+
+    asset = outcome_asset_key(spec)  # the asset checks themselves, for the tenant partitions
     keys = {dg.AssetCheckKey(asset, c.name) for c in spec.checks}
-    job = env.defs.resolve_implicit_global_asset_job_def().get_subset(
+    checks = env.defs.resolve_implicit_global_asset_job_def().get_subset(
         asset_selection=set(), asset_check_selection=keys
     )
-    result = job.execute_in_process(instance=env.instance, raise_on_error=False)
-    evaluations = result.get_asset_check_evaluations()
-    summary = {e.check_name: e for e in evaluations if e.partition is None}
-    assert set(summary) == {c.name for c in spec.checks}
-    per_tenant = {(e.check_name, e.partition): e for e in evaluations if e.partition is not None}
-    assert len(per_tenant) == len(evaluations) - len(summary), "one per check and tenant"
-    return summary, per_tenant
-
-
-def standalone(env: Env, spec: JobSpec) -> dict[str, dg.AssetCheckEvaluation]:
-    """Each check's own result, executed on its own."""
-    return standalone_by_tenant(env, spec)[0]
+    ranged = checks.execute_in_process(instance=env.instance, tags=RANGE, raise_on_error=False)
+    verdicts = {k: e.passed for k, e in _per_tenant(ranged).items()}
+    assert verdicts == {k: e.passed for k, e in evaluations.items()}
+    return judged
 
 
 def tenant_config(spec: JobSpec) -> dict[str, Any]:
@@ -640,33 +678,36 @@ def test_the_check_on_its_own_fails_when_the_outcome_is_broken(env, breakage):
     spec = CATALOG[breakage.job]
     heal(env, spec)
     healthy = standalone(env, spec)
-    assert all(e.passed for e in healthy.values()), {
-        n: {k: v.value for k, v in e.metadata.items()} for n, e in healthy.items() if not e.passed
+    assert healthy.success, healthy.failure
+    assert all(e.passed for e in healthy.evaluations.values()), {
+        k: {m: v.value for m, v in e.metadata.items()}
+        for k, e in healthy.evaluations.items()
+        if not e.passed
     }
-    assert value(healthy[breakage.check], "tenants_checked") == 2
+    assert healthy.summary["tenants_checked"] == 2
+    assert healthy.summary[f"{breakage.check}_failing_tenants"] == "none"
 
     # windowed jobs: on the oldest day with data, far older than a week
     old_need = breakage.min_items
     day = due_days(env, spec, old_need=old_need)[1] if spec.partitioning == "tenant_day" else None
     plant(env, breakage, day)
-    summary, per_tenant = standalone_by_tenant(env, spec)
-    evaluation = summary[breakage.check]
-    assert evaluation.passed is False, evaluation.metadata
-    failing = value(evaluation, "failing_tenants").split(", ")
-    assert failing[0] == TENANT
-    # each tenant judged on its own partition; the result names the partitions that failed
-    judged = {t: e for (c, t), e in per_tenant.items() if c == breakage.check}
-    assert sorted(judged) == ["tenant-001", "tenant-002"]
+    broken = standalone(env, spec)
+    judged = broken.of(breakage.check)  # each tenant on its own partition
+    assert judged[TENANT].passed is False, judged[TENANT].metadata
+    failing = broken.summary[f"{breakage.check}_failing_tenants"].split(", ")
+    assert failing[0] == TENANT  # the summary names the partitions that failed
     assert sorted(t for t, e in judged.items() if not e.passed) == sorted(failing)
-    mine = judged[TENANT]
+    # a blocking check failing on any tenant fails the run, naming the tenant
+    blocking = {c.name for c in spec.checks if c.blocking}
+    blocked = sorted(
+        {t for (c, t), e in broken.evaluations.items() if c in blocking and not e.passed}
+    )
+    assert broken.success is not bool(blocked)
+    if breakage.check in blocking:
+        assert blocked and TENANT in (broken.failure or "")
     if day is not None:
+        mine = judged[TENANT]
         assert value(mine, "first_day") <= day.isoformat() <= value(mine, "last_day")
-
-
-RANGE = {  # one run over both tenants' partitions: each tenant in turn, checks over the range
-    "dagster/asset_partition_range_start": "tenant-001",
-    "dagster/asset_partition_range_end": "tenant-002",
-}
 
 
 @pytest.mark.parametrize(
@@ -706,11 +747,12 @@ def test_a_bad_setting_fails_the_checks_on_their_own_with_one_line(env):
     """A check that cannot read its settings cannot judge the outcome: failed, and why."""
     spec = CATALOG["temp_file_cleanup"]
     env.monkeypatch.setenv("QO_OPS_TEMP_FILE_RETENTION_DAYS", "seven")
-    evaluations = standalone(env, spec)
-    assert all(e.passed is False for e in evaluations.values())
-    description = evaluations["nothing_eligible_past_grace"].description or ""
+    judged = standalone(env, spec)
+    assert all(e.passed is False for e in judged.evaluations.values())  # every check, tenant
+    description = judged.evaluations["nothing_eligible_past_grace", TENANT].description or ""
     assert description.startswith("cannot check: QO_OPS_TEMP_FILE_RETENTION_DAYS")
     assert "\n" not in description and "Traceback" not in description
+    assert not judged.success and judged.failure == description  # the run fails, one line
 
 
 # ------------------------------------------------------------------------------ the range
@@ -756,10 +798,9 @@ def test_the_check_on_its_own_counts_a_day_once_its_scheduled_run_is_due(env):
                 ),
                 {"t": TENANT},
             )
-        summary, per_tenant = standalone_by_tenant(env, spec)
-        evaluation = per_tenant["read_model_matches_source", TENANT]
+        judged = standalone(env, spec)
+        evaluation = judged.evaluations["read_model_matches_source", TENANT]
         assert evaluation.passed is passes, (day, evaluation.metadata)
-        assert summary["read_model_matches_source"].passed is passes
         assert value(evaluation, "last_day") == last_due.isoformat()
 
 
