@@ -7,6 +7,7 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
+from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
 from qo_ops.dagster_defs.partitions import FAILED_TENANTS_TAG, MODE_TAG, REASON_TAG
 from qo_ops.jobs.catalog import CATALOG
 
@@ -115,10 +116,14 @@ def test_execute_partition_records_passing_checks(defs, instance, loaded, job_na
     assert summary["processed_count"] == summary["eligible_count"] > 0
     assert summary["mutated_count"] > 0
     evaluations = result.get_asset_check_evaluations()
-    assert {e.check_name for e in evaluations} == {c.name for c in CATALOG[job_name].checks}
+    declared = [e for e in evaluations if e.check_name != RECENT_SUCCESS_CHECK]
+    assert {e.check_name for e in declared} == {c.name for c in CATALOG[job_name].checks}
     assert all(e.passed for e in evaluations)
-    assert all(e.metadata["scope"].value.startswith("tenant-001") for e in evaluations)
+    assert all(e.metadata["scope"].value.startswith("tenant-001") for e in declared)
     assert {e.partition for e in evaluations} == {"tenant-001"}  # on the tenant's partition
+    # a success marks the tenant fresh at once; a partial success does not
+    fresh = [e for e in evaluations if e.check_name == RECENT_SUCCESS_CHECK]
+    assert len(fresh) == (1 if summary["status"] == "success" else 0)
 
 
 def test_broken_outcome_fails_the_check_and_the_run(defs, instance, loaded):
@@ -245,11 +250,16 @@ def test_a_partition_range_run_leases_each_tenant_in_turn(defs, instance, loaded
     assert materialized == {"tenant-001": "success", "tenant-002": "success"}
     evaluations = result.get_asset_check_evaluations()
     assert sorted((e.check_name, e.partition) for e in evaluations) == sorted(
-        (c.name, t)
-        for c in CATALOG["quote_expiration"].checks
+        (name, t)
+        for name in (*(c.name for c in CATALOG["quote_expiration"].checks), RECENT_SUCCESS_CHECK)
         for t in ("tenant-001", "tenant-002")
     )
-    assert all(e.passed and e.metadata["scope"].value == e.partition for e in evaluations)
+    assert all(e.passed for e in evaluations)
+    assert all(
+        e.metadata["scope"].value == e.partition
+        for e in evaluations
+        if e.check_name != RECENT_SUCCESS_CHECK
+    )
     output = next(e for e in result.all_events if e.event_type_value == "STEP_OUTPUT")
     meta = output.event_specific_data.metadata
     assert (meta["tenants"].value, meta["tenants_failed"].value) == (2, 0)
