@@ -404,3 +404,41 @@ def test_an_operators_words_in_a_terminal_table_are_shown_not_read_as_markup(dem
     assert code == 0, out
     assert "Traceback" not in out and "MarkupError" not in out
     assert "[bold]not bold[/bold]" in out and "[/]" in out  # the words, as typed
+
+
+# ------------------------------------------------------------------------- demo-dagster
+
+
+def test_demo_dagster_runs_every_catalog_job_through_dagster(db, pg_server, tmp_path):
+    """`make demo`'s Dagster step: every catalog job executed through real Dagster for one
+    tenant (a windowed job: its latest day with work, the tenant in run config), each run a
+    success with its outcome checks passed, on the tenant's partition."""
+    from qo_ops.jobs.catalog import CATALOG
+    from qo_ops_tests.conftest import base_env, drop_database, run_cli
+
+    load_demo_data(db.engine, tenants=2, quotes=400, seed=1, as_of=datetime.now(UTC))
+    env = base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_HOME=str(tmp_path))
+    try:
+        result = run_cli(["demo-dagster", "--tenant", TENANT], env, timeout=600)
+    finally:  # the Dagster storage it created next to the test's database
+        drop_database(pg_server, f"{db.url.database}_dagster")
+    assert result.code == 0, (result.stdout, result.stderr)
+    lines = result.stdout.splitlines()
+    runs = {line.split(" ", 1)[0]: line for line in lines if " dagster run " in line}
+    assert sorted(runs) == sorted(CATALOG)
+    assert all(f"[{TENANT}]" in line and ": SUCCESS;" in line for line in runs.values()), runs
+    checks = [line.strip() for line in lines if line.startswith("  check ")]
+    declared = [c for c in checks if not c.startswith("check recent_success:")]
+    assert len(declared) == sum(len(spec.checks) for spec in CATALOG.values())
+    assert all(line.endswith(": passed") for line in checks), checks
+    # and each success marks its tenant fresh (recent_success) on the outcome asset
+    succeeded = [r for r in runs.values() if "status=success " in r or "status=no_work " in r]
+    assert len(checks) - len(declared) == len(succeeded) > 0
+    with db.engine.connect() as conn:  # every job ran for the tenant, executing
+        ran = conn.execute(
+            sa.text("SELECT job_name, scope, mode, trigger_type FROM job_run ORDER BY job_name")
+        ).all()
+    assert sorted({r.job_name for r in ran}) == sorted(CATALOG)
+    assert {(r.scope.split("/")[0], r.mode, r.trigger_type) for r in ran} == {
+        (TENANT, "execute", "manual")
+    }

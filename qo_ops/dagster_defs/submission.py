@@ -130,15 +130,17 @@ def refusal_at_submission(run: dg.DagsterRun) -> tuple[str, str] | None:
     config = op_config(run)
     options = run_options(config, tags, run.run_id)
     try:
+        options.validated()
+        # consent first: a destructive execute is told of the approval flow, not sent to
+        # tenant_backfill_job, which would refuse it too
+        check_consent(
+            options, destructive=tags.get(DESTRUCTIVE_TAG) == "true", job_name=run.job_name
+        )
         if tags.get(WINDOWED_TAG) == "true" and not config.get("tenants"):
             raise BadInput(
                 f"{run.job_name} is windowed: name its tenants in run config (tenants), or "
                 "backfill tenants × days with tenant_backfill_job"
             )
-        options.validated()
-        check_consent(
-            options, destructive=tags.get(DESTRUCTIVE_TAG) == "true", job_name=run.job_name
-        )
     except BadInput as refused:
         return getattr(refused, "error_code", "bad_input"), str(refused)
     return None

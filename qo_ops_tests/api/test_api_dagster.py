@@ -106,9 +106,12 @@ def test_runs_launched_through_the_api_execute_in_dagster(loaded, logins, api_fa
             "2026-02-03",
         )
         assert priced_row.scope == "tenant-002/2026-02-01..2026-02-03"
-        tags = instance.get_run_by_id(priced_row.dagster_run_id).tags
-        assert tags["dagster/partition"] == "2026-02-01|tenant-002"
-        assert tags["qo_ops/window"] == "2026-02-01..2026-02-03"
+        # the run's partition is the window's first day; its tenant is in run config
+        priced_run = instance.get_run_by_id(priced_row.dagster_run_id)
+        assert priced_run.tags["dagster/partition"] == "2026-02-01"
+        assert priced_run.tags["qo_ops/window"] == "2026-02-01..2026-02-03"
+        priced_config = priced_run.run_config["ops"]["pricing_snapshot_recalculation_op"]["config"]
+        assert priced_config["tenants"] == ["tenant-002"]
 
         # 3. a slow run: a duplicate is 409, the same key is the same run, cancel stops it
         slow = {

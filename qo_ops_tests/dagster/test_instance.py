@@ -1,6 +1,8 @@
 """A real Dagster deployment on loopback: webserver + daemon over PostgreSQL storage, runs
 launched through the GraphQL API, the queue keeping one run per job and scope, a
-terminated run ending `cancelled` in job_run, and partition backfills (each run audited)."""
+terminated run ending `cancelled` in job_run, a tenant partition backfill (each run
+audited), and a windowed job's backfill over tenants × days: Dagster's day backfill is
+refused before queueing (a day names no tenant), tenant_backfill_job's becomes chunk runs."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import httpx
 import sqlalchemy as sa
 from dagster_graphql import DagsterGraphQLClient
 
+from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
+from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, REFUSED_PREFIX, REFUSED_TAG
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
 
 
@@ -131,18 +135,65 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         ]
         assert {a.details["trigger"] for a in audited} == {"backfill"}
 
-        # a tenant × day backfill of a windowed job: 2 tenants × 3 days = 6 runs
+        # a windowed job's partitions are days: Dagster's own backfill of them names no
+        # tenant, and every run is refused before queueing, pointing to tenant_backfill_job
         days = ["2026-02-10", "2026-02-11", "2026-02-12"]
-        keys = [f"{day}|{tenant}" for tenant in ("tenant-001", "tenant-002") for day in days]
-        windowed = _finished_backfill_runs(
-            instance, _backfill(port, "pricing_snapshot_recalculation", keys), 6
+        windowed_job = "pricing_snapshot_recalculation"
+        refused = _finished_backfill_runs(instance, _backfill(port, windowed_job, days), 3)
+        assert sorted(r.tags["dagster/partition"] for r in refused) == days
+        for run in refused:
+            assert (
+                run.status == dg.DagsterRunStatus.FAILURE and run.tags[REFUSED_TAG] == "bad_input"
+            )
+            assert instance.get_run_record_by_id(run.run_id).start_time is None  # never started
+            (failure,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+            message = failure.dagster_event.message
+            assert message.startswith(REFUSED_PREFIX) and "\n" not in message
+            assert "name its tenants" in message and BACKFILL_JOB in message
+
+        # tenant_backfill_job: both tenants × 3 days, executed, one run per chunk and day
+        launcher = client.submit_job_execution(
+            BACKFILL_JOB,
+            repository_location_name=LOCATION,
+            run_config={
+                "ops": {
+                    BACKFILL_OP: {
+                        "config": {
+                            "job": windowed_job,
+                            "first_day": days[0],
+                            "last_day": days[-1],
+                            "days_per_run": 1,
+                            "mode": "execute",
+                            "reason": "backfill test",
+                        }
+                    }
+                }
+            },
         )
-        assert sorted(r.tags["dagster/partition"] for r in windowed) == sorted(keys)
+        wait_for(lambda: _status(instance, launcher) in FINISHED, 180, "the backfill launcher")
+        assert _status(instance, launcher) == dg.DagsterRunStatus.SUCCESS
+
+        def chunk_runs() -> list:
+            return instance.get_runs(filters=dg.RunsFilter(tags={BACKFILL_RUN_TAG: launcher}))
+
+        wait_for(
+            lambda: len(chunk_runs()) == 3 and all(r.status in FINISHED for r in chunk_runs()),
+            300,
+            "the backfill's chunk runs",
+        )
+        windowed = chunk_runs()
         assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in windowed)
+        assert sorted(r.tags["dagster/asset_partition_range_start"] for r in windowed) == days
+        assert all(
+            r.run_config["ops"][f"{windowed_job}_op"]["config"]["tenants"]
+            == ["tenant-001", "tenant-002"]
+            for r in windowed
+        )
         with db.engine.connect() as conn:
             scopes = conn.execute(
                 sa.text(
-                    "SELECT scope, mode, succeeded_count FROM job_run WHERE dagster_run_id = ANY(:ids)"
+                    "SELECT scope, mode, trigger_type, succeeded_count FROM job_run "
+                    "WHERE dagster_run_id = ANY(:ids)"
                 ),
                 {"ids": [r.run_id for r in windowed]},
             ).all()
@@ -163,7 +214,7 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
             for t in ("tenant-001", "tenant-002")
             for d in days
         )
-        assert {s.mode for s in scopes} == {"execute"}
+        assert {(s.mode, s.trigger_type) for s in scopes} == {("execute", "backfill")}
         assert sum(s.succeeded_count for s in scopes) > 0 and unpriced == 0  # real work, all done
 
 

@@ -1,4 +1,5 @@
-"""Each catalog job through real Dagster execution (execute_in_process), one partition."""
+"""Each catalog job through real Dagster execution (execute_in_process), one partition: a
+tenant job's tenant, or a windowed job's day with its tenant named in run config."""
 
 from __future__ import annotations
 
@@ -6,14 +7,21 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from qo_ops.dagster_defs.partitions import MODE_TAG, REASON_TAG
+from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
+from qo_ops.dagster_defs.partitions import FAILED_TENANTS_TAG, MODE_TAG, REASON_TAG
 from qo_ops.jobs.catalog import CATALOG
 
 SPECS = sorted(CATALOG)
 
 
+def tenant_config(job_name: str, tenant: str = "tenant-001") -> dict:
+    """Run config naming the tenant of a windowed job's run (its partition is the day)."""
+    return {"tenants": [tenant]} if CATALOG[job_name].partitioning == "tenant_day" else {}
+
+
 def work_partition(loaded, job_name: str, tenant: str = "tenant-001") -> str:
-    """A partition of ``job_name`` with work to do: the tenant, or its first day with work."""
+    """A partition of ``job_name`` with work to do for ``tenant``: the tenant, or the first
+    day the tenant has work on (its run names the tenant in config: ``tenant_config``)."""
     import uuid
     from datetime import date, timedelta
 
@@ -49,7 +57,8 @@ def _run(
 ):
     job = defs.resolve_job_def(job_name)
     partition = partition or work_partition(defs.loaded_db, job_name)
-    run_config = {"ops": {f"{job_name}_op": {"config": config or {}}}}
+    config = {**tenant_config(job_name), **(config or {})}
+    run_config = {"ops": {f"{job_name}_op": {"config": config}}}
     return job.execute_in_process(
         partition_key=partition,
         instance=instance,
@@ -107,9 +116,14 @@ def test_execute_partition_records_passing_checks(defs, instance, loaded, job_na
     assert summary["processed_count"] == summary["eligible_count"] > 0
     assert summary["mutated_count"] > 0
     evaluations = result.get_asset_check_evaluations()
-    assert {e.check_name for e in evaluations} == {c.name for c in CATALOG[job_name].checks}
+    declared = [e for e in evaluations if e.check_name != RECENT_SUCCESS_CHECK]
+    assert {e.check_name for e in declared} == {c.name for c in CATALOG[job_name].checks}
     assert all(e.passed for e in evaluations)
-    assert all(e.metadata["scope"].value.startswith("tenant-001") for e in evaluations)
+    assert all(e.metadata["scope"].value.startswith("tenant-001") for e in declared)
+    assert {e.partition for e in evaluations} == {"tenant-001"}  # on the tenant's partition
+    # a success marks the tenant fresh at once; a partial success does not
+    fresh = [e for e in evaluations if e.check_name == RECENT_SUCCESS_CHECK]
+    assert len(fresh) == (1 if summary["status"] == "success" else 0)
 
 
 def test_broken_outcome_fails_the_check_and_the_run(defs, instance, loaded):
@@ -226,11 +240,30 @@ def test_a_partition_range_run_leases_each_tenant_in_turn(defs, instance, loaded
         ("tenant-002", result.run_id, "success"),
     ]
     assert left == 0
-    evaluations = result.get_asset_check_evaluations()  # one per check, over the range
-    assert sorted(e.check_name for e in evaluations) == sorted(
-        c.name for c in CATALOG["quote_expiration"].checks
+    # each tenant's outcome and checks on its own partition of the outcome asset
+    asset = dg.AssetKey(["qo_ops", "quotes"])
+    materialized = {
+        e.partition: e.event_specific_data.materialization.metadata["status"].value
+        for e in result.get_asset_materialization_events()
+        if e.asset_key == asset
+    }
+    assert materialized == {"tenant-001": "success", "tenant-002": "success"}
+    evaluations = result.get_asset_check_evaluations()
+    assert sorted((e.check_name, e.partition) for e in evaluations) == sorted(
+        (name, t)
+        for name in (*(c.name for c in CATALOG["quote_expiration"].checks), RECENT_SUCCESS_CHECK)
+        for t in ("tenant-001", "tenant-002")
     )
-    assert all(e.passed and e.metadata["scopes_checked"].value == 2 for e in evaluations)
+    assert all(e.passed for e in evaluations)
+    assert all(
+        e.metadata["scope"].value == e.partition
+        for e in evaluations
+        if e.check_name != RECENT_SUCCESS_CHECK
+    )
+    output = next(e for e in result.all_events if e.event_type_value == "STEP_OUTPUT")
+    meta = output.event_specific_data.metadata
+    assert (meta["tenants"].value, meta["tenants_failed"].value) == (2, 0)
+    assert meta["failed_tenants"].value == "none"
 
 
 def test_a_partition_range_run_fails_at_the_end_when_a_tenant_fails(defs, instance, loaded):
@@ -250,7 +283,11 @@ def test_a_partition_range_run_fails_at_the_end_when_a_tenant_fails(defs, instan
     )
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "outcome not met tenant-001" in str(failure.event_specific_data.error)
+    assert "1 of 2 tenants failed or missed their outcome: tenant-001." in str(
+        failure.event_specific_data.error
+    )
+    # re-executing the run runs only the tenant whose outcome was not met
+    assert instance.get_run_by_id(result.run_id).tags[FAILED_TENANTS_TAG] == "tenant-001"
     with loaded.engine.connect() as conn:  # tenant-002 was still done
         done = conn.execute(
             sa.text(
@@ -259,22 +296,26 @@ def test_a_partition_range_run_fails_at_the_end_when_a_tenant_fails(defs, instan
             )
         ).scalars()
         assert list(done) == ["tenant-001", "tenant-002"]
-    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
-    assert evaluations["one_event_per_expired_quote"].passed is False
-    assert (
-        "tenant-001" in evaluations["one_event_per_expired_quote"].metadata["failing_scopes"].value
-    )
+    evaluations = {(e.check_name, e.partition): e for e in result.get_asset_check_evaluations()}
+    assert evaluations["one_event_per_expired_quote", "tenant-001"].passed is False
+    assert evaluations["one_event_per_expired_quote", "tenant-002"].passed is True
 
 
-def test_a_windowed_job_refuses_a_partition_range(defs, instance, loaded):
+def test_a_windowed_job_launched_without_tenants_is_refused_with_one_line(defs, instance, loaded):
+    """A windowed job's partition is the day; its tenants come from run config. A launch of
+    a day that names no tenant is refused before anything is written."""
     before = _counts(loaded)
     result = defs.resolve_job_def("order_reconciliation").execute_in_process(
+        partition_key="2026-02-10",
         instance=instance,
         run_config={"ops": {"order_reconciliation_op": {"config": {"mode": "dry_run"}}}},
-        tags=RANGE,
         raise_on_error=False,
     )
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "launch it per partition" in str(failure.event_specific_data.error)
+    description = failure.event_specific_data.user_failure_data.description
+    assert description.startswith(
+        "order_reconciliation is windowed: name its tenants in run config (tenants)"
+    )
+    assert "\n" not in description
     assert _counts(loaded) == before

@@ -1,12 +1,14 @@
 """Every outcome check of every catalog job fails when its outcome is broken and passes when
 it is met. Each check is tested both ways it runs:
 
-- **at run time**: a real Dagster run of one partition (``execute_in_process``) yields an
-  ``AssetCheckEvaluation`` for each check, for the run's own scope;
-- **on its own**: the code location's asset checks, executed the way the UI's asset →
-  Checks → Execute all does (the asset job's subset of those checks, no asset and no job
-  run). They look at every tenant and, for windowed jobs, every day that can hold overdue
-  work, not only the last week.
+- **at run time**: a real Dagster run of one partition (``execute_in_process``: a tenant
+  job's tenant, a windowed job's day with the tenant in run config) yields an
+  ``AssetCheckEvaluation`` for each check on the tenant's partition of the outcome asset;
+- **on its own**: ``outcome_checks_job`` launched for the job from the Launchpad (no job
+  run), which records each check's evaluation on every tenant partition and sums them up
+  in its run's metadata; the code location's partitioned asset checks, executed for both
+  tenant partitions, must agree. They look at every tenant and, for windowed jobs, every
+  day that can hold overdue work, not only the last week.
 
 Each test first makes the job's outcome healthy for every tenant and every day: one execute
 run per tenant over all its days, through the platform's runner. Then it checks that the
@@ -33,7 +35,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from qo_ops.dagster_defs.checks import outcome_asset_key
+from qo_ops.dagster_defs.checks import OUTCOME_CHECKS_JOB, outcome_asset_key
+from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
 from qo_ops.dagster_defs.partitions import partition_key_for
 from qo_ops.demo.data import load_demo_data
 from qo_ops.downstream.client import DownstreamClient
@@ -51,6 +54,10 @@ from qo_ops.platform.runner import count_eligible, run_job
 from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope
 
 TENANT = "tenant-001"
+RANGE = {  # one run over both tenants' partitions
+    "dagster/asset_partition_range_start": "tenant-001",
+    "dagster/asset_partition_range_end": "tenant-002",
+}
 OLD_LOOKBACK_DAYS = 7  # what the checks executed on their own used to look at
 PARTITION_START = date(2026, 1, 1)
 # the demo's audit records go back 200 days: with 150 days of retention, some age out
@@ -123,32 +130,90 @@ def heal(env: Env, spec: JobSpec) -> None:
             assert summary.status in ("success", "no_work", "partial_success"), summary
 
 
-def standalone(env: Env, spec: JobSpec) -> dict[str, dg.AssetCheckEvaluation]:
-    """The job's asset checks executed on their own, as the UI's Execute all runs them."""
-    asset = outcome_asset_key(spec)
+@dataclass
+class Judged:
+    """A job's declared checks judged on their own: each check's evaluation of each tenant
+    partition, and the run's summed-up metadata (its output, or its failure's)."""
+
+    evaluations: dict[tuple[str, str], dg.AssetCheckEvaluation]
+    summary: dict[str, Any]
+    success: bool
+    failure: str | None
+
+    def of(self, check: str) -> dict[str, dg.AssetCheckEvaluation]:
+        """The check's evaluation by tenant."""
+        return {t: e for (c, t), e in self.evaluations.items() if c == check}
+
+
+def _per_tenant(result: dg.ExecuteInProcessResult) -> dict[tuple[str, str], Any]:
+    evaluations = result.get_asset_check_evaluations()
+    assert all(e.partition is not None for e in evaluations), "each on a tenant partition"
+    by_key = {(e.check_name, e.partition): e for e in evaluations}
+    assert len(by_key) == len(evaluations), "one per check and tenant"
+    return by_key
+
+
+def standalone(env: Env, spec: JobSpec) -> Judged:
+    """The job's checks judged on their own for every tenant, as a person does from the
+    Launchpad (``outcome_checks_job``); the code location's partitioned asset checks,
+    executed for both tenant partitions, judge every tenant the same way."""
+    result = env.defs.resolve_job_def(OUTCOME_CHECKS_JOB).execute_in_process(
+        instance=env.instance,
+        run_config={"ops": {"outcome_checks_op": {"config": {"job": spec.name}}}},
+        raise_on_error=False,
+    )
+    evaluations = _per_tenant(result)
+    assert sorted(evaluations) == sorted(
+        (c.name, t) for c in spec.checks for t in ("tenant-001", "tenant-002")
+    )
+    failure = next((e for e in result.all_events if e.is_step_failure), None)
+    if failure is None:
+        output = next(e for e in result.all_events if e.event_type_value == "STEP_OUTPUT")
+        metadata = output.event_specific_data.metadata
+        described = None
+    else:
+        data = failure.step_failure_data.user_failure_data
+        metadata, described = (data.metadata, data.description) if data else ({}, None)
+    judged = Judged(
+        evaluations, {k: v.value for k, v in metadata.items()}, result.success, described
+    )
+
+    asset = outcome_asset_key(spec)  # the asset checks themselves, for the tenant partitions
     keys = {dg.AssetCheckKey(asset, c.name) for c in spec.checks}
-    job = env.defs.resolve_implicit_global_asset_job_def().get_subset(
+    checks = env.defs.resolve_implicit_global_asset_job_def().get_subset(
         asset_selection=set(), asset_check_selection=keys
     )
-    result = job.execute_in_process(instance=env.instance, raise_on_error=False)
-    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
-    assert set(evaluations) == {c.name for c in spec.checks}
-    return evaluations
+    ranged = checks.execute_in_process(instance=env.instance, tags=RANGE, raise_on_error=False)
+    verdicts = {k: e.passed for k, e in _per_tenant(ranged).items()}
+    assert verdicts == {k: e.passed for k, e in evaluations.items()}
+    return judged
+
+
+def tenant_config(spec: JobSpec) -> dict[str, Any]:
+    """A windowed job's run names its tenant in run config (its partition is the day)."""
+    return {"tenants": [TENANT]} if spec.partitioning == "tenant_day" else {}
 
 
 def run_partition(
     env: Env, spec: JobSpec, partition: str, config: dict[str, Any]
 ) -> dict[str, dg.AssetCheckEvaluation]:
-    """One real Dagster execute run of ``partition``; its check evaluations by name."""
+    """One real Dagster execute run of ``partition`` for TENANT; its check evaluations (on
+    the tenant's partition of the outcome asset) by name."""
     result = env.defs.resolve_job_def(spec.name).execute_in_process(
         partition_key=partition,
         instance=env.instance,
         run_config={
-            "ops": {f"{spec.name}_op": {"config": {"mode": "execute", "reason": "test", **config}}}
+            "ops": {
+                f"{spec.name}_op": {
+                    "config": {"mode": "execute", "reason": "test", **tenant_config(spec), **config}
+                }
+            }
         },
         raise_on_error=False,
     )
     evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert {e.partition for e in evaluations.values()} == {TENANT}
+    evaluations.pop(RECENT_SUCCESS_CHECK, None)  # the job's success, not its outcome
     assert set(evaluations) == {c.name for c in spec.checks}, "the run checked its outcome"
     return evaluations
 
@@ -177,15 +242,16 @@ DAYS_WITH_DATA = {
 }
 
 
-def due_days(env: Env, spec: JobSpec, need: int = 1) -> tuple[date, date]:
+def due_days(env: Env, spec: JobSpec, need: int = 1, old_need: int = 1) -> tuple[date, date]:
     """(a day for the run: the fullest day, among partitions whose work is due, with at
-    least ``need`` items; an old day: the oldest day with data, beyond the old lookback)."""
+    least ``need`` items; an old day: the oldest day with at least ``old_need`` items,
+    beyond the old lookback)."""
     with env.engine.connect() as conn:
         last_due = last_scheduled_day(spec, database_now(conn))
         days = conn.execute(sa.text(DAYS_WITH_DATA[spec.name]), {"t": TENANT}).all()
     due = [(d.day, d.n) for d in days if d.day <= last_due]
     run_day = max((d for d in due if d[0] >= PARTITION_START), key=lambda d: (d[1], d[0]))
-    old_day = min(due)[0]
+    old_day = min(d for d in due if d[1] >= old_need)[0]
     assert run_day[1] >= need, f"{spec.name}: no partition with {need} items: {due}"
     assert old_day < last_due - timedelta(days=OLD_LOOKBACK_DAYS + 1), (old_day, last_due)
     return run_day[0], old_day
@@ -224,6 +290,7 @@ class Breakage:
     run_config: dict[str, Any] = field(default_factory=dict)
     run_time: bool = True
     standalone: bool = True
+    min_items: int = 1  # what the plant changes needs a day with this many items
 
     @property
     def id(self) -> str:
@@ -522,6 +589,7 @@ BREAKAGES = (
         "missing_snapshots",
         _missing_snapshots,
         LIMITED,
+        min_items=2,  # the day's first quote keeps its snapshot
     ),
     Breakage(
         "audit_archive",
@@ -612,25 +680,36 @@ def test_the_check_on_its_own_fails_when_the_outcome_is_broken(env, breakage):
     spec = CATALOG[breakage.job]
     heal(env, spec)
     healthy = standalone(env, spec)
-    assert all(e.passed for e in healthy.values()), {
-        n: {k: v.value for k, v in e.metadata.items()} for n, e in healthy.items() if not e.passed
+    assert healthy.success, healthy.failure
+    assert all(e.passed for e in healthy.evaluations.values()), {
+        k: {m: v.value for m, v in e.metadata.items()}
+        for k, e in healthy.evaluations.items()
+        if not e.passed
     }
-    assert value(healthy[breakage.check], "tenants_checked") == 2
+    assert healthy.summary["tenants_checked"] == 2
+    assert healthy.summary[f"{breakage.check}_failing_tenants"] == "none"
 
     # windowed jobs: on the oldest day with data, far older than a week
-    day = due_days(env, spec)[1] if spec.partitioning == "tenant_day" else None
+    old_need = breakage.min_items
+    day = due_days(env, spec, old_need=old_need)[1] if spec.partitioning == "tenant_day" else None
     plant(env, breakage, day)
-    evaluation = standalone(env, spec)[breakage.check]
-    assert evaluation.passed is False, evaluation.metadata
-    assert value(evaluation, "failing_tenants").split(", ")[0] == TENANT
+    broken = standalone(env, spec)
+    judged = broken.of(breakage.check)  # each tenant on its own partition
+    assert judged[TENANT].passed is False, judged[TENANT].metadata
+    failing = broken.summary[f"{breakage.check}_failing_tenants"].split(", ")
+    assert failing[0] == TENANT  # the summary names the partitions that failed
+    assert sorted(t for t, e in judged.items() if not e.passed) == sorted(failing)
+    # a blocking check failing on any tenant fails the run, naming the tenant
+    blocking = {c.name for c in spec.checks if c.blocking}
+    blocked = sorted(
+        {t for (c, t), e in broken.evaluations.items() if c in blocking and not e.passed}
+    )
+    assert broken.success is not bool(blocked)
+    if breakage.check in blocking:
+        assert blocked and TENANT in (broken.failure or "")
     if day is not None:
-        assert value(evaluation, "first_day") <= day.isoformat() <= value(evaluation, "last_day")
-
-
-RANGE = {  # one run over both tenants' partitions: each tenant in turn, checks over the range
-    "dagster/asset_partition_range_start": "tenant-001",
-    "dagster/asset_partition_range_end": "tenant-002",
-}
+        mine = judged[TENANT]
+        assert value(mine, "first_day") <= day.isoformat() <= value(mine, "last_day")
 
 
 @pytest.mark.parametrize(
@@ -642,8 +721,8 @@ RANGE = {  # one run over both tenants' partitions: each tenant in turn, checks 
     ],
 )
 def test_a_run_over_many_tenants_fails_the_check_naming_the_broken_one(env, breakage):
-    """A range run yields one evaluation per check for all its tenants: it fails when one
-    tenant's outcome is broken, and names that tenant."""
+    """A range run yields each check's evaluation on each tenant's partition: it fails on
+    the tenant whose outcome is broken, and only there."""
     spec = CATALOG[breakage.job]
     heal(env, spec)
     plant(env, breakage, None)
@@ -659,22 +738,23 @@ def test_a_run_over_many_tenants_fails_the_check_naming_the_broken_one(env, brea
         tags=RANGE,
         raise_on_error=False,
     )
-    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
-    evaluation = evaluations[breakage.check]
-    assert evaluation.passed is False
-    assert value(evaluation, "scopes_checked") == 2
-    assert value(evaluation, "failing_scopes") == TENANT
+    evaluations = {(e.check_name, e.partition): e for e in result.get_asset_check_evaluations()}
+    judged = {t: e for (c, t), e in evaluations.items() if c == breakage.check}
+    assert sorted(judged) == ["tenant-001", "tenant-002"]
+    assert [t for t, e in judged.items() if not e.passed] == [TENANT]
+    assert value(judged[TENANT], "scope") == TENANT
 
 
 def test_a_bad_setting_fails_the_checks_on_their_own_with_one_line(env):
     """A check that cannot read its settings cannot judge the outcome: failed, and why."""
     spec = CATALOG["temp_file_cleanup"]
     env.monkeypatch.setenv("QO_OPS_TEMP_FILE_RETENTION_DAYS", "seven")
-    evaluations = standalone(env, spec)
-    assert all(e.passed is False for e in evaluations.values())
-    description = evaluations["nothing_eligible_past_grace"].description or ""
+    judged = standalone(env, spec)
+    assert all(e.passed is False for e in judged.evaluations.values())  # every check, tenant
+    description = judged.evaluations["nothing_eligible_past_grace", TENANT].description or ""
     assert description.startswith("cannot check: QO_OPS_TEMP_FILE_RETENTION_DAYS")
     assert "\n" not in description and "Traceback" not in description
+    assert not judged.success and judged.failure == description  # the run fails, one line
 
 
 # ------------------------------------------------------------------------------ the range
@@ -720,7 +800,8 @@ def test_the_check_on_its_own_counts_a_day_once_its_scheduled_run_is_due(env):
                 ),
                 {"t": TENANT},
             )
-        evaluation = standalone(env, spec)["read_model_matches_source"]
+        judged = standalone(env, spec)
+        evaluation = judged.evaluations["read_model_matches_source", TENANT]
         assert evaluation.passed is passes, (day, evaluation.metadata)
         assert value(evaluation, "last_day") == last_due.isoformat()
 
@@ -766,7 +847,13 @@ def test_a_windowed_run_plots_the_tenants_whole_backlog(env, job_name):
     result = env.defs.resolve_job_def(job_name).execute_in_process(
         partition_key=partition_key_for(spec, TENANT, day),
         instance=env.instance,
-        run_config={"ops": {f"{job_name}_op": {"config": {"mode": "execute", "reason": "test"}}}},
+        run_config={
+            "ops": {
+                f"{job_name}_op": {
+                    "config": {"mode": "execute", "reason": "test", **tenant_config(spec)}
+                }
+            }
+        },
         raise_on_error=False,
     )
     summary = result.output_for_node(f"{job_name}_op")
@@ -774,13 +861,14 @@ def test_a_windowed_run_plots_the_tenants_whole_backlog(env, job_name):
     with env.engine.connect() as conn:
         left = conn.execute(sa.text(TENANT_BACKLOG[job_name]), {"t": TENANT}).scalar_one()
     assert left > 0
-    (observation,) = [
-        r.asset_observation
-        for r in env.instance.fetch_observations(outcome_asset_key(spec), limit=10).records
+    # the run kept the outcome right: it materializes the tenant's partition
+    (point,) = [
+        r.asset_materialization
+        for r in env.instance.fetch_materializations(outcome_asset_key(spec), limit=10).records
         if r.run_id == result.run_id
     ]
-    assert observation.metadata["backlog"].value == left
-    assert observation.metadata["scope"].value == TENANT
-    assert observation.metadata["run_scope"].value == summary["scope"]
+    assert point.metadata["backlog"].value == left
+    assert point.partition == TENANT
+    assert point.metadata["run_scope"].value == summary["scope"]
     if spec.lag is not None:  # and its age is the oldest of them, however old its day
-        assert observation.metadata["oldest_due_age_s"].value > (last_due - day).days * 86400
+        assert point.metadata["oldest_due_age_s"].value > (last_due - day).days * 86400

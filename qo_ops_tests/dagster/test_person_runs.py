@@ -99,10 +99,11 @@ def test_unconsented_person_runs_are_refused_before_queueing_and_audited(loaded,
             assert "needs a reason" in _refused_before_queueing(instance, run.run_id)
 
         # a destructive job's backfill execute, with a reason: refused, pointing at the API
+        # (a windowed job's partition is the day: Dagster's backfill names no tenant)
         destructive = _backfill(
             port,
             "read_model_repair",
-            ["2026-02-10|tenant-001"],
+            ["2026-02-10"],
             {"qo_ops/mode": "execute", "qo_ops/reason": "INC-6 drift"},
         )
         (repair,) = _finished_backfill_runs(instance, destructive, 1)
@@ -137,8 +138,8 @@ def test_unconsented_person_runs_are_refused_before_queueing_and_audited(loaded,
                            None)
                 for r in unreasoned
             },
-            repair.run_id: (f"backfill:{destructive}", "read_model_repair",
-                            "tenant-001/2026-02-10..2026-02-11", "INC-6 drift"),
+            repair.run_id: (f"backfill:{destructive}", "read_model_repair", "2026-02-10",
+                            "INC-6 drift"),
         }  # fmt: skip
         for run_id, (actor, job, scope, reason) in expected.items():
             row = rows[run_id]

@@ -1,5 +1,6 @@
 """Run reports and outcome trends in Dagster: every catalog job's output carries its report
-table and the numbers of its run, and every run observes its business-outcome asset."""
+table and the numbers of its run, and every run records its business outcome on its
+tenant's partition of the outcome asset (an execute run that kept it right materializes it)."""
 
 from __future__ import annotations
 
@@ -42,14 +43,17 @@ def _report(metadata) -> list[dict]:
     return rows
 
 
-def _observations(result, instance, job_name: str) -> list[dg.AssetObservation]:
+def _outcome_events(
+    result, instance, job_name: str
+) -> list[dg.AssetMaterialization | dg.AssetObservation]:
+    """What the run recorded on its outcome asset: materializations and observations."""
     key = dg.AssetKey(["qo_ops", CATALOG[job_name].outcome_asset])
-    records = instance.fetch_observations(key, limit=100).records
-    return [
-        r.asset_observation
-        for r in records
-        if r.run_id == result.run_id and r.asset_observation is not None
-    ]
+    events: list[dg.AssetMaterialization | dg.AssetObservation] = []
+    for fetch in (instance.fetch_materializations, instance.fetch_observations):
+        for r in fetch(key, limit=100).records:
+            if r.run_id == result.run_id:
+                events.append(r.asset_materialization or r.asset_observation)
+    return events
 
 
 @pytest.mark.parametrize("job_name", SPECS)
@@ -83,6 +87,9 @@ def test_a_dry_run_reports_its_sample_with_the_change_execute_would_make(
         assert name not in metadata or isinstance(metadata[name].value, (int, float))
     if spec.partitioning == "tenant_day":
         assert metadata["window_start"].value < metadata["window_end"].value
+    (outcome,) = _outcome_events(result, instance, job_name)  # a dry run changes nothing:
+    assert isinstance(outcome, dg.AssetObservation)  # observed, not materialized
+    assert outcome.partition == "tenant-001"
 
 
 @pytest.mark.parametrize("job_name", SPECS)
@@ -114,11 +121,13 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
         assert ("checkpoint_after" in metadata) is not spec.rescan_when_complete
         assert ("checkpoint_age_s" in metadata) is not spec.rescan_when_complete
 
-    observed = _observations(result, instance, job_name)
-    assert len(observed) == 1
-    figures = observed[0].metadata
-    run_scope = scope_from_partition_key(spec, partition)
-    assert figures["scope"].value == run_scope.tenant_id  # whose backlog the point is
+    (outcome,) = _outcome_events(result, instance, job_name)
+    assert isinstance(outcome, dg.AssetMaterialization)  # an execute run kept its outcome
+    figures = outcome.metadata
+    run_scope = scope_from_partition_key(spec, partition, "tenant-001")
+    assert outcome.partition == run_scope.tenant_id  # whose backlog the point is
+    assert figures["status"].value == summary["status"]
+    assert figures["job_run_id"].value == summary["job_run_id"]
     if spec.partitioning == "tenant_day":
         assert figures["run_scope"].value == summary["scope"]
     if not spec.uses_checkpoint and not spec.dry_run_scans:

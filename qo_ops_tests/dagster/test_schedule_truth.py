@@ -19,7 +19,8 @@ from qo_ops.jobs.catalog import CATALOG
 from qo_ops.metrics.exporter import DRIFT_BUCKETS, SETTLE_S, JobCollector
 from qo_ops.platform import control, runs
 from qo_ops.platform.missed import tick_window_s
-from qo_ops.platform.spec import cron_ticks
+from qo_ops.platform.runner import run_job
+from qo_ops.platform.spec import RunOptions, Scope, cron_ticks
 from qo_ops_tests.dagster.test_sensors import schedule_tick
 from qo_ops_tests.metrics.test_exporter import collect, collect_when, value
 
@@ -97,19 +98,26 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
     frozen = {"now": t1 + window}
     collector = JobCollector(engine, CATALOG.values(), clock=lambda: frozen["now"])
 
-    # tick t0: both tenants requested; tenant-002's run ends, tenant-001's is held running
+    # tenant-001's work is done by hand first, so that in the tick's run it ends at once
+    done = run_job(SPEC, Scope("tenant-001"), RunOptions(mode="execute", reason="t"), engine=engine)
+    assert done.status == "success"
+
+    # tick t0: one run for the chunk of both tenants; in it tenant-001's run ends, then
+    # tenant-002's is held running (one batch of one item every 500 ms)
     with freeze_time(t0):
         first = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t0)
-    requests = {r.partition_key: r for r in first.run_requests}
-    assert sorted(requests) == ["tenant-001", "tenant-002"]
-    assert _execute(defs, instance, requests["tenant-002"]).success
+    (request,) = first.run_requests
+    assert request.run_config["ops"][f"{JOB}_op"]["config"]["tenants"] == [
+        "tenant-001",
+        "tenant-002",
+    ]
 
     def running() -> sa.Row | None:
         with engine.connect() as conn:
             return conn.execute(
                 sa.text(
                     "SELECT r.id FROM job_run r JOIN job_lease l ON l.job_run_id = r.id "
-                    "WHERE r.job_name = :job AND r.scope = 'tenant-001' "
+                    "WHERE r.job_name = :job AND r.scope = 'tenant-002' "
                     "AND r.status = 'running' AND l.expires_at > clock_timestamp()"
                 ),
                 {"job": JOB},
@@ -120,14 +128,14 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
         other.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
         held = threading.Thread(
             target=_execute,
-            args=(defs, other, requests["tenant-001"]),
+            args=(defs, other, request),
             kwargs={"batch_size": 1, "throttle_ms": 500},
         )
         held.start()
         try:
             _wait_for(lambda: running() is not None, "the held run never started")
-            control.suspend(engine, JOB, "tenant-002", reason="schedule test", **who)
-            # tick t1: tenant-001's previous run is still active, tenant-002 is suspended
+            control.suspend(engine, JOB, "tenant-001", reason="schedule test", **who)
+            # tick t1: tenant-002's previous run is still active, tenant-001 is suspended
             with freeze_time(t1):
                 second = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t1)
             assert not second.run_requests
@@ -166,10 +174,10 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
         finally:
             held.join(timeout=120)
     assert not held.is_alive()
-    control.resume(engine, JOB, "tenant-002", reason="schedule test over", **who)
+    control.resume(engine, JOB, "tenant-001", reason="schedule test over", **who)
     assert [(scope, status) for scope, status, _ in _drifts(engine)] == [
-        ("tenant-001", "cancelled"),
-        ("tenant-002", "success"),
+        ("tenant-001", "no_work"),
+        ("tenant-002", "cancelled"),
     ]
 
     # t2 had no tick evaluated at all, nothing running, nothing suspended: the daemon was down

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from dagster._core.definitions.partitions.context import partition_loading_context
 
 from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_JOB
-from qo_ops.dagster_defs.partitions import SCOPE_TAG
+from qo_ops.dagster_defs.partitions import SCOPE_TAG, TENANTS_TAG
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.sensors import STALE_TAG
 from qo_ops.jobs.catalog import CATALOG
@@ -71,10 +71,15 @@ def test_backlog_sensor_launches_only_past_the_threshold_and_rotates_its_cursor(
     )
     with partition_loading_context(dynamic_partitions_store=instance):  # as the daemon provides
         busy = sensor.evaluate_tick(context)
-    assert [r.partition_key for r in busy.run_requests] == ["tenant-002"]
-    request = busy.run_requests[0]
-    assert request.tags[SCOPE_TAG] == "quote_expiration:tenant-002"
-    assert request.run_config["ops"]["quote_expiration_op"]["config"]["mode"] == "execute"
+    # one chunk run naming the tenants past the threshold (not a partition per tenant)
+    (request,) = busy.run_requests
+    assert request.partition_key is None
+    config = request.run_config["ops"]["quote_expiration_op"]["config"]
+    assert config == {"mode": "execute", "tenants": ["tenant-002"]}
+    assert request.tags[SCOPE_TAG] == "quote_expiration:chunk:tenant-002"
+    assert request.tags[TENANTS_TAG] == "1: tenant-002..tenant-002"
+    # each tenant's backlog on its own partition of the outcome asset
+    observed = {e.partition: e.metadata["backlog"].value for e in busy.asset_events}
     with loaded.engine.connect() as conn:
         waiting_001 = conn.scalar(
             sa.text(
@@ -83,6 +88,7 @@ def test_backlog_sensor_launches_only_past_the_threshold_and_rotates_its_cursor(
         )
     # counts stop at the threshold: a tick never counts a whole large backlog
     assert json.loads(busy.cursor)["last"] == {"tenant-001": waiting_001, "tenant-002": 1000}
+    assert observed == {"tenant-001": waiting_001, "tenant-002": 1000}
 
 
 def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, instance):
@@ -143,22 +149,42 @@ def schedule_tick(defs, instance, loaded, schedule_name: str, when: datetime):
         return defs.resolve_schedule_def(schedule_name).evaluate_tick(context)
 
 
-def test_schedule_fans_out_over_tenants_with_deterministic_run_keys(defs, instance, loaded):
+def _tenants_of(request: dg.RunRequest, job: str = "quote_expiration") -> list[str]:
+    return request.run_config["ops"][f"{job}_op"]["config"]["tenants"]
+
+
+def test_schedule_fans_out_over_tenants_in_chunks_with_deterministic_run_keys(
+    defs, instance, loaded
+):
     when = datetime(2026, 11, 29, 12, 15, tzinfo=UTC)
+    size = CATALOG["quote_expiration"].tenants_per_run
 
     def tick() -> list[dg.RunRequest]:
         result = schedule_tick(defs, instance, loaded, "quote_expiration_schedule", when)
         return list(result.run_requests or [])
 
+    # two tenants: one run covering both, executing, no partition (the tenants are config)
+    (request,) = tick()
+    assert request.partition_key is None
+    assert request.run_config["ops"]["quote_expiration_op"]["config"] == {
+        "mode": "execute",
+        "tenants": ["tenant-001", "tenant-002"],
+    }
+    assert request.run_key == f"quote_expiration:tenants:tenant-001..tenant-002:{when.isoformat()}"
+    assert request.tags[SCOPE_TAG] == "quote_expiration:chunk:tenant-001"
+    assert request.tags[TENANTS_TAG] == "2: tenant-001..tenant-002"
+
+    # more tenants than a chunk holds: every tenant in exactly one run of at most `size`
+    many = [f"tenant-{n:03d}" for n in range(3, 2 * size + 4)]
+    instance.add_dynamic_partitions("tenants", many)
     requests = tick()
-    assert [r.partition_key for r in requests] == ["tenant-001", "tenant-002"]
-    assert requests[0].run_key == f"quote_expiration:tenant-001:{when.isoformat()}"
-    again = tick()
+    covered = [t for r in requests for t in _tenants_of(r)]
+    assert sorted(covered) == sorted(["tenant-001", "tenant-002", *many])
+    assert len(requests) == 3 and all(len(_tenants_of(r)) <= size for r in requests)
+    assert all(r.tags[SCOPE_TAG] == f"quote_expiration:chunk:{_tenants_of(r)[0]}" for r in requests)
+    again = tick()  # the same tick asks for the same runs: the daemon launches each once
     assert [r.run_key for r in again] == [r.run_key for r in requests]
-    assert all(
-        r.run_config["ops"]["quote_expiration_op"]["config"]["mode"] == "execute" for r in requests
-    )
-    assert all(r.tags[SCOPE_TAG] == f"quote_expiration:{r.partition_key}" for r in requests)
+    assert len({r.run_key for r in requests}) == 3
 
 
 def test_retention_schedules_run_the_day_that_just_aged_out(defs, instance, loaded, monkeypatch):
@@ -168,7 +194,10 @@ def test_retention_schedules_run_the_day_that_just_aged_out(defs, instance, load
 
     def days(schedule_name: str) -> tuple[set[str], str | None]:
         result = schedule_tick(defs, instance, loaded, schedule_name, when)
-        keys = {r.partition_key.split("|")[0] for r in result.run_requests or []}
+        requests = result.run_requests or []
+        keys = {r.partition_key for r in requests}  # the day; its tenants are in run config
+        job = schedule_name.removesuffix("_schedule")
+        assert all(_tenants_of(r, job) == ["tenant-001", "tenant-002"] for r in requests)
         return keys, result.skip_message
 
     monkeypatch.setenv("QO_OPS_TEMP_FILE_RETENTION_DAYS", "7")

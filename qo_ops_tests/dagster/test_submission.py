@@ -116,8 +116,7 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
         scope = {SCOPE_TAG: "quote_expiration:tenant-001", "dagster/partition": "tenant-001"}
         no_reason = _submit(instance, defs, "quote_expiration", {"mode": "execute"}, scope)
         absurd = _submit(instance, defs, "quote_expiration", {"batch_size": 0}, scope)
-        day = "2026-02-10|tenant-001"
-        destructive = _submit(
+        destructive = _submit(  # Dagster's day backfill: the day's own scope tag, no tenants
             instance,
             defs,
             "read_model_repair",
@@ -126,17 +125,19 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
                 "dagster/backfill": "b9",
                 MODE_TAG: "execute",
                 REASON_TAG: "INC-9",
-                SCOPE_TAG: "read_model_repair:tenant-001/2026-02-10..2026-02-11",
-                "dagster/partition": day,
+                SCOPE_TAG: "read_model_repair:2026-02-10",
+                "dagster/partition": "2026-02-10",
             },
         )
         fine = _create(
             instance, defs, "quote_expiration", {"mode": "execute", "reason": "x"}, scope
         )
+        day = {"dagster/partition": "2026-02-10"}  # a windowed job's run names its tenants
+        named = {"tenants": ["tenant-001"]}
         dry_backfill = _create(
-            instance, defs, "read_model_repair", {}, {"dagster/backfill": "b9", **scope}
+            instance, defs, "read_model_repair", named, {"dagster/backfill": "b9", **day}
         )
-        scheduled = _create(instance, defs, "temp_file_cleanup", {}, SCHEDULED)
+        scheduled = _create(instance, defs, "temp_file_cleanup", named, {**SCHEDULED, **day})
 
         for run, code in (
             (no_reason, "reason_required"),
@@ -178,8 +179,8 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
     assert [(r.actor, r.action, r.decision, r.job_name, r.scope, r.mode, r.reason) for r in rows] == [
         (f"dagster-run:{no_reason.run_id}", "trigger", "denied", "quote_expiration",
          "tenant-001", "execute", None),
-        ("backfill:b9", "trigger", "denied", "read_model_repair",
-         "tenant-001/2026-02-10..2026-02-11", "execute", "INC-9"),
+        ("backfill:b9", "trigger", "denied", "read_model_repair", "2026-02-10", "execute",
+         "INC-9"),
     ]  # fmt: skip
     assert rows[0].details["refused"] == "reason_required"
     assert "needs a reason" in rows[0].details["cause"]
