@@ -241,6 +241,10 @@ def test_one_client_from_many_threads_with_retries(downstream_factory) -> None:
     stored_again = sum(by_key.values()) - len(keys)
     timeouts = sum(f.count("timeout") for f in failures.values())
     injected = stats["faults_injected"]["reset"]
-    assert injected <= stored_again <= injected + timeouts
+    seen_resets = sum(f.count("connection_reset") for f in failures.values())
+    # at least every injected reset stored an extra attempt; at most every reset the client
+    # saw did (a connection the server dropped after storing the attempt counts as a reset
+    # the server did not inject: the same bound as per key above)
+    assert injected <= stored_again <= max(injected, seen_resets) + timeouts
     assert stats["faults_injected"]["error"] == sum(f.count("http_503") for f in failures.values())
     assert stats["faults_injected"]["reset"] > 0 and stats["faults_injected"]["error"] > 0
