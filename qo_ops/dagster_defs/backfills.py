@@ -18,9 +18,9 @@ from datetime import date, datetime, timedelta
 from typing import Any
 
 import dagster as dg
-import sqlalchemy as sa
 from pydantic import Field
 
+from qo_ops.dagster_defs.jobs import Mode
 from qo_ops.dagster_defs.partitions import (
     MODE_TAG,
     REASON_TAG,
@@ -34,19 +34,13 @@ from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, run_options
 from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform.runs import append_audit
 from qo_ops.platform.spec import MAX_TEXT, JobSpec, RunOptions, check_consent
+from qo_ops.platform.tenants import tenant_ids
 
 BACKFILL_JOB = "tenant_backfill_job"
 BACKFILL_OP = "plan_tenant_backfill"
 MAX_DAYS_PER_RUN = 366
 MAX_REQUESTS_PER_TICK = 500  # a bigger plan continues on the next tick (the cursor)
 MAX_BACKFILL_RUNS = 20_000
-
-
-class BackfillMode(enum.Enum):
-    """dry_run counts and samples what execute would change, and changes nothing."""
-
-    dry_run = "dry_run"
-    execute = "execute"
 
 
 def _backfill_config(job_names: Sequence[str]) -> type[dg.Config]:
@@ -66,8 +60,8 @@ def _backfill_config(job_names: Sequence[str]) -> type[dg.Config]:
         last_day: str | None = Field(
             default=None, description="Windowed jobs: the last day, included (YYYY-MM-DD)."
         )
-        mode: BackfillMode = Field(
-            default=BackfillMode.dry_run, description="dry_run (default) or execute."
+        mode: Mode = Field(  # the catalog jobs' own mode
+            default=Mode.dry_run, description="dry_run (default) or execute."
         )
         reason: str | None = Field(
             default=None, max_length=MAX_TEXT, description="Why (required to execute; audited)."
@@ -150,14 +144,10 @@ def backfill_run_requests(
 def _tenants(conn: Any, named: Sequence[str]) -> list[str]:
     """The backfill's tenants: those named (each must exist), or every tenant."""
     if not named:
-        return list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
+        return tenant_ids(conn)
     if len(set(named)) != len(named):
         raise BadInput("tenants names a tenant twice")
-    known = set(
-        conn.execute(
-            sa.text("SELECT id FROM tenant WHERE id = ANY(:ids)"), {"ids": list(named)}
-        ).scalars()
-    )
+    known = set(tenant_ids(conn, named))
     unknown = [t for t in named if t not in known]
     if unknown:
         raise BadInput(f"unknown tenant(s): {', '.join(t[:64] for t in unknown[:20])}")
@@ -295,7 +285,8 @@ def build_backfill_sensor(
                 continue
             spec = by_name[plan["job"]]
             with database.engine().connect() as conn:
-                tenants = _tenants_now(conn, plan["tenants"])
+                # the plan's tenants as they are now: those named that still exist, or all
+                tenants = tenant_ids(conn, plan["tenants"] or None)
             every = backfill_run_requests(spec, plan, tenants, record.dagster_run.run_id)
             start = state.get("next", 0) if state.get("run") == record.dagster_run.run_id else 0
             room = MAX_REQUESTS_PER_TICK - len(requests)
@@ -311,17 +302,6 @@ def build_backfill_sensor(
         )
 
     return tenant_backfill_sensor
-
-
-def _tenants_now(conn: Any, named: Sequence[str]) -> list[str]:
-    """The plan's tenants as they are now: those named that still exist, or every tenant."""
-    if not named:
-        return list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
-    return sorted(
-        conn.execute(
-            sa.text("SELECT id FROM tenant WHERE id = ANY(:ids)"), {"ids": list(named)}
-        ).scalars()
-    )
 
 
 def plan_from_events(instance: dg.DagsterInstance, run_id: str) -> dict[str, Any] | None:

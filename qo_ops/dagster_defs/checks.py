@@ -12,7 +12,6 @@ from datetime import timedelta
 from typing import Any
 
 import dagster as dg
-import sqlalchemy as sa
 
 # not exported by dagster; its AssetCheckResult fills the same field the same way
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (
@@ -25,6 +24,7 @@ from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import QoOpsError, one_line
 from qo_ops.platform.overdue import database_now, overdue_scope
 from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, OutcomeCheck
+from qo_ops.platform.tenants import tenant_ids
 
 MAX_NAMED_TENANTS = 50  # failing tenants named in a check's metadata
 MAX_DETAIL = 10  # failing tenants whose figures are shown
@@ -197,7 +197,7 @@ def _build_check(spec: JobSpec, declared: CheckSpec) -> dg.AssetChecksDefinition
                 tenants = (  # the Checks tab's "Execute all" launches without a partition
                     list(op.partition_keys)
                     if op.has_partition_key or op.has_partition_key_range
-                    else list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
+                    else tenant_ids(conn)
                 )
                 yield from declared_evaluations(spec, conn, tenants, [declared], op.instance)
 
@@ -241,7 +241,7 @@ def build_outcome_checks_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
             )
         selected = [declared[c] for c in config.checks] or list(spec.checks)
         with database.engine().connect() as conn:
-            every = list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
+            every = tenant_ids(conn)
             missing = sorted(set(config.tenants) - set(every))
             if missing:  # validated before anything is recorded
                 raise dg.Failure(

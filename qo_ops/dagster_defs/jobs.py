@@ -57,6 +57,7 @@ from qo_ops.platform.spec import (
 )
 from qo_ops.platform.stopping import TERMINATED
 from qo_ops.platform.telemetry import EVENT_LOGGER
+from qo_ops.platform.tenants import tenant_ids
 
 
 class Mode(enum.Enum):
@@ -329,12 +330,7 @@ def known_tenants(
     """The scopes whose tenant exists. A person naming an unknown tenant is refused before
     any tenant runs; a tick's tenant removed since the tick is left out, with a warning."""
     with engine.connect() as conn:
-        known = set(
-            conn.execute(
-                sa.text("SELECT id FROM tenant WHERE id = ANY(:ids)"),
-                {"ids": [s.tenant_id for s in scopes]},
-            ).scalars()
-        )
+        known = set(tenant_ids(conn, [s.tenant_id for s in scopes]))
     unknown = [s.tenant_id for s in scopes if s.tenant_id not in known]
     if unknown and trigger in TRIGGERS_WITH_A_PERSON:
         raise BadInput(f"unknown tenant(s): {', '.join(unknown[:MAX_NAMED])}")
@@ -359,8 +355,7 @@ class ChunkProgress:
         self.last = now
         counts: dict[str, int] = {}
         for o in outcomes:
-            key = o.summary.status if o.summary else ("refused" if o.refused else "error")
-            counts[key] = counts.get(key, 0) + 1
+            counts[o.status] = counts.get(o.status, 0) + 1
         tally = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
         self.log.info(f"{self.job}: {done}/{self.total} tenants done — {tally}")
 
@@ -373,6 +368,13 @@ class TenantOutcome:
     summary: RunSummary | None = None
     refused: QoOpsError | None = None
     error: str | None = None  # an unexpected error: the other tenants ran on
+
+    @property
+    def status(self) -> str:
+        """The run's status, or ``refused`` / ``error`` when it did not run."""
+        if self.summary is not None:
+            return self.summary.status
+        return "refused" if self.refused is not None else "error"
 
     @property
     def failed(self) -> bool:
@@ -528,7 +530,7 @@ def tenants_table(outcomes: list[TenantOutcome]) -> dg.TableMetadataValue:
             dg.TableRecord(
                 {
                     "tenant": o.scope.tenant_id,
-                    "status": s.status if s else ("refused" if o.refused else "error"),
+                    "status": o.status,
                     "eligible": s.eligible_count if s else 0,
                     "changed": s.mutated_count if s else 0,
                     "failed": s.failed_count if s else 0,
@@ -563,8 +565,7 @@ def finish_chunk(
     ]
     by_status: dict[str, int] = {}
     for o in outcomes:
-        key = o.summary.status if o.summary else ("refused" if o.refused else "error")
-        by_status[key] = by_status.get(key, 0) + 1
+        by_status[o.status] = by_status.get(o.status, 0) + 1
     rerun = sorted(set(failed) | set(blocking))
     metadata: dict[str, Any] = {
         "tenants": len(outcomes),
@@ -597,8 +598,7 @@ def finish_single(spec: JobSpec, outcome: TenantOutcome) -> dg.Output:
         raise dg.Failure(description=str(outcome.refused or outcome.error), allow_retries=False)
     summary = outcome.summary
     if summary.status == "partial_success":
-        log_warning = f"partial success: {summary.failed_count} item(s) failed"
-        dg.get_dagster_logger().warning(log_warning)
+        dg.get_dagster_logger().warning(f"partial success: {summary.failed_count} item(s) failed")
     metadata = summary_metadata(summary, outcome.scope)
     if summary.status in FAILING_STATUSES:
         raise dg.Failure(
