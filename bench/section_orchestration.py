@@ -9,10 +9,11 @@ work, so the orchestration shows), one disjoint set of tenants per Dagster measu
 loaded once, VACUUM ANALYZEd and cloned (``CREATE DATABASE … TEMPLATE``) for the deployment
 and for each in-process loop, so every measurement starts from the same bytes.
 
-The deployment: dagster-webserver and dagster-daemon on loopback over PostgreSQL storage
-with the project's dagster.yaml (QoOpsRunCoordinator: at most 8 runs at once, one per
+The deployment: dagster-webserver and dagster-daemon on loopback over PostgreSQL storage,
+both reaching one code server of its own (``dagster api grpc``, a grpc_server workspace
+entry, as the Helm chart's user deployment), with the project's dagster.yaml (QoOpsRunCoordinator: at most 8 runs at once, one per
 ``qo_ops/scope``; DefaultRunLauncher: one process per run), as qo_ops_tests/dagster/stack.py
-starts it. The tenants sensor is stopped before the daemon starts: each measurement sets
+starts it (it lets each spawn its own code server). The tenants sensor is stopped before the daemon starts: each measurement sets
 the ``tenants`` partitions to exactly its tenants (a tick covers every tenant partition).
 
 (a) A real tick: the schedule is started (GraphQL startSchedule) with its start time set
@@ -364,8 +365,9 @@ mutation($id: String) { stopRunningSchedule(id: $id) { __typename
 
 @contextmanager
 def deployment(url: URL, home: Path, env: dict[str, str]) -> Iterator[Deployment]:
-    """dagster-webserver, then (the tenants sensor stopped) dagster-daemon, on loopback over
-    PostgreSQL storage next to ``url``; both process groups stopped in every case."""
+    """A code server, dagster-webserver, then (the tenants sensor stopped) dagster-daemon,
+    on loopback over PostgreSQL storage next to ``url``; every process group stopped in every
+    case."""
     import dagster as dg
     import httpx
 
@@ -388,7 +390,8 @@ def deployment(url: URL, home: Path, env: dict[str, str]) -> Iterator[Deployment
         **env,
     )
     port = _free_port()
-    logs = [open(home / name, "w") for name in ("webserver.log", "daemon.log")]  # noqa: SIM115
+    names = ("webserver.log", "daemon.log", "code-server.log")
+    logs = [open(home / name, "w") for name in names]  # noqa: SIM115
     procs: list[subprocess.Popen[bytes]] = []
     old = {k: os.environ.get(k) for k in ("DAGSTER_HOME", "QO_OPS_DAGSTER_STORAGE_URL")}
 
@@ -410,11 +413,35 @@ def deployment(url: URL, home: Path, env: dict[str, str]) -> Iterator[Deployment
                 "a Dagster process exited:\n"
                 + _tail(home / "webserver.log")
                 + _tail(home / "daemon.log")
+                + _tail(home / "code-server.log")
             )
 
     try:
+        # one code server of its own, as a deployment runs its user code: the webserver and
+        # the daemon reach it over the workspace's grpc_server entry instead of each spawning
+        # a code server that shuts itself down when its parent's heartbeats lapse (20 s for
+        # the daemon's), which on a loaded 2-core machine left the daemon's scheduler
+        # without a code server for minutes
+        code_port = _free_port()
         start(
-            [str(BIN / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1"]
+            [str(BIN / "dagster"), "api", "grpc", "-m", LOCATION, "--location-name", LOCATION]
+            + ["-h", "127.0.0.1", "-p", str(code_port)],
+            logs[2],
+        )
+        workspace = home / "workspace.yaml"
+        workspace.write_text(
+            "load_from:\n  - grpc_server:\n      host: 127.0.0.1\n"
+            f"      port: {code_port}\n      location_name: {LOCATION}\n"
+        )
+
+        def code_server_up() -> bool:
+            alive()
+            check = [str(BIN / "dagster"), "api", "grpc-health-check", "-p", str(code_port)]
+            return subprocess.run(check, capture_output=True, env=proc_env).returncode == 0
+
+        _wait(code_server_up, 180, "the code server", poll=1.0)
+        start(
+            [str(BIN / "dagster-webserver"), "-w", str(workspace), "-h", "127.0.0.1"]
             + ["-p", str(port)],
             logs[0],
         )
@@ -441,7 +468,7 @@ def deployment(url: URL, home: Path, env: dict[str, str]) -> Iterator[Deployment
             stopped = d.graphql(STOP_SENSOR, {"id": sensor["id"]})["stopSensor"]
             if stopped["__typename"] != "StopSensorMutationResult":
                 raise RuntimeError(f"stopSensor: {stopped}")
-            start([str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"], logs[1])
+            start([str(BIN / "dagster-daemon"), "run", "-w", str(workspace)], logs[1])
 
             def daemon_up() -> bool:
                 alive()
