@@ -53,12 +53,19 @@ class DownstreamError(Exception):
     """
 
     def __init__(
-        self, error_class: ErrorClass, code: str, message: str, *, outcome_unknown: bool = False
+        self,
+        error_class: ErrorClass,
+        code: str,
+        message: str,
+        *,
+        outcome_unknown: bool = False,
+        retry_after_s: float | None = None,
     ) -> None:
         self.error_class = error_class
         self.code = code
         self.message = one_line(message, 200)
         self.outcome_unknown = outcome_unknown
+        self.retry_after_s = retry_after_s  # the downstream's Retry-After, when it sent one
         super().__init__(f"{code}: {self.message}")
 
     @property
@@ -86,22 +93,55 @@ def _transport_error(exc: httpx.TransportError, what: str) -> DownstreamError:
     return DownstreamError(error_class, code, f"{what}: {kind}", outcome_unknown=unknown)
 
 
-def _http_error(response: httpx.Response, what: str) -> DownstreamError:
+@dataclass(frozen=True)
+class Answer:
+    """One HTTP answer as the transport got it: status, headers (lower-case names), body."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        """The body decoded as JSON (``ValueError`` when it is not)."""
+        return json.loads(self.body)
+
+
+MAX_RETRY_AFTER_S = 3600.0  # a longer Retry-After is taken as this: an hour is the retry cap
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` header's delay in seconds (delta-seconds, fractions accepted), at
+    most an hour; ``None`` when absent or not a number (an HTTP date is not honoured)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    if seconds != seconds or seconds < 0:  # NaN, negative
+        return None
+    return min(seconds, MAX_RETRY_AFTER_S)
+
+
+def _http_error(answer: Answer, what: str) -> DownstreamError:
     """Map an unexpected HTTP status to a ``DownstreamError`` (poison has its own code)."""
-    status = response.status_code
-    error = _error_token(response)
+    status = answer.status
+    error = _error_token(answer)
     if status == 422 and error == "poison":
         return DownstreamError(ErrorClass.NON_RETRYABLE, "poison", f"{what}: rejected as poison")
     detail = f" ({error})" if error else ""
     return DownstreamError(
-        classify_http_status(status), f"http_{status}", f"{what}: HTTP {status}{detail}"
+        classify_http_status(status),
+        f"http_{status}",
+        f"{what}: HTTP {status}{detail}",
+        retry_after_s=retry_after_seconds(answer.headers.get("retry-after")),
     )
 
 
-def _error_token(response: httpx.Response) -> str | None:
+def _error_token(answer: Answer) -> str | None:
     """The ``error`` field of a JSON error body, only when it is a short, safe token."""
     try:
-        body = response.json()
+        body = answer.json()
     except ValueError:
         return None
     error = body.get("error") if isinstance(body, dict) else None
@@ -170,22 +210,36 @@ class DownstreamClient:
                     ErrorClass.NON_RETRYABLE, "invalid_payload", f"{what}: body is not valid JSON"
                 ) from None
             send_headers["content-type"] = "application/json"
+        answer = self._request(method, path, what, content, params, send_headers)
+        if none_on_404 and answer.status == 404 and _error_token(answer) == "not_found":
+            return None
+        if answer.status not in ok:
+            raise _http_error(answer, what)
+        try:
+            return answer.json()
+        except ValueError:
+            raise DownstreamError(
+                ErrorClass.UNKNOWN, "bad_response", f"{what}: HTTP {answer.status}, not JSON"
+            ) from None
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        content: bytes | None,
+        params: Mapping[str, str | int] | None,
+        headers: Mapping[str, str],
+    ) -> Answer:
+        """The transport: one request, its answer, or a ``DownstreamError`` when no answer
+        came (timeouts, connection errors)."""
         try:
             response = self._http.request(
-                method, path, content=content, params=params, headers=send_headers
+                method, path, content=content, params=params, headers=headers
             )
         except httpx.TransportError as exc:
             raise _transport_error(exc, what) from None
-        if none_on_404 and response.status_code == 404 and _error_token(response) == "not_found":
-            return None
-        if response.status_code not in ok:
-            raise _http_error(response, what)
-        try:
-            return response.json()
-        except ValueError:
-            raise DownstreamError(
-                ErrorClass.UNKNOWN, "bad_response", f"{what}: HTTP {response.status_code}, not JSON"
-            ) from None
+        return Answer(response.status_code, response.headers, response.content)
 
     @staticmethod
     def _order(data: Any, what: str) -> DownstreamOrder:
