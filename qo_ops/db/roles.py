@@ -60,6 +60,7 @@ EXPECTED: Matrix = {
         "api_token": NONE,
         "api_idempotency": NONE,
         "job_control": SIUD,  # every run reads it; `qo-ops suspend/resume` writes it
+        "downstream_breaker": SIU,  # the item jobs read it and write their transitions
         "tenant": S,
         "price_book": S,
         "quote": SU,  # quote_expiration
@@ -90,6 +91,7 @@ EXPECTED: Matrix = {
         "api_token": S,  # bearer token check
         "api_idempotency": SID,  # keys kept, expired ones deleted
         "job_control": SIUD,  # approvers suspend and resume
+        "downstream_breaker": S,  # the exporter's breaker gauges
         **dict.fromkeys(BUSINESS_TABLE_NAMES, S),  # backlog counts run job selections
         VERSION_TABLE: S,
     },

@@ -168,6 +168,25 @@ job_control = sa.Table(
     sa.CheckConstraint("length(btrim(reason)) > 0", name="reason_given"),
 )
 
+# The downstream's circuit breaker (migration 0011): one row per downstream origin
+# (scheme://host:port, never credentials), shared by every run that calls it. A run that
+# sees most of its recent calls fail systemically writes ``open`` with ``probe_after`` (the
+# database's clock + the open time); the next run after that probes with a few calls
+# (``half_open``) and writes ``closed`` when they answer. See qo_ops/platform/breaker.py.
+downstream_breaker = sa.Table(
+    "downstream_breaker",
+    metadata,
+    sa.Column("downstream", sa.Text, primary_key=True),
+    sa.Column("state", sa.Text, nullable=False),
+    sa.Column("opened_at", TS),  # when it last opened
+    sa.Column("probe_after", TS),  # an open breaker is probed from then on
+    sa.Column("reason", sa.Text),  # why it last changed: a short code, e.g. connect_error 7/10
+    sa.Column("opened_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("changed_at", TS, nullable=False, server_default=NOW),
+    sa.Column("changed_by_run", UUID(as_uuid=True)),
+    sa.CheckConstraint("state IN ('closed', 'open', 'half_open')", name="state_known"),
+)
+
 # Events written in the business transaction, published later by the relay.
 outbox_event = sa.Table(
     "outbox_event",
@@ -269,6 +288,7 @@ PLATFORM_TABLES = (
     api_token,
     api_idempotency,
     job_control,
+    downstream_breaker,
 )
 
 # ---------------------------------------------------------------------------- business

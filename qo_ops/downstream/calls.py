@@ -3,40 +3,159 @@ downstream for each claimed item, and turning recorded results into a batch outc
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import httpx
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.config import number, whole_number
 from qo_ops.downstream.client import DownstreamClient, DownstreamError, downstream_url
+from qo_ops.platform.breaker import (
+    OPEN,
+    BreakerSettings,
+    CircuitBreaker,
+    load_breaker,
+    save_transitions,
+)
 from qo_ops.platform.external import NotCalled, call_each
+from qo_ops.platform.ratelimit import TokenBucket
 from qo_ops.platform.retry import CallResult, Disposition, RetryPolicy, policy_from_env
 from qo_ops.platform.spec import BatchContext, BatchOutcome, run_settings
 
-_CLIENT_PARAM = "downstream_client"
+_CALLS_PARAM = "downstream_calls"
+RATE_LIMIT_ENV = "QO_OPS_DOWNSTREAM_RATE_LIMIT"
+RETRY_BUDGET_ENV = "QO_OPS_RETRY_BUDGET"
+BREAKER_OPEN_ENV = "QO_OPS_BREAKER_OPEN_S"
+DEPENDENCY_UNAVAILABLE = "dependency_unavailable"  # the error class of a run the breaker ended
+SYSTEMIC_CODES = frozenset({"timeout", "connect_error", "connection_reset", "transport_error"})
+
+
+@dataclass(frozen=True)
+class Manners:
+    """How a run treats the downstream: its request rate (per run, shared by the run's
+    workers; None: no limit of ours), how many retries it may make, its circuit breaker."""
+
+    rate_limit: float | None = None
+    retry_budget: int = 1000
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+
+
+def manners_from_env(environ: Mapping[str, str] | None = None) -> Manners:
+    """``QO_OPS_DOWNSTREAM_RATE_LIMIT`` (calls a second per run, 0 or unset: none),
+    ``QO_OPS_RETRY_BUDGET`` (calls for items that failed before, per run; default 1000) and
+    ``QO_OPS_BREAKER_OPEN_S`` (how long the breaker stays open before a probe; default 30),
+    checked (``ConfigError``)."""
+    rate = number(RATE_LIMIT_ENV, 0.0, 0.0, 100_000.0, unit="calls a second", environ=environ)
+    budget = whole_number(RETRY_BUDGET_ENV, 1000, 0, 10_000_000, unit="calls", environ=environ)
+    open_s = number(BREAKER_OPEN_ENV, 30.0, 0.1, 86_400.0, unit="seconds", environ=environ)
+    return Manners(rate or None, budget, BreakerSettings(open_s=open_s))
 
 
 @dataclass(frozen=True)
 class CallSettings:
-    """What a job that sends items to the downstream works with: where it is, and how a
-    failed item is retried. Read and checked once, before the run claims anything."""
+    """What a job that sends items to the downstream works with: where it is, how a failed
+    item is retried, and its manners. Read and checked once, before the run claims anything."""
 
     downstream_url: str
     retry: RetryPolicy
+    manners: Manners = field(default_factory=Manners)
 
 
 def call_settings(environ: Mapping[str, str] | None = None) -> CallSettings:
-    """``QO_OPS_DOWNSTREAM_URL`` and the retry policy (``QO_OPS_RETRY_BASE_S``/``_CAP_S``),
-    checked (``ConfigError``): the ``validate_settings`` of the jobs that call
-    :func:`call_for_each`."""
-    return CallSettings(downstream_url(environ), policy_from_env(environ=environ))
+    """``QO_OPS_DOWNSTREAM_URL``, the retry policy (``QO_OPS_RETRY_BASE_S``/``_CAP_S``) and
+    the manners (:func:`manners_from_env`), checked (``ConfigError``): the
+    ``validate_settings`` of the jobs that call :func:`call_for_each`."""
+    return CallSettings(
+        downstream_url(environ), policy_from_env(environ=environ), manners_from_env(environ)
+    )
 
 
-def downstream_client(ctx: BatchContext, url: str) -> DownstreamClient:
+def origin(url: str) -> str:
+    """The downstream's name for the breaker and metrics: scheme://host:port (no credentials,
+    no path)."""
+    parsed = httpx.URL(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return f"{parsed.scheme}://{parsed.host}:{port}"
+
+
+@dataclass
+class RunCalls:
+    """One run's dealings with the downstream: its client, limiter and breaker, and what its
+    calls added up to (for the report)."""
+
+    client: DownstreamClient
+    limiter: TokenBucket
+    downstream: str
+    manners: Manners
+    breaker: CircuitBreaker | None = None
+    calls: int = 0  # calls sent
+    retries: int = 0  # of which for items that had failed before (the retry budget)
+    budget_refused: int = 0  # retries not made: the budget was used up
+    # systemic failures recorded since the last call that answered (item id, attempt): if
+    # the breaker opens next, they were the start of the outage and get their attempt back
+    streak: list[tuple[str, int]] = field(default_factory=list)
+    reported: dict[str, float] = field(default_factory=dict)  # what the tally already has
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take_call(self, retry: bool) -> bool:
+        """Count a call about to go; ``False`` for a retry once the budget is used up."""
+        with self._lock:
+            if retry and self.retries >= self.manners.retry_budget:
+                self.budget_refused += 1
+                return False
+            self.calls += 1
+            self.retries += retry
+            return True
+
+    def not_sent(self, retry: bool) -> None:
+        """A call counted by :meth:`take_call` did not go after all (breaker, stopping)."""
+        with self._lock:
+            self.calls -= 1
+            self.retries -= retry
+
+
+def run_calls(ctx: BatchContext, url: str, manners: Manners) -> RunCalls:
+    """The run's :class:`RunCalls` for ``url``, made on first use (without a breaker: the
+    item jobs load theirs with :func:`prepare_calls`)."""
+    calls = ctx.params.get(_CALLS_PARAM)
+    if calls is None:
+        limiter = TokenBucket(manners.rate_limit)
+        client = DownstreamClient(url, limiter=limiter, stop=ctx.stop.event)
+        calls = ctx.params[_CALLS_PARAM] = RunCalls(client, limiter, origin(url), manners)
+    return calls
+
+
+def downstream_client(
+    ctx: BatchContext, url: str, manners: Manners | None = None
+) -> DownstreamClient:
     """The run's client for ``url`` (the run's checked setting), made once per run."""
-    client = ctx.params.get(_CLIENT_PARAM)
-    if client is None:
-        client = ctx.params[_CLIENT_PARAM] = DownstreamClient(url)
-    return client
+    return run_calls(ctx, url, manners or Manners()).client
+
+
+def prepare_calls(conn: Connection, ctx: BatchContext) -> None:
+    """In the run's first claim: load the downstream's shared breaker (an open one whose
+    probe is due comes back half-open)."""
+    settings = run_settings(ctx, call_settings)
+    calls = run_calls(ctx, settings.downstream_url, settings.manners)
+    if calls.breaker is None:
+        calls.breaker = load_breaker(conn, calls.downstream, settings.manners.breaker)
+        calls.client.breaker = calls.breaker
+
+
+def systemic(result: CallResult) -> bool:
+    """A failure that says the downstream is down or struggling, not that the item is bad:
+    no answer (connection error, timeout, reset) or a 5xx."""
+    code = result.code or ""
+    return (
+        not result.ok
+        and not result.released
+        and not result.rate_limited
+        and (code in SYSTEMIC_CODES or code.startswith("http_5"))
+    )
 
 
 def call_for_each(
@@ -48,8 +167,18 @@ def call_for_each(
     max_attempts: Callable[[dict[str, Any]], int],
 ) -> list[CallResult]:
     """``call(client, item)`` for every claimed item, concurrently; failures become results.
-    ``call`` answers whether the downstream had already seen the item (a duplicate)."""
-    client = downstream_client(ctx, run_settings(ctx, call_settings).downstream_url)
+    ``call`` answers whether the downstream had already seen the item (a duplicate).
+
+    Manners: no call while the breaker is open (the item is released, not failed), a retry
+    only within the run's budget, and when the breaker opens during these calls every
+    systemic failure among them is spared (the item keeps its attempt)."""
+    settings = run_settings(ctx, call_settings)
+    calls = run_calls(ctx, settings.downstream_url, settings.manners)
+    breaker = calls.breaker
+    opened_before = breaker.opened if breaker is not None else 0
+    answered: dict[str, int] = {}  # item id → the order its answer came in
+    order = iter(range(1, len(work) + 1))
+    order_lock = threading.Lock()
 
     def one(item: dict[str, Any]) -> CallResult:
         base = {
@@ -57,9 +186,17 @@ def call_for_each(
             "attempt": item[attempt_field],
             "max_attempts": max_attempts(item),
         }
+        retry = item[attempt_field] > 1
+        if not calls.take_call(retry):
+            return CallResult(**base, ok=False, code="retry_budget", released=True)
         try:
-            duplicate = call(client, item)
+            duplicate = call(calls.client, item)
         except DownstreamError as exc:
+            if not exc.sent:  # the breaker is open, or the run is stopping: never sent
+                calls.not_sent(retry)
+                return CallResult(**base, ok=False, code=exc.code, released=True)
+            with order_lock:
+                answered[base["item_id"]] = next(order)
             return CallResult(
                 **base,
                 ok=False,
@@ -68,14 +205,102 @@ def call_for_each(
                 message=exc.message,
                 # an unreadable answer came from a request that arrived: its effect is unknown
                 outcome_unknown=exc.outcome_unknown or exc.code == "bad_response",
+                rate_limited=exc.code == "http_429",
+                retry_after_s=exc.retry_after_s,
             )
+        with order_lock:
+            answered[base["item_id"]] = next(order)
         return CallResult(**base, ok=True, duplicate=duplicate is True)
 
     results = call_each(work, one, ctx.params["limits"]["concurrency"], ctx.stop)
-    return [
+    done = [
         _released(r, attempt_field, max_attempts) if isinstance(r, NotCalled) else r
         for r in results
     ]
+    if breaker is not None and breaker.opened > opened_before:
+        done = [replace(r, spared=True) if systemic(r) else r for r in done]
+    _follow_streak(calls, done, answered)
+    return done
+
+
+def _follow_streak(calls: RunCalls, results: list[CallResult], answered: dict[str, int]) -> None:
+    """Keep ``calls.streak``: the systemic failures (to be recorded with their attempt
+    used) answered after the last call that showed the downstream up."""
+    last_up = max(
+        (answered[r.item_id] for r in results if r.item_id in answered and not systemic(r)),
+        default=None,
+    )
+    if last_up is not None:
+        calls.streak = []
+    calls.streak += [
+        (r.item_id, r.attempt)
+        for r in results
+        if systemic(r) and not r.spared and (last_up is None or answered[r.item_id] > last_up)
+    ]
+
+
+def finish_calls(
+    conn: Connection,
+    ctx: BatchContext,
+    decisions: list[tuple[CallResult, Disposition]],
+    recorded: dict[str, str],
+    side_effect: str,
+    give_back: sa.TextClause,
+) -> BatchOutcome:
+    """The batch's outcome (:func:`outcome_of`), and the run's manners in it: breaker
+    transitions written to the shared row and reported (events, tally); when the breaker
+    opened, the failures that started the outage in earlier batches get their attempt back
+    (``give_back``: the job's statement over ``:ids``/``:attempts``); the run stops when the
+    breaker is open (``dependency_unavailable``) or the retry budget is used up."""
+    outcome = outcome_of(decisions, recorded, side_effect)
+    calls: RunCalls | None = ctx.params.get(_CALLS_PARAM)
+    if calls is None:
+        return outcome
+    breaker = calls.breaker
+    transitions = breaker.drain() if breaker is not None else []
+    if breaker is not None and transitions:
+        save_transitions(conn, calls.downstream, transitions, breaker.settings, ctx.job_run_id)
+        for t in transitions:
+            outcome.tally[f"breaker.{t.to}"] = outcome.tally.get(f"breaker.{t.to}", 0) + 1
+            outcome.notes.append(
+                (f"downstream.breaker.{t.to}", {"downstream": calls.downstream, "reason": t.reason})
+            )
+        if any(t.to == OPEN for t in transitions):
+            earlier = [(i, a) for i, a in calls.streak if i not in recorded]
+            if earlier:
+                given = conn.execute(
+                    give_back,
+                    {"ids": [i for i, _ in earlier], "attempts": [a for _, a in earlier]},
+                ).rowcount
+                if given:
+                    outcome.tally["downstream.spared"] = given
+            calls.streak = []
+    spared = sum(1 for r, d in decisions if d.state == "spare" and r.item_id in recorded)
+    if spared:
+        outcome.tally["downstream.spared"] = outcome.tally.get("downstream.spared", 0) + spared
+    _report_counts(calls, outcome)
+    if breaker is not None and breaker.state == OPEN:
+        outcome.halt = (DEPENDENCY_UNAVAILABLE, f"circuit breaker open for {calls.downstream}")
+    elif calls.budget_refused:
+        outcome.halt = (None, f"retry budget used up ({calls.manners.retry_budget} retries)")
+    return outcome
+
+
+def _report_counts(calls: RunCalls, outcome: BatchOutcome) -> None:
+    """The run's call counters since the last batch, into the tally (summed per run)."""
+    now = {
+        "downstream.calls": calls.calls,
+        "downstream.retries": calls.retries,
+        "downstream.retry_budget_refused": calls.budget_refused,
+        "downstream.refused_open": calls.breaker.refused if calls.breaker is not None else 0,
+        "downstream.rate_limit_pauses": calls.limiter.pauses,
+        "downstream.rate_limit_wait_ms": int(calls.limiter.waited_s * 1000),
+    }
+    for key, value in now.items():
+        delta = int(value - calls.reported.get(key, 0))
+        calls.reported[key] = value
+        if delta:
+            outcome.tally[key] = outcome.tally.get(key, 0) + delta
 
 
 def _released(
@@ -101,6 +326,8 @@ _STATE_NAMES = {
     "retry": "retry_scheduled",
     "dead": "dead_lettered",
     "release": "released",
+    "wait": "rate_limited",
+    "spare": "spared",
 }
 
 
@@ -132,8 +359,8 @@ def outcome_of(
     outcome = BatchOutcome(
         succeeded=states.count("done"),
         failed=len(failed),
-        skipped=states.count(None) + states.count("release"),
-        retry_scheduled=states.count("retry"),
+        skipped=states.count(None) + states.count("release") + states.count("spare"),
+        retry_scheduled=states.count("retry") + states.count("wait"),
         deadlettered=states.count("dead"),
         duplicates_prevented=sum(
             1 for r, _ in decisions if r.ok and r.duplicate and r.item_id in recorded

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from urllib.parse import quote
 import httpx
 
 from qo_ops.errors import ConfigError, one_line
+from qo_ops.platform.breaker import CircuitBreaker
+from qo_ops.platform.ratelimit import TokenBucket
 from qo_ops.platform.retry import ErrorClass, classify_exception, classify_http_status
 from qo_ops.platform.tracing import instrument_httpx
 
@@ -60,12 +63,14 @@ class DownstreamError(Exception):
         *,
         outcome_unknown: bool = False,
         retry_after_s: float | None = None,
+        sent: bool = True,
     ) -> None:
         self.error_class = error_class
         self.code = code
         self.message = one_line(message, 200)
         self.outcome_unknown = outcome_unknown
         self.retry_after_s = retry_after_s  # the downstream's Retry-After, when it sent one
+        self.sent = sent  # False: the client never sent it (breaker open, run stopping)
         super().__init__(f"{code}: {self.message}")
 
     @property
@@ -107,6 +112,7 @@ class Answer:
 
 
 MAX_RETRY_AFTER_S = 3600.0  # a longer Retry-After is taken as this: an hour is the retry cap
+DEFAULT_RETRY_AFTER_S = 1.0  # a 429 without a usable Retry-After pauses the run this long
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -159,7 +165,12 @@ class DownstreamClient:
         max_connections: int = 64,
         *,
         pool_timeout: float = 30.0,
+        limiter: TokenBucket | None = None,
+        breaker: CircuitBreaker | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
+        # manners (a run's client): the request rate, the shared breaker, the run's stop
+        self.limiter, self.breaker, self.stop = limiter, breaker, stop
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(
             base_url=self.base_url,
@@ -210,7 +221,7 @@ class DownstreamClient:
                     ErrorClass.NON_RETRYABLE, "invalid_payload", f"{what}: body is not valid JSON"
                 ) from None
             send_headers["content-type"] = "application/json"
-        answer = self._request(method, path, what, content, params, send_headers)
+        answer = self._mannerly(method, path, what, content, params, send_headers)
         if none_on_404 and answer.status == 404 and _error_token(answer) == "not_found":
             return None
         if answer.status not in ok:
@@ -221,6 +232,43 @@ class DownstreamClient:
             raise DownstreamError(
                 ErrorClass.UNKNOWN, "bad_response", f"{what}: HTTP {answer.status}, not JSON"
             ) from None
+
+    def _mannerly(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        content: bytes | None,
+        params: Mapping[str, str | int] | None,
+        headers: Mapping[str, str],
+    ) -> Answer:
+        """``_request`` as a polite client makes it: not while the breaker is open, at most
+        the limiter's rate, everyone paused for a ``429``'s ``Retry-After``; each answer
+        told to the breaker (a 5xx or no answer: failed; a 429: neither; else: up)."""
+        if self.breaker is not None and not self.breaker.allow(self.stop):
+            raise DownstreamError(
+                ErrorClass.RETRYABLE, "circuit_open", f"{what}: circuit open", sent=False
+            )
+        if self.limiter is not None and not self.limiter.acquire(self.stop):
+            raise DownstreamError(ErrorClass.RETRYABLE, "not_sent", f"{what}: stopping", sent=False)
+        try:
+            answer = self._request(method, path, what, content, params, headers)
+        except DownstreamError as exc:
+            if self.breaker is not None:
+                self.breaker.failed(exc.code)
+            raise
+        if answer.status == 429:
+            if self.limiter is not None:
+                retry_after = retry_after_seconds(answer.headers.get("retry-after"))
+                self.limiter.pause(DEFAULT_RETRY_AFTER_S if retry_after is None else retry_after)
+            if self.breaker is not None:
+                self.breaker.neutral()
+        elif self.breaker is not None:
+            if answer.status >= 500:
+                self.breaker.failed(f"http_{answer.status}")
+            else:
+                self.breaker.succeeded()
+        return answer
 
     def _request(
         self,

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import delivery_attempt_item
-from qo_ops.downstream.calls import call_for_each, call_settings, outcome_of
+from qo_ops.downstream.calls import call_for_each, call_settings, finish_calls, prepare_calls
 from qo_ops.errors import one_line
 from qo_ops.platform.retry import dispose
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
@@ -75,6 +75,7 @@ CLAIM_DELIVERY_BATCH = sa.text(
 
 def claim_delivery_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Claim the selected items for this run's calls."""
+    prepare_calls(conn, ctx)
     claim_s = 2 * ctx.params["limits"]["lease_ttl_s"]
     rows = conn.execute(
         CLAIM_DELIVERY_BATCH,
@@ -99,8 +100,9 @@ def send_deliveries(ctx: BatchContext, work: list[Any]) -> list[Any]:
 
 
 # Record results, each only if the item is still under this claim (same attempt number). A
-# released item (the run stopped before its call, or before its answer) is due again at once
-# with its attempt given back: stopping is not the item's failure.
+# released item (the run stopped before its call, or before its answer, or the breaker was
+# open) is due again at once with its attempt given back: stopping is not the item's
+# failure. So is a rate-limited item (due after Retry-After) and one spared by the breaker.
 RECORD_DELIVERY_RESULTS = sa.text(
     """
     UPDATE delivery_attempt_item i
@@ -120,7 +122,26 @@ RECORD_DELIVERY_RESULTS = sa.text(
     """
 )
 
-_STATE = {"done": "DELIVERED", "retry": "READY", "dead": "DEAD_LETTER", "release": "READY"}
+_STATE = {
+    "done": "DELIVERED",
+    "retry": "READY",
+    "dead": "DEAD_LETTER",
+    "release": "READY",
+    "wait": "READY",
+    "spare": "READY",
+}
+
+# The breaker opened: the failures that started the outage in an earlier batch of this run
+# get their attempt back and are due again (only while nobody claimed them since).
+GIVE_BACK_DELIVERY_ATTEMPTS = sa.text(
+    """
+    UPDATE delivery_attempt_item i
+       SET attempt_count = i.attempt_count - 1, next_attempt_at = clock_timestamp(),
+           updated_at = clock_timestamp()
+      FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[])) AS r(id, attempt)
+     WHERE i.id = r.id AND i.status = 'READY' AND i.attempt_count = r.attempt
+    """
+)
 
 
 def record_delivery_results(
@@ -137,12 +158,13 @@ def record_delivery_results(
             "states": [d.state for _, d in decisions],
             "statuses": [_STATE[d.state] for _, d in decisions],
             "delays": [d.delay_s for _, d in decisions],
-            "refunds": [int(d.state == "release") for _, d in decisions],
+            "refunds": [int(d.refund) for _, d in decisions],
             "codes": [r.code for r, _ in decisions],
             "messages": [one_line(r.message, 300) if r.message else None for r, _ in decisions],
         },
     ).all()
-    return outcome_of(decisions, {str(row.id): row.state for row in rows}, SIDE_EFFECT)
+    recorded = {str(row.id): row.state for row in rows}
+    return finish_calls(conn, ctx, decisions, recorded, SIDE_EFFECT, GIVE_BACK_DELIVERY_ATTEMPTS)
 
 
 def check_deliveries(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:

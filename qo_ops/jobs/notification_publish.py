@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import outbox_event
-from qo_ops.downstream.calls import call_for_each, call_settings, outcome_of
+from qo_ops.downstream.calls import call_for_each, call_settings, finish_calls, prepare_calls
 from qo_ops.errors import one_line
 from qo_ops.platform.retry import dispose
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
@@ -66,6 +66,7 @@ CLAIM_EVENT_BATCH = sa.text(
 
 def claim_event_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Claim the selected events for this run's publishing."""
+    prepare_calls(conn, ctx)
     claim_s = 2 * ctx.params["limits"]["lease_ttl_s"]
     rows = conn.execute(
         CLAIM_EVENT_BATCH,
@@ -95,10 +96,11 @@ RECORD_PUBLISH_RESULTS = sa.text(
     UPDATE outbox_event e
        SET published_at = CASE WHEN r.state = 'done' THEN clock_timestamp() END,
            dead_lettered_at = CASE WHEN r.state = 'dead' THEN clock_timestamp() END,
-           available_at = CASE WHEN r.state IN ('retry', 'release')
+           available_at = CASE WHEN r.state IN ('retry', 'release', 'wait', 'spare')
                                THEN clock_timestamp() + make_interval(secs => r.delay_s)
                                ELSE e.available_at END,
-           publish_attempts = e.publish_attempts - CASE WHEN r.state = 'release' THEN 1 ELSE 0 END,
+           publish_attempts = e.publish_attempts
+                              - CASE WHEN r.state IN ('release', 'wait', 'spare') THEN 1 ELSE 0 END,
            last_error_code = CASE WHEN r.state = 'release' THEN e.last_error_code ELSE r.code END
       FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:states AS text[]),
                   CAST(:delays AS float8[]), CAST(:codes AS text[]))
@@ -106,6 +108,18 @@ RECORD_PUBLISH_RESULTS = sa.text(
      WHERE e.id = r.id AND e.published_at IS NULL AND e.dead_lettered_at IS NULL
        AND e.publish_attempts = r.attempt
     RETURNING e.id, r.state
+    """
+)
+
+# The breaker opened: the failures that started the outage in an earlier batch of this run
+# get their attempt back and are due again (only while nobody claimed them since).
+GIVE_BACK_PUBLISH_ATTEMPTS = sa.text(
+    """
+    UPDATE outbox_event e
+       SET publish_attempts = e.publish_attempts - 1, available_at = clock_timestamp()
+      FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[])) AS r(id, attempt)
+     WHERE e.id = r.id AND e.published_at IS NULL AND e.dead_lettered_at IS NULL
+       AND e.publish_attempts = r.attempt
     """
 )
 
@@ -136,7 +150,7 @@ def record_publish_results(conn: Connection, ctx: BatchContext, results: list[An
     published = [i for i, state in recorded.items() if state == "done"]
     if published:
         conn.execute(MARK_NOTIFICATIONS_SENT, {"ids": published})
-    return outcome_of(decisions, recorded, SIDE_EFFECT)
+    return finish_calls(conn, ctx, decisions, recorded, SIDE_EFFECT, GIVE_BACK_PUBLISH_ATTEMPTS)
 
 
 def oldest_unpublished_seconds(conn: Connection, ctx: BatchContext) -> float | None:

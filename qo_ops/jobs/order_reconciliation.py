@@ -47,7 +47,7 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.config import whole_number
 from qo_ops.db.schema import customer_order
-from qo_ops.downstream.calls import downstream_client
+from qo_ops.downstream.calls import Manners, downstream_client, manners_from_env
 from qo_ops.downstream.client import DownstreamError, downstream_url
 from qo_ops.errors import one_line
 from qo_ops.platform.external import NotCalled, call_each
@@ -109,11 +109,14 @@ class ReconciliationSettings:
 
     downstream_url: str
     budget: ResubmitBudget
+    manners: Manners  # the request rate towards the downstream
 
 
 def reconciliation_settings(environ: Mapping[str, str] | None = None) -> ReconciliationSettings:
     """``QO_OPS_DOWNSTREAM_URL`` and the re-submission budget (``ConfigError`` if bad)."""
-    return ReconciliationSettings(downstream_url(environ), resubmit_budget(environ))
+    return ReconciliationSettings(
+        downstream_url(environ), resubmit_budget(environ), manners_from_env(environ)
+    )
 
 
 def _run_budget(ctx: BatchContext) -> ResubmitBudget:
@@ -156,7 +159,8 @@ def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Batc
 
 def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
     """Each order's downstream view; in the run's first batch also the unknown orders."""
-    client = downstream_client(ctx, run_settings(ctx, reconciliation_settings).downstream_url)
+    settings = run_settings(ctx, reconciliation_settings)
+    client = downstream_client(ctx, settings.downstream_url, settings.manners)
 
     def look(order: dict[str, Any]) -> dict[str, Any]:
         try:

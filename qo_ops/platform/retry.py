@@ -28,6 +28,7 @@ class ErrorClass(StrEnum):
 
 
 RETRYABLE_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
+REFUNDED = frozenset({"release", "wait", "spare"})  # dispositions that keep the attempt
 
 
 def classify_http_status(status: int) -> ErrorClass:
@@ -166,14 +167,31 @@ class CallResult:
     # the run stopped (SIGTERM) before making this call, or before its answer came (then
     # ``outcome_unknown``): not the item's failure, so its claim and attempt are given back
     released: bool = False
+    # the other system asked to be called less (429): the item waits ``retry_after_s`` and
+    # keeps its attempt
+    rate_limited: bool = False
+    retry_after_s: float | None = None
+    # the call failed while the circuit breaker judged the failures systemic (an outage):
+    # not the item's failure, so it keeps its attempt
+    spared: bool = False
+
+
+DEFAULT_WAIT_S = 1.0  # a rate-limited item without a Retry-After waits this long
 
 
 @dataclass(frozen=True)
 class Disposition:
     """What to do with an item after a call: delivered, retry after ``delay_s``, or dead."""
 
-    state: str  # "done" | "retry" | "dead" | "release" (due again now, attempt refunded)
+    # "done" | "retry" | "dead" | "release" (due again now) | "wait" (rate-limited: due after
+    # Retry-After) | "spare" (an outage: due again now); the last three keep their attempt
+    state: str
     delay_s: float = 0.0
+
+    @property
+    def refund(self) -> bool:
+        """Whether the item gets back the attempt its claim took (not its failure)."""
+        return self.state in REFUNDED
 
 
 def dispose(
@@ -184,6 +202,11 @@ def dispose(
         return Disposition("done")
     if result.released:
         return Disposition("release")
+    if result.rate_limited:
+        wait = DEFAULT_WAIT_S if result.retry_after_s is None else result.retry_after_s
+        return Disposition("wait", wait)
+    if result.spared:
+        return Disposition("spare")
     error = result.error_class or ErrorClass.UNKNOWN
     budget = RetryPolicy(policy.base, policy.cap, result.max_attempts, policy.jitter)
     if budget.decide(error, result.attempt) == "dead_letter":

@@ -843,6 +843,10 @@ def _batch_loop(
                     logging.WARNING,
                     **{"item.id": item_id, "error.type": error_class},
                 )
+            for name, fields in outcome.notes:  # e.g. downstream.breaker.open
+                events.emit(
+                    name, logging.WARNING if name.endswith("open") else logging.INFO, **fields
+                )
             elapsed = time.monotonic() - started
             events.progress(
                 **{
@@ -856,6 +860,12 @@ def _batch_loop(
                     else None,
                 }
             )
+        if outcome.halt is not None:  # e.g. the downstream's breaker opened
+            code, reason = outcome.halt
+            if code is not None:
+                summary.status, summary.error_code = "failed", code
+            summary.status_reason = reason
+            return
         if limits["throttle_ms"] and ctx.stop.event.wait(limits["throttle_ms"] / 1000.0):
             continue  # woken by a stop signal: the loop head ends the run as cancelled
 

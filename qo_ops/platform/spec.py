@@ -318,6 +318,11 @@ class BatchOutcome:
     tally: dict[str, int] = field(
         default_factory=dict
     )  # job-specific counts, e.g. mismatches by type
+    # events the runner emits for this batch: (name, fields), e.g. a breaker's transition
+    notes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # the run stops after this batch: (error class or None, reason). With an error class it
+    # ends failed with it (e.g. dependency_unavailable); without, as its counts say
+    halt: tuple[str | None, str] | None = None
 
     def side_effect(self, name: str, result: str, n: int = 1, *, reason: str = "") -> None:
         """Count ``n`` attempts at the side effect ``name`` (one the job declares in

@@ -52,6 +52,11 @@ def scalar(engine: sa.Engine, sql: str, **params: object):
         return conn.execute(sa.text(sql), params).scalar()
 
 
+def execute_sql(engine: sa.Engine, sql: str, **params: object) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text(sql), params)
+
+
 def execute(spec: JobSpec, db, scope: Scope | None = None, **options) -> RunSummary:
     return run_job(
         spec,
@@ -176,9 +181,21 @@ def _tally_sums(db, job: str) -> dict[str, int]:
     }
 
 
-def test_backoff_and_downstream_fully_down(db, downstream_factory, monkeypatch, fast_retries):
+def test_backoff_of_items_that_fail_while_the_downstream_is_up(
+    db, downstream_factory, monkeypatch, fast_retries
+):
+    """A few items failing (fewer than the breaker's streak of 10) are the items' failures:
+    each uses an attempt and backs off exponentially. A downstream that is down for every
+    call opens the breaker instead (test_downstream_manners.py)."""
     load_demo_data(db.engine, tenants=1, quotes=400, seed=3, as_of=AS_OF)
-    items = make_all_deliveries_due(db, strip_poison=True)
+    make_all_deliveries_due(db, strip_poison=True)
+    items = 4
+    execute_sql(
+        db.engine,
+        "UPDATE delivery_attempt_item SET status = 'DELIVERED' WHERE id NOT IN "
+        "(SELECT id FROM delivery_attempt_item ORDER BY id LIMIT :n)",
+        n=items,
+    )
     server = downstream_factory(error_rate=1.0)
     monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", server.url)
     for attempt in (1, 2, 3):
@@ -202,8 +219,10 @@ def test_backoff_and_downstream_fully_down(db, downstream_factory, monkeypatch, 
         rows = q(
             db.engine,
             "SELECT status, attempt_count, last_error_code, "
-            "extract(epoch FROM next_attempt_at - last_error_at) AS delay FROM delivery_attempt_item",
+            "extract(epoch FROM next_attempt_at - last_error_at) AS delay "
+            "FROM delivery_attempt_item WHERE status <> 'DELIVERED'",
         ).all()
+        assert len(rows) == items
         assert {(r.status, r.attempt_count, r.last_error_code) for r in rows} == {
             ("READY", attempt, "http_503")
         }
@@ -282,6 +301,8 @@ def test_killed_after_sending_then_rerun_delivers_once(db, downstream, fast_retr
     assert _tally_sums(db, "delivery_retry") == {
         "outcome.ok.attempt_2.delivered": items,
         "side_effect.submit_delivery.duplicate_prevented": items,
+        "downstream.calls": items,  # the rerun's calls, each a retry (the second attempt)
+        "downstream.retries": items,
     }
     assert scalar(db.engine, "SELECT sum(duplicates_prevented_count) FROM job_run") == items
 

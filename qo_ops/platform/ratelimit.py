@@ -1,0 +1,72 @@
+"""A token bucket for the calls a run makes to another system, shared by the run's workers:
+at most ``rate`` calls a second on average, ``burst`` at once after a quiet spell; and a
+pause for everyone when the other system says so (``429`` + ``Retry-After``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+_WAIT_S = 0.05  # the longest a waiting caller sleeps before looking at the stop request
+
+
+class TokenBucket:
+    """``acquire()`` before each call. ``rate`` None means no limit (pauses still apply)."""
+
+    def __init__(
+        self,
+        rate: float | None,
+        burst: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if rate is not None and not rate > 0:
+            raise ValueError("rate must be positive")
+        self.rate = rate
+        self.burst = max(1.0, burst if burst is not None else (rate or 1.0) / 10)
+        self._clock = clock
+        self._tokens = self.burst
+        self._at = clock()
+        self._paused_until = 0.0
+        self._lock = threading.Lock()
+        self.waited_s = 0.0  # time callers spent waiting, summed (the run's slow-down)
+        self.pauses = 0  # Retry-After pauses taken
+
+    def pause(self, seconds: float) -> None:
+        """No call goes for ``seconds`` from now (a pause never shortens an earlier one)."""
+        with self._lock:
+            self._paused_until = max(self._paused_until, self._clock() + max(0.0, seconds))
+            self.pauses += 1
+
+    def acquire(self, stop: threading.Event | None = None) -> bool:
+        """Wait for a token; ``False`` (no token taken) when ``stop`` is set meanwhile."""
+        started: float | None = None
+        while True:
+            with self._lock:
+                now = self._clock()
+                wait = self._paused_until - now
+                if wait <= 0 and self.rate is None:
+                    break
+                if wait <= 0 and self.rate is not None:
+                    self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+                    self._at = now
+                    if self._tokens >= 1.0:
+                        self._tokens -= 1.0
+                        break
+                    wait = (1.0 - self._tokens) / self.rate
+                if started is None:
+                    started = now
+            if stop is not None and stop.is_set():
+                return False
+            _sleep(min(wait, _WAIT_S), stop)
+        if started is not None:
+            with self._lock:
+                self.waited_s += self._clock() - started
+        return True
+
+
+def _sleep(seconds: float, stop: threading.Event | None) -> None:
+    if stop is None:
+        time.sleep(seconds)
+    else:
+        stop.wait(seconds)
