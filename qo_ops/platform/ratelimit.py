@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
+_EPSILON = 1e-9
 _WAIT_S = 0.05  # the longest a waiting caller sleeps before looking at the stop request
 
 
@@ -50,8 +51,8 @@ class TokenBucket:
                 if wait <= 0 and self.rate is not None:
                     self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
                     self._at = now
-                    if self._tokens >= 1.0:
-                        self._tokens -= 1.0
+                    if self._tokens >= 1.0 - _EPSILON:  # a clock's rounding is no reason to wait
+                        self._tokens = max(0.0, self._tokens - 1.0)
                         break
                     wait = (1.0 - self._tokens) / self.rate
                 if started is None:
