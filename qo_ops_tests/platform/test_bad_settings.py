@@ -167,6 +167,13 @@ BAD_SETTINGS = {
     ),
     "publish: retry cap abc": ("notification_publish", {"QO_OPS_RETRY_CAP_S": "abc"}, "QO_OPS_RETRY_CAP_S"),
     "publish: retry base 1e400": ("notification_publish", {"QO_OPS_RETRY_BASE_S": "1e400"}, "QO_OPS_RETRY_BASE_S"),
+    "delivery: rate limit abc": ("delivery_retry", {"QO_OPS_DOWNSTREAM_RATE_LIMIT": "abc"}, "QO_OPS_DOWNSTREAM_RATE_LIMIT"),
+    "delivery: rate limit negative": ("delivery_retry", {"QO_OPS_DOWNSTREAM_RATE_LIMIT": "-1"}, "QO_OPS_DOWNSTREAM_RATE_LIMIT"),
+    "delivery: retry budget 1.5": ("delivery_retry", {"QO_OPS_RETRY_BUDGET": "1.5"}, "QO_OPS_RETRY_BUDGET"),
+    "publish: breaker open 0": ("notification_publish", {"QO_OPS_BREAKER_OPEN_S": "0"}, "QO_OPS_BREAKER_OPEN_S"),
+    "reconciliation: rate limit nan": (
+        "order_reconciliation", {"QO_OPS_DOWNSTREAM_RATE_LIMIT": "nan"}, "QO_OPS_DOWNSTREAM_RATE_LIMIT"
+    ),
     "reconciliation: resubmit max 11": (
         "order_reconciliation", {"QO_OPS_RESUBMIT_MAX": "11"}, "QO_OPS_RESUBMIT_MAX"
     ),
