@@ -80,6 +80,7 @@ from bench.common import (
     stopwatch,
 )
 from bench.suite import Profile, Row, Section, median
+from qo_ops_tests.dagster.stack import start_code_server
 
 TITLE = "Orchestration at tenant scale"
 REPLACES = ("Orchestration overhead",)  # its title before issue 19 (BENCHMARKS.md updates)
@@ -417,29 +418,8 @@ def deployment(url: URL, home: Path, env: dict[str, str]) -> Iterator[Deployment
             )
 
     try:
-        # one code server of its own, as a deployment runs its user code: the webserver and
-        # the daemon reach it over the workspace's grpc_server entry instead of each spawning
-        # a code server that shuts itself down when its parent's heartbeats lapse (20 s for
-        # the daemon's), which on a loaded 2-core machine left the daemon's scheduler
-        # without a code server for minutes
-        code_port = _free_port()
-        start(
-            [str(BIN / "dagster"), "api", "grpc", "-m", LOCATION, "--location-name", LOCATION]
-            + ["-h", "127.0.0.1", "-p", str(code_port)],
-            logs[2],
-        )
-        workspace = home / "workspace.yaml"
-        workspace.write_text(
-            "load_from:\n  - grpc_server:\n      host: 127.0.0.1\n"
-            f"      port: {code_port}\n      location_name: {LOCATION}\n"
-        )
-
-        def code_server_up() -> bool:
-            alive()
-            check = [str(BIN / "dagster"), "api", "grpc-health-check", "-p", str(code_port)]
-            return subprocess.run(check, capture_output=True, env=proc_env).returncode == 0
-
-        _wait(code_server_up, 180, "the code server", poll=1.0)
+        code, workspace = start_code_server(home, proc_env, logs[2])
+        procs.append(code)
         start(
             [str(BIN / "dagster-webserver"), "-w", str(workspace), "-h", "127.0.0.1"]
             + ["-p", str(port)],

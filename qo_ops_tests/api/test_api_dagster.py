@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dagster as dg
 import sqlalchemy as sa
 
+from qo_ops.api.tokens import PREFIX
 from qo_ops.db.schema import job_run
 from qo_ops_tests.dagster.stack import dagster_stack, wait_for
 
@@ -201,7 +202,10 @@ def test_runs_launched_through_the_api_execute_in_dagster(loaded, logins, api_fa
         run_log = [str(e.user_message) for e in instance.all_logs(row.dagster_run_id)]
         assert any('"event.name": "job.finished"' in m and run_id in m for m in run_log)
         assert "api.request" in everything and "quote_expiration" in everything
-        for secret in [*tokens, *(t.rsplit("_", 1)[1] for t in tokens), *db_passwords]:
+        # a token is qoops_<16 hex id>_<secret>; the secret may hold "_" itself
+        secrets = [t.removeprefix(PREFIX).split("_", 1)[1] for t in tokens]
+        assert all(len(s) >= 40 for s in secrets)
+        for secret in [*tokens, *secrets, *db_passwords]:
             assert secret not in everything
         for marker in ("postgresql://", "postgresql+psycopg", "Bearer "):
             assert marker not in everything, marker

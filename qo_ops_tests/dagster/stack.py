@@ -1,11 +1,12 @@
-"""A real Dagster deployment for tests: dagster-webserver and dagster-daemon on loopback,
-over PostgreSQL storage next to the test's database.
+"""A real Dagster deployment for tests: a code server, dagster-webserver and dagster-daemon
+on loopback, over PostgreSQL storage next to the test's database.
 
     with dagster_stack(db, tmp_path) as (client, instance, port):
         ...  # client: DagsterGraphQLClient; port: the webserver's port on 127.0.0.1
 
 ``read_only=True`` starts the webserver with ``--read-only``; ``env`` adds environment
-variables to both processes. Their output is in ``home/webserver.log`` and ``home/daemon.log``.
+variables to every process. Their output is in ``home/webserver.log``, ``home/daemon.log``
+and ``home/code-server.log``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import IO
 
 import dagster as dg
 import httpx
@@ -49,6 +51,41 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     pytest.fail(f"timed out waiting for {what}")
 
 
+def start_code_server(
+    home: Path, env: dict[str, str], log: IO[str], timeout: float = 180.0
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """One code server of the deployment's own (``dagster api grpc``, as the Helm chart's
+    user deployment runs it), answering health checks, and ``home/workspace.yaml`` pointing
+    at it (a grpc_server entry). The webserver and daemon share it instead of each spawning
+    a code server that shuts itself down when its parent's heartbeats lapse (20 s for the
+    daemon's): on a loaded 2-core machine that left the daemon's sensors and scheduler
+    without a code server for minutes."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(BIN / "dagster"), "api", "grpc", "-m", LOCATION, "--location-name", LOCATION]
+        + ["-h", "127.0.0.1", "-p", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    workspace = home / "workspace.yaml"
+    workspace.write_text(
+        "load_from:\n  - grpc_server:\n      host: 127.0.0.1\n"
+        f"      port: {port}\n      location_name: {LOCATION}\n"
+    )
+    check = [str(BIN / "dagster"), "api", "grpc-health-check", "-p", str(port)]
+    end = time.monotonic() + timeout
+    while subprocess.run(check, capture_output=True, env=env).returncode != 0:
+        if proc.poll() is not None or time.monotonic() > end:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"the code server did not start (log: {log.name})")
+        time.sleep(0.5)
+    return proc, workspace
+
+
 @contextmanager
 def dagster_stack(
     db, home: Path, *, read_only: bool = False, env: dict[str, str] | None = None
@@ -64,13 +101,16 @@ def dagster_stack(
     )
     proc_env.update(env or {})
     port = free_port()
-    logs = [open(home / name, "w") for name in ("webserver.log", "daemon.log")]  # noqa: SIM115
+    names = ("webserver.log", "daemon.log", "code-server.log")
+    logs = [open(home / name, "w") for name in names]  # noqa: SIM115
+    code, workspace = start_code_server(home, proc_env, logs[2])
     procs = [
+        code,
         subprocess.Popen(
             [
                 str(BIN / "dagster-webserver"),
                 "-w",
-                "workspace.yaml",
+                str(workspace),
                 "-h",
                 "127.0.0.1",
                 "-p",
@@ -84,7 +124,7 @@ def dagster_stack(
             start_new_session=True,
         ),
         subprocess.Popen(
-            [str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+            [str(BIN / "dagster-daemon"), "run", "-w", str(workspace)],
             cwd=REPO,
             env=proc_env,
             stdout=logs[1],
