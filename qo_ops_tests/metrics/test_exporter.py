@@ -44,7 +44,10 @@ SEED_METRICS = (
     "job_duplicate_side_effect_prevented_total",
     "job_checkpoint_age_seconds",
 )
-ALLOWED_LABELS = {"job_name", "status", "error_class", "side_effect", "result", "reason"}
+ALLOWED_LABELS = {
+    "job_name", "status", "error_class", "side_effect", "result", "reason",
+    "downstream", "state", "to",  # a breaker's origin and state; a transition's target
+}  # fmt: skip
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
