@@ -25,6 +25,7 @@ from qo_ops.db import migrate
 from qo_ops.db.engine import DatabaseTarget, ensure_database, get_engine, resolve_target
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 from qo_ops.errors import BadInput, QoOpsError
+from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.spec import JobSpec, RunOptions, Scope
 from qo_ops.platform.tracing import configure_from_env
 
@@ -392,6 +393,9 @@ def run_command(
         for key in ("status_reason", "error_code", "error_text"):
             if data[key]:
                 typer.echo(f"{key}={data[key]}")
+        calls = DownstreamCalls.from_tally(summary.tally)
+        if calls is not None:
+            typer.echo(f"downstream={calls.line()}")
         if summary.sample_ids:
             typer.echo(f"sample_ids={','.join(summary.sample_ids)}")
         for check in summary.checks:
@@ -409,11 +413,11 @@ def status_command(
     tenant: Annotated[str | None, typer.Option(help="One tenant (default: all).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Per job and tenant: last run, last success, lease holder, backlog; and what is
-    suspended, by whom, since when and why."""
+    """Per job and tenant: last run, last success, lease holder, backlog; what is
+    suspended, by whom, since when and why; and a downstream breaker that is not closed."""
     from qo_ops.jobs.catalog import CATALOG, get_spec
     from qo_ops.platform.control import suspensions
-    from qo_ops.platform.status import job_status
+    from qo_ops.platform.status import breaker_status, job_status
 
     specs = [get_spec(job)] if job else list(CATALOG.values())
     engine = get_engine()
@@ -421,9 +425,21 @@ def status_command(
     rows = [r for spec in specs for r in job_status(engine, spec, tenant)]
     with engine.connect() as conn:
         held = suspensions(conn, job, tenant)
+        not_closed = [b for b in breaker_status(conn) if b.state != "closed"]
     if as_json:
-        emit_json({"status": [r.as_dict() for r in rows], "suspended": [s.as_dict() for s in held]})
+        emit_json(
+            {
+                "status": [r.as_dict() for r in rows],
+                "suspended": [s.as_dict() for s in held],
+                "breakers_not_closed": [b.as_dict() for b in not_closed],
+            }
+        )
         return
+    for b in not_closed:  # every job that calls it waits: say so before the table
+        typer.echo(
+            f"downstream {b.downstream}: circuit breaker {b.state} for {b.open_s:.0f} s "
+            f"({b.reason or 'no reason'}); runs hold their calls: qo-ops downstream-status"
+        )
     if held:
         print_table(
             "suspended (qo-ops resume JOB [--tenant T] --reason …)",
@@ -491,20 +507,14 @@ def runs_command(
     if as_json:
         emit_json({"runs": [dataclasses.asdict(r) for r in history]})
         return
+    calls = [DownstreamCalls.from_tally(r.tally) for r in history]
+    headers = ["run id", "scope", "mode", "trigger", "started", "status", "reason"]
+    headers += ["eligible", "processed", "failed"]
+    if any(calls):  # a job that calls the downstream: how its runs treated it
+        headers += ["calls", "retry pressure", "breaker"]
     print_table(
         f"runs of {spec.name}",
-        [
-            "run id",
-            "scope",
-            "mode",
-            "trigger",
-            "started",
-            "status",
-            "reason",
-            "eligible",
-            "processed",
-            "failed",
-        ],
+        headers,
         [
             [
                 str(r.id),
@@ -517,10 +527,75 @@ def runs_command(
                 r.eligible_count,
                 r.processed_count,
                 r.failed_count,
+                *(_calls_cells(c) if any(calls) else []),
             ]
-            for r in history
+            for r, c in zip(history, calls, strict=True)
         ],
     )
+
+
+def _calls_cells(calls: DownstreamCalls | None) -> list[Any]:
+    """A run's calls, retry pressure (retries / calls) and breaker transitions."""
+    if calls is None:
+        return ["-", "-", "-"]
+    pressure = calls.retry_pressure
+    return [
+        calls.calls,
+        "-" if pressure is None else f"{pressure * 100:.1f} %",
+        calls.breaker_text(),
+    ]
+
+
+@app.command("downstream-status")
+def downstream_status_command(as_json: JsonOpt = False) -> None:
+    """The downstream's circuit breaker as the runs share it: state, since when and why,
+    when the next run probes it. Read-only."""
+    from qo_ops.platform.status import breaker_status
+
+    engine = get_engine()
+    migrate.require_current(engine)
+    with engine.connect() as conn:
+        rows = breaker_status(conn)
+    if as_json:
+        emit_json({"breakers": [r.as_dict() for r in rows]})
+        return
+    if not rows:
+        typer.echo("no breaker recorded: every downstream closed (no run has opened one)")
+        return
+    print_table(
+        "downstream breakers (docs/downstream.md, During a downstream incident)",
+        [
+            "downstream",
+            "state",
+            "since",
+            "open for",
+            "next probe",
+            "times opened",
+            "reason",
+            "by run",
+        ],
+        [
+            [
+                r.downstream,
+                r.state,
+                _when(r.opened_at) if r.state != "closed" else "-",
+                f"{r.open_s:.0f} s" if r.state != "closed" else "-",
+                _probe_text(r.state, r.probe_in_s),
+                r.opened_count,
+                r.reason or "-",
+                str(r.changed_by_run or "-"),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _probe_text(state: str, probe_in_s: float | None) -> str:
+    if state == "half_open":
+        return "probing"
+    if state != "open" or probe_in_s is None:
+        return "-"
+    return "due: the next run probes" if probe_in_s <= 0 else f"in {probe_in_s:.0f} s"
 
 
 @app.command("cancel")

@@ -334,6 +334,7 @@ def test_runs_lists_history_as_table_and_json(demo, cli):
     assert dry["job_run_id"] in text.stdout
     assert execute["job_run_id"] in text.stdout
     assert TENANT in text.stdout
+    assert "retry pressure" not in text.stdout  # a job that calls no downstream: no such column
 
     as_json = cli("runs", JOB, "--tenant", TENANT, "--json")
     assert as_json.code == 0, as_json.stderr
@@ -346,9 +347,25 @@ def test_runs_lists_history_as_table_and_json(demo, cli):
     assert newest["trigger_type"] == "manual"
     assert newest["status"] == "success"
     assert newest["processed_count"] == execute["processed_count"]
+    assert newest["tally"] == execute["tally"]
     assert history[1]["mode"] == "dry_run"
 
     assert json.loads(cli("runs", JOB, "--tenant", "tenant-002", "--json").stdout)["runs"] == []
+
+
+def test_downstream_status_before_any_breaker_opened(db, cli):
+    """No run has opened a breaker: the view says so (the opened one, with its reason and
+    next probe, is in qo_ops_tests/metrics/test_downstream_metrics.py)."""
+    text = cli("downstream-status")
+    assert text.code == 0, text.stderr
+    assert (
+        text.stdout.strip()
+        == "no breaker recorded: every downstream closed (no run has opened one)"
+    )
+    assert json.loads(cli("downstream-status", "--json").stdout) == {"breakers": []}
+    assert "breakers_not_closed" in json.loads(cli("status", JOB, "--json").stdout)
+    bad = cli("downstream-status", "--tenant", TENANT)
+    assert bad.code == 2 and "Traceback" not in bad.stderr
 
 
 # ------------------------------------------------------------------------- cancel

@@ -34,6 +34,7 @@ from qo_ops.dagster_defs.partitions import (
 from qo_ops.errors import BadInput, one_line
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform import control, runs
+from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.spec import (
     FIRST_DAY,
     LAST_DAY,
@@ -463,7 +464,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
     @app.get(
         "/internal/jobs/{jobName}/runs/{runId}",
         responses=ERRORS,
-        summary="A run: status, counters, Dagster run and link",
+        summary="A run: status, counters, its calls to the downstream, Dagster run and link",
     )
     def get_run(jobName: str, runId: uuid.UUID, request: Request, p: Caller) -> dict[str, Any]:
         spec, row = run_of(jobName, runId)
@@ -697,6 +698,8 @@ def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
 def _run_view(row: dict[str, Any], dagster: DagsterClient) -> dict[str, Any]:
     view = _jsonable(row)
     view["jobRunId"] = view.pop("id")
+    calls = DownstreamCalls.from_tally(view.pop("tally", None))
+    view["downstream"] = calls.as_dict() if calls is not None else None
     dagster_run_id = row.get("dagster_run_id")
     view["dagster"] = (
         {

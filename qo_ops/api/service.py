@@ -342,6 +342,7 @@ RUN_FIELDS = (
     "fencing_token",
     "last_error_code",
     *runs.COUNTERS,
+    "tally",  # shown as the run's downstream figures (qo_ops.platform.manners)
 )
 
 

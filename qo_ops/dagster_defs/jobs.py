@@ -41,6 +41,7 @@ from qo_ops.dagster_defs.submission import (
 from qo_ops.db.availability import is_unavailable
 from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform import runs
+from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.overdue import Backlog, tenant_backlog
 from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.spec import (
@@ -132,11 +133,13 @@ def report_table(summary: RunSummary) -> dg.TableMetadataValue:
 
 def summary_metadata(summary: RunSummary, scope: Scope | None = None) -> dict[str, Any]:
     """The run's report as Dagster metadata: status, counters and timings as numbers, scope
-    and window, fencing token, checkpoint before/after, and the report table."""
+    and window, fencing token, checkpoint before/after, the downstream's figures (calls,
+    retries, retry pressure, rate limiting, breaker), and the report table."""
     keys = (
         "job_run_id",
         "status",
         "status_reason",
+        "error_code",
         "mode",
         "scope",
         "trigger",
@@ -166,6 +169,12 @@ def summary_metadata(summary: RunSummary, scope: Scope | None = None) -> dict[st
     if scope is not None and scope.window_start is not None:
         metadata["window_start"] = scope.window_start.isoformat()
         metadata["window_end"] = scope.window_end.isoformat() if scope.window_end else ""
+    calls = DownstreamCalls.from_tally(summary.tally)
+    if calls is not None:  # numbers, so that Dagster plots them run after run
+        for key, value in calls.as_dict().items():
+            if isinstance(value, int | float):  # retry_pressure is None without calls
+                metadata[f"downstream_{key}"] = value
+        metadata["downstream_breaker"] = calls.breaker_text()
     if summary.report:
         metadata["report"] = report_table(summary)
     return metadata

@@ -41,6 +41,8 @@ def metrics_command(
 
     from qo_ops.db import migrate
     from qo_ops.db.engine import get_engine
+    from qo_ops.downstream.calls import origin
+    from qo_ops.downstream.client import DOWNSTREAM_URL_ENV, downstream_url
     from qo_ops.jobs.catalog import CATALOG
     from qo_ops.metrics.exporter import JobCollector
     from qo_ops.platform.telemetry import json_log_handler
@@ -50,6 +52,10 @@ def metrics_command(
     refresh = _seconds(REFRESH_ENV, 30, 1, 3600)
     # how long a job may stay suspended before QoOpsJobSuspendedTooLong (default: one day)
     suspension_alert_after = _seconds(SUSPENSION_ALERT_ENV, 86400, 60, 30 * 86400)
+    # the configured downstream's breaker is served (closed) before any run opens it
+    downstreams = (
+        [origin(downstream_url())] if os.environ.get(DOWNSTREAM_URL_ENV, "").strip() else []
+    )
     engine = get_engine()
     migrate.require_current(engine)
     collector = JobCollector(
@@ -57,6 +63,7 @@ def metrics_command(
         CATALOG.values(),
         refresh_s=refresh,
         suspension_alert_after_s=suspension_alert_after,
+        downstreams=downstreams,
     )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)

@@ -15,8 +15,13 @@ they stay right across many short run processes (``docs/observability.md``).
   Tenants suspended on their own are left out of the failure streak, backlog and lag: their
   runs and items wait on purpose, and the alerts built on those gauges must not fire for it.
 
-Labels are only ``job_name``, ``status`` and ``error_class``: a suspension's tenant, reason
-and author never become a label or a value.
+- The downstream's circuit breakers (``downstream_breaker``, a row per downstream origin) are
+  read on each scrape: state and open time per origin. The runs' calls to it (retries, calls
+  not sent, rate-limit pauses, breaker transitions) are counters over their tallies.
+
+Labels come from fixed lists (the catalog, words in the code) or, for ``downstream``, an
+origin (scheme://host:port): a suspension's tenant, reason and author, or a breaker's reason,
+never become a label or a value.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from prometheus_client.core import (
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from qo_ops.downstream.calls import call_settings
+from qo_ops.platform import manners
+from qo_ops.platform.breaker import CLOSED
 from qo_ops.platform.control import Suspension, suspensions
 from qo_ops.platform.missed import MISSED_REASONS, first_scheduled_tick, missed_runs, tick_window_s
 from qo_ops.platform.runs import FINAL_STATUSES
@@ -55,6 +63,7 @@ from qo_ops.platform.spec import (
     cadence_seconds,
     cron_ticks,
 )
+from qo_ops.platform.status import BreakerStatus, breaker_status
 from qo_ops.platform.telemetry import log_event
 
 log = logging.getLogger("qo_ops.metrics")
@@ -91,6 +100,10 @@ class _Feed:
     ambiguity: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     missed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     missed_cursor: dict[str, datetime] = field(default_factory=dict)  # last tick judged
+    # (metric, job, label value) → the downstream counters of DOWNSTREAM_COUNTERS
+    downstream: dict[tuple[str, str, str], float] = field(
+        default_factory=lambda: defaultdict(float)
+    )
 
 
 # Runs created in (cursor, cutoff), counted per job in the database.
@@ -145,13 +158,14 @@ _NEW_SCHEDULED = sa.text(
     """
 )
 # The platform's counts in the tallies of runs finished in (cursor, cutoff): side effects by
-# result, ambiguity by reason, checkpoint updates and resets.
+# result, ambiguity by reason, checkpoint updates and resets, the downstream's manners.
 _FINISHED_TALLIES = sa.text(
     r"""
     SELECT job_name, t.key, sum(t.value::bigint) AS n
       FROM job_run, jsonb_each_text(tally) AS t(key, value)
      WHERE finished_at IS NOT NULL AND finished_at < :cutoff AND (finished_at, id) > (:ts, :id)
-       AND (t.key LIKE 'side\_effect%' OR t.key LIKE 'checkpoint.%')
+       AND (t.key LIKE 'side\_effect%' OR t.key LIKE 'checkpoint.%'
+            OR t.key LIKE 'downstream.%' OR t.key LIKE 'breaker.%')
      GROUP BY 1, 2
     """
 )
@@ -161,6 +175,57 @@ TALLY_COUNTERS = {
     CHECKPOINT_UPDATES: "job_checkpoint_updates_total",
     CHECKPOINT_RESETS: "job_checkpoint_resets_total",
 }
+# A run's calls to the downstream (qo_ops.platform.manners): tally key → (metric, label
+# value, scale). The label is the metric's one label besides job_name, from this list only.
+DOWNSTREAM_COUNTERS: dict[str, tuple[str, str, float]] = {
+    manners.CALLS: ("job_downstream_calls_total", "", 1.0),
+    manners.RETRIES: ("job_downstream_retries_total", "", 1.0),
+    manners.REFUSED_OPEN: ("job_downstream_not_sent_total", "breaker_open", 1.0),
+    manners.RETRY_BUDGET_REFUSED: ("job_downstream_not_sent_total", "retry_budget", 1.0),
+    manners.RATE_LIMIT_PAUSES: ("job_downstream_rate_limit_pauses_total", "", 1.0),
+    manners.RATE_LIMIT_WAIT_MS: ("job_downstream_rate_limit_wait_seconds_total", "", 0.001),
+    manners.SPARED: ("job_downstream_spared_total", "", 1.0),
+    **{
+        manners.BREAKER_PREFIX + state: ("job_breaker_transitions_total", state, 1.0)
+        for state in manners.BREAKER_STATES
+    },
+}
+DOWNSTREAM_FAMILIES = {  # metric → (help, its label besides job_name, the label's values)
+    "job_downstream_calls_total": ("Calls sent to the downstream", None, ("",)),
+    "job_downstream_retries_total": (
+        "Calls sent for items that had failed before (retry pressure: retries / calls)",
+        None,
+        ("",),
+    ),
+    "job_downstream_not_sent_total": (
+        "Calls not sent: the circuit breaker was open, or the run's retry budget was used up",
+        "reason",
+        ("breaker_open", "retry_budget"),
+    ),
+    "job_downstream_rate_limit_pauses_total": (
+        "429 answers with Retry-After: each paused the run's calls",
+        None,
+        ("",),
+    ),
+    "job_downstream_rate_limit_wait_seconds_total": (
+        "Time calls waited for the rate limit or a Retry-After, summed over workers",
+        None,
+        ("",),
+    ),
+    "job_downstream_spared_total": (
+        "Items whose failed attempt was given back: the breaker judged the failure systemic",
+        None,
+        ("",),
+    ),
+    "job_breaker_transitions_total": (
+        "Circuit breaker transitions made by the job's runs, by the state moved to",
+        "to",
+        manners.BREAKER_STATES,
+    ),
+}
+# A downstream label is an origin as qo_ops.downstream.calls.origin writes it; anything else
+# in the table shows as "other" (never free text in a label)
+_ORIGIN = re.compile(r"^https?://[A-Za-z0-9.:\[\]\-]{1,260}:[0-9]{1,5}$")
 ITEM_SUMS = {
     "job_items_processed_total": ("processed_count", "Items processed"),
     "job_items_failed_total": ("failed_count", "Items failed"),
@@ -184,9 +249,14 @@ class JobCollector:
         suspension_alert_after_s: float = 86400.0,
         missed_lookback_s: float = MISSED_LOOKBACK_S,
         clock: Callable[[], datetime] | None = None,
+        downstreams: Iterable[str] = (),
     ) -> None:
         self.engine = engine
         self.specs = list(specs)
+        # origins served as closed breakers until a run writes a row (the configured one)
+        self.downstreams = [_downstream_label(d) for d in downstreams]
+        # the jobs whose runs call the downstream (their counters exist from the first scrape)
+        self.calling = [s.name for s in self.specs if s.validate_settings is call_settings]
         self._by_name = {s.name: s for s in self.specs}
         self.missed_lookback_s = missed_lookback_s
         self._clock = clock  # None: the database's; a test may freeze it
@@ -310,6 +380,9 @@ class JobCollector:
         parts = key.split(".")
         if key in TALLY_COUNTERS:
             feed.sums[(TALLY_COUNTERS[key], job)] += n
+        elif key in DOWNSTREAM_COUNTERS:
+            metric, label, scale = DOWNSTREAM_COUNTERS[key]
+            feed.downstream[(metric, job, label)] += n * scale
         elif len(parts) == 3 and parts[0] == "side_effect":
             name = parts[1] if parts[1] in spec.side_effects else "other"
             result = parts[2] if parts[2] in SIDE_EFFECT_RESULTS else "other"
@@ -352,6 +425,7 @@ class JobCollector:
                 now_families = [
                     *self._now(conn, _suspended_tenants(held)),
                     *self._suspensions(held, now),
+                    *self._breakers(breaker_status(conn)),
                 ]
             self._up = 1.0
         except DBAPIError as exc:
@@ -469,6 +543,30 @@ class JobCollector:
         yield count
         yield age
 
+    def _breakers(self, rows: list[BreakerStatus]) -> Iterator[Metric]:
+        """Per downstream origin: its breaker's state (1 for the current one) and how long it
+        has been open (since it last opened, on the database's clock; 0 when closed). An
+        origin that is not one is shown as ``other``, the worst of them."""
+        state = GaugeMetricFamily(
+            "qo_ops_downstream_breaker_state",
+            "1 for the downstream's circuit breaker state (closed, open, half_open)",
+            labels=["downstream", "state"],
+        )
+        open_s = GaugeMetricFamily(
+            "qo_ops_downstream_breaker_open_seconds",
+            "Since the downstream's breaker last opened (0 when closed; a failed probe opens it again)",
+            labels=["downstream"],
+        )
+        worst: dict[str, tuple[float, str]] = {d: (0.0, CLOSED) for d in self.downstreams}
+        for row in sorted(rows, key=lambda r: r.open_s):  # the longest open one wins a label
+            worst[_downstream_label(row.downstream)] = (row.open_s, row.state)
+        for downstream, (seconds, current) in sorted(worst.items()):
+            for name in manners.BREAKER_STATES:
+                state.add_metric([downstream, name], 1.0 if name == current else 0.0)
+            open_s.add_metric([downstream], seconds)  # 0 when closed
+        yield state
+        yield open_s
+
     def _slow_families(self) -> Iterator[Metric]:
         with self._lock:
             slow = self._slow
@@ -568,6 +666,28 @@ class JobCollector:
         for (job, reason), n in sorted(feed.ambiguity.items()):
             ambiguity.add_metric([job, reason], n)
         yield ambiguity
+        yield from self._downstream_families()
+
+    def _downstream_families(self) -> Iterator[Metric]:
+        """The downstream counters: every series of a job that calls the downstream from the
+        first scrape, another catalog job's once its runs counted some."""
+        feed = self._feed
+        seen = {job for (_, job, _) in feed.downstream}
+        jobs = [s.name for s in self.specs if s.name in self.calling or s.name in seen]
+        for metric, (text, label, values) in DOWNSTREAM_FAMILIES.items():
+            family = CounterMetricFamily(
+                metric, text, labels=["job_name"] if label is None else ["job_name", label]
+            )
+            for job in jobs:
+                for value in values:
+                    n = feed.downstream.get((metric, job, value), 0.0)
+                    family.add_metric([job] if label is None else [job, value], n)
+            yield family
+
+
+def _downstream_label(origin: str) -> str:
+    """A breaker row's downstream as a label value: the origin, or ``other``."""
+    return origin if _ORIGIN.match(origin) else "other"
 
 
 def _suspended_tenants(held: Iterable[Suspension]) -> dict[str, set[str]]:

@@ -39,6 +39,7 @@ from qo_ops.errors import BadInput, DatabaseUnavailable, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.control import JobSuspended, suspension_for
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
+from qo_ops.platform.manners import is_manners_key, manners_rows
 from qo_ops.platform.missed import scope_busy_at
 from qo_ops.platform.spec import (
     CHECKPOINT_RESETS,
@@ -575,7 +576,8 @@ def build_report(
     conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunSummary
 ) -> list[ReportRow]:
     """The run's report table: a dry run's sample with the change execute would make, the
-    counters, the job's own tallies and rows, and the checks."""
+    counters, the job's own tallies and rows, its calls to the downstream (retry pressure,
+    rate limiting, breaker), and the checks."""
     rows: list[ReportRow] = []
     change = spec.change or "changed"
     if summary.mode == "dry_run":
@@ -598,7 +600,9 @@ def build_report(
             ReportRow("items", k, v, change if k == "changed" else "") for k, v in counters.items()
         ]
     for key, value in sorted(summary.tally.items()):
-        rows.append(_tally_row(key, value))
+        if not is_manners_key(key):
+            rows.append(_tally_row(key, value))
+    rows += manners_rows(summary.tally, summary.error_code, summary.status_reason)
     if spec.report is not None:
         rows += spec.report(conn, ctx)
     words = ("met now", "not met now") if summary.mode == "dry_run" else ("passed", "FAILED")

@@ -363,6 +363,7 @@ class RunRow:
     failed_count: int
     skipped_count: int
     last_error_code: str | None
+    tally: dict[str, int] | None = None  # job-specific counts, the downstream's manners
 
 
 def list_runs(

@@ -1,5 +1,5 @@
-"""Job status for operators: per job and scope, the last run, last success, lease holder
-and backlog."""
+"""Status for operators: per job and scope, the last run, last success, lease holder and
+backlog; and the downstream's circuit breakers."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from qo_ops.db.schema import downstream_breaker
 from qo_ops.platform.runner import count_eligible
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope
 
@@ -76,3 +77,62 @@ def job_status(engine: Engine, spec: JobSpec, tenant: str | None = None) -> list
                 )
             )
     return rows
+
+
+@dataclass(frozen=True)
+class BreakerStatus:
+    """One downstream's shared circuit breaker (a ``downstream_breaker`` row), with its ages
+    on the database's clock."""
+
+    downstream: str  # scheme://host:port, never credentials
+    state: str  # closed | open | half_open
+    opened_at: datetime | None  # when it last opened
+    open_s: float  # since it last opened; 0 when closed
+    probe_after: datetime | None  # an open breaker is probed by the first run after this
+    probe_in_s: float | None  # until then (negative: due)
+    reason: str | None  # why it last changed, a short code (e.g. connect_error 10_in_a_row)
+    opened_count: int  # times it opened, ever
+    changed_at: datetime
+    changed_by_run: uuid.UUID | None  # the job_run that changed it last
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def breaker_status(conn: sa.Connection) -> list[BreakerStatus]:
+    """Every downstream's breaker, by origin. A downstream no run has opened has no row."""
+    b = downstream_breaker.c
+    clock = sa.func.clock_timestamp()
+    since = sa.func.coalesce(b.opened_at, b.changed_at)
+    rows = conn.execute(
+        sa.select(
+            b.downstream,
+            b.state,
+            b.opened_at,
+            sa.case(
+                (b.state == "closed", 0.0),
+                else_=sa.func.greatest(0.0, sa.func.extract("epoch", clock - since)),
+            ).label("open_s"),
+            b.probe_after,
+            sa.func.extract("epoch", b.probe_after - clock).label("probe_in_s"),
+            b.reason,
+            b.opened_count,
+            b.changed_at,
+            b.changed_by_run,
+        ).order_by(b.downstream)
+    )
+    return [
+        BreakerStatus(
+            r.downstream,
+            r.state,
+            r.opened_at,
+            float(r.open_s),
+            r.probe_after,
+            None if r.probe_in_s is None else float(r.probe_in_s),
+            r.reason,
+            int(r.opened_count),
+            r.changed_at,
+            r.changed_by_run,
+        )
+        for r in rows
+    ]

@@ -199,3 +199,42 @@ def test_a_scheduled_run_records_its_tick_and_says_when_it_drifted(
     events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "qo_ops.events"]
     [drifted] = [e for e in events if e["event.name"] == "job.scheduler.drift.detected"]
     assert drifted["reason"] == "previous_run_active"
+
+
+def test_a_run_the_breaker_stopped_reports_why_and_its_calls(defs, instance, downstream):
+    """The downstream is down: delivery_retry's breaker opens, the Dagster run fails naming
+    the breaker, and its metadata carries the error class, the call figures as numbers and
+    the report's downstream and breaker rows (not raw tally keys)."""
+    downstream.stop()  # every connection refused from now on
+    result = _run(defs, instance, "delivery_retry", {"mode": "execute", "reason": "test"})
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    data = failure.step_failure_data.user_failure_data
+    assert data.description == (
+        f"delivery_retry ended failed: circuit breaker open for {downstream.url}"
+    )
+    metadata = data.metadata
+    assert metadata["error_code"].value == "dependency_unavailable"
+    calls = metadata["downstream_calls"].value
+    assert calls > 0 and metadata["downstream_spared"].value > 0
+    retries = metadata["downstream_retries"].value  # items that had failed before the outage
+    assert metadata["downstream_retry_pressure"].value == pytest.approx(retries / calls, abs=1e-4)
+    assert metadata["downstream_breaker"].value == "opened 1"
+    rows = _report(metadata)
+    downstream_rows = {r["name"]: r for r in rows if r["kind"] == "downstream"}
+    assert downstream_rows["calls"]["count"] == calls
+    assert downstream_rows["retries"] == {
+        "kind": "downstream", "name": "retries", "count": retries,
+        "detail": f"{retries / calls * 100:.1f} % of calls",
+    }  # fmt: skip
+    assert downstream_rows["not_sent_breaker_open"]["count"] > 0
+    breaker = {r["name"]: r for r in rows if r["kind"] == "breaker"}
+    assert breaker["open"]["count"] == 1
+    assert breaker["dependency_unavailable"]["detail"] == (
+        f"circuit breaker open for {downstream.url}"
+    )
+    assert not [
+        r
+        for r in rows
+        if r["kind"] == "tally" and r["name"].startswith(("downstream.", "breaker."))
+    ]

@@ -44,7 +44,10 @@ SEED_METRICS = (
     "job_duplicate_side_effect_prevented_total",
     "job_checkpoint_age_seconds",
 )
-ALLOWED_LABELS = {"job_name", "status", "error_class", "side_effect", "result", "reason"}
+ALLOWED_LABELS = {
+    "job_name", "status", "error_class", "side_effect", "result", "reason",
+    "downstream", "state", "to",  # a breaker's origin and state; a transition's target
+}  # fmt: skip
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -508,4 +511,23 @@ def test_metrics_command_refuses_bad_settings(db):
         base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_SUSPENSION_ALERT_AFTER_S="600"),
     )
     assert good.code == 0 and "job_suspension_alert_after_seconds 600.0" in good.stdout
+    # the configured downstream's breaker is served closed before any run opened it
+    configured = run_cli(
+        ["metrics", "--once"],
+        base_env(
+            QO_OPS_DATABASE_URL=db.env_url, QO_OPS_DOWNSTREAM_URL="http://u:pw@fulfil.internal/x"
+        ),
+    )
+    assert configured.code == 0, configured.stderr
+    assert (
+        'qo_ops_downstream_breaker_state{downstream="http://fulfil.internal:80",state="closed"} 1.0'
+        in configured.stdout
+    )
+    assert "pw@" not in configured.stdout
+    bad = run_cli(
+        ["metrics", "--once"],
+        base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_DOWNSTREAM_URL="ftp://fulfil.internal"),
+    )
+    assert bad.code == 2 and "QO_OPS_DOWNSTREAM_URL" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
     assert run_cli(["metrics", "--port", "0"], base_env(QO_OPS_DATABASE_URL=db.env_url)).code == 2

@@ -32,7 +32,10 @@ POSTGRES_EXPORTER_METRICS = {
 }
 POSTGRES_EXPORTER_LABELS = {"datname", "state", "mode"}
 # Labels of the contract, plus `le` of the histogram's buckets.
-CONTRACT_LABELS = {"job_name", "status", "error_class", "reason", "side_effect", "result", "le"}
+CONTRACT_LABELS = {
+    "job_name", "status", "error_class", "reason", "side_effect", "result", "le",
+    "downstream", "state", "to",
+}  # fmt: skip
 FORBIDDEN_LABEL = re.compile(r"tenant|run_id|quote|order", re.IGNORECASE)
 
 # Grafana's variables, as promtool gets them.
@@ -377,6 +380,69 @@ def test_promtool_evaluates_the_headline_stats(dashboard: dict[str, Any], tmp_pa
         "tests": [{"interval": "30s", "input_series": inputs, "promql_expr_test": tests}],
     }
     path = tmp_path / "dashboard-test.yml"
+    path.write_text(json.dumps(spec, indent=2))
+    result = subprocess.run(
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _job_row_expr(dashboard: dict[str, Any], title: str, ref: str) -> str:
+    """Expression ``ref`` of the job row's panel ``title`` (``$job`` substituted)."""
+    [panel] = [p for p in walk(dashboard["panels"]) if p.get("title") == title]
+    [target] = [t for t in panel["targets"] if t["refId"] == ref]
+    return substitute(target["expr"])
+
+
+def test_promtool_evaluates_the_downstream_panels(
+    dashboard: dict[str, Any], tmp_path: Path
+) -> None:
+    """Retry pressure is retries / calls over 30 minutes; the breaker table lists each origin
+    with its current state and open time (the closed one at 0)."""
+    promtool = _promtool()
+    job = SUBSTITUTIONS["job"]
+    inputs = [
+        # 200 calls a minute, 50 of them retries: 25 %
+        {"series": f'job_downstream_calls_total{{job_name="{job}"}}', "values": "0+100x120"},
+        {"series": f'job_downstream_retries_total{{job_name="{job}"}}', "values": "0+25x120"},
+        {"series": 'qo_ops_downstream_breaker_state{downstream="http://a:80",state="open"}', "values": "1x120"},
+        {"series": 'qo_ops_downstream_breaker_state{downstream="http://a:80",state="closed"}', "values": "0x120"},
+        {"series": 'qo_ops_downstream_breaker_state{downstream="http://b:80",state="open"}', "values": "0x120"},
+        {"series": 'qo_ops_downstream_breaker_state{downstream="http://b:80",state="closed"}', "values": "1x120"},
+        {"series": 'qo_ops_downstream_breaker_open_seconds{downstream="http://a:80"}', "values": "0+30x120"},
+        {"series": 'qo_ops_downstream_breaker_open_seconds{downstream="http://b:80"}', "values": "0x120"},
+    ]  # fmt: skip
+    [table] = [p for p in dashboard["panels"] if p["title"] == "Downstream breakers"]
+    state, open_s = (t["expr"] for t in table["targets"])
+    tests = [
+        {
+            "expr": _job_row_expr(dashboard, "Downstream calls and retry pressure", "C"),
+            "eval_time": "1h",
+            "exp_samples": [{"labels": "{}", "value": 0.25}],
+        },
+        {
+            "expr": state,
+            "eval_time": "1h",
+            "exp_samples": [
+                {"labels": '{downstream="http://a:80",state="open"}', "value": 1},
+                {"labels": '{downstream="http://b:80",state="closed"}', "value": 1},
+            ],
+        },
+        {
+            "expr": open_s,
+            "eval_time": "1h",
+            "exp_samples": [
+                {"labels": '{downstream="http://a:80"}', "value": 3600},
+                {"labels": '{downstream="http://b:80"}', "value": 0},
+            ],
+        },
+    ]
+    spec = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "30s", "input_series": inputs, "promql_expr_test": tests}],
+    }
+    path = tmp_path / "dashboard-downstream-test.yml"
     path.write_text(json.dumps(spec, indent=2))
     result = subprocess.run(
         [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60

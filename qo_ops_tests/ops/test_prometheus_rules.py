@@ -40,11 +40,18 @@ ALERTS = {
     "QoOpsJobAnomalyStop",
     "QoOpsJobMissedRuns",
     "QoOpsJobSuspendedTooLong",
+    "QoOpsJobRetryPressureHigh",
+    "QoOpsDownstreamBreakerOpen",
     "QoOpsExporterDown",
 }
+# rules not about one job: the exporter's, and the downstream's (labelled by its origin)
+NOT_JOB_ALERTS = {"QoOpsExporterDown", "QoOpsDownstreamBreakerOpen"}
 SEVERITIES = {"page", "ticket"}
 RUNBOOK = "https://github.com/qo-ops/qo-ops/blob/main/docs/runbooks/{{ $labels.job_name }}.md"
 EXPORTER_RUNBOOK = "https://github.com/qo-ops/qo-ops/blob/main/docs/observability.md"
+DOWNSTREAM_RUNBOOK = (
+    "https://github.com/qo-ops/qo-ops/blob/main/docs/downstream.md#during-a-downstream-incident"
+)
 DASHBOARD = "/d/qo-ops/qo-ops?var-job={{ $labels.job_name }}"
 BACKLOG_WINDOW_S = 30 * 60  # QoOpsJobBacklogGrowing: deriv(…[30m]) for 30m
 # Prometheus' own labels, besides the exporter's documented ones: the scrape job and target.
@@ -189,6 +196,12 @@ def test_every_rule_has_severity_annotations_and_links(rule: dict[str, Any]) -> 
         assert "$value" in annotations["summary"]
         assert annotations["runbook_url"] == RUNBOOK
         assert annotations["dashboard"] == DASHBOARD
+    elif "downstream" in grouping_labels(rule["expr"]):
+        # a downstream's alert: which one and how long, links the incident section
+        assert "{{ $labels.downstream }}" in annotations["summary"]
+        assert "$value" in annotations["summary"]
+        assert annotations["runbook_url"] == DOWNSTREAM_RUNBOOK
+        assert "During a downstream incident" in (REPO / "docs" / "downstream.md").read_text()
     else:
         assert annotations["runbook_url"] == EXPORTER_RUNBOOK
         assert (REPO / "docs" / "observability.md").is_file()
@@ -236,7 +249,9 @@ def test_every_job_alert_is_quiet_while_its_job_is_suspended() -> None:
         if "job_name" in grouping_labels(rule["expr"])
         and rule["alert"] != "QoOpsJobSuspendedTooLong"
     ]
-    assert len(job_rules) == len(ALERTS) - 2
+    assert {rule["alert"] for rule in job_rules} == ALERTS - NOT_JOB_ALERTS - {
+        "QoOpsJobSuspendedTooLong"
+    }
     for rule in job_rules:
         assert quiet_clause.search(rule["expr"] + "\n"), f"{rule['alert']} ignores job_suspended"
         assert rule["alert"] in evaluated, f"{rule['alert']}: no promtool case while suspended"
