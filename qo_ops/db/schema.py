@@ -178,7 +178,7 @@ downstream_breaker = sa.Table(
     metadata,
     sa.Column("downstream", sa.Text, primary_key=True),
     sa.Column("state", sa.Text, nullable=False),
-    sa.Column("opened_at", TS),  # when it last opened
+    sa.Column("opened_at", TS),  # when the outage began (kept while failed probes reopen it)
     sa.Column("probe_after", TS),  # an open breaker is probed from then on
     sa.Column("reason", sa.Text),  # why it last changed: a short code, e.g. connect_error 7/10
     sa.Column("opened_count", sa.BigInteger, nullable=False, server_default="0"),

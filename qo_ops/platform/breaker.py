@@ -201,7 +201,11 @@ def save_transitions(
                     :reason, :opened, clock_timestamp(), :run_id)
             ON CONFLICT (downstream) DO UPDATE
                SET state = excluded.state,
-                   opened_at = CASE WHEN excluded.state = 'open' THEN excluded.opened_at
+                   -- when the outage began: kept while failed probes open it again
+                   opened_at = CASE WHEN excluded.state = 'open'
+                                     AND (b.state = 'closed' OR b.opened_at IS NULL)
+                                    THEN excluded.opened_at
+                                    WHEN excluded.state = 'closed' THEN NULL
                                     ELSE b.opened_at END,
                    probe_after = CASE WHEN excluded.state = 'open' THEN excluded.probe_after
                                       WHEN excluded.state = 'closed' THEN NULL

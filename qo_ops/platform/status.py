@@ -86,7 +86,7 @@ class BreakerStatus:
 
     downstream: str  # scheme://host:port, never credentials
     state: str  # closed | open | half_open
-    opened_at: datetime | None  # when it last opened
+    opened_at: datetime | None  # when the outage began (None once closed)
     open_s: float  # since it last opened; 0 when closed
     probe_after: datetime | None  # an open breaker is probed by the first run after this
     probe_in_s: float | None  # until then (negative: due)

@@ -36,7 +36,7 @@ NOT_DELIVERED = "SELECT count(*) FROM delivery_attempt_item WHERE status <> 'DEL
 def breaker_row(db) -> Any:
     return q(
         db.engine,
-        "SELECT state, opened_count, reason, probe_after > clock_timestamp() AS waiting "
+        "SELECT state, opened_count, reason, opened_at, probe_after > clock_timestamp() AS waiting "
         "FROM downstream_breaker",
     ).one_or_none()
 
@@ -171,7 +171,9 @@ def test_the_breaker_opens_stays_open_half_opens_and_closes(
     assert (probed.status, probed.error_code) == ("failed", "dependency_unavailable")
     assert requests_seen(server) == sent + 1  # one probe
     assert breaker_events(caplog) == ["open", "half_open", "open"]
-    assert breaker_row(db).opened_count == 2
+    reopened = breaker_row(db)
+    assert reopened.opened_count == 2
+    assert reopened.opened_at == row.opened_at  # the outage's start, kept by a failed probe
 
     server.client.set_faults(error_rate=0.0)
     wait_for(lambda: probe_due(db), 10, "the probe to be due")
@@ -179,7 +181,7 @@ def test_the_breaker_opens_stays_open_half_opens_and_closes(
     assert closed.status == "success", closed
     assert (closed.tally["breaker.half_open"], closed.tally["breaker.closed"]) == (1, 1)
     assert breaker_events(caplog) == ["open", "half_open", "open", "half_open", "closed"]
-    assert breaker_row(db).state == "closed"
+    assert (breaker_row(db).state, breaker_row(db).opened_at) == ("closed", None)
     assert scalar(db.engine, NOT_DELIVERED) == 0
     assert scalar(db.engine, "SELECT max(attempt_count) FROM delivery_attempt_item") == 1
     assert server.client.stats()["deliveries_distinct"] == items
