@@ -39,7 +39,7 @@ import sqlite3
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -310,10 +310,12 @@ class Store:
         self._counters[name] += by
         self._dirty.add(name)
 
-    def _write(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """The open transaction for some writes; any error undoes the whole transaction."""
         conn = self._begin()
         try:
-            return conn.execute(sql, params).fetchall()
+            yield conn
         except BaseException as exc:
             waiters, self._waiters = self._waiters, []
             self._rollback(waiters, exc)
@@ -327,13 +329,14 @@ class Store:
         self.bump("delivery_requests")
         payload_text = json.dumps(payload)
         new_id = f"dlv_{uuid.uuid4().hex}"
-        ((delivery_id, stored_order, times),) = self._write(
-            _UPSERT_DELIVERY, (key, new_id, tenant_id, order_number, payload_text, now, now)
-        )
-        if times > 1:
-            self.bump("duplicates_suppressed")
-            return {"delivery_id": delivery_id, "order_number": stored_order}, True
-        self._write(_UPSERT_ORDER, (order_number, tenant_id, ORDER_STATUS_ON_DELIVERY, now))
+        with self._writing() as conn:
+            ((delivery_id, stored_order, times),) = conn.execute(
+                _UPSERT_DELIVERY, (key, new_id, tenant_id, order_number, payload_text, now, now)
+            ).fetchall()
+            if times > 1:
+                self.bump("duplicates_suppressed")
+                return {"delivery_id": delivery_id, "order_number": stored_order}, True
+            conn.execute(_UPSERT_ORDER, (order_number, tenant_id, ORDER_STATUS_ON_DELIVERY, now))
         return {"delivery_id": delivery_id, "order_number": order_number}, False
 
     def record_notification(
@@ -342,9 +345,11 @@ class Store:
         """Store a notification once per event id; ``True`` when it was a duplicate."""
         now = _now()
         self.bump("notification_requests")
-        ((times,),) = self._write(
-            _UPSERT_NOTIFICATION, (event_id, event_type, tenant_id, json.dumps(payload), now, now)
-        )
+        with self._writing() as conn:
+            ((times,),) = conn.execute(
+                _UPSERT_NOTIFICATION,
+                (event_id, event_type, tenant_id, json.dumps(payload), now, now),
+            ).fetchall()
         if times > 1:
             self.bump("notification_duplicates")
             return True
@@ -368,7 +373,8 @@ class Store:
 
     def put_order(self, order_number: str, tenant_id: str, status: str) -> dict[str, Any]:
         now = _now()
-        self._write(_UPSERT_ORDER, (order_number, tenant_id, status, now))
+        with self._writing() as conn:
+            conn.execute(_UPSERT_ORDER, (order_number, tenant_id, status, now))
         self.commit()
         return {
             "order_number": order_number,
@@ -378,17 +384,17 @@ class Store:
         }
 
     def delete_order(self, order_number: str) -> bool:
-        conn = self._begin()
-        deleted = conn.execute(
-            "DELETE FROM downstream_order WHERE order_number = ?", (order_number,)
-        ).rowcount
+        with self._writing() as conn:
+            deleted = conn.execute(
+                "DELETE FROM downstream_order WHERE order_number = ?", (order_number,)
+            ).rowcount
         self.commit()
         return bool(deleted)
 
     def reset(self) -> None:
-        conn = self._begin()
-        for table in ("delivery", "downstream_order", "notification", "counter"):
-            conn.execute(f"DELETE FROM {table}")
+        with self._writing() as conn:
+            for table in ("delivery", "downstream_order", "notification", "counter"):
+                conn.execute(f"DELETE FROM {table}")
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._dirty.clear()
         self.commit()
@@ -621,8 +627,8 @@ class _Business:
             await asyncio.sleep(ms / 1000)
             self.store.bump("latency_injected_ms", ms)
 
-    async def refused(self, send: Send, key: str, payload: dict[str, Any]) -> bool:
-        """Poison or an injected 503 (nothing stored); ``True`` when it answered."""
+    async def poisoned(self, send: Send, key: str, payload: dict[str, Any]) -> bool:
+        """Refuse a poison item with 422 (nothing stored); ``True`` when it did."""
         if self.state.is_poison(key, payload):
             self.store.bump("faults_poison")
             await _answer(send, 422, {"error": "poison", "retryable": False})
@@ -660,7 +666,7 @@ class _Business:
             payload = _payload(body)
         except BadRequest as exc:
             return await _bad(send, str(exc))
-        if await self.refused(send, key, payload):
+        if await self.poisoned(send, key, payload):
             return
         error, timeout, reset = self.state.draw()
         if error:
@@ -684,7 +690,7 @@ class _Business:
             tenant_id, payload = _text(body, "tenant_id"), _payload(body)
         except BadRequest as exc:
             return await _bad(send, str(exc))
-        if await self.refused(send, event_id, payload):
+        if await self.poisoned(send, event_id, payload):
             return
         error, timeout, reset = self.state.draw()
         if error:
@@ -779,7 +785,6 @@ class _SimulatorApp:
     def __init__(self, business: _Business, admin: Starlette) -> None:
         self.business = business
         self.admin = admin
-        self.state = admin.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and await self.business(scope, receive, send):
