@@ -8,6 +8,7 @@ Run as a module, errors are one line on stderr and exit 2, like ``qo-ops``.
 
 from __future__ import annotations
 
+import enum
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -19,6 +20,14 @@ from qo_ops.errors import BadInput
 
 STORE_FILE = "downstream.sqlite3"
 PROG = "qo-ops downstream"
+
+
+class Outage(enum.Enum):
+    """``--outage``: answer 503 to everything, or drop every connection at once."""
+
+    HTTP_503 = "503"
+    REFUSE = "refuse"
+
 
 downstream_app = typer.Typer(
     name="downstream",
@@ -53,6 +62,17 @@ def downstream_command(
     ] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of the fault decisions.")] = 0,
     timeout_s: Annotated[float, typer.Option(help="How long a 'timeout' answer hangs, s.")] = 2.0,
+    rate_limit: Annotated[
+        float | None,
+        typer.Option(
+            help="Requests a second to fulfilment/notifications (burst 1 + N/5); "
+            "beyond it 429 with Retry-After [default: no limit]."
+        ),
+    ] = None,
+    outage: Annotated[
+        Outage | None,
+        typer.Option(help="Start in an outage: every request 503, or its connection dropped."),
+    ] = None,
 ) -> None:
     """Serve the downstream simulator until Ctrl-C / SIGTERM (admin API under /admin)."""
     from qo_ops.config import load_settings
@@ -60,30 +80,24 @@ def downstream_command(
 
     if not 1024 <= port <= 65535:
         raise BadInput("--port must be between 1024 and 65535")
-    for name, rate in (
-        ("--error-rate", error_rate),
-        ("--timeout-rate", timeout_rate),
-        ("--reset-rate", reset_rate),
-        ("--poison-rate", poison_rate),
-    ):
-        if not 0.0 <= rate <= 1.0:
-            raise BadInput(f"{name} must be between 0 and 1, got {rate}")
-    if latency_ms < 0:
-        raise BadInput("--latency-ms must not be negative")
-    if not timeout_s > 0:
-        raise BadInput("--timeout-s must be positive")
+    try:
+        faults = Faults(
+            latency_ms=latency_ms,
+            error_rate=error_rate,
+            timeout_rate=timeout_rate,
+            reset_rate=reset_rate,
+            poison_rate=poison_rate,
+            seed=seed,
+            timeout_s=timeout_s,
+            rate_limit=rate_limit,
+            outage=outage.value if outage else None,
+        )
+    except ValueError as exc:  # Faults.problem(): "<field> must be …", said as the flag
+        field, _, rest = str(exc).partition(" ")
+        raise BadInput(f"--{field.replace('_', '-')} {rest}") from None
     store_path = (store or load_settings().home / STORE_FILE).expanduser().resolve()
     if store_path.is_dir():
         raise BadInput(f"--store must be a file, {store_path} is a directory")
-    faults = Faults(
-        latency_ms=latency_ms,
-        error_rate=error_rate,
-        timeout_rate=timeout_rate,
-        reset_rate=reset_rate,
-        poison_rate=poison_rate,
-        seed=seed,
-        timeout_s=timeout_s,
-    )
     typer.echo(f"downstream simulator on http://{host}:{port} (store {store_path})", err=True)
     serve(host, port, store_path, faults)
 

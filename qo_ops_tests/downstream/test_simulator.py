@@ -397,6 +397,8 @@ def test_faults_change_at_run_time(downstream: DownstreamServer) -> None:
         "poison_rate": 0.0,
         "seed": 0,
         "timeout_s": 2.0,
+        "rate_limit": None,
+        "outage": None,
     }
     with pytest.raises(DownstreamError) as caught:
         client.submit_delivery("key-2", TENANT, "ORD-2", {})
@@ -472,6 +474,13 @@ def test_healthz(downstream: DownstreamServer) -> None:
         ["--reset-rate", "2"],
         ["--timeout-rate", "x"],
         ["--latency-ms", "-1"],
+        ["--rate-limit", "0"],
+        ["--rate-limit", "-5"],
+        ["--rate-limit", "nan"],
+        ["--rate-limit", "inf"],
+        ["--rate-limit", "x"],
+        ["--outage", "502"],
+        ["--outage"],
         ["--bogus"],
     ],
 )
@@ -537,7 +546,11 @@ def test_downstream_app_registers_as_a_subcommand(capsys: pytest.CaptureFixture[
     command.main(["downstream", "--help"], prog_name="qo-ops", standalone_mode=False)
     shown = capsys.readouterr().out
     assert "Usage: qo-ops downstream [OPTIONS]" in shown
-    for option in ("--port", "--store", "--error-rate", "--poison-rate", "--seed"):
+    for option in ("--port", "--store", "--error-rate", "--poison-rate", "--seed", "--rate-limit"):
         assert option in shown
     with pytest.raises(BadInput, match="--error-rate must be between 0 and 1"):
         command.main(["downstream", "--error-rate", "3"], prog_name="qo-ops", standalone_mode=False)
+    with pytest.raises(BadInput, match="^--rate-limit must be a positive number"):
+        command.main(
+            ["downstream", "--rate-limit", "-1"], prog_name="qo-ops", standalone_mode=False
+        )
