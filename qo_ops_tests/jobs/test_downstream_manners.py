@@ -66,11 +66,13 @@ def breaker_events(caplog: pytest.LogCaptureFixture) -> list[str]:
 def requests_seen(server) -> int:
     """Every delivery request the simulator received, the ones it failed on purpose too."""
     stats = server.client.stats(detail=False)
-    return int(stats["delivery_requests"]) + int(stats["faults_injected"]["error"])
+    injected = int(stats["faults_injected"]["error"])
+    return int(stats["delivery_requests"]) + injected + int(stats["outage_refused"])
 
 
+@pytest.mark.parametrize("outage", ["503", "refuse"])
 def test_an_outage_mid_run_dead_letters_nothing_and_uses_no_attempt(
-    db, downstream_factory, monkeypatch, caplog
+    db, downstream_factory, monkeypatch, caplog, outage
 ):
     """The outage starts while a run is sending and lasts several times the whole retry
     schedule (3 attempts: 0.2 s + 0.4 s of backoff); runs keep coming every probe interval.
@@ -90,7 +92,7 @@ def test_an_outage_mid_run_dead_letters_nothing_and_uses_no_attempt(
     )
     first.start()
     wait_for(lambda: requests_seen(server) >= items // 4, 60, "a quarter of the items sent")
-    server.client.set_faults(error_rate=1.0)  # every call answered 503, nothing stored
+    server.client.set_faults(outage=outage)  # 503 or a dropped connection, nothing stored
     first.join(120)
     (cut,) = runs
     assert (cut.status, cut.error_code) == ("failed", "dependency_unavailable")
@@ -122,7 +124,7 @@ def test_an_outage_mid_run_dead_letters_nothing_and_uses_no_attempt(
     assert {(r.attempt_count, r.n) for r in attempts} == {(0, items - delivered_before)}
     assert breaker_row(db).state == "open"
 
-    server.client.set_faults(error_rate=0.0)  # the downstream is back
+    server.client.set_faults(outage=None)  # the downstream is back
     wait_for(lambda: probe_due(db), 10, "the breaker's probe to be due")
     back = execute(delivery_retry.SPEC, db, batch_size=40, concurrency=4)
     assert back.status == "success", back
@@ -266,3 +268,51 @@ def test_the_retry_budget_bounds_a_runs_retries(db, downstream_factory, monkeypa
         )
         == 1
     )
+
+
+def test_the_downstreams_rate_limit_and_retry_after_are_honoured(
+    db, downstream_factory, monkeypatch
+):
+    """The simulator admits 20 calls a second (then 429 + Retry-After: 1). A rate-limited
+    item uses no attempt and waits at least the Retry-After; the run pauses every worker
+    for it; no item fails, and in the end each is delivered exactly once."""
+    load_demo_data(db.engine, tenants=1, quotes=400, seed=3, as_of=AS_OF)
+    items = make_all_deliveries_due(db, strip_poison=True)
+    server = downstream_factory(rate_limit=20)
+    monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", server.url)
+    first = execute(delivery_retry.SPEC, db, batch_size=items, concurrency=8)
+    assert first.status == "success" and first.failed_count == 0, first
+    limited = server.client.stats(detail=False)["rate_limited"]
+    assert limited > 0 and first.tally["downstream.rate_limit_pauses"] == limited
+    assert first.tally["downstream.rate_limit_wait_ms"] > 0  # the run slowed down
+    waiting = q(
+        db.engine,
+        "SELECT attempt_count, last_error_code, "
+        "extract(epoch FROM next_attempt_at - last_error_at) AS wait_s "
+        "FROM delivery_attempt_item WHERE status = 'READY'",
+    ).all()
+    assert len(waiting) == items - first.mutated_count > 0
+    assert {(r.attempt_count, r.last_error_code) for r in waiting} == {(0, "http_429")}
+    assert min(float(r.wait_s) for r in waiting) >= 1.0 - 0.01  # Retry-After: 1
+    for _ in range(30):
+        if scalar(db.engine, NOT_DELIVERED) == 0:
+            break
+        wait_for(
+            lambda: (
+                scalar(
+                    db.engine,
+                    "SELECT count(*) FROM delivery_attempt_item "
+                    "WHERE status = 'READY' AND next_attempt_at > now()",
+                )
+                == 0
+            ),
+            10,
+            "the rate-limited items to be due",
+        )
+        again = execute(delivery_retry.SPEC, db, batch_size=items, concurrency=8)
+        assert again.failed_count == 0
+    assert scalar(db.engine, NOT_DELIVERED) == 0
+    assert scalar(db.engine, "SELECT max(attempt_count) FROM delivery_attempt_item") == 1
+    stats = server.client.stats()
+    assert stats["deliveries_distinct"] == items
+    assert set(stats["deliveries_by_key"].values()) == {1}
