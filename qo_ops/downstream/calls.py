@@ -4,6 +4,7 @@ downstream for each claimed item, and turning recorded results into a batch outc
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -95,9 +96,11 @@ class RunCalls:
     calls: int = 0  # calls sent
     retries: int = 0  # of which for items that had failed before (the retry budget)
     budget_refused: int = 0  # retries not made: the budget was used up
-    # systemic failures recorded since the last call that answered (item id, attempt): if
-    # the breaker opens next, they were the start of the outage and get their attempt back
-    streak: list[tuple[str, int]] = field(default_factory=list)
+    # systemic failures recorded with their attempt used, among the last ``window`` calls
+    # answered (answer order, item id, attempt): the calls the breaker judges by. If it
+    # opens, they were the start of the outage and get their attempt back
+    recent_failures: deque[tuple[int, str, int]] = field(default_factory=deque)
+    answers: int = 0  # calls answered in this run, in the order they came
     reported: dict[str, float] = field(default_factory=dict)  # what the tally already has
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -176,9 +179,13 @@ def call_for_each(
     calls = run_calls(ctx, settings.downstream_url, settings.manners)
     breaker = calls.breaker
     opened_before = breaker.opened if breaker is not None else 0
-    answered: dict[str, int] = {}  # item id → the order its answer came in
-    order = iter(range(1, len(work) + 1))
+    answered: dict[str, int] = {}  # item id → the order its answer came in (in the run)
     order_lock = threading.Lock()
+
+    def came(item_id: str) -> None:
+        with order_lock:
+            calls.answers += 1
+            answered[item_id] = calls.answers
 
     def one(item: dict[str, Any]) -> CallResult:
         base = {
@@ -195,8 +202,7 @@ def call_for_each(
             if not exc.sent:  # the breaker is open, or the run is stopping: never sent
                 calls.not_sent(retry)
                 return CallResult(**base, ok=False, code=exc.code, released=True)
-            with order_lock:
-                answered[base["item_id"]] = next(order)
+            came(base["item_id"])
             return CallResult(
                 **base,
                 ok=False,
@@ -208,8 +214,7 @@ def call_for_each(
                 rate_limited=exc.code == "http_429",
                 retry_after_s=exc.retry_after_s,
             )
-        with order_lock:
-            answered[base["item_id"]] = next(order)
+        came(base["item_id"])
         return CallResult(**base, ok=True, duplicate=duplicate is True)
 
     results = call_each(work, one, ctx.params["limits"]["concurrency"], ctx.stop)
@@ -219,24 +224,25 @@ def call_for_each(
     ]
     if breaker is not None and breaker.opened > opened_before:
         done = [replace(r, spared=True) if systemic(r) else r for r in done]
-    _follow_streak(calls, done, answered)
+    _remember_failures(calls, done, answered)
     return done
 
 
-def _follow_streak(calls: RunCalls, results: list[CallResult], answered: dict[str, int]) -> None:
-    """Keep ``calls.streak``: the systemic failures (to be recorded with their attempt
-    used) answered after the last call that showed the downstream up."""
-    last_up = max(
-        (answered[r.item_id] for r in results if r.item_id in answered and not systemic(r)),
-        default=None,
+def _remember_failures(
+    calls: RunCalls, results: list[CallResult], answered: dict[str, int]
+) -> None:
+    """Keep ``calls.recent_failures``: the systemic failures to be recorded with their
+    attempt used, while they are among the breaker's window of the last calls answered."""
+    calls.recent_failures.extend(
+        sorted(
+            (answered[r.item_id], r.item_id, r.attempt)
+            for r in results
+            if systemic(r) and not r.spared
+        )
     )
-    if last_up is not None:
-        calls.streak = []
-    calls.streak += [
-        (r.item_id, r.attempt)
-        for r in results
-        if systemic(r) and not r.spared and (last_up is None or answered[r.item_id] > last_up)
-    ]
+    window = calls.breaker.settings.window if calls.breaker is not None else 0
+    while calls.recent_failures and calls.recent_failures[0][0] <= calls.answers - window:
+        calls.recent_failures.popleft()
 
 
 def finish_calls(
@@ -266,7 +272,7 @@ def finish_calls(
                 (f"downstream.breaker.{t.to}", {"downstream": calls.downstream, "reason": t.reason})
             )
         if any(t.to == OPEN for t in transitions):
-            earlier = [(i, a) for i, a in calls.streak if i not in recorded]
+            earlier = [(i, a) for _, i, a in calls.recent_failures if i not in recorded]
             if earlier:
                 given = conn.execute(
                     give_back,
@@ -274,7 +280,7 @@ def finish_calls(
                 ).rowcount
                 if given:
                     outcome.tally["downstream.spared"] = given
-            calls.streak = []
+            calls.recent_failures.clear()
     spared = sum(1 for r, d in decisions if d.state == "spare" and r.item_id in recorded)
     if spared:
         outcome.tally["downstream.spared"] = outcome.tally.get("downstream.spared", 0) + spared
