@@ -35,7 +35,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-SECTIONS = ("jobs", "partitions", "orchestration", "big_tables", "dry_run")
+SECTIONS = ("jobs", "partitions", "orchestration", "big_tables", "dry_run", "downstream")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Profile:
     eval_tenants: int
     big_rows: int  # rows in the largest tables for sensors and the exporter (section 6)
     dry_run_rows: int  # eligible rows to count (section 7)
+    downstream_items: int  # due items per downstream job run (section 8)
 
 
 PROFILES = {
@@ -73,6 +74,7 @@ PROFILES = {
         eval_tenants=300,
         big_rows=20_000,
         dry_run_rows=2_000,
+        downstream_items=1_000,
     ),  # fmt: skip
     "default": Profile(
         "default",
@@ -87,6 +89,7 @@ PROFILES = {
         eval_tenants=10_000,
         big_rows=2_000_000,
         dry_run_rows=1_000_000,
+        downstream_items=20_000,
     ),  # fmt: skip
     "full": Profile(
         "full",
@@ -101,6 +104,7 @@ PROFILES = {
         eval_tenants=10_000,
         big_rows=10_000_000,
         dry_run_rows=1_000_000,
+        downstream_items=50_000,
     ),  # fmt: skip
 }
 

@@ -1,6 +1,7 @@
 """The client qo-ops uses to call the downstream fulfilment system and notification sink.
 
-One ``httpx.Client`` (thread-safe, pooled) per ``DownstreamClient``. Every failure is a
+One pool of keep-alive connections (``transport.ConnectionPool``, thread-safe) per
+``DownstreamClient``. Every failure is a
 ``DownstreamError`` carrying an ``ErrorClass`` from ``qo_ops.platform.retry``, a short
 code (``timeout``, ``connect_error``, ``connection_reset``, ``poison``, ``http_<status>``,
 ``bad_response``, ``invalid_payload``, ``transport_error``) and a one-line message that
@@ -20,11 +21,12 @@ from urllib.parse import quote
 
 import httpx
 
+from qo_ops.downstream.transport import ConnectionPool, NoAnswer
 from qo_ops.errors import ConfigError, one_line
 from qo_ops.platform.breaker import CircuitBreaker
 from qo_ops.platform.ratelimit import TokenBucket
-from qo_ops.platform.retry import ErrorClass, classify_exception, classify_http_status
-from qo_ops.platform.tracing import instrument_httpx
+from qo_ops.platform.retry import ErrorClass, classify_http_status
+from qo_ops.platform.tracing import client_span
 
 DOWNSTREAM_URL_ENV = "QO_OPS_DOWNSTREAM_URL"
 _SAFE_TOKEN = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
@@ -79,23 +81,15 @@ class DownstreamError(Exception):
         return self.error_class is not ErrorClass.NON_RETRYABLE
 
 
-def _transport_error(exc: httpx.TransportError, what: str) -> DownstreamError:
-    """Map an httpx transport failure (no HTTP answer) to a ``DownstreamError``."""
-    error_class = classify_exception(exc)
-    kind = type(exc).__name__
-    if isinstance(exc, httpx.TimeoutException):
-        code = "timeout"
-        # A connect/pool timeout means the request never left; a read/write one may have landed.
-        unknown = isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout)
-    elif isinstance(exc, httpx.ConnectError):
-        code, unknown = "connect_error", False
-    elif isinstance(exc, httpx.RemoteProtocolError | httpx.NetworkError):
-        code, unknown = "connection_reset", True
-    else:
-        return DownstreamError(error_class, "transport_error", f"{what}: {kind}")
-    if error_class is ErrorClass.UNKNOWN:  # every timeout and network error is worth a retry
-        error_class = ErrorClass.RETRYABLE
-    return DownstreamError(error_class, code, f"{what}: {kind}", outcome_unknown=unknown)
+def _transport_error(exc: NoAnswer, what: str) -> DownstreamError:
+    """Map a request that got no HTTP answer to a ``DownstreamError``: timeouts, connection
+    failures and resets are retryable; ``outcome_unknown`` when the request may have landed
+    (a write/read timeout, a reset after sending), not when it never left (connect)."""
+    if exc.code == "transport_error":
+        return DownstreamError(ErrorClass.UNKNOWN, "transport_error", f"{what}: {exc.kind}")
+    return DownstreamError(
+        ErrorClass.RETRYABLE, exc.code, f"{what}: {exc.kind}", outcome_unknown=exc.sent
+    )
 
 
 @dataclass(frozen=True)
@@ -172,21 +166,17 @@ class DownstreamClient:
         # manners (a run's client): the request rate, the shared breaker, the run's stop
         self.limiter, self.breaker, self.stop = limiter, breaker, stop
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(
-                connect=connect_timeout, read=read_timeout, write=read_timeout, pool=pool_timeout
-            ),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
+        self._pool = ConnectionPool(
+            self.base_url,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_connections=max_connections,
+            pool_timeout=pool_timeout,
             headers={"user-agent": "qo-ops-downstream-client"},
-            trust_env=False,
         )
-        instrument_httpx(self._http)  # each call a span of the run's trace, when tracing is on
 
     def close(self) -> None:
-        self._http.close()
+        self._pool.close()
 
     def __enter__(self) -> DownstreamClient:
         return self
@@ -280,14 +270,20 @@ class DownstreamClient:
         headers: Mapping[str, str],
     ) -> Answer:
         """The transport: one request, its answer, or a ``DownstreamError`` when no answer
-        came (timeouts, connection errors)."""
-        try:
-            response = self._http.request(
-                method, path, content=content, params=params, headers=headers
-            )
-        except httpx.TransportError as exc:
-            raise _transport_error(exc, what) from None
-        return Answer(response.status_code, response.headers, response.content)
+        came (timeouts, connection errors). Each request is a span of the run's trace when
+        tracing is on (named by ``what``, a path template: no ids)."""
+        target = self._pool.target(path, params)
+        send = dict(headers)
+        with client_span(what, method, f"{self.base_url}{path}", send) as traced:
+            try:
+                status, answer_headers, body = self._pool.request(method, target, content, send)
+            except NoAnswer as exc:
+                if traced is not None:
+                    traced.set_failure(exc.kind)
+                raise _transport_error(exc, what) from None
+            if traced is not None:
+                traced.set_answer(status)
+        return Answer(status, answer_headers, body)
 
     @staticmethod
     def _order(data: Any, what: str) -> DownstreamOrder:

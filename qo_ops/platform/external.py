@@ -4,6 +4,7 @@ sent, and calls already sent are waited for only until half the stop grace is go
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +18,45 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _POLL_S = 0.05  # how often a waiting batch looks at the stop request
+_IDLE_S = 30.0  # how long an idle caller thread waits for the next batch before it ends
+
+
+class _Callers:
+    """Daemon threads that make the calls, kept idle between batches: starting dozens of
+    threads for every batch costs CPU and leaves nothing in flight meanwhile. A thread still
+    busy with a call past a stop's grace is simply not idle; the next batch starts another."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+
+    def start(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (which must not raise) on an idle thread, or on a new one."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(
+                target=self._serve, args=(inbox,), name="qo-ops-call", daemon=True
+            ).start()
+        inbox.put(work)
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            try:
+                work = inbox.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if any(i is inbox for i in self._idle):  # nobody took it: retire
+                        self._idle = [i for i in self._idle if i is not inbox]
+                        return
+                work = inbox.get()  # taken just now: its work is on the way
+            work()
+            with self._lock:
+                self._idle.append(inbox)
+
+
+_CALLERS = _Callers()
 
 
 @dataclass(frozen=True)
@@ -37,8 +77,8 @@ def call_each(
     """``call`` for every item, at most ``concurrency`` at once; results in item order.
 
     ``call`` must not raise for an item's failure: it returns that failure as its result.
-    The calls run on daemon threads, so a call stuck past the grace never holds up the
-    process's exit; its item comes back as ``NotCalled(sent=True)``.
+    The calls run on daemon threads (kept for the next batch), so a call stuck past the
+    grace never holds up the process's exit; its item comes back as ``NotCalled(sent=True)``.
     """
     pending = object()
     results: list[object] = [pending] * len(items)
@@ -68,7 +108,7 @@ def call_each(
                         pass
 
     for _ in range(workers):
-        threading.Thread(target=work, name="qo-ops-call", daemon=True).start()
+        _CALLERS.start(work)
     idle = 0
     while idle < workers:
         deadline = stop.calls_deadline() if stop is not None else None

@@ -1,7 +1,7 @@
 """OpenTelemetry traces of runs: off unless configured.
 
 One root span per run (``Job <name>``) with child spans for the lease acquisition, each
-batch, each checkpoint update and each downstream call (httpx instrumentation), carrying the
+batch, each checkpoint update and each downstream call (:func:`client_span`), carrying the
 seed's attributes: ``job.name``, ``job.run_id``, ``job.trigger``, ``job.status``,
 ``items.processed``, ``items.failed`` — never item ids on a batch span. The run's trace id is
 in every event the run logs (``trace.id``).
@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 from qo_ops.errors import ConfigError
 
@@ -91,10 +92,50 @@ def in_current_context(call: Callable[[T], Any]) -> Callable[[T], Any]:
     return run
 
 
-def instrument_httpx(client: Any) -> None:
-    """Make each request of this httpx client a span (only while tracing is on)."""
-    if _provider is None:
-        return
-    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+class ClientCall:
+    """The span of one outgoing HTTP request, open while it runs (:func:`client_span`)."""
 
-    HTTPXClientInstrumentor.instrument_client(client, tracer_provider=_provider)
+    def __init__(self, current: trace.Span) -> None:
+        self.span = current
+
+    def set_answer(self, status: int) -> None:
+        """The answer's status; 4xx and 5xx mark the span as an error (a client span)."""
+        self.span.set_attribute("http.response.status_code", status)
+        if status >= 400:
+            self.span.set_attribute("error.type", str(status))
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR))
+
+    def set_failure(self, kind: str) -> None:
+        """No answer came: ``kind`` names why (a timeout, a reset; never a payload)."""
+        self.span.set_attribute("error.type", kind)
+
+
+def client_span(
+    name: str, method: str, url: str, headers: dict[str, str]
+) -> AbstractContextManager[ClientCall | None]:
+    """A CLIENT span for one outgoing HTTP request, child of the current span, named ``name``
+    (a path template such as ``POST /fulfilment/deliveries``: no ids), with the HTTP
+    attributes of OpenTelemetry's semantic conventions; the trace context goes into
+    ``headers`` (W3C ``traceparent``) so the server can join the trace. A no-op yielding
+    ``None`` while tracing is off."""
+    if _provider is None:
+        return nullcontext()
+    return _client_span(name, method, url, headers)
+
+
+@contextmanager
+def _client_span(name: str, method: str, url: str, headers: dict[str, str]) -> Iterator[ClientCall]:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    attributes = {
+        "http.request.method": method,
+        "url.full": f"{parts.scheme}://{host}:{port}{parts.path}",  # no credentials, no query
+        "server.address": host,
+        "server.port": port,
+    }
+    with tracer().start_as_current_span(
+        name, kind=trace.SpanKind.CLIENT, attributes=attributes
+    ) as current:
+        propagate.inject(headers)
+        yield ClientCall(current)
