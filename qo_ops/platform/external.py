@@ -28,10 +28,11 @@ class _Callers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+        self._idle: list[queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]] = []
 
-    def start(self, work: Callable[[], None]) -> None:
-        """Run ``work`` (which must not raise) on an idle thread, or on a new one."""
+    def start(self, work: Callable[[], None], then: Callable[[], None]) -> None:
+        """Run ``work`` (which must not raise) on an idle thread, or on a new one; ``then``
+        once the thread is idle again (so the next batch finds it)."""
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:
@@ -39,21 +40,24 @@ class _Callers:
             threading.Thread(
                 target=self._serve, args=(inbox,), name="qo-ops-call", daemon=True
             ).start()
-        inbox.put(work)
+        inbox.put((work, then))
 
-    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+    def _serve(
+        self, inbox: queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]
+    ) -> None:
         while True:
             try:
-                work = inbox.get(timeout=_IDLE_S)
+                work, then = inbox.get(timeout=_IDLE_S)
             except queue.Empty:
                 with self._lock:
                     if any(i is inbox for i in self._idle):  # nobody took it: retire
                         self._idle = [i for i in self._idle if i is not inbox]
                         return
-                work = inbox.get()  # taken just now: its work is on the way
+                work, then = inbox.get()  # taken just now: its work is on the way
             work()
             with self._lock:
                 self._idle.append(inbox)
+            then()
 
 
 _CALLERS = _Callers()
@@ -97,7 +101,6 @@ def call_each(
                 if index is not None:
                     sent.add(index)
             if index is None:
-                finished.release()
                 return
             try:
                 results[index] = traced(items[index])
@@ -108,7 +111,7 @@ def call_each(
                         pass
 
     for _ in range(workers):
-        _CALLERS.start(work)
+        _CALLERS.start(work, finished.release)
     idle = 0
     while idle < workers:
         deadline = stop.calls_deadline() if stop is not None else None

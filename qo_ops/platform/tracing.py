@@ -128,7 +128,7 @@ def _client_span(name: str, method: str, url: str, headers: dict[str, str]) -> I
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     host = parts.hostname or ""
-    attributes = {
+    attributes: dict[str, str | int] = {
         "http.request.method": method,
         "url.full": f"{parts.scheme}://{host}:{port}{parts.path}",  # no credentials, no query
         "server.address": host,
