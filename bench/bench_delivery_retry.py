@@ -459,7 +459,12 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
             return outcome
 
         def external(ctx: BatchContext, work: list[Any]) -> list[Any]:
-            ctx.params["downstream_client"] = client
+            calls = ctx.params["downstream_calls"]  # the run's RunCalls, made by the claim
+            if calls.client is not client:  # the timed client, with the run's manners
+                old = calls.client
+                client.limiter, client.breaker, client.stop = old.limiter, old.breaker, old.stop
+                old.close()
+                calls.client = client
             marks[-1]["calls_start"] = time.perf_counter()
             results = SPEC.external(ctx, work)  # type: ignore[misc]
             marks[-1]["calls_end"] = time.perf_counter()

@@ -213,7 +213,9 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def bare_rate(sim: Simulator, concurrency: int, n: int, kind: Kind) -> dict[str, Any]:
+def bare_rate(
+    sim: Simulator, concurrency: int, n: int, kind: Kind, quiet: bool = True
+) -> dict[str, Any]:
     """The limit: the fastest bare client (no qo-ops, no database) posting ``n`` of
     ``kind``'s requests to ``sim`` at ``concurrency``; each client verified on the
     simulator's counters. Requests/s of the fastest, and of each."""
@@ -222,7 +224,8 @@ def bare_rate(sim: Simulator, concurrency: int, n: int, kind: Kind) -> dict[str,
     clients: dict[str, dict[str, float]] = {}
     for name, client in BARE_CLIENTS.items():
         sim.client.reset()
-        wait_quiet()
+        if quiet:
+            wait_quiet()
         sim_cpu, own_cpu = sim.cpu_s(), _own_cpu_s()
         seconds = client(host, port, kind, n, concurrency)
         verify_simulator(sim, kind, n, f"bare {name}")
@@ -272,7 +275,13 @@ def job_process(job: str, concurrency: int, batch_size: int | None) -> dict[str,
 
 
 def run_job_measured(
-    kind: Kind, template: URL, sim: Simulator, n: int, concurrency: int, batch_size: int | None
+    kind: Kind,
+    template: URL,
+    sim: Simulator,
+    n: int,
+    concurrency: int,
+    batch_size: int | None = None,
+    quiet: bool = True,
 ) -> dict[str, Any]:
     """The job in a fresh process on a clone of ``template``; verified afterwards."""
     label = f"{kind.job} c={concurrency}"
@@ -283,7 +292,8 @@ def run_job_measured(
         env.update(QO_OPS_DATABASE_URL=env_url(url), QO_OPS_DOWNSTREAM_URL=sim.url)
         cmd = [sys.executable, "-m", "bench.section_downstream", "--job-process", kind.job]
         cmd += [str(concurrency), str(batch_size or 0)]
-        wait_quiet()
+        if quiet:
+            wait_quiet()
         sim_cpu = sim.cpu_s()
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
         sim_cpu = sim.cpu_s() - sim_cpu
@@ -323,6 +333,7 @@ def _rate(value: float) -> str:
 
 def run(profile: Profile) -> Section:
     n = profile.downstream_items
+    quiet = profile.name != "quick"  # a smoke run keeps no figure: no waiting for idle cores
     results: dict[str, dict[str, Any]] = {}
     with simulator(LATENCY_MS) as sim:
         for kind in KINDS:
@@ -340,10 +351,12 @@ def run(profile: Profile) -> Section:
                         order = ("bare", "job") if i % 2 == 0 else ("job", "bare")
                         for what in order:
                             if what == "bare":
-                                runs["bare"].append(bare_rate(sim, concurrency, n, kind))
+                                runs["bare"].append(bare_rate(sim, concurrency, n, kind, quiet))
                             else:
                                 runs["job"].append(
-                                    run_job_measured(kind, template, sim, n, concurrency, None)
+                                    run_job_measured(
+                                        kind, template, sim, n, concurrency, None, quiet
+                                    )
                                 )
                     results[key] = runs
                     job, bare = runs["job"], runs["bare"]
