@@ -96,13 +96,14 @@ class Kind:
 
     def body(self, i: int) -> tuple[bytes, dict[str, str]]:
         """The request of bare item ``i``: JSON body and extra headers."""
-        key = f"bare-{uuid.uuid4().hex}-{i}"
+        key, order = f"bare-{uuid.uuid4().hex}-{i}", f"ORD-{i:08d}"
+        doc: dict[str, Any]
         if self.path == "/notifications":
             doc = {"event_id": key, "event_type": "OrderSubmitted", "tenant_id": TENANT}
-            doc["payload"] = {"order_number": f"ORD-{i:08d}", "notify": "order_confirmation"}
+            doc["payload"] = {"order_number": order, "notify": "order_confirmation"}
             return json.dumps(doc).encode(), {}
-        payload = {"kind": "fulfilment_request", "order_number": f"ORD-{i:08d}", "lines": 1}
-        doc = {"tenant_id": TENANT, "order_number": f"ORD-{i:08d}", "payload": payload}
+        payload = {"kind": "fulfilment_request", "order_number": order, "lines": 1}
+        doc = {"tenant_id": TENANT, "order_number": order, "payload": payload}
         return json.dumps(doc).encode(), {"Idempotency-Key": key}
 
 
@@ -222,10 +223,10 @@ def bare_rate(
     parts = urlsplit(sim.url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     clients: dict[str, dict[str, float]] = {}
+    busy = []
     for name, client in BARE_CLIENTS.items():
         sim.client.reset()
-        if quiet:
-            wait_quiet()
+        busy.append(wait_quiet() if quiet else 0.0)
         sim_cpu, own_cpu = sim.cpu_s(), _own_cpu_s()
         seconds = client(host, port, kind, n, concurrency)
         verify_simulator(sim, kind, n, f"bare {name}")
@@ -235,7 +236,7 @@ def bare_rate(
             "simulator_cpu_ms": 1000 * (sim.cpu_s() - sim_cpu) / n,
         }
     best = max(clients, key=lambda c: clients[c]["per_s"])
-    return {"per_s": clients[best]["per_s"], "client": best, "clients": clients}
+    return {"per_s": clients[best]["per_s"], "client": best, "clients": clients, "busy": max(busy)}
 
 
 # ---------------------------------------------------------------------- the job
@@ -292,8 +293,7 @@ def run_job_measured(
         env.update(QO_OPS_DATABASE_URL=env_url(url), QO_OPS_DOWNSTREAM_URL=sim.url)
         cmd = [sys.executable, "-m", "bench.section_downstream", "--job-process", kind.job]
         cmd += [str(concurrency), str(batch_size or 0)]
-        if quiet:
-            wait_quiet()
+        busy = wait_quiet() if quiet else 0.0  # the share of the cores others kept busy
         sim_cpu = sim.cpu_s()
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
         sim_cpu = sim.cpu_s() - sim_cpu
@@ -320,6 +320,7 @@ def run_job_measured(
         "simulator_cpu_ms": 1000 * sim_cpu / n,
         "batches": s["batches"],
         "batch_ms_p50": s["batch_ms_p50"],
+        "busy": busy,
         "verified": verified,
     }
 
@@ -405,13 +406,15 @@ def run(profile: Profile) -> Section:
                 for name in BARE_CLIENTS
             )
             notes.append(
-                f"{key}: bare clients {clients}; simulator CPU per request "
+                f"{key}: job ÷ ideal {job_rate / ideal:.2f}; bare clients {clients}; simulator CPU per request "
                 f"{median([r['simulator_cpu_ms'] for r in job]):.2f} ms under the job, "
                 f"{median([b['clients'][b['client']]['simulator_cpu_ms'] for b in bare]):.2f} ms "
                 f"under the fastest bare client; job batches "
                 f"{median([r['batches'] for r in job]):.0f}, batch p50 "
                 f"{median([r['batch_ms_p50'] for r in job]):,.0f} ms; context switches per "
-                f"delivery {median([r['context_switches_per_delivery'] for r in job]):.1f}"
+                f"delivery {median([r['context_switches_per_delivery'] for r in job]):.1f}; "
+                f"other work kept up to {200 * max(r['busy'] for r in job + bare):.0f}% of the "
+                "200% busy just before a measurement"
             )
     notes.insert(
         0,

@@ -235,9 +235,8 @@ SPEC = JobSpec(
     ),
     cron_schedule="*/5 * * * *",
     backlog_threshold=500,
-    # 1,024: a multiple of 32 and 64 parallel calls; the calls of a batch end with its slowest
-    # one and pause for the record and next claim, so a smaller batch leaves them idle
-    # longer (bench/section_downstream.py: ~0.75 of the bare client at 256 and c=64)
+    # 1,024, a multiple of 32 and 64 calls: a batch's calls wait for its slowest, then for the
+    # record and the next claim; fewer, larger batches leave them idle less (bench/TUNING.md)
     defaults=JobDefaults(batch_size=1024, concurrency=32),
     change="sent with its idempotency key: delivered, retried or dead-lettered",
     healthy="No delivery due for longer than 15 minutes, and no dead letter waiting for a person.",
