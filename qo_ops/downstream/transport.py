@@ -17,8 +17,9 @@ import socket
 import ssl
 import threading
 import time
+from base64 import b64encode
 from collections.abc import Mapping
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import unquote, urlencode, urlsplit
 
 KEEPALIVE_S = 5.0
 
@@ -66,6 +67,9 @@ class ConnectionPool:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.pool_timeout, self.keepalive_s = pool_timeout, keepalive_s
         self.headers = dict(headers or {})
+        if parts.username is not None:  # credentials in the URL: HTTP basic auth, as httpx did
+            secret = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            self.headers["authorization"] = f"Basic {b64encode(secret.encode()).decode()}"
         self._tls = ssl.create_default_context() if parts.scheme == "https" else None
         self._slots = threading.BoundedSemaphore(max_connections)
         self._idle: list[tuple[http.client.HTTPConnection, float]] = []  # (connection, idle since)

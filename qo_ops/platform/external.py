@@ -4,6 +4,7 @@ sent, and calls already sent are waited for only until half the stop grace is go
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -61,6 +62,8 @@ class _Callers:
 
 
 _CALLERS = _Callers()
+# a forked child has none of the parent's threads: it must not hand work to their inboxes
+os.register_at_fork(after_in_child=_CALLERS.__init__)
 
 
 @dataclass(frozen=True)

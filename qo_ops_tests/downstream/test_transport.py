@@ -172,3 +172,10 @@ def test_without_tracing_no_trace_header_is_sent(server) -> None:
     with DownstreamClient(url) as client:
         _get(client)
     assert "traceparent" not in seen.requests[0][1]
+
+
+def test_credentials_in_the_url_are_sent_as_basic_auth(server) -> None:
+    url, seen = server
+    with DownstreamClient(url.replace("http://", "http://ops:s%20cret@")) as client:
+        _get(client)
+    assert seen.requests[0][1]["authorization"] == "Basic b3BzOnMgY3JldA=="  # ops:s cret

@@ -4,6 +4,8 @@ in a call a stopping run stopped waiting for, which the next batch does not wait
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 from qo_ops.platform.external import NotCalled, call_each
@@ -63,3 +65,20 @@ def test_a_call_stuck_past_the_grace_does_not_hold_up_the_next_batch() -> None:
     finally:
         release.set()
         batch.join()
+
+
+def test_a_forked_child_starts_threads_of_its_own() -> None:
+    call_each([1, 2], lambda i: i, 2)  # leaves idle threads behind, which a child won't have
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its batch must run although the parent's threads are not here
+        signal.alarm(20)  # a hung child ends (SIGALRM) instead of hanging the test
+        try:
+            os.write(write, repr(call_each([3, 4, 5], lambda i: i * 2, 2)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        got = answer.read()  # EOF when the child exits; empty if it hung and was killed
+    os.waitpid(pid, 0)
+    assert got == "[6, 8, 10]"
