@@ -28,6 +28,10 @@ class _Callers:
     busy with a call past a stop's grace is simply not idle; the next batch starts another."""
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """No idle thread (a fresh start, and a forked child's: the parent's threads are gone)."""
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]] = []
 
@@ -63,7 +67,7 @@ class _Callers:
 
 _CALLERS = _Callers()
 # a forked child has none of the parent's threads: it must not hand work to their inboxes
-os.register_at_fork(after_in_child=_CALLERS.__init__)
+os.register_at_fork(after_in_child=_CALLERS.forget)
 
 
 @dataclass(frozen=True)
