@@ -4,8 +4,8 @@ by threads (the standard library's ``http.client``, pooled).
 Lean on purpose: a call takes an idle connection (last used first) or opens one, sends one
 request and reads the whole answer, then gives the connection back. At most
 ``max_connections`` are open; a caller waits up to ``pool_timeout`` for one. An idle
-connection is not reused once the server has closed it, or after ``keepalive_s`` (httpx's
-default, 5 s, below common servers' idle timeouts). A request that got no answer raises
+connection is not reused once the server has closed it, or after ``keepalive_s`` (4 s: below
+the 5 s idle timeout of uvicorn, Node and others, so a request never races the server's close). A request that got no answer raises
 :class:`NoAnswer`, saying whether it may have reached the server.
 """
 
@@ -21,7 +21,7 @@ from base64 import b64encode
 from collections.abc import Mapping
 from urllib.parse import unquote, urlencode, urlsplit
 
-KEEPALIVE_S = 5.0
+KEEPALIVE_S = 4.0
 
 
 class NoAnswer(Exception):
