@@ -4,9 +4,10 @@ by threads (the standard library's ``http.client``, pooled).
 Lean on purpose: a call takes an idle connection (last used first) or opens one, sends one
 request and reads the whole answer, then gives the connection back. At most
 ``max_connections`` are open; a caller waits up to ``pool_timeout`` for one. An idle
-connection is not reused once the server has closed it, or after ``keepalive_s`` (4 s: below
-the 5 s idle timeout of uvicorn, Node and others, so a request never races the server's close). A request that got no answer raises
-:class:`NoAnswer`, saying whether it may have reached the server.
+connection is not reused once the server has closed it, or after ``keepalive_s`` (4 s:
+below the 5 s idle timeout of uvicorn, Node and others, so a request does not race the
+server's close). A request that got no answer raises :class:`NoAnswer`, saying whether it
+may have reached the server.
 """
 
 from __future__ import annotations
