@@ -149,6 +149,13 @@ def prepare_calls(conn: Connection, ctx: BatchContext) -> None:
         calls.client.breaker = calls.breaker
 
 
+def claim_seconds(ctx: BatchContext, items: int) -> float:
+    """How long a batch's claim hides its items: twice the lease TTL, plus the time our
+    rate limit needs to send them all (so a slow, polite batch never outlives its claim)."""
+    rate = run_settings(ctx, call_settings).manners.rate_limit
+    return 2 * float(ctx.params["limits"]["lease_ttl_s"]) + (items / rate if rate else 0.0)
+
+
 def systemic(result: CallResult) -> bool:
     """A failure that says the downstream is down or struggling, not that the item is bad:
     no answer (connection error, timeout, reset) or a 5xx."""

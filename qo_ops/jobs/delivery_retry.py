@@ -18,7 +18,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import delivery_attempt_item
-from qo_ops.downstream.calls import call_for_each, call_settings, finish_calls, prepare_calls
+from qo_ops.downstream.calls import (
+    call_for_each,
+    call_settings,
+    claim_seconds,
+    finish_calls,
+    prepare_calls,
+)
 from qo_ops.errors import one_line
 from qo_ops.platform.retry import dispose
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
@@ -76,7 +82,7 @@ CLAIM_DELIVERY_BATCH = sa.text(
 def claim_delivery_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Claim the selected items for this run's calls."""
     prepare_calls(conn, ctx)
-    claim_s = 2 * ctx.params["limits"]["lease_ttl_s"]
+    claim_s = claim_seconds(ctx, len(ids))
     rows = conn.execute(
         CLAIM_DELIVERY_BATCH,
         {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s},

@@ -17,7 +17,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import outbox_event
-from qo_ops.downstream.calls import call_for_each, call_settings, finish_calls, prepare_calls
+from qo_ops.downstream.calls import (
+    call_for_each,
+    call_settings,
+    claim_seconds,
+    finish_calls,
+    prepare_calls,
+)
 from qo_ops.errors import one_line
 from qo_ops.platform.retry import dispose
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
@@ -67,7 +73,7 @@ CLAIM_EVENT_BATCH = sa.text(
 def claim_event_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Claim the selected events for this run's publishing."""
     prepare_calls(conn, ctx)
-    claim_s = 2 * ctx.params["limits"]["lease_ttl_s"]
+    claim_s = claim_seconds(ctx, len(ids))
     rows = conn.execute(
         CLAIM_EVENT_BATCH,
         {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s},

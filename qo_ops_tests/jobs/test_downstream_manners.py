@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -316,3 +317,23 @@ def test_the_downstreams_rate_limit_and_retry_after_are_honoured(
     stats = server.client.stats()
     assert stats["deliveries_distinct"] == items
     assert set(stats["deliveries_by_key"].values()) == {1}
+
+
+def test_a_rate_limited_batch_is_claimed_for_as_long_as_sending_it_takes(monkeypatch):
+    from qo_ops.downstream.calls import call_settings, claim_seconds
+    from qo_ops.platform.spec import SETTINGS_PARAM, BatchContext, Scope
+
+    monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", "http://127.0.0.1:9")
+
+    def ctx() -> BatchContext:
+        return BatchContext(
+            "delivery_retry",
+            Scope("tenant-001"),
+            "execute",
+            uuid.uuid4(),
+            params={"limits": {"lease_ttl_s": 30.0}, SETTINGS_PARAM: call_settings()},
+        )
+
+    assert claim_seconds(ctx(), 1024) == 60.0  # no limit of ours: twice the lease TTL
+    monkeypatch.setenv("QO_OPS_DOWNSTREAM_RATE_LIMIT", "10")
+    assert claim_seconds(ctx(), 1024) == 60.0 + 102.4  # 1,024 calls at 10 a second
