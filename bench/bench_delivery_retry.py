@@ -38,7 +38,6 @@ import http.client
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,7 @@ from sqlalchemy.engine import URL
 from bench.common import REPO, engine_for, fresh_database, print_table, settle, stopwatch
 from qo_ops.downstream.calls import CallSettings
 from qo_ops.downstream.client import DownstreamClient
+from qo_ops.downstream.local import SimulatorProcess, simulator_process
 from qo_ops.jobs.delivery_retry import SPEC
 from qo_ops.platform.retry import policy_from_env
 from qo_ops.platform.runner import run_job
@@ -119,73 +119,38 @@ def load(url: URL, n: int) -> float:
 # ---------------------------------------------------------------------- the simulator
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclasses.dataclass
 class Simulator:
-    url: str
-    process: subprocess.Popen[bytes]
+    """A fresh simulator process (``qo_ops.downstream.local.simulator_process``) and a
+    client of it for its counters."""
+
+    process: SimulatorProcess
     client: DownstreamClient
+
+    @property
+    def url(self) -> str:
+        return self.process.url
 
     def stats(self) -> dict[str, Any]:
         return self.client.stats(detail=False)
 
     def cpu_s(self) -> float:
         """User + system CPU seconds the simulator process has used so far (Linux)."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return self.process.cpu_s()
 
 
 @contextmanager
 def simulator(latency_ms: int = LATENCY_MS) -> Iterator[Simulator]:
     """A fresh simulator process with an empty store, stopped afterwards."""
-    with tempfile.TemporaryDirectory(prefix="qo-ops-bench-downstream-") as tmp:
-        log_path = Path(tmp) / "downstream.log"
-        for attempt in range(3):  # a free port can be taken before the server binds it
-            port = _free_port()
-            url = f"http://127.0.0.1:{port}"
-            cmd = [sys.executable, "-m", "qo_ops.downstream.cli", "--host", "127.0.0.1"]
-            cmd += ["--port", str(port), "--store", str(Path(tmp) / "store.sqlite3")]
-            cmd += ["--latency-ms", str(latency_ms)]
-            with log_path.open("ab") as log:
-                process = subprocess.Popen(
-                    cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=tmp
-                )
-            if _wait_healthy(process, url):
-                break
-            if attempt == 2:
-                raise SystemExit(f"simulator did not start: {log_path.read_text()[-2000:]}")
-        client = DownstreamClient(url)
+    with (
+        tempfile.TemporaryDirectory(prefix="qo-ops-bench-downstream-") as tmp,
+        simulator_process(Path(tmp) / "store.sqlite3", "--latency-ms", str(latency_ms)) as proc,
+    ):
+        client = DownstreamClient(proc.url)
         try:
-            yield Simulator(url, process, client)
+            yield Simulator(proc, client)
         finally:
             client.close()
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_healthy(process: subprocess.Popen[bytes], url: str, wait_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            return False
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
-                return True
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    process.kill()
-    process.wait()
-    return False
 
 
 def verify_simulator(sim: Simulator, n: int, label: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from qo_ops.platform.breaker import (
     save_transitions,
 )
 from qo_ops.platform.external import NotCalled, call_each
+from qo_ops.platform.manners import DEPENDENCY_UNAVAILABLE
 from qo_ops.platform.ratelimit import TokenBucket
 from qo_ops.platform.retry import CallResult, Disposition, RetryPolicy, policy_from_env
 from qo_ops.platform.spec import BatchContext, BatchOutcome, run_settings
@@ -31,7 +32,6 @@ _CALLS_PARAM = "downstream_calls"
 RATE_LIMIT_ENV = "QO_OPS_DOWNSTREAM_RATE_LIMIT"
 RETRY_BUDGET_ENV = "QO_OPS_RETRY_BUDGET"
 BREAKER_OPEN_ENV = "QO_OPS_BREAKER_OPEN_S"
-DEPENDENCY_UNAVAILABLE = "dependency_unavailable"  # the error class of a run the breaker ended
 SYSTEMIC_CODES = frozenset({"timeout", "connect_error", "connection_reset", "transport_error"})
 
 

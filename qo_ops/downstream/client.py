@@ -25,7 +25,7 @@ from qo_ops.downstream.transport import ConnectionPool, NoAnswer
 from qo_ops.errors import ConfigError, one_line
 from qo_ops.platform.breaker import CircuitBreaker
 from qo_ops.platform.ratelimit import TokenBucket
-from qo_ops.platform.retry import ErrorClass, classify_http_status
+from qo_ops.platform.retry import DEFAULT_WAIT_S, ErrorClass, classify_http_status
 from qo_ops.platform.tracing import client_span
 
 DOWNSTREAM_URL_ENV = "QO_OPS_DOWNSTREAM_URL"
@@ -106,7 +106,6 @@ class Answer:
 
 
 MAX_RETRY_AFTER_S = 3600.0  # a longer Retry-After is taken as this: an hour is the retry cap
-DEFAULT_RETRY_AFTER_S = 1.0  # a 429 without a usable Retry-After pauses the run this long
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -250,7 +249,7 @@ class DownstreamClient:
         if answer.status == 429:
             if self.limiter is not None:
                 retry_after = retry_after_seconds(answer.headers.get("retry-after"))
-                self.limiter.pause(DEFAULT_RETRY_AFTER_S if retry_after is None else retry_after)
+                self.limiter.pause(DEFAULT_WAIT_S if retry_after is None else retry_after)
             if self.breaker is not None:
                 self.breaker.neutral()
         elif self.breaker is not None:

@@ -23,7 +23,7 @@ RATE_LIMIT_WAIT_MS = "downstream.rate_limit_wait_ms"  # waiting for the limiter,
 SPARED = "downstream.spared"  # failed in an outage: the item kept its attempt
 BREAKER_STATES = (CLOSED, OPEN, HALF_OPEN)
 BREAKER_PREFIX = "breaker."  # breaker.<state>: transitions to that state
-# The error class of a run the breaker stopped (qo_ops.downstream.calls.DEPENDENCY_UNAVAILABLE)
+# The error class of a run the breaker stopped (qo_ops.downstream.calls.finish_calls)
 DEPENDENCY_UNAVAILABLE = "dependency_unavailable"
 _KEYS = (CALLS, RETRIES, RETRY_BUDGET_REFUSED, REFUSED_OPEN, RATE_LIMIT_PAUSES,
          RATE_LIMIT_WAIT_MS, SPARED)  # fmt: skip

@@ -176,7 +176,8 @@ class CallResult:
     spared: bool = False
 
 
-DEFAULT_WAIT_S = 1.0  # a rate-limited item without a Retry-After waits this long
+# a 429 without a usable Retry-After: the item waits this long, and the run pauses as long
+DEFAULT_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@ report rows, the one line of ``qo-ops run`` and the API's figures say the same n
 
 from __future__ import annotations
 
-from qo_ops.downstream import calls as downstream_calls
 from qo_ops.platform.manners import (
     DEPENDENCY_UNAVAILABLE,
     DownstreamCalls,
@@ -82,7 +81,3 @@ def test_a_calm_run_shows_calls_and_retries_only_and_a_run_without_calls_nothing
     assert manners_rows({"checkpoint.updates": 3}, None, None) == []
     # words that look like manners keys but are not stay raw tally rows
     assert not is_manners_key("breaker.bogus") and not is_manners_key("downstream.bogus")
-
-
-def test_the_error_class_is_the_one_the_breaker_ends_runs_with():
-    assert DEPENDENCY_UNAVAILABLE == downstream_calls.DEPENDENCY_UNAVAILABLE
