@@ -37,6 +37,7 @@ from qo_ops.dagster_defs.submission import (
     WINDOWED_TAG,
     run_options,
     trigger_from_tags,
+    with_run_facts,
 )
 from qo_ops.db.availability import is_unavailable
 from qo_ops.errors import BadInput, QoOpsError, one_line
@@ -670,6 +671,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
             else:
                 scopes = requested_scopes(spec, context, config.tenants, tags)
                 options = run_options(dict(config), tags, context.run_id)
+                options = with_run_facts(options, context.instance, context.run_id)
                 if len(scopes) > 1:  # refuse once, not once per tenant (run_job checks again)
                     options.validated()
                     check_consent(options, destructive=spec.destructive, job_name=spec.name)

@@ -8,7 +8,8 @@ are imported here: the webserver and the daemon load this module with the instan
 
 import logging
 from collections.abc import Mapping
-from datetime import datetime
+from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
@@ -111,6 +112,38 @@ def run_options(config: Mapping[str, Any], tags: Mapping[str, str], run_id: str)
         progress_interval_s=10.0,
         scheduled_for=_scheduled_for(tags) if trigger == "schedule" else None,
     )
+
+
+def with_run_facts(options: RunOptions, instance: dg.DagsterInstance, run_id: str) -> RunOptions:
+    """``options`` with what only the instance knows of its run: when the Dagster run was
+    created (queued), which automatic retry it is and how many the instance allows (a
+    ``dagster/max_retries`` tag overrides dagster.yaml). Facts for the seed's start-delay
+    and retry signals; a run the instance cannot describe keeps the defaults."""
+    record = instance.get_run_record_by_id(run_id)
+    if record is None:
+        return options
+    tags = record.dagster_run.tags
+    created = record.create_timestamp
+    retries_max = (
+        _whole(tags.get(MAX_RETRIES_TAG))
+        if MAX_RETRIES_TAG in tags
+        else (instance.run_retries_max_retries if instance.run_retries_enabled else 0)
+    )
+    return replace(
+        options,
+        requested_at=created if created.tzinfo is not None else created.replace(tzinfo=UTC),
+        retry_number=_whole(tags.get(RETRY_NUMBER_TAG)) or 0,
+        retries_max=retries_max,
+    )
+
+
+def _whole(value: str | None) -> int | None:
+    """A tag's whole number at least 0, or None."""
+    try:
+        number = int(value or "")
+    except ValueError:
+        return None
+    return number if number >= 0 else None
 
 
 def op_config(run: dg.DagsterRun) -> Mapping[str, Any]:

@@ -106,6 +106,12 @@ job_run = sa.Table(
     sa.Column("duplicates_prevented_count", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("approved_by", sa.Text),  # the second identity that released a held run
     sa.Column("approved_at", TS),
+    # when the run was asked for: the Dagster run's creation, the API's acceptance (0012)
+    sa.Column("requested_at", TS),
+    sa.Column("lock_wait_ms", sa.Integer),  # how long taking the lease took (execute runs)
+    # which of its trigger's retries this run is (0: the first attempt), of retries_max
+    sa.Column("retry_number", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("retries_max", sa.Integer),
     _status_check("status", JOB_RUN_STATUSES),
     _status_check("mode", RUN_MODES),
     _status_check("trigger_type", TRIGGER_TYPES),

@@ -25,7 +25,14 @@ from qo_ops.platform.breaker import (
 from qo_ops.platform.external import NotCalled, call_each
 from qo_ops.platform.manners import DEPENDENCY_UNAVAILABLE
 from qo_ops.platform.ratelimit import TokenBucket
-from qo_ops.platform.retry import CallResult, Disposition, RetryPolicy, policy_from_env
+from qo_ops.platform.retry import (
+    CallResult,
+    Disposition,
+    ErrorClass,
+    RetryPolicy,
+    policy_from_env,
+)
+from qo_ops.platform.signals import ITEM_RETRY_EXHAUSTED, ITEM_RETRY_PREFIX, retry_reason
 from qo_ops.platform.spec import BatchContext, BatchOutcome, run_settings
 
 _CALLS_PARAM = "downstream_calls"
@@ -344,6 +351,18 @@ _STATE_NAMES = {
 }
 
 
+def _retry_signals(result: CallResult, state: str | None) -> list[str]:
+    """The seed's retry signals of one recorded call (``qo_ops.platform.signals``): a retry
+    scheduled (or a rate-limited wait) by reason, or a dead letter after every attempt."""
+    if state in ("retry", "wait"):
+        reason = "dependency_rate_limited" if state == "wait" else retry_reason(result.code)
+        return [ITEM_RETRY_PREFIX + reason]
+    exhausted = result.error_class is not ErrorClass.NON_RETRYABLE
+    if state == "dead" and exhausted and result.attempt >= result.max_attempts:
+        return [ITEM_RETRY_EXHAUSTED]
+    return []
+
+
 def outcome_of(
     decisions: list[tuple[CallResult, Disposition]], recorded: dict[str, str], side_effect: str
 ) -> BatchOutcome:
@@ -369,6 +388,8 @@ def outcome_of(
         state = _STATE_NAMES.get(recorded.get(r.item_id) or "", "claim_lost")
         key = f"outcome.{klass}.attempt_{r.attempt}.{state}"
         tally[key] = tally.get(key, 0) + 1
+        for signal in _retry_signals(r, recorded.get(r.item_id)):
+            tally[signal] = tally.get(signal, 0) + 1
     outcome = BatchOutcome(
         succeeded=states.count("done"),
         failed=len(failed),

@@ -1155,4 +1155,9 @@ SPEC = JobSpec(
     validate_settings=archive_settings,  # retention and a writable archive directory
     scheduled_window_age_days=lambda: retention_days() + 1,
     side_effects=(SIDE_EFFECT,),
+    error_classes=(
+        ArchiveError.error_code,
+        ArchiveVerificationFailed.error_code,
+        ArchiveConfigError.error_code,
+    ),
 )

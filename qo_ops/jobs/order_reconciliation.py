@@ -51,6 +51,7 @@ from qo_ops.downstream.calls import Manners, downstream_client, manners_from_env
 from qo_ops.downstream.client import DownstreamError, downstream_url
 from qo_ops.errors import one_line
 from qo_ops.platform.external import NotCalled, call_each
+from qo_ops.platform.signals import Reconciliation
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -428,6 +429,7 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
                                 "detail": "the downstream has an order qo-ops does not know",
                             },
                         )
+                        out.tally["action_flagged"] = out.tally.get("action_flagged", 0) + 1
             continue
         if "unknown_scan_error" in r:
             out.failed_items.append(("unknown-orders-scan", r["unknown_scan_error"]))
@@ -562,4 +564,17 @@ SPEC = JobSpec(
     compete_with_skip_locked=False,  # read-only selection: one run per scope holds the lease
     side_effects=(ADOPTED_EVENT, RESUBMIT_EVENT),
     validate_settings=reconciliation_settings,  # refused before anything is read or written
+    reconciliation=Reconciliation(
+        mismatch_types=tuple(ACTIONS),
+        corrections={
+            "action_corrected": "corrected",
+            "action_failed": "failed",
+            "action_pending": "pending",
+        },
+        unresolved={
+            "action_flagged": "manual_review_required",
+            "action_budget_exhausted": "budget_exhausted",
+            "action_dead_letter_flagged": "dead_letter_flagged",
+        },
+    ),
 )

@@ -211,4 +211,5 @@ SPEC = JobSpec(
     uses_checkpoint=True,
     rescan_when_complete=False,  # a backfill: a window gone through stays done
     compete_with_skip_locked=False,  # one run per scope holds the lease; see the docstring
+    error_classes=(NoCurrentPriceBook.error_code,),
 )

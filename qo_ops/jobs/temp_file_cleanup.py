@@ -800,6 +800,11 @@ SPEC = JobSpec(
     run_resources=RunResources(cpu_request="500m"),  # sha256 of every object it deletes
     destructive=True,
     side_effects=(SIDE_EFFECT,),
+    error_classes=(
+        AnomalyThreshold.error_code,
+        CleanupConfigError.error_code,
+        ObjectStoreError.error_code,
+    ),
 )
 
 __all__ = [

@@ -53,10 +53,23 @@ from qo_ops.platform.control import Suspension, suspensions
 from qo_ops.platform.missed import MISSED_REASONS, first_scheduled_tick, missed_runs, tick_window_s
 from qo_ops.platform.runs import FINAL_STATUSES
 from qo_ops.platform.selection import capped_count
+from qo_ops.platform.signals import (
+    AMBIGUITY_REASONS,
+    ITEM_RETRY_EXHAUSTED,
+    ITEM_RETRY_PREFIX,
+    ITEM_RETRY_REASONS,
+    LOCK_RESULTS,
+    MANUAL_RERUN_REASONS,
+    MANUAL_TRIGGERS,
+    OTHER,
+    PLATFORM_ERROR_CLASSES,
+    RUN_RETRY_REASONS,
+)
 from qo_ops.platform.spec import (
     CHECKPOINT_RESETS,
     CHECKPOINT_UPDATES,
     SIDE_EFFECT_RESULTS,
+    TRIGGERS,
     BatchContext,
     JobSpec,
     Scope,
@@ -75,11 +88,15 @@ DURATION_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200)
 FAILING = ("failed", "timeout")
 MISSED_LOOKBACK_S = 7 * 86400.0  # a starting exporter judges the ticks of the last week
 MAX_TICKS_PER_SCRAPE = 5000  # per job: a long backlog of ticks is judged over a few scrapes
-_ERROR_CLASS = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 
 
-def _error_class(code: str | None) -> str:
-    return code if code and _ERROR_CLASS.match(code) else "other"
+@dataclass(frozen=True)
+class _Observed:
+    """A group of histogram observations as the queries return them."""
+
+    n: int
+    seconds: float
+    buckets: list[int]
 
 
 @dataclass
@@ -104,6 +121,11 @@ class _Feed:
     downstream: dict[tuple[str, str, str], float] = field(
         default_factory=lambda: defaultdict(float)
     )
+    # (metric, job, *label values) → the seed's lock, retry, rerun and reconciliation counters
+    signals: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
+    # (metric, job, *label values) → cumulative bucket counts, and their sums
+    histograms: dict[tuple[str, ...], list[float]] = field(default_factory=dict)
+    histogram_sums: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
 
 
 # Runs created in (cursor, cutoff), counted per job in the database.
@@ -129,7 +151,9 @@ _FINISHED_RUNS = sa.text(
       FROM (
         SELECT job_name, status,
                CASE WHEN status = ANY(CAST(:failing AS text[]))
-                    THEN coalesce(nullif(last_error_code, ''), status_reason) END AS error_source,
+                    THEN coalesce(nullif(last_error_code, ''),
+                                  CASE WHEN status = 'timeout' THEN 'deadline' END,
+                                  status_reason) END AS error_source,
                coalesce(status_reason = 'lease_lost', false)
                  OR coalesce(last_error_code = 'lease_lost', false) AS lease_lost,
                coalesce(last_error_code = 'anomaly_threshold', false) AS anomaly,
@@ -165,7 +189,65 @@ _FINISHED_TALLIES = sa.text(
       FROM job_run, jsonb_each_text(tally) AS t(key, value)
      WHERE finished_at IS NOT NULL AND finished_at < :cutoff AND (finished_at, id) > (:ts, :id)
        AND (t.key LIKE 'side\_effect%' OR t.key LIKE 'checkpoint.%'
-            OR t.key LIKE 'downstream.%' OR t.key LIKE 'breaker.%')
+            OR t.key LIKE 'downstream.%' OR t.key LIKE 'breaker.%' OR t.key LIKE 'retry%'
+            OR job_name = ANY(CAST(:reconciling AS text[])))
+     GROUP BY 1, 2
+    """
+)
+LOCK_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
+_LOCK_COUNTS = ", ".join(
+    f"count(*) FILTER (WHERE lock_wait_ms <= {b * 1000})" for b in LOCK_WAIT_BUCKETS
+)
+_DELAY_COUNTS = ", ".join(f"count(*) FILTER (WHERE delay <= {b})" for b in DRIFT_BUCKETS)
+# The seed's lock and run-retry signals of the runs finished in (cursor, cutoff), per job:
+# leases taken or found held, how long taking them took, Dagster's run retries (and the
+# last of them failing again).
+_FINISHED_LOCKS = sa.text(
+    f"""
+    SELECT job_name,
+           count(*) FILTER (WHERE fencing_token IS NOT NULL) AS acquired,
+           count(*) FILTER (WHERE status = 'skipped') AS skipped_already_running,
+           count(lock_wait_ms) AS waits, coalesce(sum(lock_wait_ms), 0) / 1000.0 AS wait_s,
+           ARRAY[{_LOCK_COUNTS}] AS wait_buckets,
+           count(*) FILTER (WHERE retry_number > 0) AS run_retries,
+           count(*) FILTER (WHERE retry_number > 0 AND retry_number >= coalesce(retries_max, 0)
+                              AND status = ANY(CAST(:failing AS text[]))) AS run_exhausted
+      FROM job_run
+     WHERE finished_at IS NOT NULL AND finished_at < :cutoff AND (finished_at, id) > (:ts, :id)
+     GROUP BY job_name
+    """
+)
+# How long the runs finished in (cursor, cutoff) waited to start, per job and trigger: from
+# when they were asked for (the Dagster run's creation or the API's acceptance, else the
+# tick, else the record's creation) to when the runner started them.
+_FINISHED_DELAYS = sa.text(
+    f"""
+    SELECT job_name, trigger_type, count(*) AS n, sum(delay) AS seconds,
+           ARRAY[{_DELAY_COUNTS}] AS buckets
+      FROM (SELECT job_name, trigger_type,
+                   greatest(0, extract(epoch FROM started_at
+                            - coalesce(requested_at, scheduled_for, created_at)))::float8 AS delay
+              FROM job_run
+             WHERE finished_at IS NOT NULL AND finished_at < :cutoff
+               AND (finished_at, id) > (:ts, :id)) AS runs
+     GROUP BY job_name, trigger_type
+    """
+)
+# Execute runs a person asked for, finished in (cursor, cutoff), over a scope that had an
+# earlier finished execute run: by that run's status (ix_job_run_history, one row each).
+_FINISHED_RERUNS = sa.text(
+    """
+    SELECT r.job_name, previous.status, count(*) AS n
+      FROM job_run r
+      CROSS JOIN LATERAL (
+        SELECT p.status FROM job_run p
+         WHERE p.job_name = r.job_name AND p.scope = r.scope AND p.started_at < r.started_at
+           AND p.mode = 'execute' AND p.finished_at IS NOT NULL AND p.status <> 'skipped'
+           AND p.id <> r.id
+         ORDER BY p.started_at DESC LIMIT 1) AS previous
+     WHERE r.finished_at IS NOT NULL AND r.finished_at < :cutoff
+       AND (r.finished_at, r.id) > (:ts, :id)
+       AND r.mode = 'execute' AND r.trigger_type = ANY(CAST(:manual AS text[]))
      GROUP BY 1, 2
     """
 )
@@ -258,6 +340,12 @@ class JobCollector:
         # the jobs whose runs call the downstream (their counters exist from the first scrape)
         self.calling = [s.name for s in self.specs if s.validate_settings is call_settings]
         self._by_name = {s.name: s for s in self.specs}
+        self.reconciling = [s.name for s in self.specs if s.reconciliation is not None]
+        # job → the error classes job_failed_total serves it (the platform's, then its own)
+        self.error_classes = {
+            s.name: tuple(dict.fromkeys((*PLATFORM_ERROR_CLASSES, *s.error_classes)))
+            for s in self.specs
+        }
         self.missed_lookback_s = missed_lookback_s
         self._clock = clock  # None: the database's; a test may freeze it
         self.refresh_s = refresh_s
@@ -328,8 +416,16 @@ class JobCollector:
         finished = {"cutoff": cutoff, "ts": finished_ts, "id": finished_id}
         for g in conn.execute(_FINISHED_RUNS, {**finished, "failing": list(FAILING)}):
             self._count_finished(g)
-        for g in conn.execute(_FINISHED_TALLIES, finished):
+        for g in conn.execute(_FINISHED_TALLIES, {**finished, "reconciling": self.reconciling}):
             self._count_tally(g.job_name, g.key, int(g.n))
+        for g in conn.execute(_FINISHED_LOCKS, {**finished, "failing": list(FAILING)}):
+            self._count_locks(g)
+        for g in conn.execute(_FINISHED_DELAYS, finished):
+            self._observe("job_start_delay_seconds", (g.job_name, g.trigger_type), g)
+        for g in conn.execute(_FINISHED_RERUNS, {**finished, "manual": list(MANUAL_TRIGGERS)}):
+            if g.status in MANUAL_RERUN_REASONS:
+                key = ("job_manual_reruns_total", g.job_name, MANUAL_RERUN_REASONS[g.status])
+                self._feed.signals[key] += int(g.n)
         lowest = uuid.UUID(int=0)
         feed.created_cursor = (
             max(created_ts, cutoff),
@@ -346,7 +442,7 @@ class JobCollector:
         n = int(g.n)
         feed.completed[(g.job_name, g.status)] += n
         if g.status in FAILING:
-            feed.failed[(g.job_name, _error_class(g.error_source))] += n
+            feed.failed[(g.job_name, self._error_class(g.job_name, g.error_source))] += n
         for metric, (column, _) in ITEM_SUMS.items():
             feed.sums[(metric, g.job_name)] += int(getattr(g, column) or 0)
         if g.lease_lost:
@@ -361,6 +457,33 @@ class JobCollector:
             buckets[i] += count
         buckets[-1] += n  # +Inf
         feed.duration_sum[key] += float(g.seconds or 0.0)
+
+    def _error_class(self, job: str, code: str | None) -> str:
+        """A failed run's error class as a label: one its job declares, else ``other``."""
+        return code if code in self.error_classes.get(job, ()) else OTHER
+
+    def _count_locks(self, g: Any) -> None:
+        """Leases taken or found held, the time taking them took, Dagster's run retries."""
+        signals, job = self._feed.signals, g.job_name
+        signals[("job_lock_acquire_total", job, "acquired")] += int(g.acquired)
+        signals[("job_lock_acquire_total", job, "skipped_already_running")] += int(
+            g.skipped_already_running
+        )
+        signals[("job_retries_total", job, "run", "worker_crashed")] += int(g.run_retries)
+        signals[("job_retry_exhausted_total", job, "run")] += int(g.run_exhausted)
+        if g.waits:
+            g_wait = _Observed(int(g.waits), float(g.wait_s), list(g.wait_buckets))
+            self._observe("job_lock_wait_seconds", (job,), g_wait)
+
+    def _observe(self, metric: str, labels: tuple[str, ...], g: Any) -> None:
+        """Add a group of observations (``n``, their sum ``seconds``, cumulative ``buckets``)."""
+        feed = self._feed
+        key = (metric, *labels)
+        buckets = feed.histograms.setdefault(key, [0.0] * (len(g.buckets) + 1))
+        for i, count in enumerate(g.buckets):
+            buckets[i] += count
+        buckets[-1] += int(g.n)
+        feed.histogram_sums[key] += float(g.seconds or 0.0)
 
     def _count_drift(self, g: Any) -> None:
         feed = self._feed
@@ -378,7 +501,20 @@ class JobCollector:
         if spec is None:
             return
         parts = key.split(".")
-        if key in TALLY_COUNTERS:
+        recon = spec.reconciliation
+        if recon is not None and key in recon.mismatch_types:
+            feed.signals[("reconciliation_mismatches_total", job, key)] += n
+        elif recon is not None and key in recon.corrections:
+            feed.signals[("reconciliation_corrections_total", job, recon.corrections[key])] += n
+        elif recon is not None and key in recon.unresolved:
+            feed.signals[("reconciliation_unresolved_total", job, recon.unresolved[key])] += n
+        elif key.startswith(ITEM_RETRY_PREFIX):
+            reason = key.removeprefix(ITEM_RETRY_PREFIX)
+            reason = reason if reason in ITEM_RETRY_REASONS else OTHER
+            feed.signals[("job_retries_total", job, "item", reason)] += n
+        elif key == ITEM_RETRY_EXHAUSTED:
+            feed.signals[("job_retry_exhausted_total", job, "item")] += n
+        elif key in TALLY_COUNTERS:
             feed.sums[(TALLY_COUNTERS[key], job)] += n
         elif key in DOWNSTREAM_COUNTERS:
             metric, label, scale = DOWNSTREAM_COUNTERS[key]
@@ -388,7 +524,7 @@ class JobCollector:
             result = parts[2] if parts[2] in SIDE_EFFECT_RESULTS else "other"
             feed.side_effects[(job, name, result)] += n
         elif len(parts) == 2 and parts[0] == "side_effect_ambiguity":
-            feed.ambiguity[(job, _error_class(parts[1]))] += n
+            feed.ambiguity[(job, parts[1] if parts[1] in AMBIGUITY_REASONS else OTHER)] += n
 
     def _judge_missed(self, conn: Connection, now: datetime) -> None:
         """Judge the ticks whose window has passed since the last scrape (from the job's first
@@ -591,14 +727,18 @@ class JobCollector:
         completed = CounterMetricFamily(
             "job_completed_total", "Runs finished, by status", labels=["job_name", "status"]
         )
-        for (job, st), n in sorted(feed.completed.items()):
-            completed.add_metric([job, st], n)
+        for job in names:
+            for st in FINAL_STATUSES:
+                completed.add_metric([job, st], feed.completed.get((job, st), 0))
         yield completed
         failed = CounterMetricFamily(
-            "job_failed_total", "Runs failed, by error class", labels=["job_name", "error_class"]
+            "job_failed_total",
+            "Runs failed or timed out, by error class",
+            labels=["job_name", "error_class"],
         )
-        for (job, ec), n in sorted(feed.failed.items()):
-            failed.add_metric([job, ec], n)
+        for job in names:
+            for ec in self.error_classes[job]:
+                failed.add_metric([job, ec], feed.failed.get((job, ec), 0))
         yield failed
         per_job = {
             **{m: t for m, (_, t) in ITEM_SUMS.items()},
@@ -618,20 +758,29 @@ class JobCollector:
         duration = HistogramMetricFamily(
             "job_duration_seconds", "Run duration", labels=["job_name", "status"]
         )
-        for (job, st), counts in sorted(feed.duration.items()):
-            bounds = [*(str(float(b)) for b in DURATION_BUCKETS), "+Inf"]
-            duration.add_metric(
-                [job, st], list(zip(bounds, counts, strict=True)), feed.duration_sum[(job, st)]
-            )
+        none = [0.0] * (len(DURATION_BUCKETS) + 1)
+        bounds = [*(str(float(b)) for b in DURATION_BUCKETS), "+Inf"]
+        for job in names:
+            for st in FINAL_STATUSES:
+                counts = feed.duration.get((job, st), none)
+                duration.add_metric(
+                    [job, st],
+                    list(zip(bounds, counts, strict=True)),
+                    feed.duration_sum.get((job, st), 0.0),
+                )
         yield duration
         drift = HistogramMetricFamily(
             "job_scheduler_drift_seconds",
             "How late a scheduled run started after its tick",
             labels=["job_name"],
         )
-        for job, counts in sorted(feed.drift.items()):
-            bounds = [*(str(float(b)) for b in DRIFT_BUCKETS), "+Inf"]
-            drift.add_metric([job], list(zip(bounds, counts, strict=True)), feed.drift_sum[job])
+        none = [0.0] * (len(DRIFT_BUCKETS) + 1)
+        bounds = [*(str(float(b)) for b in DRIFT_BUCKETS), "+Inf"]
+        for job in names:
+            counts = feed.drift.get(job, none)
+            drift.add_metric(
+                [job], list(zip(bounds, counts, strict=True)), feed.drift_sum.get(job, 0.0)
+            )
         yield drift
         missed = CounterMetricFamily(
             "job_missed_runs_total",
@@ -663,10 +812,162 @@ class JobCollector:
             "Side effects whose outcome is unknown, by reason (they need reconciliation)",
             labels=["job_name", "reason"],
         )
-        for (job, reason), n in sorted(feed.ambiguity.items()):
-            ambiguity.add_metric([job, reason], n)
+        for spec in self.specs:
+            if spec.side_effects:
+                for reason in AMBIGUITY_REASONS:
+                    ambiguity.add_metric(
+                        [spec.name, reason], feed.ambiguity.get((spec.name, reason), 0)
+                    )
         yield ambiguity
         yield from self._downstream_families()
+        yield from self._signal_families()
+        yield from self._reconciliation_families()
+
+    def _series(self) -> dict[str, list[tuple[str, ...]]]:
+        """Metric → the (job, *label values) of every series it serves: each catalog job
+        with every value the code declares (signals.py, the job's spec)."""
+        names = [s.name for s in self.specs]
+        return {
+            "job_lock_acquire_total": [(j, r) for j in names for r in LOCK_RESULTS],
+            "job_overlap_detected_total": [(j,) for j in names],
+            "job_retries_total": [
+                *((j, "item", r) for j in self.calling for r in ITEM_RETRY_REASONS),
+                *((j, "run", r) for j in names for r in RUN_RETRY_REASONS),
+            ],
+            "job_retry_exhausted_total": [
+                *((j, "item") for j in self.calling),
+                *((j, "run") for j in names),
+            ],
+            "job_manual_reruns_total": [
+                (j, r) for j in names for r in dict.fromkeys(MANUAL_RERUN_REASONS.values())
+            ],
+        }
+
+    def _signal_families(self) -> Iterator[Metric]:
+        """The seed's lock, retry and rerun counters and the start and lock histograms."""
+        feed = self._feed
+        texts = {
+            "job_lock_acquire_total": (
+                "Execute runs' lease acquisitions, by result",
+                ["result"],
+            ),
+            "job_overlap_detected_total": (
+                "Runs that found another holder had taken their lease while they ran "
+                "(two at once; fencing kept the old one from writing)",
+                [],
+            ),
+            "job_retries_total": (
+                "Retries, by scope (item: a retry scheduled; run: Dagster re-ran a run "
+                "whose worker died) and reason",
+                ["scope", "reason"],
+            ),
+            "job_retry_exhausted_total": (
+                "Retries given up, by scope (item: dead-lettered after its last attempt; "
+                "run: a run retry that failed again with none left)",
+                ["scope"],
+            ),
+            "job_manual_reruns_total": (
+                "Execute runs a person asked for over a scope run before, by how the "
+                "previous execute run ended",
+                ["reason"],
+            ),
+        }
+        for metric, series in self._series().items():
+            text, labels = texts[metric]
+            family = CounterMetricFamily(metric, text, labels=["job_name", *labels])
+            for key in series:
+                if metric == "job_overlap_detected_total":
+                    n = float(feed.sums.get(("job_lease_lost_total", key[0]), 0))
+                else:
+                    n = feed.signals.get((metric, *key), 0.0)
+                family.add_metric(list(key), n)
+            yield family
+        names = [s.name for s in self.specs]
+        yield self._histogram(
+            "job_start_delay_seconds",
+            "From when a run was asked for (its Dagster run's creation, the API's acceptance, "
+            "its tick) to when the runner started it",
+            ["trigger"],
+            [(j, t) for j in names for t in TRIGGERS],
+            DRIFT_BUCKETS,
+        )
+        yield self._histogram(
+            "job_lock_wait_seconds",
+            "How long taking (or being refused) the scope's lease took",
+            [],
+            [(j,) for j in names],
+            LOCK_WAIT_BUCKETS,
+        )
+
+    def _histogram(
+        self,
+        metric: str,
+        text: str,
+        labels: list[str],
+        series: list[tuple[str, ...]],
+        bounds: tuple[float, ...],
+    ) -> Metric:
+        """A histogram family from the feed's observations, every series from the start."""
+        feed = self._feed
+        family = HistogramMetricFamily(metric, text, labels=["job_name", *labels])
+        names = [*(str(float(b)) for b in bounds), "+Inf"]
+        for key in series:
+            counts = feed.histograms.get((metric, *key), [0.0] * (len(bounds) + 1))
+            family.add_metric(
+                list(key),
+                list(zip(names, counts, strict=True)),
+                feed.histogram_sums.get((metric, *key), 0.0),
+            )
+        return family
+
+    def _reconciliation_families(self) -> Iterator[Metric]:
+        """The seed's reconciliation family, for the jobs that declare a reconciliation."""
+        feed = self._feed
+        runs = CounterMetricFamily(
+            "reconciliation_runs_total",
+            "Reconciliation runs, by status",
+            labels=["job_name", "status"],
+        )
+        scanned = CounterMetricFamily(
+            "reconciliation_items_scanned_total",
+            "Items a reconciliation compared with the other system",
+            labels=["job_name"],
+        )
+        families = {
+            "reconciliation_mismatches_total": CounterMetricFamily(
+                "reconciliation_mismatches_total",
+                "Mismatches found (dry-run and execute), by type",
+                labels=["job_name", "mismatch_type"],
+            ),
+            "reconciliation_corrections_total": CounterMetricFamily(
+                "reconciliation_corrections_total",
+                "Repairs attempted in execute, by result",
+                labels=["job_name", "result"],
+            ),
+            "reconciliation_unresolved_total": CounterMetricFamily(
+                "reconciliation_unresolved_total",
+                "Mismatches left to a person, by reason",
+                labels=["job_name", "reason"],
+            ),
+        }
+        for spec in self.specs:
+            recon = spec.reconciliation
+            if recon is None:
+                continue
+            job = spec.name
+            for st in FINAL_STATUSES:
+                runs.add_metric([job, st], feed.completed.get((job, st), 0))
+            scanned.add_metric([job], feed.sums.get(("job_items_processed_total", job), 0))
+            for metric, values in (
+                ("reconciliation_mismatches_total", recon.mismatch_types),
+                ("reconciliation_corrections_total", recon.correction_results),
+                ("reconciliation_unresolved_total", recon.unresolved_reasons),
+            ):
+                for v in values:
+                    families[metric].add_metric([job, v], feed.signals.get((metric, job, v), 0.0))
+        yield runs
+        yield scanned
+        yield from families.values()
 
     def _downstream_families(self) -> Iterator[Metric]:
         """The downstream counters: every series of a job that calls the downstream from the

@@ -41,6 +41,7 @@ from qo_ops.platform.control import JobSuspended, suspension_for
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.manners import is_manners_key, manners_rows
 from qo_ops.platform.missed import scope_busy_at
+from qo_ops.platform.signals import ITEM_RETRY_EXHAUSTED, ITEM_RETRY_PREFIX
 from qo_ops.platform.spec import (
     CHECKPOINT_RESETS,
     CHECKPOINT_UPDATES,
@@ -120,6 +121,7 @@ class RunSummary:
     tally: dict[str, int] = field(default_factory=dict)
     checks: list[OutcomeCheck] = field(default_factory=list)
     fencing_token: int | None = None  # of the lease the run held
+    lock_wait_ms: int | None = None  # how long taking (or being refused) the lease took
     checkpoint_before: str | None = None  # the cursor as JSON text (checkpointed jobs)
     checkpoint_after: str | None = None
     backlog: int | None = None  # items still eligible when the run ended
@@ -521,6 +523,8 @@ def _finish(engine: Engine, run_id: uuid.UUID, summary: RunSummary, stop: StopSi
                 summary.status_reason,
                 summary.error_code,
                 summary.error_text,
+                summary.lock_wait_ms,
+                summary.fencing_token,
             ),  # fmt: skip
             limit_s=limit,
             what="finishing the run record",
@@ -625,6 +629,12 @@ def _tally_row(key: str, value: int) -> ReportRow:
         return ReportRow("side_effect", parts[1], value, parts[2])
     if len(parts) == 2 and parts[0] == "side_effect_ambiguity":
         return ReportRow("side_effect_ambiguity", parts[1], value)
+    if key.startswith(ITEM_RETRY_PREFIX):
+        return ReportRow(
+            "retry", key.removeprefix(ITEM_RETRY_PREFIX), value, "item retry scheduled"
+        )
+    if key == ITEM_RETRY_EXHAUSTED:
+        return ReportRow("retry_exhausted", "item", value, "dead-lettered after its last attempt")
     return ReportRow("tally", key, value)
 
 
@@ -659,7 +669,9 @@ def _execute(
         span("lease.acquire", **{"lock.name": f"{spec.name}:{ctx.scope.key}"}) as acquiring,
         ctx.stop.deferred(),  # taken or not, never half: the token must reach us
     ):
+        asked = time.monotonic()
         lease = acquire(engine, spec.name, ctx.scope.key, owner, limits["lease_ttl_s"], run_id)
+        summary.lock_wait_ms = int((time.monotonic() - asked) * 1000)
         acquiring.set_attribute("lock.acquired", lease is not None)
     if lease is None:
         if ctx.stop.requested:  # asked to stop while waiting for the lease
@@ -669,7 +681,7 @@ def _execute(
         events.emit(
             "job.lock.acquire.failed",
             logging.WARNING,
-            **{"lock.name": f"{spec.name}:{ctx.scope.key}"},
+            **{"lock.name": f"{spec.name}:{ctx.scope.key}", "wait_ms": summary.lock_wait_ms},
         )
         summary.status, summary.status_reason = "skipped", "lease-not-acquired"
         return
@@ -679,6 +691,7 @@ def _execute(
             "lock.name": f"{spec.name}:{ctx.scope.key}",
             "lock.ttl_ms": int(lease.ttl_s * 1000),
             "lock.fencing_token": lease.fencing_token,
+            "wait_ms": summary.lock_wait_ms,
         },
     )
     summary.fencing_token = lease.fencing_token

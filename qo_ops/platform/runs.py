@@ -62,6 +62,9 @@ def create_run(
         "correlation_id": options.correlation_id,
         "scheduled_for": options.scheduled_for,
         "dagster_run_id": options.dagster_run_id,
+        "requested_at": options.requested_at,
+        "retry_number": options.retry_number,
+        "retries_max": options.retries_max,
         "owner_id": owner_id,
         "options": resolved,
         "status": "running",
@@ -74,6 +77,7 @@ def create_run(
                 .where(job_run.c.status == "accepted")
                 .values(
                     **values,
+                    requested_at=job_run.c.created_at,  # asked for when the API accepted it
                     started_at=sa.func.clock_timestamp(),
                     heartbeat_at=sa.func.clock_timestamp(),
                 )
@@ -144,8 +148,11 @@ def finish_run(
     reason: str | None = None,
     error_code: str | None = None,
     error_text: str | None = None,
+    lock_wait_ms: int | None = None,
+    fencing_token: int | None = None,
 ) -> None:
-    """Write the final status; only a ``running`` row is finished (never twice)."""
+    """Write the final status; only a ``running`` row is finished (never twice). The lease
+    the run took (its fencing token) and how long taking it took go on the record too."""
     assert status in FINAL_STATUSES, status
     with engine.begin() as conn:
         conn.execute(
@@ -157,6 +164,8 @@ def finish_run(
                 finished_at=sa.func.clock_timestamp(),
                 last_error_code=error_code,
                 last_error_text=one_line(error_text, ERROR_TEXT_LIMIT) if error_text else None,
+                lock_wait_ms=lock_wait_ms,
+                fencing_token=sa.func.coalesce(job_run.c.fencing_token, fencing_token),
             )
         )
 

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.errors import BadInput
+from qo_ops.platform.signals import Reconciliation
 from qo_ops.platform.stopping import DEFAULT_STOP_GRACE_S, StopSignals
 
 Mode = Literal["dry_run", "execute"]
@@ -112,6 +113,11 @@ class RunOptions:
     progress_interval_s: float = 10.0
     sample_size: int = 10
     concurrency: int | None = None
+    # when the run was asked for, if the trigger knows it (the Dagster run's creation): the
+    # start of job_start_delay_seconds; None: the tick, the API's acceptance or the record
+    requested_at: datetime | None = None
+    retry_number: int = 0  # which of the trigger's automatic retries this run is (0: first)
+    retries_max: int | None = None  # how many the trigger allows, when it says
 
     def validated(self) -> RunOptions:
         """Raise :class:`BadInput` (changing nothing) for impossible or absurd options."""
@@ -452,3 +458,8 @@ class JobSpec:
     # The side effects the job counts (``BatchOutcome.side_effect``), e.g. an outbox event or
     # a call to the downstream: the only values the ``side_effect`` metric label takes.
     side_effects: tuple[str, ...] = ()
+    # The error classes its own failures raise (an exception's ``error_code``), beside the
+    # platform's (signals.PLATFORM_ERROR_CLASSES): the values job_failed_total serves.
+    error_classes: tuple[str, ...] = ()
+    # A reconciliation job's mismatch types and action outcomes (the reconciliation_* family)
+    reconciliation: Reconciliation | None = None

@@ -44,8 +44,9 @@ SEED_METRICS = (
     "job_duplicate_side_effect_prevented_total",
     "job_checkpoint_age_seconds",
 )
-ALLOWED_LABELS = {
+ALLOWED_LABELS = {  # SPEC §2 Telemetry: bounded sets declared in code
     "job_name", "status", "error_class", "side_effect", "result", "reason",
+    "scope", "mismatch_type", "trigger",
     "downstream", "state", "to",  # a breaker's origin and state; a transition's target
 }  # fmt: skip
 
