@@ -319,3 +319,36 @@ def test_a_windowed_job_launched_without_tenants_is_refused_with_one_line(defs, 
     )
     assert "\n" not in description
     assert _counts(loaded) == before
+
+
+def test_a_run_record_says_when_its_dagster_run_was_created_and_which_retry_it_is(
+    defs, instance, loaded
+):
+    """What the start-delay and retry signals read (job_start_delay_seconds, job_retries_total
+    {scope="run"}): the Dagster run's creation, and the retry number and budget of its tags."""
+    first = _run(defs, instance, "quote_expiration", {"mode": "execute", "reason": "facts"})
+    retry = _run(
+        defs,
+        instance,
+        "quote_expiration",
+        {"mode": "execute", "reason": "facts, again"},
+        tags={"dagster/retry_number": "1", "dagster/max_retries": "2"},
+    )
+    with loaded.engine.connect() as conn:
+        rows = {
+            r.dagster_run_id: r
+            for r in conn.execute(
+                sa.text(
+                    "SELECT dagster_run_id, requested_at, created_at, started_at, trigger_type, "
+                    "retry_number, retries_max FROM job_run"
+                )
+            )
+        }
+    for result in (first, retry):
+        created = instance.get_run_record_by_id(result.run_id).create_timestamp
+        row = rows[result.run_id]
+        assert row.requested_at == created.replace(tzinfo=row.requested_at.tzinfo)
+        assert row.requested_at <= row.started_at
+    assert (rows[first.run_id].retry_number, rows[first.run_id].retries_max) == (0, 0)
+    assert (rows[retry.run_id].retry_number, rows[retry.run_id].retries_max) == (1, 2)
+    assert rows[retry.run_id].trigger_type == "retry"
