@@ -76,8 +76,7 @@ def create_run(
                 .where(job_run.c.id == options.job_run_id, job_run.c.job_name == job_name)
                 .where(job_run.c.status == "accepted")
                 .values(
-                    **values,
-                    requested_at=job_run.c.created_at,  # asked for when the API accepted it
+                    **{**values, "requested_at": job_run.c.created_at},  # the API's acceptance
                     started_at=sa.func.clock_timestamp(),
                     heartbeat_at=sa.func.clock_timestamp(),
                 )

@@ -364,3 +364,50 @@ def test_retry_reasons_are_bounded():
     for code, reason in cases.items():
         assert retry_reason(code) == reason, code
         assert retry_reason(code) in ITEM_RETRY_REASONS
+
+
+def test_an_api_run_waited_from_its_acceptance(db):
+    """An API run is asked for when the API accepts it: its start delay counts from there
+    (queueing and the Dagster run's launch included), not from when its op began."""
+    load_demo_data(db.engine, tenants=1, quotes=50, seed=2, as_of=order_reconciliation_as_of())
+    accepted = uuid.uuid4()
+    with db.engine.begin() as conn:  # the row as qo_ops/api/service.py writes it, 30 s ago
+        conn.execute(
+            sa.text(
+                """
+                INSERT INTO job_run (id, job_name, scope, mode, trigger_type, requester, reason,
+                                     owner_id, options, status, created_at, started_at)
+                VALUES (:id, 'quote_expiration', 'tenant-001', 'execute', 'api', 'ops', 'api run',
+                        'api', '{}', 'accepted', clock_timestamp() - interval '30 seconds',
+                        clock_timestamp() - interval '30 seconds')
+                """
+            ),
+            {"id": accepted},
+        )
+    options = RunOptions(
+        mode="execute", trigger="api", reason="api run", requester="ops", job_run_id=accepted,
+        progress_interval_s=3600,
+    )  # fmt: skip
+    assert run_job(
+        quote_expiration.SPEC, Scope("tenant-001"), options, engine=db.engine
+    ).status in (
+        "success",
+        "no_work",
+    )
+    (row,) = _runs(
+        db, "SELECT requested_at, created_at, started_at FROM job_run WHERE id = :id", id=accepted
+    )
+    assert row.requested_at == row.created_at
+    assert (row.started_at - row.requested_at).total_seconds() >= 30
+    samples = collect_when(
+        JobCollector(db.engine, CATALOG.values()),
+        lambda s: (
+            value(s, "job_completed_total", job_name="quote_expiration", status="success")
+            + value(s, "job_completed_total", job_name="quote_expiration", status="no_work")
+            == 1
+        ),
+    )
+    api = {"job_name": "quote_expiration", "trigger": "api"}
+    assert value(samples, "job_start_delay_seconds_count", **api) == 1
+    assert value(samples, "job_start_delay_seconds_bucket", **api, le="15.0") == 0
+    assert value(samples, "job_start_delay_seconds_sum", **api) >= 30
