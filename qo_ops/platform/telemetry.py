@@ -1,8 +1,13 @@
 """Structured job events (one JSON object per line) and Prometheus metrics.
 
 Events carry job name, run id, trigger, scope and window; business row ids appear only in
-failure events; never payloads, lease tokens or personal data. Metric labels are only
-``job_name``, ``status`` and ``error_class`` (never a tenant, a run id or an item id).
+failure events; never payloads, lease tokens or personal data. Every event, and every line
+the JSON handler writes, also carries the process's resource attributes
+(:mod:`qo_ops.platform.resource`: ``service.name``, ``service.version`` and, where deployed,
+the Kubernetes namespace, pod, container, job and image digest), the same ones its traces
+carry. Metric labels are bounded sets declared in code (``job_name`` and ``status``,
+``result``, ``reason``, ``scope``, ``mismatch_type``, ``side_effect``, ``trigger``,
+``error_class``), never a tenant, an id, a cursor or a message.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import json
 import logging
 import re
 import sys
+import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -19,6 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qo_ops.errors import redact
+from qo_ops.platform.resource import process_resource
 from qo_ops.platform.tracing import trace_id
 
 EVENT_LOGGER = "qo_ops.events"
@@ -61,8 +69,32 @@ _events.addFilter(REDACTION)  # whoever handles job events (a CLI, Dagster) sees
 _events.setLevel(logging.INFO)
 
 
+_resource_lock = threading.Lock()
+_resource_reported = False
+
+
+def resource_fields(logger: logging.Logger | None = None) -> Mapping[str, str]:
+    """The process's resource attributes, computed once (:func:`process_resource`). The first
+    call given a ``logger`` warns there, once per process, naming the variables whose value was
+    left out (``telemetry.resource.rejected``; never the values)."""
+    global _resource_reported
+    found = process_resource()
+    if logger is not None and not _resource_reported:
+        with _resource_lock:
+            first, _resource_reported = not _resource_reported, True
+        if first and found.rejected:
+            warning = {
+                "event.name": "telemetry.resource.rejected",
+                "variables": list(found.rejected),
+                **found.attributes,
+            }
+            logger.warning(json.dumps(warning), extra={"event": warning})
+    return found.attributes
+
+
 class JsonLineFormatter(logging.Formatter):
-    """Render a job event record as one JSON line."""
+    """Render a record as one JSON line: a job event's fields, or a plain log call's logger
+    and (redacted) message; either way with the process's resource attributes."""
 
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, Any] = {
@@ -74,6 +106,7 @@ class JsonLineFormatter(logging.Formatter):
             payload.update(event)
         else:  # a plain log call: its (redacted) message
             payload.update(logger=record.name, message=record.getMessage())
+        payload.update(resource_fields())  # already in an event's fields: the same values
         return json.dumps(payload, default=str, sort_keys=False)
 
 
@@ -86,8 +119,10 @@ def json_log_handler(stream: Any = None) -> logging.Handler:
 
 
 def log_event(logger: logging.Logger, level: int, name: str, /, **fields: Any) -> None:
-    """Log one structured event (``event.name`` plus ``fields``), redacted."""
+    """Log one structured event (``event.name`` plus ``fields``, redacted, then the process's
+    resource attributes)."""
     event = redact_value({"event.name": name, **fields})
+    event.update(resource_fields(logger))  # validated once, not redacted per event
     logger.log(level, json.dumps(event, default=str), extra={"event": event})
 
 
@@ -133,6 +168,7 @@ class EventContext:
             event["trace.id"] = current_trace
         event.update(fields)
         event = redact_value(event)
+        event.update(resource_fields(_events))  # validated once, not redacted per event
         # the message is the event itself, so handlers that only print messages (Dagster's
         # log manager) show it whole
         _events.log(level, json.dumps(event, default=str), extra={"event": event})

@@ -8,8 +8,10 @@ in every event the run logs (``trace.id``).
 
 Configured from the environment by :func:`configure_from_env` (the CLI and the Dagster code
 location call it): ``QO_OPS_OTLP_ENDPOINT`` (e.g. ``http://collector:4318/v1/traces``)
-exports spans over OTLP/HTTP; unset, tracing is off and every span is a no-op. Tests install
-their own provider with :func:`use_provider` (an in-memory exporter).
+exports spans over OTLP/HTTP; unset, tracing is off and every span is a no-op. Every span's
+resource is the process's (:func:`trace_resource`): the attributes its log events carry
+(:mod:`qo_ops.platform.resource`) and the SDK's ``telemetry.sdk.*``. Tests install their own
+provider with :func:`use_provider` (an in-memory exporter, through :func:`build_provider`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from qo_ops.errors import ConfigError
+from qo_ops.platform.resource import process_resource
 
 OTLP_ENV = "QO_OPS_OTLP_ENDPOINT"
-SERVICE_NAME = "qo-ops"
 
 _provider: Any = None  # an SDK TracerProvider once configured; None: tracing off
 T = TypeVar("T")
@@ -47,13 +49,36 @@ def configure_from_env(environ: dict[str, str] | None = None) -> None:
     if not endpoint.startswith(("http://", "https://")):
         raise ConfigError(f"{OTLP_ENV} must be an http(s) URL")
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-    use_provider(provider)
+    use_provider(build_provider(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint))))
+
+
+def trace_resource() -> Any:
+    """The SDK ``Resource`` of this process's spans: its resource attributes, validated
+    (:func:`process_resource`), and ``telemetry.sdk.*``. Not ``Resource.create``, which would
+    add ``OTEL_RESOURCE_ATTRIBUTES`` again, unchecked."""
+    from opentelemetry.sdk import resources
+    from opentelemetry.sdk.version import __version__ as sdk_version
+
+    return resources.Resource(
+        {
+            resources.TELEMETRY_SDK_LANGUAGE: "python",
+            resources.TELEMETRY_SDK_NAME: "opentelemetry",
+            resources.TELEMETRY_SDK_VERSION: sdk_version,
+            **process_resource().attributes,
+        }
+    )
+
+
+def build_provider(processor: Any) -> Any:
+    """An SDK ``TracerProvider`` whose spans carry :func:`trace_resource` and go through
+    ``processor`` (a span processor)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    provider = TracerProvider(resource=trace_resource())
+    provider.add_span_processor(processor)
+    return provider
 
 
 def tracer() -> trace.Tracer:

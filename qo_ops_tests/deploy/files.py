@@ -25,6 +25,8 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
+from qo_ops.platform.resource import DEPLOYMENT_ATTRIBUTES
+
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
@@ -320,6 +322,55 @@ def secret_key_refs(tree: Any) -> set[tuple[str, str]]:
         for node in walk(tree)
         if isinstance(node, dict) and isinstance(node.get("secretKeyRef"), dict)
     }
+
+
+# ------------------------------------------------------------------------- who is speaking
+
+VARIABLE = {attribute: variable for attribute, (variable, _) in DEPLOYMENT_ATTRIBUTES.items()}
+DIGEST_CONFIG_MAP = "qo-ops-image"  # written by the release step (docs/deploy.md), not here
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # on every Job's pods since Kubernetes 1.27
+
+
+def _field(path: str) -> dict[str, Any]:
+    return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def resource_sources(container_name: str | None, in_job: bool) -> dict[str, dict[str, Any]]:
+    """Where a container's resource-attribute variables must come from (docs/deploy.md): the
+    downward API, the container's own name (None: not set, the chart's code location), the
+    Job's label on a Job's pods, the optional digest ConfigMap."""
+    sources = {
+        VARIABLE["k8s.namespace.name"]: _field("metadata.namespace"),
+        VARIABLE["k8s.pod.name"]: _field("metadata.name"),
+        VARIABLE["container.image.digest"]: {
+            "valueFrom": {
+                "configMapKeyRef": {"name": DIGEST_CONFIG_MAP, "key": "digest", "optional": True}
+            }
+        },
+    }
+    if container_name is not None:
+        sources[VARIABLE["k8s.container.name"]] = {"value": container_name}
+    if in_job:
+        sources[VARIABLE["k8s.job.name"]] = _field(f"metadata.labels['{JOB_NAME_LABEL}']")
+    return sources
+
+
+def resource_env_errors(
+    env: list[dict[str, Any]], container_name: str | None, in_job: bool
+) -> list[str]:
+    """What is wrong with the resource-attribute variables of a container's ``env``: one
+    missing or from another source, one that would be wrong there, one set twice."""
+    names = [e["name"] for e in env]
+    given = {e["name"]: {k: v for k, v in e.items() if k != "name"} for e in env}
+    wanted = resource_sources(container_name, in_job)
+    errors = sorted({f"{name} is set twice" for name in names if names.count(name) > 1})
+    for name, source in wanted.items():
+        if given.get(name) != source:
+            errors.append(f"{name}: {given.get(name, 'missing')}, not {source}")
+    for name in set(VARIABLE.values()) - set(wanted):
+        if name in given:
+            errors.append(f"{name} is set where it would be wrong or empty")
+    return errors
 
 
 # ------------------------------------------------------------------------- Kubernetes schemas

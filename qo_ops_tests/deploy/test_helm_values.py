@@ -33,6 +33,7 @@ from qo_ops_tests.deploy.files import (
     k8s_registry,
     load_yaml,
     of_kind,
+    resource_env_errors,
     run_help,
     user_deployment,
     validate_k8s,
@@ -304,28 +305,34 @@ def _deep_merge(onto: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def run_pod(run_tags: dict[str, str]) -> dict[str, Any]:
+def run_pod(run_tags: dict[str, str], chart_values: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run worker pod dagster-k8s's K8sRunLauncher builds for a run with ``run_tags``,
     from the pieces values.yaml gives it: the launcher's config, the code location's
     container context (includeConfigInLaunchedRuns) and the run's dagster-k8s/config tag,
-    merged in that order (dagster_k8s.container_context, DEEP merge)."""
-    chart_values = values()
+    merged in that order (dagster_k8s.container_context, DEEP merge). The container's env is
+    dagster-k8s's order (dagster_k8s.job.construct_dagster_k8s_job): its own variables, the
+    container context's ``env``, then the merged ``container_config.env``; its name is
+    ``container_config.name``, "dagster" by default."""
+    chart_values = chart_values or values()
     launcher = chart_values["runLauncher"]["config"]["k8sRunLauncher"]
-    deployment = user_deployment()
+    deployment = chart_values["dagster-user-deployments"]["deployments"][0]
     tag = json.loads(run_tags[K8S_CONFIG_TAG])
+    container_config = _deep_merge(
+        launcher.get("runK8sConfig", {}).get("containerConfig", {}), tag["container_config"]
+    )
     resources = _deep_merge(
         _deep_merge(launcher.get("resources") or {}, deployment.get("resources") or {}),
-        tag["container_config"]["resources"],
+        container_config["resources"],
     )
     home = chart_values["global"]["dagsterHome"]
     config_maps = [*launcher["envConfigMaps"], *deployment["envConfigMaps"]]
     container = {
-        "name": "dagster",
+        "name": container_config.get("name", "dagster"),
         "image": f"{deployment['image']['repository']}:{deployment['image']['tag']}",
         "imagePullPolicy": launcher["imagePullPolicy"],
         "args": ["dagster", "api", "execute_run", "{}"],
         "env": [
-            *deployment["env"],
+            {"name": "DAGSTER_HOME", "value": home},
             {
                 "name": "DAGSTER_PG_PASSWORD",
                 "valueFrom": {
@@ -335,6 +342,8 @@ def run_pod(run_tags: dict[str, str]) -> dict[str, Any]:
                     }
                 },
             },
+            *deployment["env"],
+            *container_config.get("env", []),
         ],
         "envFrom": [{"configMapRef": {"name": c["name"]}} for c in config_maps],
         "resources": resources,
@@ -388,3 +397,38 @@ def test_every_run_pod_gets_exactly_its_catalog_resources(catalog_jobs):
             "requests": {"cpu": wanted.cpu_request, "memory": wanted.memory_request},
             "limits": {"memory": wanted.memory_limit},
         }, name
+
+
+# ------------------------------------------------------------------------- who is speaking
+
+
+def test_the_code_location_says_where_it_runs_and_nothing_a_run_would_get_wrong():
+    """Its env goes into every run pod too (includeConfigInLaunchedRuns), where a downward-API
+    value resolves to the run's own pod; a container or Job name would not fit both pods."""
+    env = user_deployment()["env"]
+    assert resource_env_errors(env, container_name=None, in_job=False) == []
+
+
+def test_every_run_pod_says_where_it_runs(catalog_jobs):
+    """The code location's namespace, pod and digest, the launcher's run container name and
+    Job name: each once, the container name the one the run's container really has."""
+    for name, job in catalog_jobs.items():
+        [container] = run_pod(dict(job.run_tags))["spec"]["containers"]
+        errors = resource_env_errors(container["env"], container["name"], in_job=True)
+        assert errors == [], f"{name}: {errors}"
+
+
+def test_a_run_pod_whose_names_are_missing_or_doubled_is_noticed(catalog_jobs):
+    tags = dict(catalog_jobs["quote_expiration"].run_tags)
+    doubled = copy.deepcopy(values())
+    location = doubled["dagster-user-deployments"]["deployments"][0]
+    location["env"].append({"name": "K8S_CONTAINER_NAME", "value": "dagster-user-deployments"})
+    [container] = run_pod(tags, doubled)["spec"]["containers"]
+    assert "K8S_CONTAINER_NAME is set twice" in resource_env_errors(
+        container["env"], container["name"], in_job=True
+    )
+    bare = copy.deepcopy(values())
+    del bare["runLauncher"]["config"]["k8sRunLauncher"]["runK8sConfig"]["containerConfig"]
+    [container] = run_pod(tags, bare)["spec"]["containers"]
+    errors = "".join(resource_env_errors(container["env"], container["name"], in_job=True))
+    assert "K8S_CONTAINER_NAME: missing" in errors and "K8S_JOB_NAME: missing" in errors

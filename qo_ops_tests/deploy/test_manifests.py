@@ -28,6 +28,7 @@ from qo_ops_tests.deploy.files import (
     RELEASE,
     REPO,
     SECRETS_TEMPLATE,
+    VARIABLE,
     Manifest,
     by_name,
     chart_fullname,
@@ -38,6 +39,7 @@ from qo_ops_tests.deploy.files import (
     manifests,
     of_kind,
     pod_spec,
+    resource_env_errors,
     run_help,
     secret_key_refs,
     user_deployment,
@@ -284,6 +286,38 @@ def test_every_qo_ops_container_runs_the_code_locations_image_as_its_user():
             assert set(container["resources"]["requests"]) == {"cpu", "memory"}
 
 
+def test_every_qo_ops_container_says_where_it_runs_from_the_downward_api():
+    """Namespace and pod from the downward API, the container's own name, the Job's name on a
+    Job's pods, the image digest when the release step wrote it: what qo-ops puts on every log
+    line and trace (docs/deploy.md). Dagster's own CLI (`dagster instance migrate`) logs
+    nothing of qo-ops', so its container needs none."""
+    checked = []
+    for manifest in workloads():
+        for container in containers(pod_spec(manifest)):
+            argv = [*container.get("command", []), *container.get("args", [])]
+            if argv[0] == "dagster":
+                continue
+            errors = resource_env_errors(
+                container.get("env", []), container["name"], in_job=manifest.kind == "Job"
+            )
+            assert errors == [], f"{manifest}: {container['name']}: {errors}"
+            checked.append(container["name"])
+    assert sorted(checked) == ["api", "exporter", "qo-ops-db-upgrade", "shell"]
+
+
+def test_a_container_that_misnames_itself_is_noticed():
+    spec = pod_spec(by_name("Deployment", "qo-ops-api"))
+    env = [dict(e) for e in spec["containers"][0]["env"]]
+    assert resource_env_errors(env, "api", in_job=False) == []
+    renamed = [
+        {**e, "value": "qo-ops-api"} if e["name"] == "K8S_CONTAINER_NAME" else e for e in env
+    ]
+    assert "K8S_CONTAINER_NAME" in "".join(resource_env_errors(renamed, "api", in_job=False))
+    no_pod = [e for e in env if e["name"] != "K8S_POD_NAME"]
+    assert "K8S_POD_NAME: missing" in "".join(resource_env_errors(no_pod, "api", in_job=False))
+    assert resource_env_errors(env, "api", in_job=True) != []  # a Job's pod names its Job
+
+
 def test_the_migration_job_migrates_both_schemas_with_their_owners():
     job = by_name("Job", "qo-ops-migrate")
     spec = pod_spec(job)
@@ -333,3 +367,10 @@ def test_the_manifest_files_are_where_the_docs_say():
     for text in texts:  # and every deploy/ path they name exists
         for named in re.findall(r"deploy/[\w./-]+\.yaml", text):
             assert (REPO / named).exists(), f"{named} is named but does not exist"
+
+
+def test_the_resource_variables_are_in_the_docs():
+    """docs/deploy.md names each variable deploy/ sets and the attribute it fills."""
+    deploy_doc = (REPO / "docs" / "deploy.md").read_text()
+    for attribute, variable in VARIABLE.items():
+        assert f"`{attribute}`" in deploy_doc and f"`{variable}`" in deploy_doc, attribute

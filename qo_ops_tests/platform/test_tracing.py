@@ -12,7 +12,6 @@ from datetime import date, timedelta
 
 import pytest
 import sqlalchemy as sa
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -20,6 +19,7 @@ from qo_ops.demo.data import load_demo_data
 from qo_ops.errors import ConfigError
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform import tracing
+from qo_ops.platform.resource import process_resource
 from qo_ops.platform.runner import run_job
 from qo_ops.platform.spec import RunOptions, Scope
 from qo_ops_tests.conftest import base_env, run_cli
@@ -32,8 +32,7 @@ SEED_ATTRIBUTES = {"job.name", "job.run_id", "job.trigger", "job.status", "items
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = tracing.build_provider(SimpleSpanProcessor(exporter))
     tracing.use_provider(provider)
     yield exporter
     tracing.use_provider(None)
@@ -97,6 +96,10 @@ def test_a_run_is_one_trace_of_lease_batches_and_downstream_calls(
 
     events = _events(caplog)
     assert events and {e.get("trace.id") for e in events} == {format(root.context.trace_id, "032x")}
+    process = dict(process_resource().attributes)  # the spans name the process its events do
+    assert {s.resource.attributes.get("service.name") for s in finished} == {"qo-ops"}
+    assert all(s.resource.attributes.items() >= process.items() for s in finished)
+    assert all(e.items() >= process.items() for e in events)
 
 
 def test_checkpoint_updates_are_spans_of_their_batch(db, spans):
