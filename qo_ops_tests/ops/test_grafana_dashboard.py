@@ -34,7 +34,7 @@ POSTGRES_EXPORTER_LABELS = {"datname", "state", "mode"}
 # Labels of the contract, plus `le` of the histogram's buckets.
 CONTRACT_LABELS = {
     "job_name", "status", "error_class", "reason", "side_effect", "result", "le",
-    "downstream", "state", "to",
+    "downstream", "state", "to", "trigger", "scope", "mismatch_type",
 }  # fmt: skip
 FORBIDDEN_LABEL = re.compile(r"tenant|run_id|quote|order", re.IGNORECASE)
 
@@ -446,5 +446,75 @@ def test_promtool_evaluates_the_downstream_panels(
     path.write_text(json.dumps(spec, indent=2))
     result = subprocess.run(
         [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_evaluates_the_drift_and_reconciliation_panels(
+    dashboard: dict[str, Any], tmp_path: Path
+) -> None:
+    """The panels drawn against the issue-21 alerts compute what the alerts compare: drift p90
+    over an hour against a quarter of the cadence clamped to 60 s … 10 min; a mismatch type's
+    share of the items scanned in the last hour against 3× its share over the week before."""
+    promtool = _promtool()
+    job = SUBSTITUTIONS["job"]  # quote_expiration: cadence 15 minutes, threshold 225 s
+    # every start 60-120 s late, 2 a minute
+    drift = [
+        {
+            "series": f'job_scheduler_drift_seconds_bucket{{job_name="{job}",le="{le}"}}',
+            "values": "0x240" if le in ("1", "5", "15", "30", "60") else "0+1x240",
+        }
+        for le in ("1", "5", "15", "30", "60", "120", "300", "600", "1800", "3600", "+Inf")
+    ]
+    cadence = {"series": f'job_expected_interval_seconds{{job_name="{job}"}}', "values": "900x240"}
+    # 8 days at 15 m: 1,000 items scanned a day and 20 missing_downstream (2 %); at t=192h,
+    # 1,000 items and 200 mismatches (20 %)
+    scanned = " ".join(f"{1000 * d}x95" for d in range(8)) + " 8000x10"
+    mismatches = " ".join(f"{20 * d}x95" for d in range(8)) + " 340x10"
+    recon = [
+        {"series": f'reconciliation_items_scanned_total{{job_name="{job}"}}', "values": scanned},
+        {
+            "series": f'reconciliation_mismatches_total{{job_name="{job}",'
+            'mismatch_type="missing_downstream"}',
+            "values": mismatches,
+        },
+    ]
+
+    def one(expr: str, eval_time: str, labels: str, value: float) -> dict[str, Any]:
+        return {
+            "expr": expr,
+            "eval_time": eval_time,
+            "exp_samples": [{"labels": labels, "value": value}],
+        }
+
+    title = "Scheduler drift p50 / p90 (1 h) against the alert threshold"
+    share = "Reconciliation: mismatch share (1 h) against 3× the usual (7 d)"
+    missing = '{mismatch_type="missing_downstream"}'
+    spec = {
+        "rule_files": [],
+        "evaluation_interval": "1h",
+        "tests": [
+            {
+                "interval": "30s",
+                "input_series": [*drift, cadence],
+                "promql_expr_test": [
+                    one(_job_row_expr(dashboard, title, "B"), "1h", "{}", 114),  # 60 + 0.9 × 60
+                    one(_job_row_expr(dashboard, title, "C"), "1h", "{}", 225),  # 900 / 4
+                ],
+            },
+            {
+                "interval": "15m",
+                "input_series": recon,
+                "promql_expr_test": [
+                    one(_job_row_expr(dashboard, share, "A"), "192h30m", missing, 0.2),
+                    one(_job_row_expr(dashboard, share, "B"), "192h30m", missing, 0.06),
+                ],
+            },
+        ],
+    }
+    path = tmp_path / "dashboard-issue21-test.yml"
+    path.write_text(json.dumps(spec, indent=2))
+    result = subprocess.run(
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
