@@ -23,13 +23,17 @@ demo: $(STAMP)
 	$(BIN)/qo-ops run quote_expiration --tenant tenant-002 --mode execute --reason "make demo"
 	$(BIN)/qo-ops demo-dagster --tenant tenant-001
 	$(BIN)/qo-ops status
+	@echo "these runs in the Dagster UI: make ui KEEP_DATA=1 (plain make ui starts over with fresh demo data)"
 
-## ui: Dagster (webserver + daemon) on http://127.0.0.1:3000 over the embedded PostgreSQL
+## ui: Dagster (webserver + daemon) on http://127.0.0.1:3000 over fresh demo data (embedded)
+# It first replaces what the embedded database holds with fresh demo data, and says so;
+# KEEP_DATA=1 keeps the data as it is (e.g. what `make demo` left); UI_PORT=3001 for another
+# port (a port in use is refused before any data is replaced).
 ui: export QO_OPS_DATABASE_URL :=
+ui: UI_PORT ?= 3000
 ui: $(STAMP)
 	$(BIN)/qo-ops db upgrade
-	$(BIN)/qo-ops demo-data --tenants 3 --quotes 2000 --seed 1 --reset
-	$(BIN)/qo-ops dev
+	$(BIN)/qo-ops dev --port $(UI_PORT) $(if $(filter-out 0,$(KEEP_DATA)),,--reset-demo-data)
 
 ## ui-readonly: the read-only Dagster UI (no launches) on http://127.0.0.1:3000 over the same instance
 # (UI_PORT=… for another port; no daemon, no data reset: it shows what `make demo`/`make ui`

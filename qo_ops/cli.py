@@ -6,16 +6,20 @@ Errors reach the user as one line on stderr with a non-zero exit code, never a t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import getpass
 import json
 import logging
+import re
+import shutil
 import sys
 import uuid
 import warnings
+from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import sqlalchemy as sa
 import typer
@@ -24,10 +28,13 @@ from qo_ops.cli_support import run_typer_app
 from qo_ops.db import migrate
 from qo_ops.db.engine import DatabaseTarget, ensure_database, get_engine, resolve_target
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
-from qo_ops.errors import BadInput, QoOpsError
+from qo_ops.errors import BadInput, ConfigError, QoOpsError, one_line
 from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.spec import JobSpec, RunOptions, Scope
 from qo_ops.platform.tracing import configure_from_env
+
+if TYPE_CHECKING:
+    from qo_ops.platform.runs import RunRow
 
 app = typer.Typer(
     name="qo-ops",
@@ -66,9 +73,17 @@ def emit_json(payload: dict[str, Any]) -> None:
     typer.echo(json.dumps(payload, default=str, sort_keys=True))
 
 
-def print_table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
-    """A readable table: boxed on a terminal, plain aligned columns when piped."""
-    if sys.stdout.isatty():
+def print_table(
+    title: str, headers: list[str], rows: list[list[Any]], notes: list[str] | None = None
+) -> None:
+    """A readable table: boxed on a terminal, plain aligned columns when piped.
+
+    ``notes`` (one per row, "" for none) holds each row's free text, printed on its own
+    indented line under the row so that the columns stay narrow; a table with notes is plain
+    on a terminal too, each note cut with an ellipsis to the terminal's width (COLUMNS, or
+    PIPED_WIDTH when piped)."""
+    tty = sys.stdout.isatty()
+    if tty and notes is None:
         from rich.console import Console
         from rich.table import Table
         from rich.text import Text
@@ -86,9 +101,16 @@ def print_table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
         return
     cells = [headers] + [[str(v) for v in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    indent = " " * (widths[0] + 2)  # a note starts under the second column
+    room = shutil.get_terminal_size((PIPED_WIDTH, 24)).columns - len(indent)  # COLUMNS first
     typer.echo(title)
-    for row in cells:
+    for n, row in enumerate(cells):
         typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if notes and n and notes[n - 1]:
+            typer.echo(indent + one_line(notes[n - 1], max(room, 20)))
+
+
+PIPED_WIDTH = 120  # a note's line when piped and COLUMNS is unset (--json: the text whole)
 
 
 def parse_timestamp(value: str, option: str) -> datetime:
@@ -155,11 +177,14 @@ def db_env() -> None:
 # ------------------------------------------------------------------------- demo data
 
 
+DEMO_TENANTS, DEMO_QUOTES, DEMO_SEED = 3, 2000, 1  # `make demo` and `make ui` load these
+
+
 @app.command("demo-data")
 def demo_data(
-    tenants: Annotated[int, typer.Option(help="How many tenants to create.")] = 3,
-    quotes: Annotated[int, typer.Option(help="Quotes per tenant.")] = 2000,
-    seed: Annotated[int, typer.Option(help="Seed: the same seed gives the same data.")] = 1,
+    tenants: Annotated[int, typer.Option(help="How many tenants to create.")] = DEMO_TENANTS,
+    quotes: Annotated[int, typer.Option(help="Quotes per tenant.")] = DEMO_QUOTES,
+    seed: Annotated[int, typer.Option(help="Seed: the same seed gives the same data.")] = DEMO_SEED,
     as_of: Annotated[
         str | None, typer.Option("--as-of", help="Time the data is relative to (default: now).")
     ] = None,
@@ -168,13 +193,27 @@ def demo_data(
     as_json: JsonOpt = False,
 ) -> None:
     """Load deterministic demo data, anomalies included, in one transaction."""
-    from qo_ops.demo.data import load_demo_data
-
     anchor = (
         parse_timestamp(as_of, "--as-of") if as_of else datetime.now(UTC).replace(microsecond=0)
     )
     engine = get_engine()
     migrate.require_current(engine)
+    _load_demo_data(engine, tenants, quotes, seed, anchor, append, reset, as_json)
+
+
+def _load_demo_data(
+    engine: sa.Engine,
+    tenants: int,
+    quotes: int,
+    seed: int,
+    anchor: datetime,
+    append: bool = False,
+    reset: bool = False,
+    as_json: bool = False,
+) -> None:
+    """Load demo data (``load_demo_data``) and say what was loaded."""
+    from qo_ops.demo.data import load_demo_data
+
     report = load_demo_data(
         engine,
         tenants=tenants,
@@ -492,7 +531,8 @@ def runs_command(
     limit: Annotated[int, typer.Option(help="How many runs, newest first.")] = 20,
     as_json: JsonOpt = False,
 ) -> None:
-    """The run history of a job."""
+    """The run history of a job, newest first: ids in short (`qo-ops cancel` takes a running
+    run's), why each ended as it did and the reason it was asked for; --json has every field."""
     from qo_ops.jobs.catalog import get_spec
     from qo_ops.platform.runs import list_runs
 
@@ -508,22 +548,22 @@ def runs_command(
         emit_json({"runs": [dataclasses.asdict(r) for r in history]})
         return
     calls = [DownstreamCalls.from_tally(r.tally) for r in history]
-    headers = ["run id", "scope", "mode", "trigger", "started", "status", "reason"]
+    headers = ["run", "dagster", "scope", "started", "mode", "trigger", "status"]
     headers += ["eligible", "processed", "failed"]
     if any(calls):  # a job that calls the downstream: how its runs treated it
-        headers += ["calls", "retry pressure", "breaker"]
+        headers += ["calls", "retry pressure"]
     print_table(
         f"runs of {spec.name}",
         headers,
         [
             [
-                str(r.id),
+                _short_id(r.id),
+                _short_id(r.dagster_run_id),
                 r.scope,
+                r.started_at.astimezone(UTC).strftime("%Y-%m-%d %H:%MZ"),  # --json: to the µs
                 r.mode,
                 r.trigger_type,
-                _when(r.started_at),
                 r.status,
-                r.status_reason or "-",
                 r.eligible_count,
                 r.processed_count,
                 r.failed_count,
@@ -531,19 +571,41 @@ def runs_command(
             ]
             for r, c in zip(history, calls, strict=True)
         ],
+        notes=[_run_note(r, c) for r, c in zip(history, calls, strict=True)],
     )
 
 
-def _calls_cells(calls: DownstreamCalls | None) -> list[Any]:
-    """A run's calls, retry pressure (retries / calls) and breaker transitions."""
-    if calls is None:
-        return ["-", "-", "-"]
-    pressure = calls.retry_pressure
-    return [
-        calls.calls,
-        "-" if pressure is None else f"{pressure * 100:.1f} %",
-        calls.breaker_text(),
+def _run_note(run: RunRow, calls: DownstreamCalls | None) -> str:
+    """A run's words: why it ended as it did (the runner's), the reason it was asked for
+    (the requester's) and the breaker transitions it caused."""
+    words = [
+        f"{label}: {one_line(text, NOTE_FIELD_LIMIT)}"
+        for label, text in (
+            ("why", run.status_reason),
+            ("reason", run.reason),
+            ("breaker", calls.breaker_text() if calls else None),
+        )
+        if text and text != "-"
     ]
+    return " · ".join(words)
+
+
+NOTE_FIELD_LIMIT = 100  # characters of one field of a note
+SHORT_ID = 8  # characters of a run id the history shows, as Dagster's UI does
+SHORT_RUN_ID = re.compile(rf"[0-9a-f][0-9a-f-]{{{SHORT_ID - 1},34}}")  # a UUID's beginning
+
+
+def _short_id(value: uuid.UUID | str | None) -> str:
+    return str(value)[:SHORT_ID] if value else "-"
+
+
+def _calls_cells(calls: DownstreamCalls | None) -> list[Any]:
+    """A run's calls and retry pressure (retries / calls); its breaker transitions are in
+    its note."""
+    if calls is None:
+        return ["-", "-"]
+    pressure = calls.retry_pressure
+    return [calls.calls, "-" if pressure is None else f"{pressure * 100:.1f} %"]
 
 
 @app.command("downstream-status")
@@ -600,21 +662,30 @@ def _probe_text(state: str, probe_in_s: float | None) -> str:
 
 @app.command("cancel")
 def cancel_command(
-    run_id: Annotated[str, typer.Argument(help="The job_run id to stop.")],
+    run_id: Annotated[
+        str, typer.Argument(help="The job_run id to stop (of a running run: its short id too).")
+    ],
     reason: Annotated[str, typer.Option(help="Why (recorded in the audit trail).")],
     requester: Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")] = None,
 ) -> None:
     """Ask a running run to stop after its current batch (it ends `cancelled`)."""
-    from qo_ops.platform.runs import UNSTARTED_STATUSES, request_cancel
+    from qo_ops.platform.runs import UNSTARTED_STATUSES, request_cancel, running_run_by_prefix
 
     try:
-        parsed = uuid.UUID(run_id)
+        parsed: uuid.UUID | None = uuid.UUID(run_id)
     except ValueError:
-        raise BadInput(f"{run_id!r} is not a run id (a UUID)") from None
+        parsed = None
+        if not SHORT_RUN_ID.fullmatch(run_id.lower()):
+            raise BadInput(
+                f"{run_id!r} is not a run id (a UUID, or the first {SHORT_ID}+ characters "
+                "of a running run's, as `qo-ops runs` shows them)"
+            ) from None
     if not reason.strip():
         raise BadInput("--reason must not be empty")
     engine = get_engine()
     migrate.require_current(engine)
+    if parsed is None:
+        parsed = running_run_by_prefix(engine, run_id.lower())
     status = request_cancel(engine, parsed, _requester(requester), reason)
     if status == "running":
         typer.echo("cancel requested")
@@ -767,6 +838,14 @@ def reap_command(
 @app.command("dev")
 def dev_command(
     port: Annotated[int, typer.Option(help="Port of the Dagster UI (loopback only).")] = 3000,
+    reset_demo_data: Annotated[
+        bool,
+        typer.Option(
+            "--reset-demo-data",
+            help="First replace everything in the database with fresh demo data "
+            "(what `make ui` does unless KEEP_DATA=1).",
+        ),
+    ] = False,
 ) -> None:
     """Start Dagster (webserver + daemon) on the embedded or configured database.
 
@@ -778,9 +857,25 @@ def dev_command(
 
     if not 1024 <= port <= 65535:
         raise BadInput("--port must be between 1024 and 65535")
+    _require_free_port(port)  # before the data is replaced: a busy port changes nothing
     target = resolve_target()
     engine = get_engine(target)
     migrate.require_current(engine)
+    if reset_demo_data:
+        typer.echo(
+            f"replacing the data in {target.display()} with fresh demo data: run history, "
+            "checkpoints and suspensions go too (job_audit and API tokens stay); "
+            "`make ui KEEP_DATA=1` (or qo-ops dev without --reset-demo-data) keeps the data"
+        )
+        anchor = datetime.now(UTC).replace(microsecond=0)
+        _load_demo_data(engine, DEMO_TENANTS, DEMO_QUOTES, DEMO_SEED, anchor, reset=True)
+    else:
+        with engine.connect() as conn:
+            tenants = int(conn.scalar(sa.text("SELECT count(*) FROM tenant")) or 0)
+        typer.echo(
+            f"keeping the data in {target.display()} as it is: {tenants:,} tenant(s)"
+            + ("" if tenants else "; the UI has nothing to run (`make ui` loads demo data)")
+        )
     from qo_ops.downstream.local import downstream_for_demo
 
     home = prepare_dagster_home(target)
@@ -794,6 +889,21 @@ def dev_command(
             [dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)], cwd=REPO
         )
     raise typer.Exit(code)
+
+
+def _require_free_port(port: int) -> None:
+    """BadInput when something already listens on 127.0.0.1:``port``."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the webserver binds
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            raise BadInput(
+                f"port {port} on 127.0.0.1 is in use: choose another "
+                "(qo-ops dev --port 3001, make ui UI_PORT=3001)"
+            ) from None
 
 
 def _latest_day_with_work(
@@ -814,15 +924,124 @@ def _latest_day_with_work(
     return last
 
 
+DEMO_EVENTS_LOG = "logs/demo-dagster.jsonl"  # under QO_OPS_HOME, rewritten by each demo
+QUIET_CONSOLE = {"console": {"config": {"log_level": "CRITICAL"}}}  # Dagster's own lines
+
+
+@dataclasses.dataclass
+class DemoRun:
+    """What one Dagster run of ``qo-ops demo-dagster`` did, for a person or as JSON."""
+
+    job_name: str
+    tenant: str
+    scope: str
+    mode: str
+    dagster_run_id: str
+    dagster_success: bool
+    status: str  # the runner's status; "not run" when the run failed before it
+    eligible_count: int | None
+    processed_count: int | None
+    mutated_count: int | None
+    failed_count: int | None
+    duration_ms: int | None
+    job_run_id: str | None
+    checks: dict[str, bool]  # outcome check -> passed
+    error: str | None  # the failed step's one line, when the Dagster run failed
+
+    def lines(self) -> list[str]:
+        """Two or three lines: what ran and how it ended, its counts, its checks."""
+        counts = (
+            f"eligible {self.eligible_count:,}, processed {self.processed_count:,}, "
+            f"changed {self.mutated_count:,}, failed {self.failed_count:,}"
+            f" in {self.duration_ms:,} ms"
+            if self.eligible_count is not None
+            else "no counts: the runner did not finish"
+        )
+        out = [
+            f"{self.job_name} · {self.scope} · {self.mode}: {self.status}"
+            f" (dagster run {self.dagster_run_id[:SHORT_ID]}"
+            f"{'' if self.dagster_success else ' FAILED'})",
+            f"  {counts}",
+        ]
+        failed = [name for name, passed in self.checks.items() if not passed]
+        passed = [name for name, ok in self.checks.items() if ok]
+        if failed:
+            out.append(f"  checks FAILED: {', '.join(failed)}; passed: {len(passed)}")
+        elif passed:
+            out.append(f"  checks passed: {', '.join(passed)}")
+        if self.error:
+            out.append(f"  error: {self.error}")
+        return out
+
+
+def _demo_run(spec: JobSpec, tenant: str, result: Any) -> DemoRun:
+    """A ``DemoRun`` from a Dagster ``ExecuteInProcessResult`` of ``spec``'s job."""
+    node = f"{spec.name}_op"
+    try:
+        output = result.output_for_node(node)
+    except Exception:  # the op failed: no output, its failure says why
+        output = {}
+    summary = output["runs"][0] if output.get("runs") else output  # a run of named tenants
+    error = None
+    if not result.success:
+        failure = result.failure_data_for_node(node)
+        described = failure.user_failure_data.description if failure else None
+        error = one_line(described or (failure.error.message if failure else "run failed"))
+    return DemoRun(
+        job_name=spec.name,
+        tenant=tenant,
+        scope=summary.get("scope", tenant),
+        mode=summary.get("mode", "execute"),
+        dagster_run_id=result.run_id,
+        dagster_success=result.success,
+        status=summary.get("status", "not run"),
+        eligible_count=summary.get("eligible_count"),
+        processed_count=summary.get("processed_count"),
+        mutated_count=summary.get("mutated_count"),
+        failed_count=summary.get("failed_count"),
+        duration_ms=summary.get("duration_ms"),
+        job_run_id=summary.get("job_run_id"),
+        checks={e.check_name: e.passed for e in result.get_asset_check_evaluations()},
+        error=error,
+    )
+
+
+@contextlib.contextmanager
+def _events_to_file(path: Path) -> Iterator[None]:
+    """The runner's JSON events (logger qo_ops.events) also go to ``path``, one a line."""
+    from qo_ops.platform.telemetry import EVENT_LOGGER, json_log_handler
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stream = path.open("w", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror} (QO_OPS_HOME)") from None
+    handler = json_log_handler(stream)
+    logger = logging.getLogger(EVENT_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        stream.close()
+
+
 @app.command("demo-dagster")
 def demo_dagster_command(
     tenant: Annotated[str, typer.Option(help="The tenant partition to run.")] = "tenant-001",
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", help="Also show Dagster's log lines (the JSON events) here."),
+    ] = False,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Run every catalog job through Dagster for one tenant; print summaries and checks."""
+    """Run every catalog job through Dagster for one tenant: a few lines per run (status,
+    counts, outcome checks); the runs' JSON events go to QO_OPS_HOME/logs/demo-dagster.jsonl."""
     from datetime import date as date_cls
 
     import dagster as dg
 
+    from qo_ops.config import load_settings
     from qo_ops.dagster_defs.instance import prepare_dagster_home
     from qo_ops.dagster_defs.partitions import partition_key_for
     from qo_ops.definitions import build_definitions
@@ -835,11 +1054,20 @@ def demo_dagster_command(
     prepare_dagster_home(target)
     from qo_ops.downstream.local import downstream_for_demo
 
+    events_log = load_settings().home / DEMO_EVENTS_LOG
     defs = build_definitions()
     yesterday = date_cls.today() - timedelta(days=1)
-    failures = 0
-    with downstream_for_demo(engine) as downstream_url, dg.DagsterInstance.get() as instance:
-        typer.echo(f"downstream simulator: {downstream_url}")
+    runs: list[DemoRun] = []
+    with (
+        _events_to_file(events_log),
+        downstream_for_demo(engine) as downstream_url,
+        dg.DagsterInstance.get() as instance,
+    ):
+        if not as_json:
+            typer.echo(
+                f"every catalog job through Dagster for {tenant}, mode execute "
+                f"(downstream simulator {downstream_url}); JSON events: {events_log}"
+            )
         if tenant not in instance.get_dynamic_partitions("tenants"):
             instance.add_dynamic_partitions("tenants", [tenant])
         for spec in CATALOG.values():
@@ -849,37 +1077,45 @@ def demo_dagster_command(
                 if spec.partitioning == "tenant_day"
                 else None
             )
+            op_config = {
+                "mode": "execute",
+                "reason": "make demo",
+                **({"tenants": [tenant]} if day is not None else {}),
+            }
             result = job.execute_in_process(
                 partition_key=partition_key_for(spec, tenant, day),
                 instance=instance,
                 run_config={
-                    "ops": {
-                        f"{spec.name}_op": {
-                            "config": {
-                                "mode": "execute",
-                                "reason": "make demo",
-                                **({"tenants": [tenant]} if day is not None else {}),
-                            }
-                        }
-                    }
+                    "ops": {f"{spec.name}_op": {"config": op_config}},
+                    **({} if verbose else {"loggers": QUIET_CONSOLE}),
                 },
                 raise_on_error=False,
             )
-            try:
-                summary = result.output_for_node(f"{spec.name}_op")
-            except Exception:
-                summary = {}
-            typer.echo(
-                f"{spec.name} [{tenant}] dagster run {result.run_id}: "
-                f"{'SUCCESS' if result.success else 'FAILURE'}; status={summary.get('status', '?')} "
-                f"eligible={summary.get('eligible_count', '?')} changed={summary.get('mutated_count', '?')} "
-                f"duration_ms={summary.get('duration_ms', '?')}"
-            )
-            for evaluation in result.get_asset_check_evaluations():
-                typer.echo(
-                    f"  check {evaluation.check_name}: {'passed' if evaluation.passed else 'FAILED'}"
-                )
-            failures += 0 if result.success else 1
+            runs.append(_demo_run(spec, tenant, result))
+            if not as_json:
+                for line in runs[-1].lines():
+                    typer.echo(line)
+    failures = sum(not r.dagster_success for r in runs)
+    if as_json:
+        emit_json(
+            {
+                "tenant": tenant,
+                "events_log": str(events_log),
+                "runs": [dataclasses.asdict(r) for r in runs],
+                "dagster_failures": failures,
+            }
+        )
+    else:
+        statuses: dict[str, int] = {}
+        for r in runs:
+            statuses[r.status] = statuses.get(r.status, 0) + 1
+        checks = [ok for r in runs for ok in r.checks.values()]
+        typer.echo(
+            f"{len(runs)} Dagster runs, {len(runs) - failures} succeeded "
+            f"({', '.join(f'{n} {s}' for s, n in sorted(statuses.items()))}); "
+            f"outcome checks: {sum(checks)} passed, {len(checks) - sum(checks)} failed"
+        )
+        typer.echo(f"JSON events of these runs: {events_log} (--verbose shows them here)")
     raise typer.Exit(1 if failures else 0)
 
 

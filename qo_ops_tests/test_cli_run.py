@@ -329,10 +329,10 @@ def test_runs_lists_history_as_table_and_json(demo, cli):
     text = cli("runs", JOB)
     assert text.code == 0, text.stderr
     assert f"runs of {JOB}" in text.stdout
-    for header in ("run id", "scope", "mode", "trigger", "started", "status", "processed"):
+    for header in ("run", "dagster", "scope", "mode", "trigger", "started", "status", "processed"):
         assert header in text.stdout
-    assert dry["job_run_id"] in text.stdout
-    assert execute["job_run_id"] in text.stdout
+    assert dry["job_run_id"][:8] in text.stdout  # short ids; --json has them whole
+    assert execute["job_run_id"][:8] in text.stdout
     assert TENANT in text.stdout
     assert "retry pressure" not in text.stdout  # a job that calls no downstream: no such column
 
@@ -351,6 +351,75 @@ def test_runs_lists_history_as_table_and_json(demo, cli):
     assert history[1]["mode"] == "dry_run"
 
     assert json.loads(cli("runs", JOB, "--tenant", "tenant-002", "--json").stdout)["runs"] == []
+
+
+def _runs_table(db, *args: str, columns: int = 120) -> tuple[list[str], dict[str, list[str]]]:
+    """``qo-ops runs`` piped, COLUMNS wide: its header cells, and each run's lines (its row,
+    then its note if it has one) by short run id."""
+    from qo_ops_tests.conftest import base_env, run_cli
+
+    result = run_cli(
+        ["runs", *args], base_env(QO_OPS_DATABASE_URL=db.env_url, COLUMNS=str(columns))
+    )
+    assert result.code == 0, result.stderr
+    title, header, *lines = result.stdout.splitlines()
+    runs: dict[str, list[str]] = {}
+    for line in lines:
+        if line.startswith(" "):
+            runs[list(runs)[-1]].append(line)  # a note goes with the row above it
+        else:
+            runs[line.split()[0]] = [line]
+    return header.split(), runs
+
+
+def test_runs_shows_why_a_run_ended_the_reason_it_was_asked_for_and_its_dagster_run(demo, cli):
+    """The runner's words (status_reason) under "why", the requester's under "reason", each
+    on the run's note line; the Dagster run id in short; long words cut to the width with an
+    ellipsis, whole in --json."""
+    from qo_ops.jobs.catalog import get_spec
+    from qo_ops.platform.runner import run_job
+    from qo_ops.platform.spec import RunOptions, Scope
+
+    reason = "INC-42 stale quotes after the pricing outage " + "and a long story " * 20
+    capped = json.loads(
+        cli(
+            "run", JOB, "--tenant", TENANT, "--mode", "execute", "--max-items", "5",
+            "--reason", reason, "--json",
+        ).stdout
+    )  # fmt: skip
+    dagster_run_id = str(uuid.uuid4())
+    scheduled = run_job(  # as the Dagster op calls it for a schedule's tick
+        get_spec(JOB),
+        Scope(TENANT),
+        RunOptions(trigger="schedule", dagster_run_id=dagster_run_id).validated(),
+        engine=demo.engine,
+    )
+
+    header, runs = _runs_table(demo, JOB, "--tenant", TENANT)
+    assert header == [
+        "run", "dagster", "scope", "started", "mode", "trigger", "status",
+        "eligible", "processed", "failed",
+    ]  # fmt: skip
+    row, note = runs[capped["job_run_id"][:8]]
+    assert row.split()[1] == "-"  # a CLI run has no Dagster run
+    assert row.split()[5:8] == ["execute", "manual", "success"]  # (started: day, time)
+    assert note.strip().startswith("why: max items reached · reason: INC-42 stale quotes after")
+    assert note.endswith("…") and len(note) == 120  # cut at the width, not wrapped
+    [row] = runs[scheduled.job_run_id[:8]]  # nothing to say: no note
+    assert row.split()[1] == dagster_run_id[:8]
+    assert row.split()[5:8] == ["dry_run", "schedule", "success"]
+    assert all(len(lines[0]) <= 120 for lines in runs.values())  # rows of a tenant's runs
+
+    narrow = _runs_table(demo, JOB, "--tenant", TENANT, columns=80)[1]
+    assert len(narrow[capped["job_run_id"][:8]][1]) == 80
+
+    history = {r["id"]: r for r in json.loads(cli("runs", JOB, "--json").stdout)["runs"]}
+    whole = history[capped["job_run_id"]]
+    assert whole["reason"] == reason  # every field whole in --json
+    assert whole["status_reason"] == "max items reached"
+    assert whole["dagster_run_id"] is None
+    assert history[scheduled.job_run_id]["dagster_run_id"] == dagster_run_id
+    assert history[scheduled.job_run_id]["reason"] is None
 
 
 def test_downstream_status_before_any_breaker_opened(db, cli):
@@ -382,6 +451,40 @@ def test_cancel_of_an_unknown_run_is_bad_input_and_audits_nothing(demo, cli):
     before = digest(demo)
     result = cli("cancel", str(uuid.uuid4()), "--reason", "x")
     assert_one_line_error(result)
+    assert digest(demo) == before
+
+
+def _plant_running_run(db, run_id: str) -> None:
+    """A ``running`` job_run row of quote_expiration (its process is not needed: cancel by
+    a short id is refused before anything is looked at beyond the ids)."""
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, status) "
+                "VALUES (:id, :job, :scope, 'execute', 'manual', :owner, 'running')"
+            ),
+            {"id": uuid.UUID(run_id), "job": JOB, "scope": TENANT, "owner": OTHER_OWNER},
+        )
+
+
+def test_cancel_by_a_short_id_needs_exactly_one_running_run_with_it(demo, cli):
+    """A short id that no running run has (a finished run's too), or that two share, is
+    refused with one line, changing nothing (no audit row); the stopping itself by a short
+    id is in qo_ops_tests/jobs/test_quote_expiration.py."""
+    finished = json.loads(cli("run", JOB, "--tenant", TENANT, "--json").stdout)["job_run_id"]
+    _plant_running_run(demo, "abcdef01-0000-4000-8000-000000000001")
+    _plant_running_run(demo, "abcdef01-0000-4000-8000-000000000002")
+    before = digest(demo)
+    for short, says in (
+        (finished[:8], "no running run has an id starting"),
+        ("abcdef01", "several running runs have ids starting"),
+        ("ABCDEF01-0000-4000-8000-00000000000", "several running runs"),
+        ("abcdef0", "is not a run id"),  # too short to be one
+        ("abcdefgh", "is not a run id"),
+    ):
+        result = cli("cancel", short, "--reason", "x")
+        assert_one_line_error(result)
+        assert says in result.stderr, (short, result.stderr)
     assert digest(demo) == before
 
 
@@ -426,36 +529,76 @@ def test_an_operators_words_in_a_terminal_table_are_shown_not_read_as_markup(dem
 # ------------------------------------------------------------------------- demo-dagster
 
 
+def _events(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_demo_dagster_runs_every_catalog_job_through_dagster(db, pg_server, tmp_path):
     """`make demo`'s Dagster step: every catalog job executed through real Dagster for one
     tenant (a windowed job: its latest day with work, the tenant in run config), each run a
-    success with its outcome checks passed, on the tenant's partition."""
+    success with its outcome checks passed, on the tenant's partition. A person reads a few
+    lines per run; the runs' JSON events are in a file under QO_OPS_HOME (--verbose shows
+    them too, --json prints one object)."""
     from qo_ops.jobs.catalog import CATALOG
     from qo_ops_tests.conftest import base_env, drop_database, run_cli
 
     load_demo_data(db.engine, tenants=2, quotes=400, seed=1, as_of=datetime.now(UTC))
     env = base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_HOME=str(tmp_path))
+    events_log = tmp_path / "logs" / "demo-dagster.jsonl"
     try:
         result = run_cli(["demo-dagster", "--tenant", TENANT], env, timeout=600)
+        again = run_cli(
+            ["demo-dagster", "--tenant", TENANT, "--json", "--verbose"], env, timeout=600
+        )
     finally:  # the Dagster storage it created next to the test's database
         drop_database(pg_server, f"{db.url.database}_dagster")
     assert result.code == 0, (result.stdout, result.stderr)
-    lines = result.stdout.splitlines()
-    runs = {line.split(" ", 1)[0]: line for line in lines if " dagster run " in line}
+    assert '"event.name"' not in result.stdout + result.stderr  # no JSON for a person
+    first, *lines, total, where = result.stdout.splitlines()
+    assert str(events_log) in first and str(events_log) in where
+    assert total.startswith(f"{len(CATALOG)} Dagster runs, {len(CATALOG)} succeeded")
+    heads = [line for line in lines if not line.startswith("  ")]
+    assert len(lines) <= 3 * len(heads)  # a few lines a run
+    runs = {line.split(" · ", 1)[0]: line for line in heads}
     assert sorted(runs) == sorted(CATALOG)
-    assert all(f"[{TENANT}]" in line and ": SUCCESS;" in line for line in runs.values()), runs
-    checks = [line.strip() for line in lines if line.startswith("  check ")]
-    declared = [c for c in checks if not c.startswith("check recent_success:")]
-    assert len(declared) == sum(len(spec.checks) for spec in CATALOG.values())
-    assert all(line.endswith(": passed") for line in checks), checks
-    # and each success marks its tenant fresh (recent_success) on the outcome asset
-    succeeded = [r for r in runs.values() if "status=success " in r or "status=no_work " in r]
-    assert len(checks) - len(declared) == len(succeeded) > 0
+    for head in runs.values():  # e.g. "quote_expiration · tenant-001 · execute: success (…)"
+        assert head.split(" · ")[1].split("/")[0] == TENANT, head
+        assert " · execute: " in head and "FAILED" not in head, head
+    status = {name: head.split(": ", 1)[1].split()[0] for name, head in runs.items()}
+    checks = {  # job -> the checks its run passed, from the line under its counts
+        line.split(" · ", 1)[0]: lines[n + 2].removeprefix("  checks passed: ").split(", ")
+        for n, line in enumerate(lines)
+        if line in heads
+    }
+    assert not any("FAILED" in line for line in lines)
+    for spec in CATALOG.values():
+        declared = {c.name for c in spec.checks}
+        # and each success marks its tenant fresh (recent_success) on the outcome asset
+        fresh = {"recent_success"} if status[spec.name] in ("success", "no_work") else set()
+        assert set(checks[spec.name]) == declared | fresh, (spec.name, checks[spec.name])
     with db.engine.connect() as conn:  # every job ran for the tenant, executing
         ran = conn.execute(
-            sa.text("SELECT job_name, scope, mode, trigger_type FROM job_run ORDER BY job_name")
+            sa.text(
+                "SELECT id, job_name, scope, mode, trigger_type FROM job_run ORDER BY started_at"
+            )
         ).all()
     assert sorted({r.job_name for r in ran}) == sorted(CATALOG)
     assert {(r.scope.split("/")[0], r.mode, r.trigger_type) for r in ran} == {
         (TENANT, "execute", "manual")
     }
+
+    # --json: one object (the log holds the second demo's events only: rewritten each time)
+    assert again.code == 0, (again.stdout, again.stderr)
+    [line] = again.stdout.splitlines()
+    output = json.loads(line)
+    assert output["events_log"] == str(events_log) and output["dagster_failures"] == 0
+    assert sorted(r["job_name"] for r in output["runs"]) == sorted(CATALOG)
+    second = {r["job_run_id"] for r in output["runs"]}
+    assert len(second) == len(CATALOG) and not second & {str(r.id) for r in ran[: len(CATALOG)]}
+    assert all(uuid.UUID(r["dagster_run_id"]) for r in output["runs"])
+    events = _events(events_log)
+    assert {e["job.run_id"] for e in events if e["event.name"] == "job.finished"} == second
+    assert {e["job.run_id"] for e in events if e["event.name"] == "job.started"} == second
+    assert all(e["job.scope"].split("/")[0] == TENANT for e in events)
+    # --verbose: Dagster's own lines, the JSON events among them, on stderr
+    assert '"event.name": "job.finished"' in again.stderr

@@ -361,8 +361,11 @@ class RunRow:
     mode: str
     trigger_type: str
     status: str
-    status_reason: str | None
+    status_reason: str | None  # why it ended as it did (the runner's words)
     requester: str | None
+    reason: str | None  # why it was asked for (the requester's words)
+    correlation_id: str | None
+    dagster_run_id: str | None
     started_at: datetime
     finished_at: datetime | None
     eligible_count: int
@@ -391,3 +394,25 @@ def list_runs(
         )
     with engine.connect() as conn:
         return [RunRow(**row._mapping) for row in conn.execute(query)]
+
+
+def running_run_by_prefix(engine: Engine, prefix: str) -> uuid.UUID:
+    """The one running run whose id starts with ``prefix`` (the short id ``qo-ops runs``
+    shows); BadInput when no running run or more than one has such an id."""
+    with engine.connect() as conn:
+        # status = 'running': the partial index ix_job_run_running, a few rows at most
+        found = (
+            conn.execute(
+                sa.select(job_run.c.id)
+                .where(job_run.c.status == "running")
+                .where(sa.cast(job_run.c.id, sa.Text).startswith(prefix, autoescape=True))
+                .limit(2)
+            )
+            .scalars()
+            .all()
+        )
+    if not found:
+        raise BadInput(f"no running run has an id starting {prefix!r}: give the whole run id")
+    if len(found) > 1:
+        raise BadInput(f"several running runs have ids starting {prefix!r}: give more of it")
+    return found[0]

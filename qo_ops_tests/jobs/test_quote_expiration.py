@@ -546,12 +546,14 @@ def test_sigterm_stops_the_cli_run_as_cancelled_with_exit_6_keeping_progress(loa
     assert_rerun_finishes(db.engine, eligible, done)
 
 
-def test_cancel_command_stops_a_running_cli_run(loaded, cli):
+@pytest.mark.parametrize("given", ["run id", "short id"])  # as `qo-ops runs` shows it
+def test_cancel_command_stops_a_running_cli_run(loaded, cli, given):
     db, eligible = loaded
     proc = _start_cli_run(db)
     try:
         run_id = _wait_for_progress_of(proc, db.engine)
-        result = cli("cancel", str(run_id), "--reason", "stop it", "--requester", "ops:carol")
+        which = str(run_id) if given == "run id" else str(run_id)[:8]
+        result = cli("cancel", which, "--reason", "stop it", "--requester", "ops:carol")
         assert result.code == 0, result.stderr
         assert "cancel requested" in result.stdout
         out, err = proc.communicate(timeout=120)

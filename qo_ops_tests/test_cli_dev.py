@@ -1,0 +1,191 @@
+"""`make ui` (``qo-ops dev``) as a new user meets it: the port is theirs to choose, the demo
+data is replaced only when asked (the Makefile's default, said before it happens), and a busy
+port is refused before anything changes.
+
+``qo-ops dev`` is started for real (Dagster webserver + daemon over the test's database) and
+stopped once it has said where the UI is: what is tested here happens before Dagster serves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from qo_ops.db.digest import database_digest
+from qo_ops.demo.data import load_demo_data
+from qo_ops_tests.conftest import (
+    QO_OPS_BIN,
+    REPO,
+    _free_port,
+    base_env,
+    drop_database,
+    run_cli,
+)
+
+UI_LINE = "Dagster UI on http://127.0.0.1:"
+
+
+def _digest(db) -> dict[str, str]:
+    with db.engine.connect() as conn:
+        return database_digest(conn)
+
+
+@contextmanager
+def _dev(db, tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """``qo-ops dev ARGS`` in its own session, its output in a file; the whole session is
+    stopped afterwards (Dagster's children included)."""
+    out = tmp_path / "dev.out"
+    env = base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_HOME=str(tmp_path / "home"))
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            [QO_OPS_BIN, "dev", *args],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
+    try:
+        yield proc, out
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                continue
+        drop_database(db.url.set(database="postgres"), f"{db.url.database}_dagster")
+
+
+def _until_the_ui_line(proc: subprocess.Popen[str], out: Path, timeout: float = 120) -> str:
+    """The command's output up to and including the line naming the UI's address."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = out.read_text()
+        if UI_LINE in text:
+            return text
+        if proc.poll() is not None:
+            pytest.fail(f"qo-ops dev ended with {proc.returncode} before the UI: {text}")
+        time.sleep(0.2)  # polling the output file for a condition, not a timed wait
+    pytest.fail(f"qo-ops dev did not name its UI within {timeout} s: {out.read_text()}")
+
+
+@pytest.fixture
+def demo(db):
+    """Two demo tenants, a run on record and one in the audit trail."""
+    load_demo_data(db.engine, tenants=2, quotes=200, seed=7, as_of=datetime.now(UTC))
+    env = base_env(QO_OPS_DATABASE_URL=db.env_url)
+    ran = run_cli(["run", "quote_expiration", "--tenant", "tenant-001", "--json"], env)
+    assert ran.code == 0, ran.stderr
+    assert run_cli(["suspend", "delivery_retry", "--reason", "INC-1"], env).code == 0
+    return db
+
+
+def _count(db, sql: str) -> int:
+    with db.engine.connect() as conn:
+        return int(conn.scalar(sa.text(sql)) or 0)
+
+
+def test_dev_with_reset_says_so_first_then_serves_fresh_demo_data_on_the_port_asked(demo, tmp_path):
+    port = _free_port()
+    audit = _count(demo, "SELECT count(*) FROM job_audit")
+    with _dev(demo, tmp_path, "--port", str(port), "--reset-demo-data") as (proc, out):
+        text = _until_the_ui_line(proc, out)
+        said, loaded, ui = (
+            text.index("replacing the data in"),
+            text.index("loaded "),
+            text.index(f"{UI_LINE}{port} "),
+        )
+        assert said < loaded < ui  # said before it happened, then the UI on the port asked
+        assert "KEEP_DATA=1" in text[said:loaded]  # and how to keep the data next time
+        assert _count(demo, "SELECT count(*) FROM tenant") == 3  # the demo's own data
+        assert _count(demo, "SELECT count(*) FROM job_run") == 0  # the old history is gone
+        assert _count(demo, "SELECT count(*) FROM job_control") == 0  # and the suspension
+        assert _count(demo, "SELECT count(*) FROM job_audit") >= audit  # the audit trail stays
+
+
+def test_dev_without_reset_keeps_the_data_and_says_so(demo, tmp_path):
+    port = _free_port()
+    before = _digest(demo)
+    with _dev(demo, tmp_path, "--port", str(port)) as (proc, out):
+        text = _until_the_ui_line(proc, out)
+        assert "as it is: 2 tenant(s)" in text
+        assert "replacing" not in text and "loaded " not in text
+        assert f"{UI_LINE}{port} " in text
+        assert _digest(demo) == before
+
+
+def test_dev_on_a_busy_port_is_refused_before_any_data_is_replaced(demo, tmp_path):
+    before = _digest(demo)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # in its own session: were the check broken, Dagster's processes are stopped too
+        with _dev(demo, tmp_path, "--port", str(port), "--reset-demo-data") as (proc, out):
+            code = proc.wait(timeout=120)
+    assert code == 2, out.read_text()
+    [line] = out.read_text().splitlines()  # stdout and stderr: the one line of the error
+    assert f"port {port} on 127.0.0.1 is in use" in line and "UI_PORT=" in line
+    assert _digest(demo) == before
+
+
+# --------------------------------------------------------------------------- the Makefile
+
+
+def _make_n(tmp_path: Path, *args: str) -> list[str]:
+    """The commands ``make -n ARGS`` would run, with the shared venv's bin."""
+    stamp = tmp_path / "installed"
+    stamp.touch()  # newer than pyproject.toml: nothing to install
+    proc = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-C", str(REPO), *args]
+        + [f"BIN={Path(QO_OPS_BIN).parent}", f"STAMP={stamp}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k not in ("UI_PORT", "KEEP_DATA")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [line.rstrip() for line in proc.stdout.splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("args", "dev"),
+    [
+        ((), f"{QO_OPS_BIN} dev --port 3000 --reset-demo-data"),
+        (("UI_PORT=3001",), f"{QO_OPS_BIN} dev --port 3001 --reset-demo-data"),
+        (("KEEP_DATA=1",), f"{QO_OPS_BIN} dev --port 3000"),
+        (("KEEP_DATA=0", "UI_PORT=3002"), f"{QO_OPS_BIN} dev --port 3002 --reset-demo-data"),
+    ],
+)
+def test_make_ui_passes_the_port_and_resets_the_data_unless_told_to_keep_it(tmp_path, args, dev):
+    commands = _make_n(tmp_path, "ui", *args)
+    assert commands == [f"{QO_OPS_BIN} db upgrade", dev]  # nothing else resets the data
+    assert not any(" demo-data " in c for c in commands)  # (qo-ops demo-data …)
+
+
+def test_make_demo_keeps_json_out_of_the_way_and_says_how_to_see_its_runs(tmp_path):
+    commands = _make_n(tmp_path, "demo")
+    assert f"{QO_OPS_BIN} demo-dagster --tenant tenant-001" in commands  # no --verbose/--json
+    assert any("make ui KEEP_DATA=1" in c for c in commands)
+
+
+def test_docs_name_the_port_and_keep_data_options():
+    readme = (REPO / "README.md").read_text()
+    dagster = (REPO / "docs" / "dagster.md").read_text()
+    for text in (readme, dagster):
+        assert "UI_PORT=" in text and "KEEP_DATA=1" in text and "--port" in text
