@@ -13,6 +13,8 @@ import json
 import logging
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import uuid
 import warnings
@@ -851,7 +853,6 @@ def dev_command(
 
     The UI has no authentication (Dagster OSS): it listens on 127.0.0.1 only.
     """
-    import subprocess
 
     from qo_ops.dagster_defs.instance import REPO, prepare_dagster_home
 
@@ -885,10 +886,29 @@ def dev_command(
             f"Dagster UI on http://127.0.0.1:{port} (DAGSTER_HOME={home}); "
             f"downstream simulator on {downstream_url}; Ctrl-C stops both"
         )
-        code = subprocess.call(
+        dev = subprocess.Popen(
             [dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)], cwd=REPO
         )
+        code = _wait_for_dagster_dev(dev)
     raise typer.Exit(code)
+
+
+def _wait_for_dagster_dev(dev: subprocess.Popen[bytes]) -> int:
+    """``dagster dev``'s exit code. On Ctrl-C it is let stop its webserver, daemon and code
+    server (the terminal sent it the same SIGINT; a SIGTERM follows if only we got it);
+    killing it at once, as ``subprocess.call`` does, would leave those running."""
+    try:
+        return dev.wait()
+    except KeyboardInterrupt:
+        typer.echo("stopping Dagster (webserver, daemon, code server)…", err=True)
+    for nudge, grace_s in ((None, 5.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        if nudge is not None:
+            dev.send_signal(nudge)
+        try:
+            return dev.wait(timeout=grace_s)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            continue
+    return dev.wait()
 
 
 def _require_free_port(port: int) -> None:

@@ -189,3 +189,71 @@ def test_docs_name_the_port_and_keep_data_options():
     dagster = (REPO / "docs" / "dagster.md").read_text()
     for text in (readme, dagster):
         assert "UI_PORT=" in text and "KEEP_DATA=1" in text and "--port" in text
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid → command line of every live process below ``pid`` (from /proc; zombies are gone,
+    only not reaped yet). Dagster starts some children in sessions of their own, so the
+    family tree is followed, not the session."""
+    parents: dict[int, int] = {}
+    lines: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] == "Z":
+                continue
+            parents[int(entry.name)] = int(fields[1])
+            lines[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+            continue
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in found:
+                found[child] = lines[child]
+                frontier.append(child)
+    return found
+
+
+def _alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+@pytest.mark.parametrize("to", ["group", "qo-ops"])
+def test_ctrl_c_stops_dagster_and_everything_it_started(demo, tmp_path, to):
+    """Ctrl-C in the terminal (SIGINT to the whole foreground group), or a SIGINT to the
+    qo-ops process alone (a supervisor, `kill -INT`), ends `make ui` with no webserver, daemon
+    or code server left behind listening or holding the database."""
+    port = _free_port()
+    with _dev(demo, tmp_path, "--port", str(port)) as (proc, out):
+        _until_the_ui_line(proc, out)
+        deadline = time.monotonic() + 180
+        while True:  # the webserver answers: its children (daemon, code server) are up
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, out.read_text()[-2000:]
+            time.sleep(0.5)
+        family = _descendants(proc.pid)  # dagster dev, its webserver, daemon, code server…
+        assert len(family) >= 3, family
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+        deadline = time.monotonic() + 30
+        while _alive(family) and time.monotonic() < deadline:
+            time.sleep(0.5)  # children exiting after their parent: polled, not assumed
+        assert not _alive(family), {pid: family[pid] for pid in _alive(family)}
