@@ -169,6 +169,7 @@ def demo_data(
 ) -> None:
     """Load deterministic demo data, anomalies included, in one transaction."""
     from qo_ops.demo.data import load_demo_data
+    from qo_ops.jobs.temp_file_cleanup import objects_root
 
     anchor = (
         parse_timestamp(as_of, "--as-of") if as_of else datetime.now(UTC).replace(microsecond=0)
@@ -183,12 +184,14 @@ def demo_data(
         as_of=anchor,
         append=append,
         reset=reset,
+        objects=objects_root(),  # temp_file_cleanup's store: the demo's files are real
     )
     if as_json:
         emit_json(
             {
                 "tenants": report.tenants,
                 "rows": report.rows,
+                "objects": {"written": report.objects_written, "removed": report.objects_removed},
                 "anomalies": report.anomalies,
                 "seconds": round(report.seconds, 3),
                 "as_of": anchor.isoformat(),
@@ -200,6 +203,14 @@ def demo_data(
     typer.echo(
         f"loaded {total:,} rows for {len(report.tenants)} tenants "
         f"({report.tenants[0]} … {report.tenants[-1]}) in {report.seconds:.1f}s, as of {anchor.isoformat()}"
+    )
+    typer.echo(
+        f"stored {report.objects_written:,} temp file objects under {objects_root()}"
+        + (
+            f" (removed {report.objects_removed:,} of the replaced rows)"
+            if report.objects_removed
+            else ""
+        )
     )
     print_table(
         "anomalies planted", ["anomaly", "rows"], [[k, v] for k, v in report.anomalies.items()]
