@@ -848,6 +848,8 @@ def demo_dagster_command(
 
     defs = build_definitions()
     yesterday = date_cls.today() - timedelta(days=1)
+    # its own reason each time: a Dagster execute may not repeat an earlier one's reason
+    reason = f"make demo ({datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC)"
     failures = 0
     with downstream_for_demo(engine) as downstream_url, dg.DagsterInstance.get() as instance:
         typer.echo(f"downstream simulator: {downstream_url}")
@@ -868,7 +870,7 @@ def demo_dagster_command(
                         f"{spec.name}_op": {
                             "config": {
                                 "mode": "execute",
-                                "reason": "make demo",
+                                "reason": reason,
                                 **({"tenants": [tenant]} if day is not None else {}),
                             }
                         }
