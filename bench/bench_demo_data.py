@@ -1,4 +1,5 @@
-"""How long `qo-ops demo-data --tenants 10 --quotes 100000` takes (1,000,000 quotes).
+"""How long `qo-ops demo-data --tenants 10 --quotes 100000` takes (1,000,000 quotes, and
+the 100,000 stored objects of its temp files, written into a temporary QO_OPS_HOME).
 
 Baseline, in the same run on the same server: the plainest possible INSERT … SELECT of
 1,000,000 constant quote rows into the same indexed table — what writing the biggest table
@@ -12,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,12 +39,16 @@ def main() -> None:
             conn.exec_driver_sql(BASELINE_SQL.format(n=total_quotes))
         engine.dispose()
 
-    with fresh_database("qo_ops_bench_demo") as url:
+    with (
+        fresh_database("qo_ops_bench_demo") as url,
+        tempfile.TemporaryDirectory(prefix="qo-ops-bench-home-") as home,
+    ):
         env = {
             **os.environ,
             "QO_OPS_DATABASE_URL": url.set(drivername="postgresql").render_as_string(
                 hide_password=False
             ),
+            "QO_OPS_HOME": home,  # the load stores a file per temp file row: not in yours
         }
         qo_ops = str(Path(sys.executable).with_name("qo-ops"))
         with stopwatch() as load:
@@ -84,6 +90,7 @@ def main() -> None:
                 "baseline_seconds": baseline[0],
                 "load_seconds": load[0],
                 "rows": report["rows"],
+                "objects": report["objects"],
             },
             indent=2,
         )

@@ -215,6 +215,7 @@ def _load_demo_data(
 ) -> None:
     """Load demo data (``load_demo_data``) and say what was loaded."""
     from qo_ops.demo.data import load_demo_data
+    from qo_ops.jobs.temp_file_cleanup import objects_root
 
     report = load_demo_data(
         engine,
@@ -224,12 +225,14 @@ def _load_demo_data(
         as_of=anchor,
         append=append,
         reset=reset,
+        objects=objects_root(),  # temp_file_cleanup's store: the demo's files are real
     )
     if as_json:
         emit_json(
             {
                 "tenants": report.tenants,
                 "rows": report.rows,
+                "objects": {"written": report.objects_written, "removed": report.objects_removed},
                 "anomalies": report.anomalies,
                 "seconds": round(report.seconds, 3),
                 "as_of": anchor.isoformat(),
@@ -241,6 +244,14 @@ def _load_demo_data(
     typer.echo(
         f"loaded {total:,} rows for {len(report.tenants)} tenants "
         f"({report.tenants[0]} … {report.tenants[-1]}) in {report.seconds:.1f}s, as of {anchor.isoformat()}"
+    )
+    typer.echo(
+        f"stored {report.objects_written:,} temp file objects under {objects_root()}"
+        + (
+            f" (removed {report.objects_removed:,} of the replaced rows)"
+            if report.objects_removed
+            else ""
+        )
     )
     print_table(
         "anomalies planted", ["anomaly", "rows"], [[k, v] for k, v in report.anomalies.items()]
@@ -1077,6 +1088,8 @@ def demo_dagster_command(
     events_log = load_settings().home / DEMO_EVENTS_LOG
     defs = build_definitions()
     yesterday = date_cls.today() - timedelta(days=1)
+    # its own reason each time: a Dagster execute may not repeat an earlier one's reason
+    reason = f"make demo ({datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC)"
     runs: list[DemoRun] = []
     with (
         _events_to_file(events_log),
@@ -1099,7 +1112,7 @@ def demo_dagster_command(
             )
             op_config = {
                 "mode": "execute",
-                "reason": "make demo",
+                "reason": reason,
                 **({"tenants": [tenant]} if day is not None else {}),
             }
             result = job.execute_in_process(

@@ -101,7 +101,12 @@ class JobRunConfig(dg.Config):
     reason: str | None = Field(
         default=None,
         max_length=MAX_TEXT,
-        description="Why this run is needed (required to execute by hand; kept in the audit trail).",
+        description=(
+            "Why this run is needed (required to execute by hand; kept in the audit trail). "
+            "Its own: the Launchpad copies an earlier run's config, and an execute giving a "
+            "reason an earlier execute of this job gave is refused (Re-execute that run to "
+            "repeat it)."
+        ),
     )
     tenants: list[str] | None = Field(
         default=None,
@@ -638,6 +643,11 @@ def job_description(spec: JobSpec) -> str:
     lines.append(
         "Launched by hand or by a backfill it runs as a dry run (counts and a sample, no "
         "change) unless config says mode: execute (with a reason)."
+    )
+    lines.append(
+        "The Launchpad pre-fills an earlier run's config, mode and reason included: an "
+        "execute needs a reason of its own (one an earlier execute of this job gave is "
+        "refused before anything runs; to repeat that run, Re-execute it)."
     )
     if spec.destructive:
         lines.append(

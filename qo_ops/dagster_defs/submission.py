@@ -109,6 +109,7 @@ def run_options(config: Mapping[str, Any], tags: Mapping[str, str], run_id: str)
         reason=config.get("reason") or tags.get(REASON_TAG),
         correlation_id=run_id,
         dagster_run_id=run_id,
+        dagster_parent_run_id=tags.get(PARENT_RUN_TAG),
         progress_interval_s=10.0,
         scheduled_for=_scheduled_for(tags) if trigger == "schedule" else None,
     )

@@ -5,22 +5,30 @@ so 1,000,000 quotes load in seconds and the same (seed, as-of, sizes) give the s
 Which rows are anomalies depends only on each row's index within its tenant, never on the
 hash, so :class:`DemoPlan` can say exactly how many of each anomaly a load creates. All of
 a load is one transaction: it lands whole or not at all.
+
+Every temp file row gets a real stored object (small, of its ``size_bytes``) in the object
+store temp_file_cleanup uses, so that a demo cleanup removes what production's would. The
+objects are written while PostgreSQL finishes the load, before it commits; a load that fails
+removes the objects it created, and ``--reset`` removes the objects of the rows it replaces.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
-from qo_ops.errors import BadInput
+from qo_ops.errors import BadInput, ConfigError
+from qo_ops.jobs.temp_file_cleanup import ObjectStore, ObjectStoreError
 
 # Retention and timeout rules the demo anomalies are placed around (the jobs' defaults).
 TEMP_FILE_RETENTION_DAYS = 7
@@ -30,6 +38,7 @@ CURRENT_PRICE_BOOK_VERSION = 2
 
 MAX_TENANTS = 999
 MAX_QUOTES_PER_TENANT = 5_000_000
+OBJECT_BYTES = (64, 4096)  # a demo temp file's stored object: small, real bytes
 
 # ---------------------------------------------------------------- the rules, per index
 # Each table's rows are numbered 1..n within a tenant; these functions are the whole story
@@ -216,6 +225,8 @@ class DemoReport:
     rows: dict[str, int] = field(default_factory=dict)
     anomalies: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    objects_written: int = 0  # stored objects of the new temp file rows
+    objects_removed: int = 0  # stored objects of the rows a reset replaced
 
 
 # ---------------------------------------------------------------- SQL building blocks
@@ -279,6 +290,19 @@ STATEMENTS: list[tuple[str, str]] = [
                (ARRAY['UTC', 'Europe/Berlin', 'Asia/Jakarta', 'America/New_York'])[1 + t % 4],
                :as_of - interval '400 days'
         FROM generate_series(:t0, :t1) AS t
+        """,
+    ),
+    (  # early: its objects are written while the database loads the rest
+        "temp_file",
+        f"""
+        INSERT INTO temp_file (tenant_id, storage_path, size_bytes, status, legal_hold, created_at)
+        SELECT {TENANT}, 'tmp/' || {TENANT} || '/' || lpad(m::text, 7, '0') || '.bin',
+               {OBJECT_BYTES[0]}
+                 + floor({_rnd(f"{TKEY} + m", 71)} * {OBJECT_BYTES[1] - OBJECT_BYTES[0] + 1})::bigint,
+               (ARRAY['PENDING', 'COMPLETED', 'FAILED_TERMINAL'])[1 + m % 3], m % 17 = 0,
+               :as_of - (m % 30) * interval '1 day' - {_minutes(f"{TKEY} + m", 72, 1, 600)}
+        FROM generate_series(:t0, :t1) AS t CROSS JOIN generate_series(1, :temp_files) AS m
+        ORDER BY t, m
         """,
     ),
     (
@@ -515,18 +539,6 @@ STATEMENTS: list[tuple[str, str]] = [
         """,
     ),
     (
-        "temp_file",
-        f"""
-        INSERT INTO temp_file (tenant_id, storage_path, size_bytes, status, legal_hold, created_at)
-        SELECT {TENANT}, 'tmp/' || {TENANT} || '/' || lpad(m::text, 7, '0') || '.bin',
-               1024 + floor({_rnd(f"{TKEY} + m", 71)} * 10485760)::bigint,
-               (ARRAY['PENDING', 'COMPLETED', 'FAILED_TERMINAL'])[1 + m % 3], m % 17 = 0,
-               :as_of - (m % 30) * interval '1 day' - {_minutes(f"{TKEY} + m", 72, 1, 600)}
-        FROM generate_series(:t0, :t1) AS t CROSS JOIN generate_series(1, :temp_files) AS m
-        ORDER BY t, m
-        """,
-    ),
-    (
         "audit_record",
         f"""
         INSERT INTO audit_record (tenant_id, occurred_at, actor_ref, action, entity_type,
@@ -619,6 +631,52 @@ def _truncate_empty(conn: Connection, tables: list[str]) -> None:
         conn.execute(sa.text(f"TRUNCATE {', '.join(empty)} RESTART IDENTITY CASCADE"))
 
 
+# ---------------------------------------------------------------- stored objects
+
+
+def demo_object(storage_path: str, size: int, seed: int) -> bytes:
+    """The bytes the demo stores for a temp file: a line naming it, repeated to its size."""
+    line = f"qo-ops demo temp file {storage_path} (seed {seed})\n".encode()
+    return (line * (size // len(line) + 1))[:size]
+
+
+class _ObjectWriter(threading.Thread):
+    """Stores the new temp files' objects while the rest of the load runs (the database
+    inserts, this thread writes files: the two overlap)."""
+
+    def __init__(self, root: Path, files: Sequence[tuple[str, int]], seed: int) -> None:
+        super().__init__(name="demo-objects", daemon=True)
+        self.root, self.files, self.seed = root, files, seed
+        self.created: list[str] = []  # new objects, removed again if the load fails
+        self.error: ObjectStoreError | None = None
+
+    def run(self) -> None:
+        try:
+            with ObjectStore(self.root) as store:
+                for path, size in self.files:
+                    if store.put(path, demo_object(path, size, self.seed)):
+                        self.created.append(path)
+        except ObjectStoreError as exc:
+            self.error = exc
+
+    def finish(self) -> None:
+        """Wait for the writer; a write that failed fails the load (before its commit)."""
+        self.join()
+        if self.error is not None:
+            raise ConfigError(f"demo objects under {self.root}: {self.error}")
+
+
+def _remove_objects(root: Path, paths: Iterable[str]) -> int:
+    """Remove the stored objects at ``paths`` (never through a symlink): how many went. One
+    that cannot be removed, or whose path would leave the store, is left."""
+    removed = 0
+    with ObjectStore(root) as store:
+        for path in paths:
+            with contextlib.suppress(ObjectStoreError):
+                removed += store.remove(path)
+    return removed
+
+
 def load_demo_data(
     engine: Engine,
     *,
@@ -628,12 +686,15 @@ def load_demo_data(
     as_of: datetime,
     append: bool = False,
     reset: bool = False,
+    objects: Path | None = None,
 ) -> DemoReport:
     """Load ``tenants`` demo tenants of ``quotes`` quotes each, in one transaction.
 
     Refuses (changing nothing) when business data exists and neither ``append`` nor
     ``reset`` is given. ``reset`` empties the tables first; ``append`` adds new tenants
-    numbered after the existing ones.
+    numbered after the existing ones. ``objects`` is the object store root (the CLI: the
+    one temp_file_cleanup uses, ``QO_OPS_HOME/objects``): each new temp file's object is
+    stored there, and a reset removes the objects of the rows it replaces. None: rows only.
     """
     if not 1 <= tenants <= MAX_TENANTS:
         raise BadInput(f"--tenants must be between 1 and {MAX_TENANTS}, got {tenants}")
@@ -648,54 +709,85 @@ def load_demo_data(
 
     plan = DemoPlan(tenants=tenants, quotes=quotes)
     started = time.perf_counter()
-    with engine.begin() as conn:
-        conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-        conn.exec_driver_sql("SET LOCAL work_mem = '256MB'")
-        existing = _existing_tenant_numbers(conn)
-        has_data = conn.scalar(
-            sa.text("SELECT EXISTS (SELECT 1 FROM tenant) OR EXISTS (SELECT 1 FROM quote)")
-        )
-        if has_data and not (append or reset):
-            raise DemoDataExists(
-                "the database already holds business data: pass --append to add tenants "
-                "or --reset to replace everything (the job_audit trail is kept)"
+    writer: _ObjectWriter | None = None
+    replaced: set[str] = set()  # storage paths of the rows a reset empties
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+            conn.exec_driver_sql("SET LOCAL work_mem = '256MB'")
+            existing = _existing_tenant_numbers(conn)
+            has_data = conn.scalar(
+                sa.text("SELECT EXISTS (SELECT 1 FROM tenant) OR EXISTS (SELECT 1 FROM quote)")
             )
-        if reset:
-            reset_demo_data(conn)
-            existing = []
-        elif not has_data:
-            _truncate_empty(conn, [table for table, _ in STATEMENTS])
-        t0 = (max(existing) if existing else 0) + 1
-        t1 = t0 + tenants - 1
-        if t1 > MAX_TENANTS:
-            raise BadInput(f"tenant numbers would pass tenant-{MAX_TENANTS}: load fewer tenants")
-        id_base = conn.scalar(sa.text("SELECT coalesce(max(id), 0) FROM quote")) or 0
-        params = {
-            "t0": t0,
-            "t1": t1,
-            "q": quotes,
-            "seed": seed,
-            "as_of": as_of,
-            "id_base": id_base,
-            "catalog": plan.catalog_items,
-            "checkouts": plan.checkouts,
-            "temp_files": plan.temp_files,
-            "audit_records": plan.audit_records,
-        }
-        rows: dict[str, int] = {}
-        with _bulk_load(conn, [table for table, _ in STATEMENTS]):
-            for table, sql in STATEMENTS:
-                rows[table] = conn.execute(sa.text(_typed_params(sql)), params).rowcount
-        for table in _EXPLICIT_ID_TABLES:
-            conn.execute(
-                sa.text(
-                    f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
-                    f"(SELECT coalesce(max(id), 1) FROM {table}))"
+            if has_data and not (append or reset):
+                raise DemoDataExists(
+                    "the database already holds business data: pass --append to add tenants "
+                    "or --reset to replace everything (the job_audit trail is kept)"
                 )
-            )
+            if reset:
+                if objects is not None:
+                    replaced = set(conn.scalars(sa.text("SELECT storage_path FROM temp_file")))
+                reset_demo_data(conn)
+                existing = []
+            elif not has_data:
+                _truncate_empty(conn, [table for table, _ in STATEMENTS])
+            t0 = (max(existing) if existing else 0) + 1
+            t1 = t0 + tenants - 1
+            if t1 > MAX_TENANTS:
+                raise BadInput(
+                    f"tenant numbers would pass tenant-{MAX_TENANTS}: load fewer tenants"
+                )
+            new_tenants = [f"tenant-{n:03d}" for n in range(t0, t1 + 1)]
+            id_base = conn.scalar(sa.text("SELECT coalesce(max(id), 0) FROM quote")) or 0
+            params = {
+                "t0": t0,
+                "t1": t1,
+                "q": quotes,
+                "seed": seed,
+                "as_of": as_of,
+                "id_base": id_base,
+                "catalog": plan.catalog_items,
+                "checkouts": plan.checkouts,
+                "temp_files": plan.temp_files,
+                "audit_records": plan.audit_records,
+            }
+            rows: dict[str, int] = {}
+            with _bulk_load(conn, [table for table, _ in STATEMENTS]):
+                for table, sql in STATEMENTS:
+                    rows[table] = conn.execute(sa.text(_typed_params(sql)), params).rowcount
+                    if table == "temp_file" and objects is not None:
+                        files = conn.execute(
+                            sa.text(
+                                "SELECT storage_path, size_bytes FROM temp_file "
+                                "WHERE tenant_id = ANY(CAST(:tenants AS text[]))"
+                            ),
+                            {"tenants": new_tenants},
+                        ).all()
+                        writer = _ObjectWriter(objects, [(f[0], f[1]) for f in files], seed)
+                        writer.start()
+            for table in _EXPLICIT_ID_TABLES:
+                conn.execute(
+                    sa.text(
+                        f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
+                        f"(SELECT coalesce(max(id), 1) FROM {table}))"
+                    )
+                )
+            if writer is not None:
+                writer.finish()  # every new row's object is stored before the rows commit
+    except BaseException:
+        if writer is not None:  # the rows are gone again: so are the objects made for them
+            writer.join()
+            _remove_objects(writer.root, writer.created)
+        raise
+    removed = 0
+    if objects is not None and replaced:  # the old rows are gone for good now
+        kept = {path for path, _ in writer.files} if writer is not None else set()
+        removed = _remove_objects(objects, sorted(replaced - kept))
     return DemoReport(
-        tenants=[f"tenant-{n:03d}" for n in range(t0, t1 + 1)],
+        tenants=new_tenants,
         rows=rows,
         anomalies=plan.expected_anomalies(),
         seconds=time.perf_counter() - started,
+        objects_written=len(writer.files) if writer is not None else 0,
+        objects_removed=removed,
     )

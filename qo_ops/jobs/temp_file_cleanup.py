@@ -64,6 +64,7 @@ No checkpoint: deleting a row removes it from the selection, so a rerun finds wh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -167,14 +168,19 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CleanupSettin
         share = math.nan
     if not 0.0 <= share <= 1.0:  # also refuses nan
         raise CleanupConfigError(f"{MAX_SHARE_ENV} must be a number from 0 to 1, got {raw_share!r}")
-    home = load_settings(dict(env)).home
     return CleanupSettings(
         retention_days=retention,
         max_delete=max_delete,
         max_share=share,
         override=(env.get(OVERRIDE_ENV) or "").strip() == "1",
-        objects_root=home / OBJECTS_DIR,
+        objects_root=objects_root(env),
     )
+
+
+def objects_root(environ: Mapping[str, str] | None = None) -> Path:
+    """The object store the job uses: ``QO_OPS_HOME/objects``."""
+    env = os.environ if environ is None else environ
+    return load_settings(dict(env)).home / OBJECTS_DIR
 
 
 def run_settings(ctx: BatchContext) -> CleanupSettings:
@@ -194,11 +200,12 @@ class ObjectStore:
     """The stored objects under one root, reached without ever following a symlink.
 
     A storage path is a relative path of plain names. Its directories are opened one
-    component at a time from the root with ``O_NOFOLLOW``, and the object is tested, hashed
-    and unlinked relative to its directory's descriptor: no path string is resolved twice,
-    so a directory swapped for a symlink after a check cannot redirect a read or a removal
-    outside the store. A path whose directory is a symlink, or not a directory, is unsafe
-    (:data:`UNSAFE`); a missing directory means the object is gone.
+    component at a time from the root with ``O_NOFOLLOW``, and the object is tested, hashed,
+    unlinked (or, for the demo data, written: :meth:`put`) relative to its directory's
+    descriptor: no path string is resolved twice, so a directory swapped for a symlink after
+    a check cannot redirect a read or a removal outside the store. A path whose directory is
+    a symlink, or not a directory, is unsafe (:data:`UNSAFE`); a missing directory means the
+    object is gone.
 
     Directory descriptors are cached for the life of the store (one batch step), so the
     objects of a batch — usually a few directories — cost a stat, an open and a read each
@@ -283,6 +290,49 @@ class ObjectStore:
             return False
         return True
 
+    def put(self, storage_path: str, data: bytes) -> bool:
+        """Store ``data`` at ``storage_path``, creating its directories (never through a
+        symlink): True if the object is new, False if it replaced one;
+        :class:`ObjectStoreError` when the path would leave the store or cannot be written."""
+        parts = storage_path.split("/")
+        if any(p in _NOT_A_NAME or "\0" in p for p in parts):
+            raise ObjectStoreError("cannot store an object: its path would leave the store")
+        try:
+            fd = self._made_dir(tuple(parts[:-1]))
+            try:
+                obj, new = os.open(parts[-1], _NEW_OBJECT, 0o644, dir_fd=fd), True
+            except FileExistsError:  # replaced in place; a symlink there is refused (ELOOP)
+                obj, new = os.open(parts[-1], _REPLACE_OBJECT, dir_fd=fd), False
+            with os.fdopen(obj, "wb") as f:
+                f.write(data)
+                f.flush()
+                # cut to size after writing, not to 0 before (O_TRUNC): ext4 flushes a file
+                # truncated to 0 and rewritten when it is closed, a disk wait per object
+                os.ftruncate(obj, len(data))
+        except OSError as exc:
+            raise ObjectStoreError(f"cannot store an object: {exc.strerror}") from exc
+        return new
+
+    def _made_dir(self, parts: tuple[str, ...]) -> int:
+        """The directory's descriptor, creating it (and its parents) when missing."""
+        fd = self._dir(parts)
+        if fd is not None and fd >= 0:
+            return fd
+        if fd is None:
+            raise ObjectStoreError(
+                "cannot store an object: a directory on its path is a symlink or a file"
+            )
+        if not parts:
+            self.root.mkdir(parents=True, exist_ok=True)
+        else:
+            with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
+                os.mkdir(parts[-1], dir_fd=self._made_dir(parts[:-1]))
+        self._dirs.pop(parts, None)  # cached as missing
+        made = self._dir(parts)
+        if made is None or made < 0:
+            raise ObjectStoreError("cannot store an object: its directory cannot be opened")
+        return made
+
     def remove(self, storage_path: str) -> bool:
         """Unlink one object: True if removed, False if it was already gone;
         :class:`ObjectStoreError` when it cannot be removed or its path became unsafe."""
@@ -295,6 +345,8 @@ class ObjectStore:
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+_NEW_OBJECT = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+_REPLACE_OBJECT = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO there: ENXIO, no wait
 _NOT_A_NAME = frozenset(("", ".", ".."))
 
 
@@ -713,9 +765,27 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     ]
 
 
+def _objects_preview(conn: Connection, ctx: BatchContext, eligible: int) -> ReportRow:
+    """A dry run's look at the eligible files' objects: how many execute would unlink, how
+    many are already gone (only their rows would go), how many it would refuse (unsafe)."""
+    paths = conn.execute(sa.select(temp_file.c.storage_path).where(*_eligible_where(ctx)))
+    stored = unsafe = 0
+    with ObjectStore(run_settings(ctx).objects_root) as store:
+        for path in paths.scalars():
+            if store.locate(path) is None:
+                unsafe += 1
+            elif store.exists(path):
+                stored += 1
+    detail = f"of the {eligible} eligible files; {eligible - stored - unsafe} already gone"
+    return ReportRow(
+        "objects", "stored", stored, detail + (f", {unsafe} unsafe_storage_path" if unsafe else "")
+    )
+
+
 def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
-    """Per creation day: files deleted, their bytes and recorded checksums; and the anomaly
-    decision (the run's gate, or what a gate would decide now)."""
+    """Per creation day: files deleted, their bytes and recorded checksums; the anomaly
+    decision (the run's gate, or what a gate would decide now); a dry run within the cap:
+    how many of the eligible files' objects are stored."""
     settings = run_settings(ctx)
     measure = ctx.params.get(_GATE_MEASURE_KEY)  # what the run's gate measured, if it ran
     gate_ran = isinstance(measure, AnomalyMeasure)
@@ -746,6 +816,8 @@ def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
         detail = f"{day.checksums} checksummed, {gone} object(s) already gone"
         rows.append(ReportRow("deleted", name, day.files, detail))
         rows.append(ReportRow("bytes_deleted", name, int(day.bytes)))
+    if ctx.mode == "dry_run" and measure.eligible <= settings.max_delete:  # a stat per object
+        rows.append(_objects_preview(conn, ctx, measure.eligible))
     return rows
 
 
@@ -812,6 +884,8 @@ __all__ = [
     "AnomalyThreshold",
     "CleanupConfigError",
     "CleanupSettings",
+    "ObjectStore",
     "ObjectStoreError",
+    "objects_root",
     "settings_from_env",
 ]

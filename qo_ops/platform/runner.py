@@ -37,6 +37,7 @@ from qo_ops.db.availability import (
 from qo_ops.db.schema import job_checkpoint
 from qo_ops.errors import BadInput, DatabaseUnavailable, one_line
 from qo_ops.platform import runs
+from qo_ops.platform.consent import check_reason_is_new
 from qo_ops.platform.control import JobSuspended, suspension_for
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.manners import is_manners_key, manners_rows
@@ -160,6 +161,7 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
     settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
     options.validated()
     check_consent(options, destructive=spec.destructive, job_name=spec.name)
+    check_reason_is_new(engine, spec.name, options)  # a Launchpad relaunch's copied reason
     drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
     settings = spec.validate_settings() if spec.validate_settings is not None else None
     windowed = spec.partitioning == "tenant_day"

@@ -109,6 +109,7 @@ class RunOptions:
     correlation_id: str | None = None
     scheduled_for: datetime | None = None
     dagster_run_id: str | None = None
+    dagster_parent_run_id: str | None = None  # a Dagster re-execution: the run it repeats
     job_run_id: uuid.UUID | None = None  # adopt a row pre-created by the API
     progress_interval_s: float = 10.0
     sample_size: int = 10
@@ -152,7 +153,7 @@ class ExecuteRefused(BadInput):
 
     def __init__(self, message: str, *, error_code: str) -> None:
         super().__init__(message)
-        self.error_code = error_code  # reason_required | approval_required
+        self.error_code = error_code  # reason_required | approval_required | reason_reused
 
 
 def check_consent(options: RunOptions, *, destructive: bool = False, job_name: str = "") -> None:

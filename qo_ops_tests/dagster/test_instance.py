@@ -44,7 +44,8 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
 
         # two runs of one job and tenant: the second waits in the queue until the first ends
         first = _launch(client, "tenant-001", slow)
-        second = _launch(client, "tenant-001", slow)
+        # its own reason: a Launchpad execute may not repeat an earlier one's (consent.py)
+        second = _launch(client, "tenant-001", {**slow, "reason": "queue test, second"})
         wait_for(
             lambda: _status(instance, first) == dg.DagsterRunStatus.STARTED,
             120,
@@ -70,7 +71,11 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         assert rows == {first: "success", second: "no_work"}  # the second found the work done
 
         # terminate a long run: it stops after its current batch, ends cancelled, keeps progress
-        long_run = _launch(client, "tenant-002", {**slow, "batch_size": 2, "throttle_ms": 500})
+        long_run = _launch(
+            client,
+            "tenant-002",
+            {**slow, "reason": "terminate test", "batch_size": 2, "throttle_ms": 500},
+        )
 
         def processed() -> int:
             with db.engine.connect() as conn:

@@ -66,7 +66,7 @@ def test_no_report_or_observation_carries_personal_data(defs, instance, loaded):
         partition = work_partition(loaded, job_name)
         for config in (
             {"mode": "dry_run"},
-            {"mode": "execute", "reason": "privacy test", "batch_size": 25},
+            {"mode": "execute", "reason": f"privacy test: {job_name}", "batch_size": 25},
         ):
             config |= tenant_config(job_name)  # a windowed job's day names its tenant
             results.append(_execute(defs, instance, job_name, config, partition_key=partition))
@@ -76,7 +76,7 @@ def test_no_report_or_observation_carries_personal_data(defs, instance, loaded):
         defs,
         instance,
         "abandoned_checkout_close",
-        {"mode": "execute", "reason": "privacy test"},
+        {"mode": "execute", "reason": "privacy test: both tenants"},
         tags={
             "dagster/asset_partition_range_start": "tenant-001",
             "dagster/asset_partition_range_end": "tenant-002",
@@ -94,7 +94,7 @@ def test_no_report_or_observation_carries_personal_data(defs, instance, loaded):
         defs,
         instance,
         "quote_expiration",
-        {"mode": "execute", "reason": "privacy test"},
+        {"mode": "execute", "reason": "privacy test: a broken outcome"},
         partition_key="tenant-002",
     )
     assert not broken.success  # the blocking outcome check failed: the failure carries a report

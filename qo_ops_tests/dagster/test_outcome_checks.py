@@ -194,6 +194,11 @@ def tenant_config(spec: JobSpec) -> dict[str, Any]:
     return {"tenants": [TENANT]} if spec.partitioning == "tenant_day" else {}
 
 
+def own_reason() -> str:
+    """A reason for one execute: a Dagster execute may not repeat an earlier one's."""
+    return f"test {uuid.uuid4().hex[:8]}"
+
+
 def run_partition(
     env: Env, spec: JobSpec, partition: str, config: dict[str, Any]
 ) -> dict[str, dg.AssetCheckEvaluation]:
@@ -205,7 +210,12 @@ def run_partition(
         run_config={
             "ops": {
                 f"{spec.name}_op": {
-                    "config": {"mode": "execute", "reason": "test", **tenant_config(spec), **config}
+                    "config": {
+                        "mode": "execute",
+                        "reason": own_reason(),
+                        **tenant_config(spec),
+                        **config,
+                    }
                 }
             }
         },
@@ -731,7 +741,7 @@ def test_a_run_over_many_tenants_fails_the_check_naming_the_broken_one(env, brea
         run_config={
             "ops": {
                 f"{spec.name}_op": {
-                    "config": {"mode": "execute", "reason": "test", **breakage.run_config}
+                    "config": {"mode": "execute", "reason": own_reason(), **breakage.run_config}
                 }
             }
         },
@@ -850,7 +860,7 @@ def test_a_windowed_run_plots_the_tenants_whole_backlog(env, job_name):
         run_config={
             "ops": {
                 f"{job_name}_op": {
-                    "config": {"mode": "execute", "reason": "test", **tenant_config(spec)}
+                    "config": {"mode": "execute", "reason": own_reason(), **tenant_config(spec)}
                 }
             }
         },

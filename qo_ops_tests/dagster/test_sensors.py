@@ -112,7 +112,9 @@ def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, 
             partition_key=tenant,
             instance=instance,
             run_config={
-                "ops": {"quote_expiration_op": {"config": {"mode": "execute", "reason": "t"}}}
+                "ops": {
+                    "quote_expiration_op": {"config": {"mode": "execute", "reason": f"t {tenant}"}}
+                }
             },
         ).success
     fresh = tick(first.cursor)  # the first tick's run never ran: asked again, without those

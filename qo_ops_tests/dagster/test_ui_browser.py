@@ -168,7 +168,12 @@ def deployment(pg_server, template_database, tmp_path_factory) -> Iterator[Deplo
             runs = {}
             success, failure = dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE
             execute = {"mode": "execute", "reason": "UI test: expire overdue quotes"}
-            chunk = {**execute, "tenants": list(TENANTS), "max_items": max_items}
+            chunk = {  # its own reason: a Launchpad execute may not repeat an earlier one's
+                **execute,
+                "reason": "UI test: expire every tenant's overdue quotes",
+                "tenants": list(TENANTS),
+                "max_items": max_items,
+            }
             for name, job, partition, config, ends in (
                 ("dry_run", OUTCOME_JOB, TENANT, {"mode": "dry_run"}, success),
                 ("execute", OUTCOME_JOB, TENANT, execute, success),

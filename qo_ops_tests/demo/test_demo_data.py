@@ -1,16 +1,19 @@
-"""Demo data: deterministic, with exactly the anomalies it promises, loaded whole or not at all."""
+"""Demo data: deterministic, with exactly the anomalies it promises, loaded whole or not at
+all; every temp file row with its stored object, which a reset removes again."""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import metadata
-from qo_ops.demo.data import DemoDataExists, DemoPlan, load_demo_data
+from qo_ops.demo.data import DemoDataExists, DemoPlan, demo_object, load_demo_data
+from qo_ops_tests.conftest import base_env, run_cli
 
 AS_OF = datetime(2026, 3, 1, 6, 0, tzinfo=UTC)
 
@@ -50,6 +53,34 @@ ANOMALY_QUERIES = {
         SELECT count(*) FROM temp_file WHERE created_at < :as_of - interval '7 days' AND legal_hold""",
     "old_audit_records": "SELECT count(*) FROM audit_record WHERE occurred_at < :as_of - interval '365 days'",
 }
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def cli(db, home):
+    """``qo-ops`` against this test's database, its QO_OPS_HOME (the objects) in tmp_path."""
+
+    def _run(*args: str):
+        env = base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_HOME=str(home))
+        return run_cli(list(args), env)
+
+    return _run
+
+
+def stored(home: Path) -> dict[str, bytes]:
+    """Every file under the object store: path -> bytes."""
+    root = home / "objects"
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def temp_files(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT storage_path, size_bytes FROM temp_file")).all()
+    return {r.storage_path: r.size_bytes for r in rows}
 
 
 def _measure(engine: sa.Engine) -> dict[str, int]:
@@ -124,6 +155,38 @@ def test_same_seed_gives_the_same_digest(pg_server, template_database):
     assert first["quote"].split(":")[0] == "1200"  # row count is part of the digest
 
 
+def test_every_temp_file_has_its_object_and_a_reset_removes_those_of_the_rows_it_replaces(
+    cli, db, home
+):
+    first = cli("demo-data", "--tenants", "2", "--quotes", "600", "--seed", "3", "--json")
+    assert first.code == 0, first.stderr
+    rows = temp_files(db.engine)
+    assert len(rows) == 2 * 60 and json.loads(first.stdout)["objects"] == {
+        "written": len(rows),
+        "removed": 0,
+    }
+    objects = stored(home)
+    assert set(objects) == set(rows)  # one object per row, nothing else
+    assert all(len(objects[p]) == size for p, size in rows.items())  # size_bytes is true
+    assert objects["tmp/tenant-002/0000007.bin"] == demo_object(
+        "tmp/tenant-002/0000007.bin", rows["tmp/tenant-002/0000007.bin"], 3
+    )
+
+    appended = cli("demo-data", "--tenants", "1", "--quotes", "300", "--append", "--json")
+    assert appended.code == 0, appended.stderr
+    assert json.loads(appended.stdout)["objects"] == {"written": 30, "removed": 0}
+    assert set(stored(home)) == set(temp_files(db.engine)) and len(stored(home)) == 150
+
+    # a smaller reset: the replaced rows' objects go, the new rows have theirs
+    reset = cli("demo-data", "--tenants", "1", "--quotes", "200", "--reset", "--json")
+    assert reset.code == 0, reset.stderr
+    rows = temp_files(db.engine)
+    assert json.loads(reset.stdout)["objects"] == {"written": 20, "removed": 130}
+    objects = stored(home)
+    assert set(objects) == set(rows) and len(rows) == 20
+    assert all(len(objects[p]) == size for p, size in rows.items())
+
+
 def test_refuses_to_load_twice_without_append_or_reset(cli, db):
     first = cli("demo-data", "--tenants", "1", "--quotes", "200", "--as-of", AS_OF.isoformat())
     assert first.code == 0, first.stderr
@@ -174,8 +237,9 @@ def test_existing_tenant_counts_as_data(db):
         load_demo_data(db.engine, tenants=1, quotes=100, seed=1, as_of=AS_OF)
 
 
-def test_a_load_failing_midway_leaves_nothing_behind(cli, db):
-    """The whole load is one transaction: a failure in a late statement undoes the early ones."""
+def test_a_load_failing_midway_leaves_nothing_behind(cli, db, home):
+    """The whole load is one transaction: a failure in a late statement undoes the early ones,
+    and the objects written for its temp files are removed again."""
     with (
         db.engine.begin() as conn
     ):  # the fulfilment store already knows an order the load will create
@@ -196,3 +260,5 @@ def test_a_load_failing_midway_leaves_nothing_behind(cli, db):
             )
         ).one()
     assert tuple(counts) == (0, 0, 0, 1)
+    assert (home / "objects" / "tmp" / "tenant-001").is_dir()  # the writer had started
+    assert stored(home) == {}

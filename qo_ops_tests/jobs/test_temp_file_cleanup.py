@@ -658,6 +658,26 @@ def test_a_symlinked_directory_in_the_store_is_never_followed(loaded, tmp_path):
     assert not set(siblings) & set(tombstones(db.engine))
 
 
+def test_storing_an_object_never_writes_through_a_symlink(tmp_path):
+    """ObjectStore.put (the demo data's writer) creates its directories and replaces an
+    object in place, and refuses a path that leaves the store or goes through a symlink."""
+    root, outside = tmp_path / "objects", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.bin").write_bytes(b"keep")
+    with tfc.ObjectStore(root) as store:
+        assert store.put("tmp/t/a.bin", b"first") is True  # root and directories created
+        assert store.put("tmp/t/a.bin", b"2nd") is False  # replaced, cut to its new size
+        (root / "tmp" / "link").symlink_to(outside, target_is_directory=True)
+        (root / "tmp" / "t" / "b.bin").symlink_to(outside / "x.bin")
+        for path in ("tmp/link/x.bin", "tmp/t/b.bin", "../outside/x.bin", "tmp//a.bin"):
+            with pytest.raises(tfc.ObjectStoreError, match="cannot store an object"):
+                store.put(path, b"overwritten")
+    assert (root / "tmp" / "t" / "a.bin").read_bytes() == b"2nd"
+    assert (outside / "x.bin").read_bytes() == b"keep" and sorted(outside.iterdir()) == [
+        outside / "x.bin"
+    ]
+
+
 def test_a_directory_swapped_for_a_symlink_between_the_steps_stops_the_batch(
     loaded, tmp_path, monkeypatch
 ):
@@ -715,8 +735,47 @@ def test_a_complete_tombstone_can_be_neither_changed_nor_removed(loaded):
 # ------------------------------------------------------------------------- demo data
 
 
+def test_a_demo_cleanup_removes_an_object_for_every_row_it_deletes(db, home):
+    """`qo-ops demo-data` stores each temp file's object under QO_OPS_HOME, where the job
+    looks: the dry run sees them, and execute removes as many objects as it deletes rows,
+    none counted as already gone (duplicate_prevented)."""
+    env = base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_HOME=str(home))
+    loaded = run_cli(["demo-data", "--tenants", "2", "--quotes", "1000", "--seed", "9"], env)
+    assert loaded.code == 0, loaded.stderr
+    scope = window(*MIXED)
+    expected = expected_ids(db.engine, scope)
+    before = tree(home)
+    assert len(before) == 200  # a temp file per ten quotes, each with its object
+
+    dry = run(db.engine, scope, mode="dry_run")
+    (objects,) = [r for r in dry.report if r["kind"] == "objects"]
+    assert (objects["name"], objects["count"]) == ("stored", len(expected))
+    assert objects["detail"] == f"of the {len(expected)} eligible files; 0 already gone"
+
+    done = run(db.engine, scope)
+
+    assert done.status == "success", (done.error_code, done.error_text)
+    assert done.mutated_count == len(expected) > 0
+    assert done.tally["objects_removed"] == done.mutated_count
+    assert done.tally["objects_already_gone"] == 0 and done.duplicates_prevented == 0
+    assert done.tally["side_effect.object_delete.success"] == len(expected)
+    assert "side_effect.object_delete.duplicate_prevented" not in done.tally
+    assert failed_checks(done) == []
+    stones = tombstones(db.engine)
+    assert set(stones) == set(expected)
+    gone = {stones[i].storage_path for i in expected}
+    assert tree(home) == {p: sha for p, sha in before.items() if p not in gone}
+    assert all(stones[i].sha256 == before[stones[i].storage_path] for i in expected)
+    deleted = [r for r in done.report if r["kind"] == "deleted"]  # one row per creation day
+    assert sum(r["count"] for r in deleted) == len(expected)
+    assert {r["detail"] for r in deleted} == {
+        f"{r['count']} checksummed, 0 object(s) already gone" for r in deleted
+    }
+
+
 def test_a_day_of_the_dagster_demo_data_is_cleaned_without_an_anomaly(db, home):
-    """The Dagster tests' load: a day with work, its objects never stored (already gone)."""
+    """The Dagster tests' load (rows only, no object store given): a day with work, its
+    objects never stored (already gone)."""
     load_demo_data(db.engine, tenants=2, quotes=400, seed=9, as_of=datetime(2026, 3, 1, tzinfo=UTC))
     day = next(
         d

@@ -15,7 +15,7 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, job_audit, job_run, outbox_event
 from qo_ops.errors import BadInput
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.runner import run_job
+from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.spec import (
     TRIGGERS,
     TRIGGERS_WITH_A_PERSON,
@@ -148,3 +148,109 @@ def test_every_execute_with_a_person_behind_it_is_audited_and_automatic_ones_are
     ]
     assert str(rows[0].job_run_id) == backfill.job_run_id
     assert rows[0].details["trigger"] == "backfill"
+
+
+# ------------------------------------------------ a Launchpad execute names its own reason
+
+INCIDENT = "INC-9 expire the stale quotes"
+
+
+def _dagster_execute(
+    engine, run_id: str, reason: str, tenant: str = "tenant-001", **options
+) -> RunSummary:
+    """What the Dagster op hands the runner for a run a person launched (submission.py)."""
+    defaults = {"mode": "execute", "trigger": "manual", "progress_interval_s": 3600}
+    run = RunOptions(
+        **{**defaults, **options},
+        reason=reason,
+        requester=f"dagster-run:{run_id}",
+        correlation_id=run_id,
+        dagster_run_id=run_id,
+    )
+    return run_job(QE, Scope(tenant), run, engine=engine)
+
+
+def test_a_launchpad_execute_repeating_an_earlier_reason_is_refused_before_anything(loaded):
+    """The Launchpad pre-fills an earlier run's config: a relaunch that carries its reason is
+    refused (audited, nothing claimed) whatever tenant it names; its own reason, or a
+    re-execution of the run that gave the reason, runs."""
+    engine = loaded.engine
+    first = _dagster_execute(engine, "d1-incident", INCIDENT)
+    assert first.status == "success" and first.mutated_count > 0
+    before = _state(engine)
+
+    for copied in (INCIDENT, f"\t{INCIDENT.upper()}\n", INCIDENT.replace(" ", "  \t ")):
+        with pytest.raises(ExecuteRefused) as refused:
+            _dagster_execute(engine, "d2-relaunch", copied, tenant="tenant-002")
+        assert refused.value.error_code == "reason_reused"
+        cause = str(refused.value)
+        assert "\n" not in cause and "give this run its own reason" in cause
+        assert "Dagster run d1-incid" in cause and "re-execute that run" in cause
+    # a re-execution of the refused relaunch: its parent never executed with the reason
+    with pytest.raises(ExecuteRefused, match="its own reason"):
+        _dagster_execute(
+            engine, "d3-reexec", INCIDENT, tenant="tenant-002", dagster_parent_run_id="d2-relaunch"
+        )
+
+    assert _state(engine) == before  # no job_run row (nothing claimed), no business change
+    denied = [r for r in _audit(engine) if r.decision == "denied"]
+    assert [(r.actor, r.scope, r.mode, r.job_run_id, r.details["refused"]) for r in denied] == [
+        ("dagster-run:d2-relaunch", "tenant-002", "execute", None, "reason_reused"),
+    ] * 3 + [("dagster-run:d3-reexec", "tenant-002", "execute", None, "reason_reused")]
+    assert denied[0].reason == INCIDENT and denied[0].details["trigger"] == "manual"
+    assert "give this run its own reason" in denied[0].details["cause"]
+
+    # its own reason runs; the same Dagster run goes on to its next tenant with it
+    own = _dagster_execute(engine, "d4-own", "INC-10 tenant-002 too", tenant="tenant-002")
+    assert own.status == "success" and own.mutated_count > 0
+    next_tenant = _dagster_execute(engine, "d4-own", "INC-10 tenant-002 too")
+    assert next_tenant.status in ("success", "no_work")
+    # Dagster's re-execution of the run that gave the reason (it copies the config), and a
+    # re-execution of that re-execution
+    again = _dagster_execute(engine, "d5-reexec", INCIDENT, dagster_parent_run_id="d1-incident")
+    assert again.status in ("success", "no_work")
+    twice = _dagster_execute(engine, "d6-reexec", INCIDENT, dagster_parent_run_id="d5-reexec")
+    assert twice.status in ("success", "no_work")
+    with engine.connect() as conn:
+        ran = conn.execute(
+            sa.select(job_run.c.dagster_run_id).order_by(job_run.c.started_at)
+        ).scalars()
+        assert list(ran) == ["d1-incident", "d4-own", "d4-own", "d5-reexec", "d6-reexec"]
+
+
+def test_the_reason_rule_is_for_dagster_launches_only(loaded):
+    """The CLI and the API send their reason with each request (a repeat is how they resume);
+    backfills, automatic retries and dry runs are not a Launchpad's pre-filled execute; and
+    another job's reason is no reason of this job's."""
+    engine = loaded.engine
+    assert _dagster_execute(engine, "d1", INCIDENT).status == "success"
+    common = {"mode": "execute", "reason": INCIDENT, "progress_interval_s": 3600}
+    cli = run_job(QE, Scope("tenant-002"), RunOptions(**common, requester="os:ops"), engine=engine)
+    assert cli.status == "success"
+    for trigger in ("api", "backfill", "retry"):
+        other = run_job(
+            QE,
+            Scope("tenant-002"),
+            RunOptions(**common, trigger=trigger, dagster_run_id=f"d-{trigger}"),  # type: ignore[arg-type]
+            engine=engine,
+        )
+        assert other.status in ("success", "no_work"), trigger
+    dry = _dagster_execute(engine, "d2", INCIDENT, mode="dry_run")
+    assert dry.mode == "dry_run" and dry.status in ("success", "no_work")
+    elsewhere = run_job(
+        CATALOG["abandoned_checkout_close"],
+        Scope("tenant-001"),
+        RunOptions(**common, dagster_run_id="d3"),
+        engine=engine,
+    )
+    assert elsewhere.status == "success"
+    audited = _audit(engine)
+    assert [(r.details["trigger"], r.mode, r.decision) for r in audited] == [
+        ("manual", "execute", "allowed"),  # d1
+        ("manual", "execute", "allowed"),  # the CLI
+        ("api", "execute", "allowed"),
+        ("backfill", "execute", "allowed"),
+        ("retry", "execute", "allowed"),
+        ("manual", "dry_run", "allowed"),
+        ("manual", "execute", "allowed"),  # abandoned_checkout_close
+    ]
