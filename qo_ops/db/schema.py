@@ -136,6 +136,15 @@ job_run = sa.Table(
         "scheduled_for",
         postgresql_where=sa.text("scheduled_for IS NOT NULL"),
     ),
+    # an earlier Dagster execute of a job with the same reason (qo_ops/platform/consent.py)
+    sa.Index(
+        "ix_job_run_dagster_reason",
+        "job_name",
+        sa.text(r"btrim(regexp_replace(lower(reason), '\s+', ' ', 'g'))"),
+        postgresql_where=sa.text(
+            "mode = 'execute' AND reason IS NOT NULL AND dagster_run_id IS NOT NULL"
+        ),
+    ),
     sa.Index(
         "ix_job_run_active",
         "job_name",

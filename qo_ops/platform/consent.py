@@ -26,13 +26,14 @@ from qo_ops.platform.spec import ExecuteRefused, RunOptions
 REASON_REUSED = "reason_reused"
 
 # the newest earlier Dagster execute of the job with the same reason (case and spaces
-# aside: normalized_reason), the parent run's first; every trigger counts but the CLI's
+# aside: normalized_reason), the parent run's first; every trigger counts but the CLI's.
+# ix_job_run_dagster_reason (0012) holds exactly these rows, by that expression: a lookup.
 _EARLIER_EXECUTE = sa.text(
     r"""
     SELECT dagster_run_id, started_at
       FROM job_run
      WHERE job_name = :job AND mode = 'execute' AND dagster_run_id IS NOT NULL
-       AND dagster_run_id <> :run
+       AND reason IS NOT NULL AND dagster_run_id <> :run
        AND btrim(regexp_replace(lower(reason), '\s+', ' ', 'g')) = :reason
      ORDER BY dagster_run_id = :parent DESC, started_at DESC
      LIMIT 1
