@@ -905,13 +905,20 @@ def dev_command(
 
 
 def _wait_for_dagster_dev(dev: subprocess.Popen[bytes]) -> int:
-    """``dagster dev``'s exit code. On Ctrl-C it is let stop its webserver, daemon and code
-    server (the terminal sent it the same SIGINT; a SIGTERM follows if only we got it);
-    killing it at once, as ``subprocess.call`` does, would leave those running."""
+    """``dagster dev``'s exit code. On Ctrl-C (or a SIGTERM to qo-ops) it is let stop its
+    webserver, daemon and code server (the terminal sent it the same SIGINT; a SIGTERM
+    follows if only we got it); killing it at once, as ``subprocess.call`` does, or dying
+    on SIGTERM ourselves, would leave those running."""
+    def stop(signum: int, frame: Any) -> None:  # a supervisor's SIGTERM: as Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         return dev.wait()
     except KeyboardInterrupt:
         typer.echo("stopping Dagster (webserver, daemon, code server)…", err=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for nudge, grace_s in ((None, 5.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
         if nudge is not None:
             dev.send_signal(nudge)

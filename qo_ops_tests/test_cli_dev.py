@@ -231,11 +231,11 @@ def _alive(pids) -> list[int]:
     return alive
 
 
-@pytest.mark.parametrize("to", ["group", "qo-ops"])
+@pytest.mark.parametrize("to", ["group", "qo-ops", "sigterm"])
 def test_ctrl_c_stops_dagster_and_everything_it_started(demo, tmp_path, to):
-    """Ctrl-C in the terminal (SIGINT to the whole foreground group), or a SIGINT to the
-    qo-ops process alone (a supervisor, `kill -INT`), ends `make ui` with no webserver, daemon
-    or code server left behind listening or holding the database."""
+    """Ctrl-C in the terminal (SIGINT to the whole foreground group), or a SIGINT or SIGTERM
+    to the qo-ops process alone (a supervisor), ends `make ui` with no webserver, daemon or
+    code server left behind listening or holding the database."""
     port = _free_port()
     with _dev(demo, tmp_path, "--port", str(port)) as (proc, out):
         _until_the_ui_line(proc, out)
@@ -250,8 +250,8 @@ def test_ctrl_c_stops_dagster_and_everything_it_started(demo, tmp_path, to):
         assert len(family) >= 3, family
         if to == "group":
             os.killpg(proc.pid, signal.SIGINT)
-        else:
-            os.kill(proc.pid, signal.SIGINT)
+        else:  # a supervisor stopping qo-ops alone (kill -INT, or SIGTERM as systemd does)
+            os.kill(proc.pid, signal.SIGTERM if to == "sigterm" else signal.SIGINT)
         proc.wait(timeout=120)
         deadline = time.monotonic() + 30
         while _alive(family) and time.monotonic() < deadline:
