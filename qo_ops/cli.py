@@ -909,6 +909,7 @@ def _wait_for_dagster_dev(dev: subprocess.Popen[bytes]) -> int:
     webserver, daemon and code server (the terminal sent it the same SIGINT; a SIGTERM
     follows if only we got it); killing it at once, as ``subprocess.call`` does, or dying
     on SIGTERM ourselves, would leave those running."""
+
     def stop(signum: int, frame: Any) -> None:  # a supervisor's SIGTERM: as Ctrl-C
         raise KeyboardInterrupt
 
