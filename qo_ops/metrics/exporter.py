@@ -109,10 +109,6 @@ class _Feed:
     completed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     failed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     sums: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    duration: dict[tuple[str, str], list[float]] = field(default_factory=dict)
-    duration_sum: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
-    drift: dict[str, list[float]] = field(default_factory=dict)
-    drift_sum: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     side_effects: dict[tuple[str, str, str], int] = field(default_factory=lambda: defaultdict(int))
     ambiguity: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     missed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
@@ -123,7 +119,7 @@ class _Feed:
     )
     # (metric, job, *label values) → the seed's lock, retry, rerun and reconciliation counters
     signals: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
-    # (metric, job, *label values) → cumulative bucket counts, and their sums
+    # (metric, job, *label values) → a histogram's cumulative bucket counts, and their sums
     histograms: dict[tuple[str, ...], list[float]] = field(default_factory=dict)
     histogram_sums: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
 
@@ -412,7 +408,7 @@ class JobCollector:
         for g in conn.execute(
             _NEW_SCHEDULED, {"cutoff": cutoff, "ts": created_ts, "id": created_id}
         ):
-            self._count_drift(g)
+            self._observe("job_scheduler_drift_seconds", (g.job_name,), g)
         finished = {"cutoff": cutoff, "ts": finished_ts, "id": finished_id}
         for g in conn.execute(_FINISHED_RUNS, {**finished, "failing": list(FAILING)}):
             self._count_finished(g)
@@ -451,12 +447,7 @@ class JobCollector:
             feed.sums[("job_anomaly_stops_total", g.job_name)] += n
         if g.status == "skipped":
             feed.sums[("job_skipped_total", g.job_name)] += n
-        key = (g.job_name, g.status)
-        buckets = feed.duration.setdefault(key, [0.0] * (len(DURATION_BUCKETS) + 1))
-        for i, count in enumerate(g.buckets):  # cumulative: runs of at most each bound
-            buckets[i] += count
-        buckets[-1] += n  # +Inf
-        feed.duration_sum[key] += float(g.seconds or 0.0)
+        self._observe("job_duration_seconds", (g.job_name, g.status), g)
 
     def _error_class(self, job: str, code: str | None) -> str:
         """A failed run's error class as a label: one its job declares, else ``other``."""
@@ -476,7 +467,8 @@ class JobCollector:
             self._observe("job_lock_wait_seconds", (job,), g_wait)
 
     def _observe(self, metric: str, labels: tuple[str, ...], g: Any) -> None:
-        """Add a group of observations (``n``, their sum ``seconds``, cumulative ``buckets``)."""
+        """Add a group of observations: ``n`` of them, their sum ``seconds``, and ``buckets``
+        (how many were at most each bound, cumulative; +Inf is ``n``)."""
         feed = self._feed
         key = (metric, *labels)
         buckets = feed.histograms.setdefault(key, [0.0] * (len(g.buckets) + 1))
@@ -484,14 +476,6 @@ class JobCollector:
             buckets[i] += count
         buckets[-1] += int(g.n)
         feed.histogram_sums[key] += float(g.seconds or 0.0)
-
-    def _count_drift(self, g: Any) -> None:
-        feed = self._feed
-        buckets = feed.drift.setdefault(g.job_name, [0.0] * (len(DRIFT_BUCKETS) + 1))
-        for i, count in enumerate(g.buckets):
-            buckets[i] += count
-        buckets[-1] += int(g.n)
-        feed.drift_sum[g.job_name] += float(g.seconds or 0.0)
 
     def _count_tally(self, job: str, key: str, n: int) -> None:
         """One platform tally key of a job's finished runs; label values only from the
@@ -755,33 +739,20 @@ class JobCollector:
             for job in names:
                 family.add_metric([job], feed.sums.get((source, job), 0))
             yield family
-        duration = HistogramMetricFamily(
-            "job_duration_seconds", "Run duration", labels=["job_name", "status"]
+        yield self._histogram(
+            "job_duration_seconds",
+            "Run duration",
+            ["status"],
+            [(j, st) for j in names for st in FINAL_STATUSES],
+            DURATION_BUCKETS,
         )
-        none = [0.0] * (len(DURATION_BUCKETS) + 1)
-        bounds = [*(str(float(b)) for b in DURATION_BUCKETS), "+Inf"]
-        for job in names:
-            for st in FINAL_STATUSES:
-                counts = feed.duration.get((job, st), none)
-                duration.add_metric(
-                    [job, st],
-                    list(zip(bounds, counts, strict=True)),
-                    feed.duration_sum.get((job, st), 0.0),
-                )
-        yield duration
-        drift = HistogramMetricFamily(
+        yield self._histogram(
             "job_scheduler_drift_seconds",
             "How late a scheduled run started after its tick",
-            labels=["job_name"],
+            [],
+            [(j,) for j in names],
+            DRIFT_BUCKETS,
         )
-        none = [0.0] * (len(DRIFT_BUCKETS) + 1)
-        bounds = [*(str(float(b)) for b in DRIFT_BUCKETS), "+Inf"]
-        for job in names:
-            counts = feed.drift.get(job, none)
-            drift.add_metric(
-                [job], list(zip(bounds, counts, strict=True)), feed.drift_sum.get(job, 0.0)
-            )
-        yield drift
         missed = CounterMetricFamily(
             "job_missed_runs_total",
             "Scheduled runs (one per tenant and tick) that did not start in their window",
