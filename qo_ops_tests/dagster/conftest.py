@@ -13,6 +13,20 @@ from qo_ops.demo.data import load_demo_data
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
 
 
+# An instance that launches a submitted run at once, in this process (the run worker's
+# path): a re-execution or a sensor's request submitted to it runs inside the test.
+SYNC_LAUNCH = {
+    "run_coordinator": {
+        "module": "dagster._core.run_coordinator.sync_in_memory_run_coordinator",
+        "class": "SyncInMemoryRunCoordinator",
+    },
+    "run_launcher": {
+        "module": "dagster._core.launcher.sync_in_memory_run_launcher",
+        "class": "SyncInMemoryRunLauncher",
+    },
+}
+
+
 @pytest.fixture
 def loaded(db):
     load_demo_data(db.engine, tenants=2, quotes=400, seed=9, as_of=AS_OF)

@@ -19,6 +19,7 @@ from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from qo_ops.dagster_defs.submission import PARENT_RUN_TAG
 from qo_ops_tests.conftest import REPO
 from qo_ops_tests.dagster import scale_fixtures
+from qo_ops_tests.dagster.conftest import SYNC_LAUNCH
 
 JOB = "quote_expiration"
 INCIDENT = "INC-21 expire the stale quotes"
@@ -28,18 +29,7 @@ INCIDENT = "INC-21 expire the stale quotes"
 def instance() -> Iterator[dg.DagsterInstance]:
     """An instance that launches a submitted run at once, in this process (the run worker's
     path), so that a re-execution submitted to it runs here."""
-    with dg.instance_for_test(
-        overrides={
-            "run_coordinator": {
-                "module": "dagster._core.run_coordinator.sync_in_memory_run_coordinator",
-                "class": "SyncInMemoryRunCoordinator",
-            },
-            "run_launcher": {
-                "module": "dagster._core.launcher.sync_in_memory_run_launcher",
-                "class": "SyncInMemoryRunLauncher",
-            },
-        }
-    ) as inst:
+    with dg.instance_for_test(overrides=SYNC_LAUNCH) as inst:
         inst.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
         yield inst
 

@@ -35,6 +35,7 @@ from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.missed import expected_scope
 from qo_ops_tests.dagster import scale_fixtures as sf
+from qo_ops_tests.dagster.conftest import SYNC_LAUNCH
 
 MAX_PARTITIONS = 100_000  # Dagster's advice per PartitionsDefinition (docs; PR #28697)
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
@@ -301,19 +302,7 @@ def test_every_tick_of_the_code_location_at_10k_tenants(defs, env, scale, capsys
 def demo(env):
     """Five demo tenants; an instance whose `tenants` partitions match them."""
     load_demo_data(env.engine, tenants=5, quotes=200, seed=9, as_of=AS_OF)
-    with dg.instance_for_test(
-        overrides={
-            # a submitted run is launched at once, and runs here (the run worker's path)
-            "run_coordinator": {
-                "module": "dagster._core.run_coordinator.sync_in_memory_run_coordinator",
-                "class": "SyncInMemoryRunCoordinator",
-            },
-            "run_launcher": {
-                "module": "dagster._core.launcher.sync_in_memory_run_launcher",
-                "class": "SyncInMemoryRunLauncher",
-            },
-        }
-    ) as instance:
+    with dg.instance_for_test(overrides=SYNC_LAUNCH) as instance:
         instance.add_dynamic_partitions("tenants", DEMO_TENANTS)
         yield instance
 
