@@ -18,8 +18,7 @@ OTHER = "other"  # any value outside a declared set
 # job_lock_acquire_total{result}: an execute run took its scope's lease, or found it held
 LOCK_RESULTS = ("acquired", "skipped_already_running")
 
-# job_retries_total{scope, reason} and job_retry_exhausted_total{scope}
-RETRY_SCOPES = ("item", "run")
+# job_retries_total{scope, reason} and job_retry_exhausted_total{scope}: scope item or run
 ITEM_RETRY_REASONS = (
     "dependency_timeout",
     "dependency_connection",
@@ -28,10 +27,6 @@ ITEM_RETRY_REASONS = (
     OTHER,
 )
 RUN_RETRY_REASONS = ("worker_crashed",)  # the only runs Dagster retries (dagster.yaml)
-RETRY_REASONS: Mapping[str, tuple[str, ...]] = {
-    "item": ITEM_RETRY_REASONS,
-    "run": RUN_RETRY_REASONS,
-}
 ITEM_RETRY_PREFIX = "retry.item."  # tally: retry.item.<reason>, an item's retry scheduled
 ITEM_RETRY_EXHAUSTED = "retry_exhausted.item"  # tally: dead-lettered with every attempt used
 
@@ -54,11 +49,6 @@ def retry_reason(code: str | None) -> str:
     if code.startswith("http_5") or code == "http_425":
         return "dependency_error"
     return OTHER
-
-
-def is_signal_key(key: str) -> bool:
-    """Whether a tally key is one of the retry signals above (shown as retry rows)."""
-    return key.startswith(ITEM_RETRY_PREFIX) or key == ITEM_RETRY_EXHAUSTED
 
 
 # job_manual_reruns_total{reason}: an execute a person asked for over a scope that had an
