@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -88,6 +89,7 @@ HOLD_ENV = "QO_OPS_HOLD_AT"
 
 def _hold_point(name: str) -> None:
     if os.environ.get(HOLD_ENV) == name:
+        print(f"{HOLD_ENV}: holding at {name}", file=sys.stderr, flush=True)  # the test waits
         time.sleep(120)
 
 

@@ -187,10 +187,11 @@ def test_sigterm_between_batches_keeps_every_committed_batch_and_the_rerun_compl
 def test_sigterm_in_the_outcome_check_phase_keeps_the_work_and_ends_the_record(quotes, tmp_path):
     db, eligible = quotes
     proc = start(run_args(), cli_env(db, **{HOLD_ENV: "before_finalize"}), tmp_path)
-    wait_for(
-        lambda: overdue(db.engine) == 0 and not lease_held(db.engine),
-        what="the batches to finish",
+    wait_for(  # the run says it reached the phase (its lease is given back before it)
+        lambda: "holding at before_finalize" in (tmp_path / "stderr").read_text(),
+        what="the run to reach its outcome checks",
     )
+    assert overdue(db.engine) == 0 and not lease_held(db.engine)  # the batches are done
     assert stopped(proc, signal.SIGTERM, tmp_path) == 0  # the work itself succeeded
     row = the_run(db.engine)
     assert (row.status, row.status_reason) == ("success", "terminated during outcome checks")
