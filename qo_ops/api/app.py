@@ -45,6 +45,7 @@ from qo_ops.platform.spec import (
     TENANT_ID,
     JobSpec,
     Scope,
+    tenant_of,
 )
 from qo_ops.platform.status import job_status
 from qo_ops.platform.telemetry import log_event
@@ -468,7 +469,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
     )
     def get_run(jobName: str, runId: uuid.UUID, request: Request, p: Caller) -> dict[str, Any]:
         spec, row = run_of(jobName, runId)
-        decision = authz.may_read(p, service.tenant_of(row["scope"]))
+        decision = authz.may_read(p, tenant_of(row["scope"]))
         if not decision.allowed:
             raise deny(request, p, "read", decision.reason, job_name=spec.name, run_id=runId)
         return _run_view(row, dagster)
@@ -487,7 +488,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         body: Annotated[ReasonBody, Body()],
     ) -> dict[str, Any]:
         spec, row = run_of(jobName, runId)
-        decision = authz.may_cancel(p, service.tenant_of(row["scope"]))
+        decision = authz.may_cancel(p, tenant_of(row["scope"]))
         if not decision.allowed:
             raise deny(
                 request, p, "cancel", decision.reason, job_name=spec.name, scope=row["scope"],
@@ -524,7 +525,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         body: Annotated[ReasonBody, Body()],
     ) -> JSONResponse:
         spec, row = run_of(jobName, runId)
-        decision = authz.may_approve(p, row["requester"], service.tenant_of(row["scope"]))
+        decision = authz.may_approve(p, row["requester"], tenant_of(row["scope"]))
         if not decision.allowed:
             raise deny(
                 request, p, "approve", decision.reason, job_name=spec.name, scope=row["scope"],
@@ -536,7 +537,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         rr = service.RunRequest(
             spec=spec,
             mode=row["mode"],
-            scope=Scope(service.tenant_of(row["scope"]), row["window_start"], row["window_end"]),
+            scope=Scope(tenant_of(row["scope"]), row["window_start"], row["window_end"]),
             limits={},
             reason=row["reason"],
             correlation_id=row["correlation_id"],

@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from qo_ops.db.schema import api_idempotency, job_run, tenant
-from qo_ops.platform import runs
+from qo_ops.db.schema import api_idempotency, job_run
+from qo_ops.platform import runs, tenants
 from qo_ops.platform.spec import JobSpec, Scope
 
 IDEMPOTENCY_TTL_HOURS = 24
@@ -357,11 +357,6 @@ def get_run(engine: Engine, job_name: str, run_id: uuid.UUID) -> dict[str, Any] 
 
 
 def tenant_exists(engine: Engine, tenant_id: str) -> bool:
+    """Whether ``tenant_id`` is a tenant (before a request claims anything)."""
     with engine.connect() as conn:
-        return (
-            conn.execute(sa.select(tenant.c.id).where(tenant.c.id == tenant_id)).first() is not None
-        )
-
-
-def tenant_of(scope_key: str) -> str:
-    return scope_key.partition("/")[0]
+        return tenants.tenant_exists(conn, tenant_id)

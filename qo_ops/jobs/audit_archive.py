@@ -75,7 +75,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import signal
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,8 +94,8 @@ from qo_ops.config import load_settings, whole_number
 from qo_ops.db.schema import audit_archive_manifest, audit_record
 from qo_ops.errors import BadInput, ConfigError, QoOpsError, one_line
 from qo_ops.platform import runs
+from qo_ops.platform.faults import crash_point
 from qo_ops.platform.lease import LeaseLost
-from qo_ops.platform.runner import CRASH_ENV
 from qo_ops.platform.selection import seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
@@ -110,6 +109,7 @@ from qo_ops.platform.spec import (
     Scope,
     run_settings,
 )
+from qo_ops.platform.tenants import tenant_exists
 
 JOB_NAME = "audit_archive"
 RETENTION_ENV = "QO_OPS_AUDIT_RETENTION_DAYS"
@@ -164,12 +164,6 @@ class ArchiveVerificationFailed(ArchiveError):
     """A file did not match its manifest or its source rows: the run stops."""
 
     error_code = VERIFICATION_FAILED
-
-
-def _crash_at(point: str) -> None:
-    """Test-only: SIGKILL this process at ``point`` when ``QO_OPS_CRASH_AT`` names it."""
-    if os.environ.get(CRASH_ENV) == point:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------ settings, paths
@@ -403,7 +397,7 @@ def _day_expr() -> sa.ColumnElement[Any]:
 def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
     """The tenant's records of the window past retention, by day, then id."""
     if ctx.params.pop("_archive_deleted", False):  # the previous batch's delete committed
-        _crash_at("archive_after_delete_commit")
+        crash_point("archive_after_delete_commit")
     start, end = ctx.scope.window_bounds()
     query = sa.select(audit_record.c.id).where(
         audit_record.c.tenant_id == ctx.scope.tenant_id,
@@ -771,9 +765,9 @@ def write_and_verify(ctx: BatchContext, work_items: list[Any]) -> list[Any]:
                     raise ArchiveError(
                         f"cannot write archive file {chunk.file_path}: {one_line(str(exc), 200)}"
                     ) from None
-                _crash_at("archive_after_file_written")
+                crash_point("archive_after_file_written")
                 _insert_written(work, chunk, chunk.sha256)
-                _crash_at("archive_after_manifest_written")
+                crash_point("archive_after_manifest_written")
             assert chunk.sha256 is not None
             result = verify_file(chunk, chunk.sha256)
             result.orphans_removed = _sweep_orphans(work, chunk)
@@ -860,7 +854,7 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
                 f"verification: {result.reason}; nothing of it was deleted"
             )
     outcome.tally = {k: v for k, v in outcome.tally.items() if v}
-    _crash_at("archive_before_delete_commit")
+    crash_point("archive_before_delete_commit")
     ctx.params["_archive_deleted"] = outcome.succeeded > 0
     return outcome
 
@@ -1046,10 +1040,7 @@ def restore_day(
     scope = Scope(tenant_id, day, day + timedelta(days=1))  # validates the tenant key
     start, end = scope.window_bounds()
     with engine.begin() as conn:
-        if (
-            conn.execute(sa.text("SELECT 1 FROM tenant WHERE id = :t"), {"t": tenant_id}).first()
-            is None
-        ):
+        if not tenant_exists(conn, tenant_id):
             raise BadInput(f"unknown tenant {tenant_id}")
         manifests = conn.execute(
             sa.select(audit_archive_manifest)

@@ -68,7 +68,6 @@ import contextlib
 import hashlib
 import math
 import os
-import signal
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -81,7 +80,7 @@ from sqlalchemy.engine import Connection
 from qo_ops.config import load_settings, whole_number
 from qo_ops.db.schema import job_run, temp_file
 from qo_ops.errors import ConfigError
-from qo_ops.platform.runner import CRASH_ENV
+from qo_ops.platform.faults import crash_point
 from qo_ops.platform.runs import append_audit
 from qo_ops.platform.selection import after_position, seconds_or_none
 from qo_ops.platform.spec import (
@@ -359,12 +358,6 @@ def _remove_object(dir_fd: int, name: str) -> bool:
     except OSError as exc:
         raise ObjectStoreError(f"cannot remove a stored object: {exc.strerror}") from exc
     return True
-
-
-def _crash_point(name: str) -> None:
-    """Test-only fault injection, as the runner's (``QO_OPS_CRASH_AT``)."""
-    if os.environ.get(CRASH_ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------ selection
@@ -646,7 +639,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
                 removed_bytes += row.size_bytes
             else:
                 already_gone += 1
-    _crash_point(CRASH_AFTER_OBJECT_DELETE)
+    crash_point(CRASH_AFTER_OBJECT_DELETE)
     tally = {"objects_removed": removed, "objects_already_gone": already_gone}
     if removed_bytes:
         tally["bytes_removed"] = removed_bytes

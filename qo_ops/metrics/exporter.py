@@ -75,6 +75,7 @@ from qo_ops.platform.spec import (
     Scope,
     cadence_seconds,
     cron_ticks,
+    tenant_of,
 )
 from qo_ops.platform.status import BreakerStatus, breaker_status
 from qo_ops.platform.telemetry import log_event
@@ -619,7 +620,7 @@ class JobCollector:
             streaks: dict[str, int] = {}
             broken: set[str] = set()
             for run in conn.execute(_RECENT, {"job": spec.name, "n": STREAK_WINDOW}):
-                tenant = run.scope.partition("/")[0]
+                tenant = tenant_of(run.scope)
                 if tenant in broken or tenant in paused.get(spec.name, ()):
                     continue  # a suspended tenant's streak waits for its resumption
                 if run.status in FAILING:

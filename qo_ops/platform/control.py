@@ -21,6 +21,7 @@ from qo_ops.db.schema import job_control
 from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform.runs import append_audit
 from qo_ops.platform.spec import MAX_TEXT, Scope
+from qo_ops.platform.tenants import tenant_exists
 
 EVERY_SCOPE = ""  # job_control.tenant_id of a suspension covering every tenant
 
@@ -126,10 +127,7 @@ def suspend(
     and whether it is new (suspending twice keeps the first one, and says so)."""
     text = _checked(job_name, tenant_id, reason, known_jobs)
     with engine.begin() as conn:
-        if tenant_id is not None and (
-            conn.execute(sa.text("SELECT 1 FROM tenant WHERE id = :t"), {"t": tenant_id}).first()
-            is None
-        ):
+        if tenant_id is not None and not tenant_exists(conn, tenant_id):
             raise BadInput(f"unknown tenant {tenant_id}")
         stmt = sa.dialects.postgresql.insert(job_control).values(
             job_name=job_name,

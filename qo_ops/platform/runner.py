@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -40,6 +38,7 @@ from qo_ops.errors import BadInput, DatabaseUnavailable, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.consent import check_reason_is_new
 from qo_ops.platform.control import JobSuspended, suspension_for
+from qo_ops.platform.faults import crash_point, hold_point
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.manners import is_manners_key, manners_rows
 from qo_ops.platform.missed import scope_busy_at
@@ -60,37 +59,10 @@ from qo_ops.platform.spec import (
 )
 from qo_ops.platform.stopping import TERMINATED, StopSignals, Terminated, stop_grace_s
 from qo_ops.platform.telemetry import METRICS, EventContext, JobMetrics
+from qo_ops.platform.tenants import tenant_exists
 from qo_ops.platform.tracing import span
 
-CRASH_ENV = "QO_OPS_CRASH_AT"
-# Test-only fault injection: with QO_OPS_CRASH_AT set to one of these, the process kills
-# itself with SIGKILL at that point, as a crash would (see docs/platform.md).
-CRASH_POINTS = (
-    "after_lease_acquire",
-    "after_batch_select",
-    "before_commit",
-    "after_commit",
-    "after_external_call",  # jobs with an external phase: sent, result not yet recorded
-    "before_finalize",
-)
-
 log = logging.getLogger(__name__)
-
-
-def _crash_point(name: str) -> None:
-    if os.environ.get(CRASH_ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-HOLD_ENV = "QO_OPS_HOLD_AT"
-# Test-only: with QO_OPS_HOLD_AT set to after_lease_acquire or before_finalize, the run waits
-# there (up to 120 s, as a slow phase would), so that a fault test can send a signal then.
-
-
-def _hold_point(name: str) -> None:
-    if os.environ.get(HOLD_ENV) == name:
-        print(f"{HOLD_ENV}: holding at {name}", file=sys.stderr, flush=True)  # the test waits
-        time.sleep(120)
 
 
 @dataclass
@@ -172,10 +144,8 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
     if not windowed and scope.window_start is not None:
         raise BadInput(f"{spec.name} is not windowed: drop --date/--from/--to")
     with engine.connect() as conn:
-        known = conn.execute(
-            sa.text("SELECT 1 FROM tenant WHERE id = :t"), {"t": scope.tenant_id}
-        ).first()
-    if known is None:
+        known = tenant_exists(conn, scope.tenant_id)
+    if not known:
         raise BadInput(f"unknown tenant {scope.tenant_id}")
     return settings
 
@@ -463,7 +433,7 @@ def _run(
         _dry_run(engine, spec, ctx, options, summary)
     else:
         _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
-    _crash_point("before_finalize")
+    crash_point("before_finalize")
     if (
         summary.status in ("skipped", "running")
         or summary.error_code == UNAVAILABLE
@@ -471,7 +441,7 @@ def _run(
     ):
         return  # nothing was done, or the checks cannot run now: nothing to check
     try:
-        _hold_point("before_finalize")  # the outcome-check phase, as far as a signal knows
+        hold_point("before_finalize")  # the outcome-check phase, as far as a signal knows
         with engine.connect() as conn:
             summary.checks = spec.check(conn, ctx)
             lag = spec.lag(conn, ctx) if spec.lag else None
@@ -702,8 +672,8 @@ def _execute(
     heartbeat = Heartbeat(engine, lease, run_id).start()
     deadline = time.monotonic() + limits["deadline_s"]
     try:
-        _crash_point("after_lease_acquire")
-        _hold_point("after_lease_acquire")
+        crash_point("after_lease_acquire")
+        hold_point("after_lease_acquire")
         if spec.uses_checkpoint:
             ctx.params["cursor"] = _load_cursor(engine, spec, ctx.scope)
             summary.checkpoint_before = _cursor_text(ctx.params["cursor"])
@@ -831,15 +801,15 @@ def _batch_loop(
                         runs.add_counts(conn, run_id, tally={CHECKPOINT_RESETS: 1})
                         summary.tally[CHECKPOINT_RESETS] = 1
                     return
-                _crash_point("after_batch_select")
+                crash_point("after_batch_select")
                 outcome = spec.transition(conn, ctx, items)
-                _crash_point("before_commit")
+                crash_point("before_commit")
                 if spec.external is None:
                     _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
-            _crash_point("after_commit")
+            crash_point("after_commit")
             if spec.external is not None and spec.record is not None:
                 results = spec.external(ctx, outcome.work)  # no transaction open, no rows locked
-                _crash_point("after_external_call")
+                crash_point("after_external_call")
                 with _batch_transaction(conn, lease, run_id):
                     claimed, outcome = outcome, spec.record(conn, ctx, results)
                     outcome.cursor = (

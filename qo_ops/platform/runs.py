@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from qo_ops.db.schema import job_audit, job_run
 from qo_ops.errors import BadInput, one_line
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.spec import RunOptions, Scope, tenant_of
 
 FINAL_STATUSES = (
     "success",
@@ -228,7 +228,7 @@ def load_accepted(engine: Engine, run_id: uuid.UUID, job_name: str) -> AcceptedR
     return AcceptedRun(
         id=row.id,
         job_name=row.job_name,
-        scope=Scope(row.scope.partition("/")[0], row.window_start, row.window_end),
+        scope=Scope(tenant_of(row.scope), row.window_start, row.window_end),
         mode=row.mode,
         requester=row.requester,
         reason=row.reason,

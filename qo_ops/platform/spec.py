@@ -86,6 +86,11 @@ class Scope:
         return f"{self.tenant_id}/{self.window_start.isoformat()}..{self.window_end.isoformat()}"  # type: ignore[union-attr]
 
 
+def tenant_of(scope_key: str) -> str:
+    """The tenant of a scope key (:attr:`Scope.key`): ``tenant-001/2026-01-01..`` → ``tenant-001``."""
+    return scope_key.partition("/")[0]
+
+
 def _check_days(first: date, last: date) -> None:
     if not (first >= FIRST_DAY and last <= LAST_DAY):
         raise BadInput(

@@ -40,8 +40,9 @@ from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.audit_archive import restore_day
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform import runs
+from qo_ops.platform.faults import CRASH_ENV
 from qo_ops.platform.retry import requeue_dead_letters
-from qo_ops.platform.runner import CRASH_ENV, RunSummary, count_eligible, run_job
+from qo_ops.platform.runner import RunSummary, count_eligible, run_job
 from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope
 from qo_ops.platform.status import job_status
 from qo_ops_tests.jobs.test_run_history_retention import plant_old_history

@@ -34,7 +34,8 @@ from qo_ops.jobs.audit_archive import (
     read_rows,
     restore_day,
 )
-from qo_ops.platform.runner import CRASH_ENV, CRASH_POINTS, count_eligible, run_job
+from qo_ops.platform.faults import CRASH_ENV, CRASH_POINTS
+from qo_ops.platform.runner import count_eligible, run_job
 from qo_ops.platform.spec import BatchContext, RunOptions, Scope
 from qo_ops_tests.conftest import base_env, run_cli
 

@@ -20,7 +20,8 @@ import sqlalchemy as sa
 
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.quote_expiration import SPEC
-from qo_ops.platform.runner import CRASH_ENV, CRASH_POINTS, RunSummary, run_job, select_batch
+from qo_ops.platform.faults import CRASH_ENV, CRASH_POINTS
+from qo_ops.platform.runner import RunSummary, run_job, select_batch
 from qo_ops.platform.spec import BatchContext, RunOptions, Scope
 from qo_ops_tests.conftest import QO_OPS_BIN, base_env, run_cli
 
