@@ -424,7 +424,7 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
             return outcome
 
         def external(ctx: BatchContext, work: list[Any]) -> list[Any]:
-            calls = ctx.params["downstream_calls"]  # the run's RunCalls, made by the claim
+            calls = ctx.state["downstream_calls"]  # the run's RunCalls, made by the claim
             if calls.client is not client:  # the timed client, with the run's manners
                 old = calls.client
                 client.limiter, client.breaker, client.stop = old.limiter, old.breaker, old.stop

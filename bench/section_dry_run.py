@@ -77,7 +77,7 @@ def state(url: URL) -> dict[str, Any]:
 def count_statement(url: URL) -> tuple[str, dict[str, Any]]:
     """count_eligible's statement for a dry run of the tenant, compiled as the runner sends it."""
     engine = engine_for(url)
-    ctx = BatchContext(SPEC.name, Scope(TENANT), "dry_run", uuid.uuid4(), params={})
+    ctx = BatchContext(SPEC.name, Scope(TENANT), "dry_run", uuid.uuid4())
     selection = SPEC.eligible(ctx).order_by(None).subquery()
     compiled = sa.select(sa.func.count()).select_from(selection).compile(dialect=engine.dialect)
     engine.dispose()

@@ -57,7 +57,7 @@ from bench.suite import Profile, Row, Section, median
 from qo_ops.jobs import audit_archive as archive_job
 from qo_ops.jobs import temp_file_cleanup as cleanup_job
 from qo_ops.jobs.catalog import get_spec
-from qo_ops.platform.spec import BatchContext, Scope
+from qo_ops.platform.spec import BatchContext, Limits, Scope
 
 TITLE = "Jobs vs the database's limit"
 TENANT = "tenant-001"
@@ -955,8 +955,8 @@ def explain_batches(case: Case, url: URL, n: int, w: Window | None) -> dict[str,
     spec = get_spec(case.job)
     batch = spec.defaults.batch_size
     scope = Scope(TENANT, w.first, w.last + timedelta(days=1)) if w else Scope(TENANT)
-    limits = {"lease_ttl_s": 30.0, "batch_size": batch}
-    ctx = BatchContext(spec.name, scope, "execute", uuid.uuid4(), params={"limits": limits})
+    limits = Limits(lease_ttl_s=30.0, batch_size=batch)
+    ctx = BatchContext(spec.name, scope, "execute", uuid.uuid4(), limits=limits)
     saved = {k: os.environ.get(k) for k in case.env}
     os.environ.update(case.env)  # the job's settings are read from the environment
     engine = engine_for(url)
@@ -979,14 +979,14 @@ def explain_batches(case: Case, url: URL, n: int, w: Window | None) -> dict[str,
             if half:  # (none left when the first batch took them all)
                 outcome = spec.transition(conn, ctx, half)
                 if outcome.cursor is not None:
-                    ctx.params["cursor"] = outcome.cursor
+                    ctx.cursor = outcome.cursor
                 if outcome.position is not None:
                     # what the selection costs without the position: every batch walks the
                     # rows earlier batches already took out of the selection
                     plans["mid_run_selection_from_start"] = _explain_selection(
                         conn, spec, ctx, batch
                     )
-                    ctx.params["position"] = outcome.position
+                    ctx.position = outcome.position
                 plans["mid_run_selection"] = _explain_selection(conn, spec, ctx, batch)
             tx.rollback()
     finally:

@@ -131,11 +131,11 @@ class RunCalls:
 def run_calls(ctx: BatchContext, url: str, manners: Manners) -> RunCalls:
     """The run's :class:`RunCalls` for ``url``, made on first use (without a breaker: the
     item jobs load theirs with :func:`prepare_calls`)."""
-    calls = ctx.params.get(_CALLS_PARAM)
+    calls = ctx.state.get(_CALLS_PARAM)
     if calls is None:
         limiter = TokenBucket(manners.rate_limit)
         client = DownstreamClient(url, limiter=limiter, stop=ctx.stop.event)
-        calls = ctx.params[_CALLS_PARAM] = RunCalls(client, limiter, origin(url), manners)
+        calls = ctx.state[_CALLS_PARAM] = RunCalls(client, limiter, origin(url), manners)
     return calls
 
 
@@ -160,7 +160,7 @@ def claim_seconds(ctx: BatchContext, items: int) -> float:
     """How long a batch's claim hides its items: twice the lease TTL, plus the time our
     rate limit needs to send them all (so a slow, polite batch never outlives its claim)."""
     rate = run_settings(ctx, call_settings).manners.rate_limit
-    return 2 * float(ctx.params["limits"]["lease_ttl_s"]) + (items / rate if rate else 0.0)
+    return 2 * ctx.limits.lease_ttl_s + (items / rate if rate else 0.0)
 
 
 def systemic(result: CallResult) -> bool:
@@ -231,7 +231,7 @@ def call_for_each(
         came(base["item_id"])
         return CallResult(**base, ok=True, duplicate=duplicate is True)
 
-    results = call_each(work, one, ctx.params["limits"]["concurrency"], ctx.stop)
+    results = call_each(work, one, ctx.limits.concurrency, ctx.stop)
     done = [
         _released(r, attempt_field, max_attempts) if isinstance(r, NotCalled) else r
         for r in results
@@ -273,7 +273,7 @@ def finish_calls(
     (``give_back``: the job's statement over ``:ids``/``:attempts``); the run stops when the
     breaker is open (``dependency_unavailable``) or the retry budget is used up."""
     outcome = outcome_of(decisions, recorded, side_effect)
-    calls: RunCalls | None = ctx.params.get(_CALLS_PARAM)
+    calls: RunCalls | None = ctx.state.get(_CALLS_PARAM)
     if calls is None:
         return outcome
     breaker = calls.breaker

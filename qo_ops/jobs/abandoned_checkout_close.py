@@ -24,8 +24,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
     run_settings,
 )
@@ -86,7 +86,7 @@ def idle_checkouts(ctx: BatchContext) -> sa.Select[Any]:
     query = after_position(
         query,
         (checkout_session.c.last_activity_at, checkout_session.c.id),
-        ctx.params.get("position"),
+        ctx.position,
         ("last_activity_at", "id"),
     )
     return query
@@ -228,7 +228,7 @@ SPEC = JobSpec(
     ),
     cron_schedule="*/30 * * * *",
     backlog_threshold=1000,
-    defaults=JobDefaults(batch_size=1000),
+    defaults=Limits(batch_size=1000),
     change="OPEN → ABANDONED, CheckoutAbandoned event",
     healthy="No OPEN checkout session idle past the timeout (backlog 0 after each run).",
     side_effects=(SIDE_EFFECT,),

@@ -101,8 +101,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
     ReportRow,
     RunResources,
@@ -396,7 +396,7 @@ def _day_expr() -> sa.ColumnElement[Any]:
 
 def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
     """The tenant's records of the window past retention, by day, then id."""
-    if ctx.params.pop("_archive_deleted", False):  # the previous batch's delete committed
+    if ctx.state.pop("_archive_deleted", False):  # the previous batch's delete committed
         crash_point("archive_after_delete_commit")
     start, end = ctx.scope.window_bounds()
     query = sa.select(audit_record.c.id).where(
@@ -491,10 +491,10 @@ _STALE_WRITTEN = sa.text(
 
 def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Read the selected (locked) records and cut them into per-day chunks."""
-    if ctx.params.get("archive_failure"):  # a file failed verification: stop, as a job's own stop
-        raise ArchiveVerificationFailed(ctx.params["archive_failure"])
-    if "archive_baseline" not in ctx.params:
-        ctx.params["archive_baseline"] = _baseline(conn, ctx.scope)
+    if ctx.state.get("archive_failure"):  # a file failed verification: stop, as a job's own stop
+        raise ArchiveVerificationFailed(ctx.state["archive_failure"])
+    if "archive_baseline" not in ctx.state:
+        ctx.state["archive_baseline"] = _baseline(conn, ctx.scope)
     cutoff = conn.execute(sa.select(_cutoff(ctx))).scalar_one()  # now() of this transaction
     table = copy_table(
         conn,
@@ -584,7 +584,7 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
         scope_key=ctx.scope.key,
         job_run_id=ctx.job_run_id,
         fencing_token=fence,
-        min_file_age_s=float(ctx.params["limits"]["lease_ttl_s"]),
+        min_file_age_s=ctx.limits.lease_ttl_s,
         chunks=chunks,
     )
     return BatchOutcome(work=[work])
@@ -849,13 +849,13 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
             tally("archives_failed")
             if not chunk.adopted:
                 outcome.side_effect(SIDE_EFFECT, "failed")
-            ctx.params["archive_failure"] = (
+            ctx.state["archive_failure"] = (
                 f"archive {chunk.manifest_id} ({chunk.tenant_id} {chunk.day}) failed "
                 f"verification: {result.reason}; nothing of it was deleted"
             )
     outcome.tally = {k: v for k, v in outcome.tally.items() if v}
     crash_point("archive_before_delete_commit")
-    ctx.params["_archive_deleted"] = outcome.succeeded > 0
+    ctx.state["_archive_deleted"] = outcome.succeeded > 0
     return outcome
 
 
@@ -911,7 +911,7 @@ def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
         for m in manifests
         if m.row_count < 1 or m.max_record_id - m.min_record_id + 1 < m.row_count
     )
-    baseline = ctx.params.get("archive_baseline")
+    baseline = ctx.state.get("archive_baseline")
     total = int(row.remaining) + archived
     accounts = row.both_places == 0 and malformed == 0 and (baseline is None or total == baseline)
 
@@ -1137,7 +1137,7 @@ SPEC = JobSpec(
         ),
     ),
     cron_schedule="15 3 * * *",
-    defaults=JobDefaults(batch_size=MAX_ROWS_PER_FILE),
+    defaults=Limits(batch_size=MAX_ROWS_PER_FILE),
     change="archived to a verified Parquet file, then deleted",
     healthy="No audit record past retention left in the source, and every VERIFIED archive still matches its checksum.",
     # measured: 414 MiB peak RSS archiving 50,000-record chunks (CLI); a run worker adds Dagster

@@ -20,8 +20,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
 )
 
@@ -37,7 +37,7 @@ def stale_catalog_items(ctx: BatchContext) -> sa.Select[Any]:
     Within a run, each batch starts after the last item of the previous one (``position``);
     the runner ends with one pass from the start for items others held locked.
     """
-    position = ctx.params.get("position")
+    position = ctx.position
     join_on = catalog_cache.c.catalog_item_id == catalog_item.c.id
     if position:
         # redundant for the result (the entry's key is the item's id), but it lets the
@@ -145,7 +145,7 @@ SPEC = JobSpec(
     ),
     cron_schedule="*/10 * * * *",
     backlog_threshold=1000,
-    defaults=JobDefaults(batch_size=500),
+    defaults=Limits(batch_size=500),
     change="cache entry rewritten at the item's version",
     healthy="No catalog cache entry missing or behind its item's version (backlog 0).",
 )

@@ -32,8 +32,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
     run_settings,
 )
@@ -243,7 +243,7 @@ SPEC = JobSpec(
     backlog_threshold=500,
     # 1,024, a multiple of 32 and 64 calls: a batch's calls wait for its slowest, then for the
     # record and the next claim; fewer, larger batches leave them idle less (bench/TUNING.md)
-    defaults=JobDefaults(batch_size=1024, concurrency=32),
+    defaults=Limits(batch_size=1024, concurrency=32),
     change="sent with its idempotency key: delivered, retried or dead-lettered",
     healthy="No delivery due for longer than 15 minutes, and no dead letter waiting for a person.",
     side_effects=(SIDE_EFFECT,),

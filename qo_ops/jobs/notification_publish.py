@@ -31,8 +31,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
     run_settings,
 )
@@ -224,7 +224,7 @@ SPEC = JobSpec(
     backlog_threshold=1000,
     # 1,024, a multiple of 32 and 64 calls: a batch's calls wait for its slowest, then for the
     # record and the next claim; fewer, larger batches leave them idle less (bench/TUNING.md)
-    defaults=JobDefaults(batch_size=1024, concurrency=32),
+    defaults=Limits(batch_size=1024, concurrency=32),
     change="published once by event id, retried or dead-lettered",
     healthy="No outbox event overdue for publishing, and no dead letter waiting for a person.",
     side_effects=(SIDE_EFFECT,),

@@ -56,8 +56,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
     ReportRow,
     run_settings,
@@ -140,7 +140,7 @@ def in_flight_orders(ctx: BatchContext) -> sa.Select[Any]:
         )
         .order_by(o.c.id)
     )
-    cursor = ctx.params.get("cursor")
+    cursor = ctx.cursor
     if cursor:
         query = query.where(o.c.id > cursor["last_id"])
     return query
@@ -170,8 +170,8 @@ def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
             return {**order, "error": exc.code}
         return {**order, "downstream": found.status if found else None}
 
-    looked = call_each(work, look, ctx.params["limits"]["concurrency"], ctx.stop)
-    cursor = ctx.params.get("cursor")
+    looked = call_each(work, look, ctx.limits.concurrency, ctx.stop)
+    cursor = ctx.cursor
     if any(isinstance(r, NotCalled) for r in looked):  # the run is stopping: keep what was
         # looked at up to the first order that was not, and resume from there next time
         first = next(i for i, r in enumerate(looked) if isinstance(r, NotCalled))
@@ -179,8 +179,8 @@ def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
         resume = done[-1]["id"] if done else (cursor or {}).get("last_id", 0)
         return [*done, {"resume_after": int(resume)}]
     results: list[dict[str, Any]] = list(looked)  # type: ignore[arg-type]
-    if not ctx.params.get("unknown_scanned") and not cursor:
-        ctx.params["unknown_scanned"] = True
+    if not ctx.state.get("unknown_scanned") and not cursor:
+        ctx.state["unknown_scanned"] = True
         downstream: list[dict[str, Any]] = []
         try:
             for seen, order in enumerate(client.iter_orders(ctx.scope.tenant_id)):
@@ -555,7 +555,7 @@ SPEC = JobSpec(
         CheckSpec("no_repaired_order_still_mismatched", "No repaired order is still mismatched"),
     ),
     cron_schedule="15 3 * * *",
-    defaults=JobDefaults(batch_size=200, concurrency=16),
+    defaults=Limits(batch_size=200, concurrency=16),
     change="compared with the fulfilment system; mismatch repaired or flagged",
     healthy="No in-flight order of a day still mismatched with the fulfilment system after its run.",
     uses_checkpoint=True,

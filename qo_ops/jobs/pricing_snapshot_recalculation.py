@@ -30,8 +30,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
 )
 
@@ -56,7 +56,7 @@ def quotes_after_cursor(ctx: BatchContext) -> sa.Select[Any]:
         )
         .order_by(quote.c.created_at, quote.c.id)
     )
-    cursor = ctx.params.get("cursor")
+    cursor = ctx.cursor
     if cursor:
         after = sa.tuple_(
             sa.bindparam(
@@ -205,7 +205,7 @@ SPEC = JobSpec(
         ),
     ),
     cron_schedule="45 1 * * *",  # daily, UTC
-    defaults=JobDefaults(batch_size=2000, throttle_ms=0),
+    defaults=Limits(batch_size=2000, throttle_ms=0),
     change="snapshot recomputed for the current price book",
     healthy="Every quote of a day has a snapshot of the current price book equal to its lines.",
     uses_checkpoint=True,

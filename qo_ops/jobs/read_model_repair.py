@@ -24,8 +24,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
 )
 
@@ -46,7 +46,7 @@ def drifted_orders(ctx: BatchContext) -> sa.Select[Any]:
     return after_position(
         _drifted_in_window(ctx),
         (customer_order.c.submitted_at, customer_order.c.id),
-        ctx.params.get("position"),
+        ctx.position,
         ("submitted_at", "id"),
     )
 
@@ -160,7 +160,7 @@ SPEC = JobSpec(
         CheckSpec("read_model_matches_source", "The read model equals its source for the scope"),
     ),
     cron_schedule="30 2 * * *",
-    defaults=JobDefaults(batch_size=2000),
+    defaults=Limits(batch_size=2000),
     change="read-model row recomputed from its order",
     healthy="No order_read_model row drifted from its order.",
     destructive=True,

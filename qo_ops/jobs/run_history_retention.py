@@ -61,8 +61,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
     ReportRow,
     run_settings,
@@ -168,7 +168,7 @@ def _history(ctx: BatchContext, after: datetime | None = None) -> sa.Subquery:
     params: dict[str, Any] = {"tenant": ctx.scope.tenant_id, "days": _run_days(ctx)}
     if after is not None:
         params["after"] = after
-        params["cap"] = int(ctx.params.get("limits", {}).get("batch_size") or 500)
+        params["cap"] = ctx.limits.batch_size
     text = sa.text(_history_sql(after)).bindparams(**params)
     return text.columns(
         sa.column("item", sa.Text),
@@ -185,7 +185,7 @@ def prunable_history(ctx: BatchContext) -> sa.Select[Any]:
     does not walk the index entries earlier batches left dead. The runner ends with one
     pass from the start.
     """
-    position = ctx.params.get("position")
+    position = ctx.position
     history = _history(ctx, position["at"] if position else None)
     return sa.select(history.c.item).order_by(history.c.at)
 
@@ -365,7 +365,7 @@ SPEC = JobSpec(
     cron_schedule="40 4 * * *",  # daily, a quiet hour after the nightly jobs (UTC)
     backlog_threshold=None,
     reports_backlog=False,  # history ages out all day; the daily run clears it
-    defaults=JobDefaults(batch_size=500),
+    defaults=Limits(batch_size=500),
     compete_with_skip_locked=False,  # a union cannot be locked; the lease keeps one run per tenant
     change="run or checkpoint deleted (job_audit kept)",
     healthy="No run or checkpoint older than the retention period, apart from the latest and "

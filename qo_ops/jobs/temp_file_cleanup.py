@@ -87,8 +87,8 @@ from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
     CheckSpec,
-    JobDefaults,
     JobSpec,
+    Limits,
     OutcomeCheck,
     ReportRow,
     RunResources,
@@ -388,13 +388,13 @@ def eligible_files(ctx: BatchContext) -> sa.Select[Any]:
         .where(*_eligible_where(ctx))
         .order_by(temp_file.c.created_at, temp_file.c.id)
     )
-    refused = ctx.params.get(_REFUSED_KEY)
+    refused = ctx.state.get(_REFUSED_KEY)
     if refused:
         query = query.where(temp_file.c.id.not_in(sorted(refused)))
     query = after_position(
         query,
         (temp_file.c.created_at, temp_file.c.id),
-        ctx.params.get("position"),
+        ctx.position,
         ("created_at", "id"),
     )
     return query
@@ -449,7 +449,7 @@ def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
 def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
     """Stop (deleting nothing) when the scope's eligible set is anomalous, unless overridden."""
     measure = measure_anomaly(conn, ctx)
-    ctx.params[_GATE_MEASURE_KEY] = measure  # for the run's report
+    ctx.state[_GATE_MEASURE_KEY] = measure  # for the run's report
     breaches = measure.breaches()
     if not breaches:
         return
@@ -473,7 +473,7 @@ def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
             job_run_id=ctx.job_run_id,
             details={**measure.as_metadata(), "breaches": breaches},
         )
-        ctx.params[_GATE_KEY] = "overridden"
+        ctx.state[_GATE_KEY] = "overridden"
         return
     how = (
         "the override needs a reason on the run"
@@ -509,7 +509,7 @@ def _reason(ctx: BatchContext) -> str:
     reason = f"retention: terminal and older than {days} days"
     return (
         reason + " (anomaly threshold overridden)"
-        if ctx.params.get(_GATE_KEY) == "overridden"
+        if ctx.state.get(_GATE_KEY) == "overridden"
         else reason
     )
 
@@ -517,9 +517,9 @@ def _reason(ctx: BatchContext) -> str:
 def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Step 1: gate the run (first batch), hash the selected objects, write the intents."""
     settings = run_settings(ctx)
-    if ctx.params.get(_GATE_KEY) is None:
+    if ctx.state.get(_GATE_KEY) is None:
         _anomaly_gate(conn, ctx)
-        ctx.params.setdefault(_GATE_KEY, "passed")
+        ctx.state.setdefault(_GATE_KEY, "passed")
     files = conn.execute(
         sa.select(temp_file.c.id, temp_file.c.storage_path, temp_file.c.created_at)
         .where(temp_file.c.id.in_(list(ids)), temp_file.c.tenant_id == ctx.scope.tenant_id)
@@ -647,7 +647,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
         tally["changed_since_selection"] = len(kept)
     if unsafe:
         tally["unsafe_storage_path"] = len(unsafe)
-        ctx.params.setdefault(_REFUSED_KEY, set()).update(w["id"] for w in unsafe)
+        ctx.state.setdefault(_REFUSED_KEY, set()).update(w["id"] for w in unsafe)
     last = work[-1] if work else None
     outcome = BatchOutcome(
         position={"created_at": last["created_at"], "id": last["id"]} if last else None,
@@ -780,12 +780,12 @@ def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
     decision (the run's gate, or what a gate would decide now); a dry run within the cap:
     how many of the eligible files' objects are stored."""
     settings = run_settings(ctx)
-    measure = ctx.params.get(_GATE_MEASURE_KEY)  # what the run's gate measured, if it ran
+    measure = ctx.state.get(_GATE_MEASURE_KEY)  # what the run's gate measured, if it ran
     gate_ran = isinstance(measure, AnomalyMeasure)
     if not isinstance(measure, AnomalyMeasure):  # a dry run: what a gate would decide now
         measure = measure_anomaly(conn, ctx)
     stop = "stopped" if gate_ran else "would stop"
-    decision = ctx.params.get(_GATE_KEY) or (stop if measure.breaches() else "within")
+    decision = ctx.state.get(_GATE_KEY) or (stop if measure.breaches() else "within")
     rows = [
         ReportRow(
             "anomaly_gate",
@@ -859,7 +859,7 @@ SPEC = JobSpec(
     validate_settings=settings_from_env,  # a bad setting is refused before anything is written
     scheduled_window_age_days=lambda: settings_from_env().retention_days + 1,
     cron_schedule="15 3 * * *",
-    defaults=JobDefaults(batch_size=500),  # each batch hashes its objects inside step 1
+    defaults=Limits(batch_size=500),  # each batch hashes its objects inside step 1
     change="row and stored object deleted, tombstoned",
     healthy="No deletable temp file past retention plus a day of grace, and no file on legal hold ever deleted.",
     run_resources=RunResources(cpu_request="500m"),  # sha256 of every object it deletes

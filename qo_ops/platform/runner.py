@@ -46,11 +46,11 @@ from qo_ops.platform.signals import ITEM_RETRY_EXHAUSTED, ITEM_RETRY_PREFIX
 from qo_ops.platform.spec import (
     CHECKPOINT_RESETS,
     CHECKPOINT_UPDATES,
-    SETTINGS_PARAM,
     BatchContext,
     BatchOutcome,
     ExecuteRefused,
     JobSpec,
+    Limits,
     OutcomeCheck,
     ReportRow,
     RunOptions,
@@ -116,18 +116,6 @@ def owner_identity() -> str:
 
 
 _PROCESS_NONCE = uuid.uuid4().hex[:8]
-
-
-def _resolve(spec: JobSpec, options: RunOptions) -> dict[str, Any]:
-    d = spec.defaults
-    return {
-        "batch_size": options.batch_size or d.batch_size,
-        "max_items": options.max_items or d.max_items,
-        "throttle_ms": d.throttle_ms if options.throttle_ms is None else options.throttle_ms,
-        "deadline_s": options.deadline_s or d.deadline_s,
-        "lease_ttl_s": options.lease_ttl_s or d.lease_ttl_s,
-        "concurrency": options.concurrency or d.concurrency,
-    }
 
 
 def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> object:
@@ -300,15 +288,14 @@ def run_job(
                 )  # fmt: skip
             raise
         _refuse_if_suspended(engine, spec, scope, options)
-        limits = _resolve(spec, options)
+        limits = spec.defaults.overridden_by(options)
         started = time.monotonic()
         owner = owner_identity()
         with stop.deferred():
-            run_id = runs.create_run(engine, spec.name, scope, options, owner, limits)
+            run_id = runs.create_run(engine, spec.name, scope, options, owner, limits.as_dict())
         ctx = BatchContext(
-            spec.name, scope, options.mode, run_id,
-            params={"limits": limits, SETTINGS_PARAM: settings}, stop=stop,
-        )  # fmt: skip
+            spec.name, scope, options.mode, run_id, limits=limits, settings=settings, stop=stop
+        )
         summary = RunSummary(
             job_run_id=str(run_id),
             job_name=spec.name,
@@ -389,7 +376,7 @@ def _run(
     spec: JobSpec,
     ctx: BatchContext,
     options: RunOptions,
-    limits: dict[str, Any],
+    limits: Limits,
     owner: str,
     summary: RunSummary,
     events: EventContext,
@@ -400,11 +387,13 @@ def _run(
     run_id = ctx.job_run_id
     if options.person_behind and options.job_run_id is None:  # API runs: audited on accept
         with ctx.stop.deferred(), engine.begin() as conn:
-            _audit_trigger(conn, spec, ctx.scope, options, "allowed", run_id, {"limits": limits})
+            _audit_trigger(
+                conn, spec, ctx.scope, options, "allowed", run_id, {"limits": limits.as_dict()}
+            )
     metrics.started.labels(spec.name).inc()
     drift_s = _drift_s(options)
     events.emit(
-        "job.started", scheduled_for=options.scheduled_for, limits=limits,
+        "job.started", scheduled_for=options.scheduled_for, limits=limits.as_dict(),
         **({"scheduler.drift_s": round(drift_s, 3)} if drift_s is not None else {}),
     )  # fmt: skip
     if drift_s is not None and drift_s > drift_warn_s():
@@ -420,7 +409,7 @@ def _run(
             },
         )
     with ctx.stop.deferred():
-        reaped = runs.reap_orphans(engine, spec.name, grace_s=limits["lease_ttl_s"])
+        reaped = runs.reap_orphans(engine, spec.name, grace_s=limits.lease_ttl_s)
     if reaped:
         events.emit(
             "job.orphans.reaped",
@@ -521,7 +510,7 @@ def _cursor_text(cursor: Any) -> str | None:
 
 
 def _after_run(
-    conn: Connection, spec: JobSpec, ctx: BatchContext, limits: dict[str, Any], summary: RunSummary
+    conn: Connection, spec: JobSpec, ctx: BatchContext, limits: Limits, summary: RunSummary
 ) -> None:
     """What the run left behind, for its report: backlog, checkpoint, the report rows."""
     if spec.uses_checkpoint:
@@ -536,9 +525,8 @@ def _after_run(
             summary.checkpoint_age_s = float(saved[1])
     elif not spec.dry_run_scans:  # a selection of what is due: what is still due is backlog
         fresh = BatchContext(
-            spec.name, ctx.scope, ctx.mode, ctx.job_run_id,
-            {"limits": limits, SETTINGS_PARAM: ctx.params.get(SETTINGS_PARAM)},
-        )  # fmt: skip
+            spec.name, ctx.scope, ctx.mode, ctx.job_run_id, limits=limits, settings=ctx.settings
+        )
         summary.backlog = (
             summary.eligible_count if ctx.mode == "dry_run" else count_eligible(conn, spec, fresh)
         )
@@ -617,8 +605,8 @@ def _dry_run(
 ) -> None:
     """Count and sample exactly what execute would select; write nothing but the run row."""
     if spec.uses_checkpoint:  # what execute would do next starts at the checkpoint
-        ctx.params["cursor"] = _load_cursor(engine, spec, ctx.scope)
-        summary.checkpoint_before = _cursor_text(ctx.params["cursor"])
+        ctx.cursor = _load_cursor(engine, spec, ctx.scope)
+        summary.checkpoint_before = _cursor_text(ctx.cursor)
     with engine.connect() as conn:
         summary.eligible_count = count_eligible(conn, spec, ctx)
         sample = conn.execute(spec.eligible(ctx).limit(options.sample_size)).scalars()
@@ -632,7 +620,7 @@ def _execute(
     spec: JobSpec,
     ctx: BatchContext,
     options: RunOptions,
-    limits: dict[str, Any],
+    limits: Limits,
     owner: str,
     summary: RunSummary,
     events: EventContext,
@@ -644,7 +632,7 @@ def _execute(
         ctx.stop.deferred(),  # taken or not, never half: the token must reach us
     ):
         asked = time.monotonic()
-        lease = acquire(engine, spec.name, ctx.scope.key, owner, limits["lease_ttl_s"], run_id)
+        lease = acquire(engine, spec.name, ctx.scope.key, owner, limits.lease_ttl_s, run_id)
         summary.lock_wait_ms = int((time.monotonic() - asked) * 1000)
         acquiring.set_attribute("lock.acquired", lease is not None)
     if lease is None:
@@ -670,13 +658,13 @@ def _execute(
     )
     summary.fencing_token = lease.fencing_token
     heartbeat = Heartbeat(engine, lease, run_id).start()
-    deadline = time.monotonic() + limits["deadline_s"]
+    deadline = time.monotonic() + limits.deadline_s
     try:
         crash_point("after_lease_acquire")
         hold_point("after_lease_acquire")
         if spec.uses_checkpoint:
-            ctx.params["cursor"] = _load_cursor(engine, spec, ctx.scope)
-            summary.checkpoint_before = _cursor_text(ctx.params["cursor"])
+            ctx.cursor = _load_cursor(engine, spec, ctx.scope)
+            summary.checkpoint_before = _cursor_text(ctx.cursor)
         with engine.connect() as conn:
             summary.eligible_count = count_eligible(conn, spec, ctx)
         with ctx.stop.deferred():
@@ -719,7 +707,7 @@ def _batches(
     engine: Engine,
     spec: JobSpec,
     ctx: BatchContext,
-    limits: dict[str, Any],
+    limits: Limits,
     lease: Lease,
     heartbeat: Heartbeat,
     deadline: float,
@@ -757,7 +745,7 @@ def _batch_loop(
     conn: Connection,
     spec: JobSpec,
     ctx: BatchContext,
-    limits: dict[str, Any],
+    limits: Limits,
     lease: Lease,
     heartbeat: Heartbeat,
     deadline: float,
@@ -776,7 +764,7 @@ def _batch_loop(
         if time.monotonic() >= deadline:
             summary.status, summary.status_reason = "timeout", "deadline reached"
             return
-        room = limits["max_items"] - summary.processed_count
+        room = limits.max_items - summary.processed_count
         if room <= 0:
             summary.status_reason = "max items reached"
             return
@@ -792,8 +780,9 @@ def _batch_loop(
                 if must_stop:  # at a batch boundary: the batches before it are all committed
                     summary.status, summary.status_reason = "cancelled", must_stop
                     return
-                items = select_batch(conn, spec, ctx, min(limits["batch_size"], room))
-                if not items and ctx.params.pop("position", None) is not None:
+                items = select_batch(conn, spec, ctx, min(limits.batch_size, room))
+                if not items and ctx.position is not None:
+                    ctx.position = None
                     continue  # one last pass from the start: rows others held locked are due too
                 if not items:
                     rescan = spec.uses_checkpoint and spec.rescan_when_complete
@@ -821,9 +810,9 @@ def _batch_loop(
             batch_span.set_attribute("items.processed", len(items))  # counts, never ids
             batch_span.set_attribute("items.failed", outcome.failed)
             if outcome.position is not None:
-                ctx.params["position"] = outcome.position
+                ctx.position = outcome.position
             if spec.uses_checkpoint and outcome.cursor is not None:
-                ctx.params["cursor"] = outcome.cursor
+                ctx.cursor = outcome.cursor
                 events.emit(
                     "job.checkpoint.updated",
                     **{"checkpoint.updated": True, "batch_number": summary.batches},
@@ -857,7 +846,7 @@ def _batch_loop(
                 summary.status, summary.error_code = "failed", code
             summary.status_reason = reason
             return
-        if limits["throttle_ms"] and ctx.stop.event.wait(limits["throttle_ms"] / 1000.0):
+        if limits.throttle_ms and ctx.stop.event.wait(limits.throttle_ms / 1000.0):
             continue  # woken by a stop signal: the loop head ends the run as cancelled
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Any, Literal, TypeVar, cast
 
@@ -234,8 +234,9 @@ def cron_ticks(cron: str, after: datetime, until: datetime) -> list[datetime]:
 
 
 @dataclass(frozen=True)
-class JobDefaults:
-    """Limits a run takes unless told otherwise."""
+class Limits:
+    """A run's limits: a job declares its defaults (``JobSpec.defaults``); a run's options
+    override each of them (:meth:`overridden_by`)."""
 
     batch_size: int = 500
     max_items: int = 10_000_000
@@ -243,6 +244,21 @@ class JobDefaults:
     deadline_s: float = 3600.0
     lease_ttl_s: float = 30.0
     concurrency: int = 1  # parallel external calls within a batch (jobs with an external phase)
+
+    def overridden_by(self, options: RunOptions) -> Limits:
+        """These limits with the run's own (``--batch-size`` …) in place of the defaults."""
+        return Limits(
+            batch_size=options.batch_size or self.batch_size,
+            max_items=options.max_items or self.max_items,
+            throttle_ms=self.throttle_ms if options.throttle_ms is None else options.throttle_ms,
+            deadline_s=options.deadline_s or self.deadline_s,
+            lease_ttl_s=options.lease_ttl_s or self.lease_ttl_s,
+            concurrency=options.concurrency or self.concurrency,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the run record's options, the start event and audit)."""
+        return asdict(self)
 
 
 _CPU_QUANTITY = re.compile(r"^(\d+m|\d+(\.\d+)?)$")  # millicores (250m) or cores (0.5, 2)
@@ -290,12 +306,20 @@ class BatchContext:
     scope: Scope
     mode: Mode
     job_run_id: uuid.UUID
-    params: dict[str, Any] = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)  # a context made outside a run: defaults
+    settings: object | None = None  # what the job's validate_settings returned (run_settings)
+    # a checkpointed job's cursor: loaded when the run starts, then each batch's
+    cursor: dict[str, Any] | None = None
+    # where the next selection may start within this run (BatchOutcome.position), never
+    # persisted: lets a state-based sweep skip the index entries its earlier batches left dead
+    position: dict[str, Any] | None = None
+    # the job's own state between its steps within one run (e.g. the downstream calls'
+    # client, a safety gate's decision); the platform never reads it
+    state: dict[str, Any] = field(default_factory=dict)
     # the run's stop request (SIGTERM/SIGINT): external phases send no call once it is set
     stop: StopSignals = field(default_factory=lambda: StopSignals(DEFAULT_STOP_GRACE_S))
 
 
-SETTINGS_PARAM = "settings"  # ctx.params: what the job's validate_settings returned
 T = TypeVar("T")
 
 
@@ -304,9 +328,9 @@ def run_settings(ctx: BatchContext, read: Callable[[], T]) -> T:
     ``validate_settings`` before the run wrote anything (``read`` is that same function),
     so what was validated is what is used, read once. A context made outside a run (an
     outcome check, a backlog count) reads them with ``read`` on first use."""
-    if ctx.params.get(SETTINGS_PARAM) is None:
-        ctx.params[SETTINGS_PARAM] = read()
-    return cast(T, ctx.params[SETTINGS_PARAM])
+    if ctx.settings is None:
+        ctx.settings = read()
+    return cast(T, ctx.settings)
 
 
 @dataclass
@@ -423,7 +447,7 @@ class JobSpec:
     # QoOpsJobBacklogGrowing watches. A daily job whose items pile up by design all day
     # (run_history_retention) opts out: its backlog grows between healthy runs.
     reports_backlog: bool = True
-    defaults: JobDefaults = field(default_factory=JobDefaults)
+    defaults: Limits = field(default_factory=Limits)
     run_resources: RunResources = field(default_factory=RunResources)  # one run's CPU and memory
     # Tenants one Dagster run covers when a schedule or sensor tick fans out (one run, and on
     # Kubernetes one pod, per chunk; each tenant still runs through run_job on its own).

@@ -134,7 +134,7 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
         # what is still due for the tenant, every day of it, from the job's own selection
         with loaded.engine.connect() as conn:
             scope = backlog_scope(spec, run_scope.tenant_id, database_now(conn))
-            ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4(), params={"limits": {}})
+            ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
             assert figures["backlog"].value == count_eligible(conn, spec, ctx)
     if spec.dead_letters is not None:
         assert isinstance(figures["dead_letters"].value, int)

@@ -321,7 +321,7 @@ def test_the_downstreams_rate_limit_and_retry_after_are_honoured(
 
 def test_a_rate_limited_batch_is_claimed_for_as_long_as_sending_it_takes(monkeypatch):
     from qo_ops.downstream.calls import call_settings, claim_seconds
-    from qo_ops.platform.spec import SETTINGS_PARAM, BatchContext, Scope
+    from qo_ops.platform.spec import BatchContext, Limits, Scope
 
     monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", "http://127.0.0.1:9")
 
@@ -331,7 +331,8 @@ def test_a_rate_limited_batch_is_claimed_for_as_long_as_sending_it_takes(monkeyp
             Scope("tenant-001"),
             "execute",
             uuid.uuid4(),
-            params={"limits": {"lease_ttl_s": 30.0}, SETTINGS_PARAM: call_settings()},
+            limits=Limits(lease_ttl_s=30.0),
+            settings=call_settings(),
         )
 
     assert claim_seconds(ctx(), 1024) == 60.0  # no limit of ours: twice the lease TTL

@@ -25,7 +25,7 @@ from qo_ops.platform.spec import (
 
 
 def _after_cursor(ctx: BatchContext) -> sa.Select[Any]:
-    cursor = ctx.params.get("cursor") or {"last_id": 0}
+    cursor = ctx.cursor or {"last_id": 0}
     return (
         sa.select(quote.c.id)
         .where(quote.c.tenant_id == ctx.scope.tenant_id, quote.c.id > cursor["last_id"])
