@@ -164,7 +164,7 @@ def build_backfill_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
         context: dg.OpExecutionContext,
         config: config_type,  # type: ignore[valid-type]
         database: QoOpsDatabase,
-    ) -> dg.Output:
+    ) -> dg.Output[dict[str, Any]]:
         spec = by_name[config.job.value]  # type: ignore[attr-defined]
         mode = config.mode.value  # type: ignore[attr-defined]
         requester = run_options({}, dict(context.run.tags), context.run_id).requester
@@ -312,5 +312,6 @@ def plan_from_events(instance: dg.DagsterInstance, run_id: str) -> dict[str, Any
         data = event.step_output_data if event is not None else None
         plan = data.metadata.get("plan") if data is not None else None
         if plan is not None:
-            return json.loads(plan.value)  # type: ignore[arg-type]
+            found: dict[str, Any] = json.loads(str(plan.value))  # the plan as JSON text
+            return found
     return None

@@ -122,7 +122,7 @@ def declared_evaluations(
     tenants: Sequence[str],
     selected: Sequence[CheckSpec],
     instance: dg.DagsterInstance,
-) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+) -> Iterator[dg.AssetCheckEvaluation | dg.Output[None]]:
     """One evaluation per tenant partition and check, then the summed-up output: tenants
     checked, failing tenants per check (first 50) and the figures of the first 10. A
     blocking check failing anywhere fails the step, as Dagster does for blocking checks;
@@ -190,7 +190,7 @@ def _build_check(spec: JobSpec, declared: CheckSpec) -> dg.AssetChecksDefinition
         )
         def outcome_check(
             context: dg.AssetCheckExecutionContext, database: QoOpsDatabase
-        ) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+        ) -> Iterator[dg.AssetCheckEvaluation | dg.Output[None]]:
             # one evaluation per tenant partition: an AssetCheckResult has no partition
             op = context.op_execution_context
             with database.engine().connect() as conn:
@@ -229,7 +229,7 @@ def build_outcome_checks_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
         context: dg.OpExecutionContext,
         config: OutcomeChecksConfig,
         database: QoOpsDatabase,
-    ) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+    ) -> Iterator[dg.AssetCheckEvaluation | dg.Output[None]]:
         spec = by_name[config.job.value]
         declared = {c.name: c for c in spec.checks}
         unknown = [c for c in config.checks if c not in declared]

@@ -230,7 +230,7 @@ def _build_check(spec: JobSpec) -> dg.AssetChecksDefinition:
         )
         def recent_success(
             context: dg.AssetCheckExecutionContext, database: QoOpsDatabase
-        ) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+        ) -> Iterator[dg.AssetCheckEvaluation | dg.Output[None]]:
             # a run over one partition or a range of them: one evaluation per tenant partition
             # (an AssetCheckResult would carry no partition in a range run)
             with database.engine().connect() as conn:
@@ -270,7 +270,7 @@ def build_recent_success_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
     @dg.op(name="recent_success_op")
     def recent_success_op(
         context: dg.OpExecutionContext, config: RecentSuccessConfig, database: QoOpsDatabase
-    ) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+    ) -> Iterator[dg.AssetCheckEvaluation | dg.Output[None]]:
         unknown = sorted(set(config.tenants) - set(by_name))
         if unknown:
             raise dg.Failure(f"not a job with an outcome asset: {', '.join(unknown[:10])}")

@@ -10,7 +10,7 @@ from qo_ops.config import HOME_ENV, Settings, load_settings
 from qo_ops.db.engine import get_engine, resolve_target
 
 
-class QoOpsDatabase(dg.ConfigurableResource):
+class QoOpsDatabase(dg.ConfigurableResource["QoOpsDatabase"]):
     """The PostgreSQL database the jobs act on.
 
     ``url`` comes from ``QO_OPS_DATABASE_URL`` (through ``EnvVar`` in the definitions);

@@ -106,10 +106,10 @@ def start_embedded_server(pgdata: Path) -> URL:
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
-        import pgserver
+        from pgserver.postgres_server import get_server
 
         try:
-            server = pgserver.get_server(pgdata, cleanup_mode=None)
+            server = get_server(pgdata, cleanup_mode=None)
             uri = server.get_uri()
             _tune_embedded(server, uri)
         except Exception as exc:  # pgserver raises bare subprocess/assertion errors

@@ -85,7 +85,8 @@ def tracer() -> trace.Tracer:
     """The qo-ops tracer (a no-op one while tracing is off)."""
     if _provider is None:
         return trace.NoOpTracer()
-    return _provider.get_tracer("qo_ops")
+    found: trace.Tracer = _provider.get_tracer("qo_ops")
+    return found
 
 
 @contextmanager

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.metrics.exporter import JobCollector
 from qo_ops.platform.lease import acquire
-from qo_ops.platform.spec import cadence_seconds
+from qo_ops.platform.spec import cadence_seconds, cron_ticks
 from qo_ops_tests.conftest import QO_OPS_BIN, base_env, run_cli
 from qo_ops_tests.dagster.conftest import AS_OF
 from qo_ops_tests.dagster.stack import free_port
@@ -475,20 +476,26 @@ def test_database_outage_is_reported_not_hidden(pg_server, tmp_path):
         gen.close()
 
 
-def test_every_catalog_schedule_has_a_cadence():
-    assert {name: cadence_seconds(s.cron_schedule) for name, s in CATALOG.items()} == {
-        "quote_expiration": 900,
-        "delivery_retry": 300,
-        "notification_publish": 60,
-        "order_reconciliation": 86400,
-        "read_model_repair": 86400,
-        "pricing_snapshot_recalculation": 86400,
-        "temp_file_cleanup": 86400,
-        "audit_archive": 86400,
-        "abandoned_checkout_close": 1800,
-        "catalog_cache_refresh": 600,
-        "run_history_retention": 86400,
-    }
+@pytest.mark.parametrize(
+    "cron, seconds",
+    [("* * * * *", 60), ("*/15 * * * *", 900), ("7 * * * *", 3600), ("15 3 * * *", 86400)],
+)
+def test_each_cron_form_has_its_cadence(cron, seconds):
+    assert cadence_seconds(cron) == seconds
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_every_catalog_schedule_has_the_cadence_its_ticks_keep(name):
+    """The cadence served as job_expected_interval_seconds is the gap between two of the
+    schedule's own ticks, every gap of a day of them (cron_ticks counts them apart)."""
+    cron = CATALOG[name].cron_schedule
+    start = datetime(2026, 3, 1, tzinfo=UTC)
+    ticks = cron_ticks(cron, start, start + timedelta(days=2))
+    gaps = {(b - a).total_seconds() for a, b in zip(ticks, ticks[1:], strict=False)}
+    assert gaps == {cadence_seconds(cron)}
+
+
+def test_a_cron_without_one_cadence_is_refused():
     with pytest.raises(ValueError):
         cadence_seconds("0 0 1 * *")
 
