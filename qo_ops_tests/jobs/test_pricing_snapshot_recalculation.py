@@ -295,7 +295,7 @@ def test_the_selection_after_a_cursor_is_index_backed(loaded):
         WINDOW,
         "execute",
         uuid.uuid4(),
-        params={"cursor": {"created_at": created.isoformat(), "id": qid}},
+        cursor={"created_at": created.isoformat(), "id": qid},
     )
     query = SPEC.eligible(ctx).limit(500)
     compiled = query.compile(db.engine, compile_kwargs={"literal_binds": True})
