@@ -1,12 +1,25 @@
-"""Running a typer command so that every failure is one line on stderr and an exit code,
-never a traceback (``QO_OPS_DEBUG=1`` shows one). Shared by ``qo-ops`` and the
-sub-commands that also run as modules (``qo_ops.downstream.cli``, ``qo_ops.jobs.archive_cli``)."""
+"""What every qo-ops command line shares: building and running a Typer app so that every
+failure is one line on stderr and an exit code, never a traceback (``QO_OPS_DEBUG=1`` shows
+one); ``--json`` output as one JSON object; tables; timestamps and run ids as the tables show
+them; who asks; the engine a command works on.
+
+Used by ``qo-ops`` (``qo_ops.cli``) and its sub-commands in other packages (``qo_ops.api.cli``,
+``qo_ops.downstream.cli``, which also runs as a module). It imports nothing of them: a
+sub-command that runs alone does not load the whole command line.
+"""
 
 from __future__ import annotations
 
+import getpass
+import json
 import os
+import shutil
 import signal
+import sys
 import threading
+import uuid
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from sqlalchemy.exc import SQLAlchemyError
@@ -14,8 +27,37 @@ from typer._click import exceptions as click_exceptions  # typer vendors click
 
 from qo_ops.errors import EXIT_BAD_INPUT, QoOpsError, one_line
 
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from qo_ops.db.engine import DatabaseTarget
+
 EXIT_FAILED = 1
 EXIT_INTERNAL = 70
+PIPED_WIDTH = 120  # a note's line when piped and COLUMNS is unset (--json: the text whole)
+SHORT_ID = 8  # characters of a run id the tables show, as Dagster's UI does
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+RequesterOpt = Annotated[str | None, typer.Option(help="Who asks (default: os:$USER).")]
+
+
+# ------------------------------------------------------------------------- the app
+
+
+def plain_app(
+    name: str, help: str, *, no_args_is_help: bool = False, subcommand_metavar: str | None = None
+) -> typer.Typer:
+    """A Typer app for a command that also runs on its own: plain-text help (no rich markup),
+    no shell-completion options, no pretty tracebacks (``run_typer_app`` reports errors)."""
+    return typer.Typer(
+        name=name,
+        help=help,
+        no_args_is_help=no_args_is_help,
+        subcommand_metavar=subcommand_metavar,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+    )
 
 
 def run_typer_app(app: typer.Typer, argv: list[str] | None, prog: str) -> int:
@@ -58,3 +100,82 @@ def run_typer_app(app: typer.Typer, argv: list[str] | None, prog: str) -> int:
             err=True,
         )
         return EXIT_INTERNAL
+
+
+# ------------------------------------------------------------------------- input
+
+
+def resolve_requester(given: str | None) -> str:
+    """Who asks: ``given`` (``--requester``), else ``os:<login name>`` (``os:unknown``)."""
+    if given:
+        return given
+    try:
+        return f"os:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "os:unknown"
+
+
+def ready_engine(target: DatabaseTarget | None = None) -> Engine:
+    """An engine for ``target`` (default: the configured database), reachable and at the
+    schema's head revision (``SchemaNotReady``, "run `qo-ops db upgrade`", otherwise)."""
+    from qo_ops.db import migrate
+    from qo_ops.db.engine import get_engine
+
+    engine = get_engine(target)
+    migrate.require_current(engine)
+    return engine
+
+
+# ------------------------------------------------------------------------- output
+
+
+def emit_json(payload: dict[str, Any]) -> None:
+    """Print ``payload`` as one JSON line on stdout."""
+    typer.echo(json.dumps(payload, default=str, sort_keys=True))
+
+
+def print_table(
+    title: str, headers: list[str], rows: list[list[Any]], notes: list[str] | None = None
+) -> None:
+    """A readable table: boxed on a terminal, plain aligned columns when piped.
+
+    ``notes`` (one per row, "" for none) holds each row's free text, printed on its own
+    indented line under the row so that the columns stay narrow; a table with notes is plain
+    on a terminal too, each note cut with an ellipsis to the terminal's width (COLUMNS, or
+    PIPED_WIDTH when piped)."""
+    tty = sys.stdout.isatty()
+    if tty and notes is None:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(title=Text(title))
+        for h in headers:
+            table.add_column(
+                h,
+                justify="right" if rows and isinstance(rows[0][headers.index(h)], int) else "left",
+            )
+        for r in rows:
+            # Text: an operator's words (a suspension reason) are shown, never read as markup
+            table.add_row(*(Text(f"{v:,}" if isinstance(v, int) else str(v)) for v in r))
+        Console().print(table)
+        return
+    cells = [headers] + [[str(v) for v in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    indent = " " * (widths[0] + 2)  # a note starts under the second column
+    room = shutil.get_terminal_size((PIPED_WIDTH, 24)).columns - len(indent)  # COLUMNS first
+    typer.echo(title)
+    for n, row in enumerate(cells):
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if notes and n and notes[n - 1]:
+            typer.echo(indent + one_line(notes[n - 1], max(room, 20)))
+
+
+def when_text(value: datetime | None) -> str:
+    """A timestamp as a table shows it, to the second in UTC (``-`` for none)."""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if value else "-"
+
+
+def short_id(value: uuid.UUID | str | None) -> str:
+    """A run id as a table shows it: its first ``SHORT_ID`` characters (``-`` for none)."""
+    return str(value)[:SHORT_ID] if value else "-"

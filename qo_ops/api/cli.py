@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from qo_ops.cli_support import emit_json, print_table, ready_engine, resolve_requester, when_text
 from qo_ops.errors import BadInput, ConfigError
 
 DAGSTER_URL_ENV = "QO_OPS_DAGSTER_URL"
@@ -56,8 +57,6 @@ def build_app() -> object:
     from qo_ops.api.app import create_app
     from qo_ops.api.dagster import DagsterClient
     from qo_ops.api.ratelimit import RateLimiter
-    from qo_ops.db import migrate
-    from qo_ops.db.engine import get_engine
 
     url = _dagster_url(DAGSTER_URL_ENV, required=True)
     assert url is not None
@@ -67,9 +66,7 @@ def build_app() -> object:
         public_url=_dagster_url(DAGSTER_PUBLIC_URL_ENV, required=False),
     )
     limiter = RateLimiter(_rate_limit())
-    engine = get_engine()
-    migrate.require_current(engine)
-    return create_app(engine, dagster, limiter)
+    return create_app(ready_engine(), dagster, limiter)
 
 
 @api_app.callback()
@@ -144,14 +141,10 @@ def token_create(
 ) -> None:
     """Create a token; it is printed once, alone on the last line, and never stored."""
     from qo_ops.api.tokens import create_token
-    from qo_ops.cli import _requester
-    from qo_ops.db import migrate
-    from qo_ops.db.engine import get_engine
 
     ttl = _ttl(expires_in)
-    engine = get_engine()
-    migrate.require_current(engine)
-    issued = create_token(engine, identity, role, tenant, ttl, _requester(None))
+    engine = ready_engine()
+    issued = create_token(engine, identity, role, tenant, ttl, resolve_requester(None))
     if as_json:
         typer.echo(
             json.dumps(
@@ -180,13 +173,8 @@ def token_list(
 ) -> None:
     """Every token's id, identity, roles, tenant, expiry and revocation (never a secret)."""
     from qo_ops.api.tokens import list_tokens
-    from qo_ops.cli import _when, emit_json, print_table
-    from qo_ops.db import migrate
-    from qo_ops.db.engine import get_engine
 
-    engine = get_engine()
-    migrate.require_current(engine)
-    tokens = list_tokens(engine)
+    tokens = list_tokens(ready_engine())
     if as_json:
         emit_json({"tokens": tokens})
         return
@@ -199,9 +187,9 @@ def token_list(
                 t["identity"],
                 ",".join(t["roles"]),  # type: ignore[arg-type]
                 t["tenant_id"] or "*",
-                _when(t["created_at"]),  # type: ignore[arg-type]
-                _when(t["expires_at"]),  # type: ignore[arg-type]
-                _when(t["revoked_at"]),  # type: ignore[arg-type]
+                when_text(t["created_at"]),  # type: ignore[arg-type]
+                when_text(t["expires_at"]),  # type: ignore[arg-type]
+                when_text(t["revoked_at"]),  # type: ignore[arg-type]
             ]
             for t in tokens
         ],
@@ -214,13 +202,9 @@ def token_revoke(
 ) -> None:
     """Revoke a token at once."""
     from qo_ops.api.tokens import revoke_token
-    from qo_ops.db import migrate
-    from qo_ops.db.engine import get_engine
 
     if not re.fullmatch(r"[0-9a-f]{16}", token_id):
         raise BadInput("a token id is 16 hex characters (see `qo-ops api token list`)")
-    engine = get_engine()
-    migrate.require_current(engine)
-    if not revoke_token(engine, token_id):
+    if not revoke_token(ready_engine(), token_id):
         raise BadInput(f"no live token {token_id}")
     typer.echo(f"token {token_id} revoked")

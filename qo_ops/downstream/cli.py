@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from qo_ops.cli_support import run_typer_app
+from qo_ops.cli_support import plain_app, run_typer_app
 from qo_ops.errors import BadInput
 
 STORE_FILE = "downstream.sqlite3"
@@ -29,12 +29,9 @@ class Outage(enum.Enum):
     REFUSE = "refuse"
 
 
-downstream_app = typer.Typer(
-    name="downstream",
-    help="Run the downstream fulfilment and notification simulator (HTTP, SQLite store).",
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
+downstream_app = plain_app(
+    "downstream",
+    "Run the downstream fulfilment and notification simulator (HTTP, SQLite store).",
     subcommand_metavar="",
 )
 

@@ -62,7 +62,8 @@ needs_catalog = pytest.mark.skipif(
     not _registered(), reason="audit_archive is not in the catalog yet (qo_ops/jobs/catalog.py)"
 )
 needs_archive_command = pytest.mark.skipif(
-    not _restore_registered(), reason="`qo-ops archive` is not registered in qo_ops/cli.py yet"
+    not _restore_registered(),
+    reason="`qo-ops archive` is not registered in qo_ops/cli/__init__.py yet",
 )
 
 
@@ -635,7 +636,7 @@ def test_does_real_work_on_the_dagster_test_data(db, home, monkeypatch):
 
 def _module_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "qo_ops.jobs.archive_cli", *args],
+        [sys.executable, "-m", "qo_ops.cli", "archive", *args],
         env=env,
         capture_output=True,
         text=True,

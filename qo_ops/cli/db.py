@@ -1,0 +1,98 @@
+"""``qo-ops db``: create, upgrade or downgrade the schema, print Dagster's storage URL; and
+``qo-ops info``: where the database is, its schema version and its rows per table."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import sqlalchemy as sa
+import typer
+
+from qo_ops.cli_support import JsonOpt, emit_json, print_table
+from qo_ops.db import migrate
+from qo_ops.db.engine import DatabaseTarget, ensure_database, get_engine, resolve_target
+from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
+from qo_ops.errors import BadInput, QoOpsError
+
+db_app = typer.Typer(help="Create, upgrade or downgrade the qo-ops schema.", no_args_is_help=True)
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
+) -> None:
+    """Migrate the schema up (idempotent: a no-op when already at the target)."""
+    target = resolve_target()
+    engine = get_engine(target)
+    if not target.embedded:  # Dagster's storage wants a database of its own beside ours
+        dagster_db = sa.engine.make_url(target.dagster_storage_url()).database or ""
+        try:
+            ensure_database(target.url, dagster_db)
+        except QoOpsError:
+            typer.echo(
+                f"note: could not create database {dagster_db} for Dagster's storage", err=True
+            )
+    before = migrate.current_revision(engine)
+    migrate.upgrade(engine, revision)
+    after = migrate.current_revision(engine)
+    change = "already at" if before == after else f"upgraded from {before or 'empty'} to"
+    typer.echo(f"schema {change} {after} (head {migrate.head_revision()})")
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    revision: Annotated[
+        str, typer.Option(help="Target revision: -1, a revision id, or base.")
+    ] = "-1",
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Confirm: downgrading drops tables and data.")
+    ] = False,
+) -> None:
+    """Migrate the schema down. Destroys data, so it needs --yes."""
+    if not yes:
+        raise BadInput("downgrade drops tables and their data: repeat with --yes to confirm")
+    engine = get_engine()
+    before = migrate.current_revision(engine)
+    migrate.downgrade(engine, revision)
+    typer.echo(
+        f"schema downgraded from {before or 'empty'} to {migrate.current_revision(engine) or 'empty'}"
+    )
+
+
+@db_app.command("env")
+def db_env() -> None:
+    """Print shell exports for Dagster's storage URL (eval "$(qo-ops db env)")."""
+    target = resolve_target()
+    typer.echo(f"export QO_OPS_DAGSTER_STORAGE_URL='{target.dagster_storage_url()}'")
+
+
+def _row_counts(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {
+            t.name: int(conn.scalar(sa.select(sa.func.count()).select_from(t)) or 0)
+            for t in BUSINESS_TABLES + PLATFORM_TABLES
+        }
+
+
+def info_command(as_json: JsonOpt = False) -> None:
+    """Where the database is, its schema version, and row counts per table."""
+    target: DatabaseTarget = resolve_target()
+    engine = get_engine(target)
+    current, head = migrate.current_revision(engine), migrate.head_revision()
+    counts = _row_counts(engine) if current == head else {}
+    if as_json:
+        emit_json(
+            {
+                "database": target.display(),
+                "embedded": target.embedded,
+                "schema_revision": current,
+                "head_revision": head,
+                "row_counts": counts,
+            }
+        )
+        return
+    typer.echo(f"database: {target.display()}")
+    state = "up to date" if current == head else "run `qo-ops db upgrade`"
+    typer.echo(f"schema:   {current or 'empty'} (head {head}, {state})")
+    if counts:
+        print_table("rows per table", ["table", "rows"], [[k, v] for k, v in counts.items()])

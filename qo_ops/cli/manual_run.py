@@ -1,0 +1,165 @@
+"""``qo-ops run``: a manual run of a job over one tenant (and window); its summary printed
+as ``key=value`` lines or one JSON object, its exit code saying how the run ended. (Not
+``run.py``: ``qo_ops.cli.run`` is the console script's entry point.)"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from datetime import date
+from typing import Annotated
+
+import typer
+
+from qo_ops.cli_support import JsonOpt, RequesterOpt, emit_json, ready_engine, resolve_requester
+from qo_ops.errors import BadInput
+from qo_ops.platform.manners import DownstreamCalls
+from qo_ops.platform.spec import RunOptions, Scope
+
+EXIT_BY_STATUS = {
+    "success": 0,
+    "no_work": 0,
+    "failed": 1,
+    "partial_success": 3,
+    "skipped": 4,
+    "timeout": 5,
+    "cancelled": 6,
+}
+SUMMARY_KEYS = (
+    "job_run_id",
+    "job_name",
+    "status",
+    "mode",
+    "scope",
+    "requester",
+    "eligible_count",
+    "processed_count",
+    "mutated_count",
+    "failed_count",
+    "skipped_count",
+    "duration_ms",
+)
+
+
+def _parse_date(value: str, option: str) -> date:
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise BadInput(f"{option} must be a date like 2026-01-31, got {value!r}") from None
+
+
+def _scope(tenant: str, day: str | None, start: str | None, end: str | None) -> Scope:
+    if day and (start or end):
+        raise BadInput("give either --date or --from/--to, not both")
+    if day:
+        d = _parse_date(day, "--date")
+        return Scope.days(tenant, d, d)
+    if start or end:
+        if not (start and end):
+            raise BadInput("--from and --to go together")
+        first, last = _parse_date(start, "--from"), _parse_date(end, "--to")
+        if last < first:
+            raise BadInput("--to must not be before --from")
+        return Scope.days(tenant, first, last)  # --to is inclusive
+    return Scope(tenant)
+
+
+class _TerminalProgress(logging.Handler):
+    """Renders job.progress events as one updating line on a terminal."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, "event", {})
+        if event.get("event.name") != "job.progress":
+            return
+        done, eligible = event.get("items.processed", 0), self.eligible or 0
+        share = f" of {eligible:,} ({100 * done / eligible:.0f}%)" if eligible else ""
+        rate = event.get("throughput_per_second") or 0
+        sys.stderr.write(
+            f"\r  processed {done:,}{share}, {rate:,.0f}/s, failed {event.get('items.failed', 0):,}   "
+        )
+        sys.stderr.flush()
+
+    eligible: int | None = None
+
+
+def run_command(
+    job: Annotated[str, typer.Argument(help="Job name, e.g. quote_expiration.")],
+    tenant: Annotated[str, typer.Option(help="Tenant id, e.g. tenant-001.")],
+    mode: Annotated[str, typer.Option(help="dry-run (default) or execute.")] = "dry-run",
+    day: Annotated[
+        str | None, typer.Option("--date", help="Window of one day (windowed jobs).")
+    ] = None,
+    start: Annotated[str | None, typer.Option("--from", help="First day of the window.")] = None,
+    end: Annotated[
+        str | None, typer.Option("--to", help="Last day of the window (inclusive).")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Items per batch transaction.")] = None,
+    max_items: Annotated[int | None, typer.Option(help="Stop after this many items.")] = None,
+    throttle_ms: Annotated[int | None, typer.Option(help="Pause between batches.")] = None,
+    deadline_s: Annotated[
+        float | None, typer.Option(help="Stop (status timeout) after this long.")
+    ] = None,
+    lease_ttl_s: Annotated[float | None, typer.Option(help="Lease time-to-live.")] = None,
+    concurrency: Annotated[
+        int | None, typer.Option(help="Parallel calls to the downstream (jobs that call it).")
+    ] = None,
+    reason: Annotated[str | None, typer.Option(help="Why (required to execute by hand).")] = None,
+    requester: RequesterOpt = None,
+    correlation_id: Annotated[
+        str | None, typer.Option(help="Ties this run to an incident or ticket.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a job by hand over one tenant (and window) and print its summary."""
+    from qo_ops.jobs.catalog import get_spec
+    from qo_ops.platform.runner import run_job
+    from qo_ops.platform.telemetry import EVENT_LOGGER, configure_event_logging
+
+    spec = get_spec(job)
+    normalized_mode = mode.replace("-", "_")
+    if normalized_mode not in ("dry_run", "execute"):
+        raise BadInput(f"--mode must be dry-run or execute, not {mode!r}")
+    scope = _scope(tenant, day, start, end)
+    options = RunOptions(
+        mode=normalized_mode,  # type: ignore[arg-type]
+        trigger="manual",
+        batch_size=batch_size,
+        max_items=max_items,
+        throttle_ms=throttle_ms,
+        deadline_s=deadline_s,
+        lease_ttl_s=lease_ttl_s,
+        concurrency=concurrency,
+        requester=resolve_requester(requester),
+        reason=reason,
+        correlation_id=correlation_id or str(uuid.uuid4()),
+        progress_interval_s=1.0 if sys.stderr.isatty() else 10.0,
+    ).validated()
+    engine = ready_engine()
+    if sys.stderr.isatty() and not as_json:
+        progress = _TerminalProgress()
+        logging.getLogger(EVENT_LOGGER).addHandler(progress)
+        logging.getLogger(EVENT_LOGGER).setLevel(logging.INFO)
+        logging.getLogger(EVENT_LOGGER).propagate = False
+    else:
+        configure_event_logging()
+    summary = run_job(spec, scope, options, engine=engine)
+    if sys.stderr.isatty() and not as_json:
+        sys.stderr.write("\n")
+    if as_json:
+        emit_json(summary.as_dict())
+    else:
+        data = summary.as_dict()
+        for key in SUMMARY_KEYS:
+            typer.echo(f"{key}={'' if data[key] is None else data[key]}")
+        for key in ("status_reason", "error_code", "error_text"):
+            if data[key]:
+                typer.echo(f"{key}={data[key]}")
+        calls = DownstreamCalls.from_tally(summary.tally)
+        if calls is not None:
+            typer.echo(f"downstream={calls.line()}")
+        if summary.sample_ids:
+            typer.echo(f"sample_ids={','.join(summary.sample_ids)}")
+        for check in summary.checks:
+            typer.echo(f"check.{check.name}={'passed' if check.passed else 'FAILED'}")
+    raise typer.Exit(EXIT_BY_STATUS[summary.status])
