@@ -16,7 +16,9 @@ from dagster._core.test_utils import freeze_time
 from dagster._utils.schedules import cron_string_iterator
 
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.metrics.exporter import DRIFT_BUCKETS, SETTLE_S, JobCollector
+from qo_ops.metrics.exporter import JobCollector
+from qo_ops.metrics.feed import SETTLE_S
+from qo_ops.metrics.histograms import DRIFT_BUCKETS
 from qo_ops.platform import control, runs
 from qo_ops.platform.missed import tick_window_s
 from qo_ops.platform.runner import run_job
