@@ -12,7 +12,8 @@ import sqlalchemy as sa
 
 from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import metadata
-from qo_ops.demo.data import DemoDataExists, DemoPlan, demo_object, load_demo_data
+from qo_ops.demo.data import DemoDataExists, demo_object, load_demo_data
+from qo_ops.demo.rules import DemoPlan
 from qo_ops_tests.conftest import base_env, run_cli
 
 AS_OF = datetime(2026, 3, 1, 6, 0, tzinfo=UTC)
