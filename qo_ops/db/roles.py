@@ -42,7 +42,7 @@ SIU = _p("SELECT INSERT UPDATE")
 SUD = _p("SELECT UPDATE DELETE")
 SIUD = _p("SELECT INSERT UPDATE DELETE")
 
-# The tables of schema.py, plus Alembic's version table (which the migrations create).
+# The tables of qo_ops.db.schema, plus Alembic's version table (which the migrations create).
 PLATFORM_TABLE_NAMES = tuple(t.name for t in PLATFORM_TABLES)
 BUSINESS_TABLE_NAMES = tuple(t.name for t in BUSINESS_TABLES)
 TABLE_NAMES = (*PLATFORM_TABLE_NAMES, *BUSINESS_TABLE_NAMES, VERSION_TABLE)

@@ -1,312 +1,14 @@
-"""The schema, as SQLAlchemy Core tables: the platform's own tables and the Quote & Order
-business tables the jobs act on.
-
-This module is the source of truth; ``qo_ops/db/migrations`` creates it and a test checks
-that the migrated database and these tables agree. Every selection a job makes has an
-index here (partial where a status filter applies). Timestamps are ``timestamptz``.
-"""
+"""The Quote & Order business tables the jobs act on (tenants, quotes, orders, deliveries,
+notifications, checkouts, temp files, audit records, the catalog and its cache), the
+fulfilment system's own store the demo seeds, and what the jobs keep of their work
+(reconciliation results, re-submissions, archive manifests, tombstones)."""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
-metadata = sa.MetaData(
-    naming_convention={
-        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-        "ck": "ck_%(table_name)s_%(constraint_name)s",
-        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-        "pk": "pk_%(table_name)s",
-    }
-)
-
-TS = sa.DateTime(timezone=True)
-NOW = sa.text("now()")
-
-
-def _status_check(column: str, values: tuple[str, ...]) -> sa.CheckConstraint:
-    allowed = ", ".join(f"'{v}'" for v in values)
-    return sa.CheckConstraint(f"{column} IN ({allowed})", name=f"{column}_allowed")
-
-
-def _tenant_fk() -> sa.Column[str]:
-    return sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenant.id"), nullable=False)
-
-
-# ---------------------------------------------------------------------------- platform
-
-JOB_RUN_STATUSES = (
-    "awaiting_approval",  # an API request for a destructive execute, held for a second identity
-    "accepted",  # created by the API; the Dagster run adopts it when its op starts
-    "running",
-    "success",
-    "partial_success",
-    "failed",
-    "timeout",
-    "cancelled",
-    "skipped",
-    "no_work",
-)
-RUN_MODES = ("dry_run", "execute")
-TRIGGER_TYPES = ("schedule", "sensor", "manual", "backfill", "retry", "api")
-
-# One row per (job, scope): whoever holds an unexpired lease may write for that scope.
-job_lease = sa.Table(
-    "job_lease",
-    metadata,
-    sa.Column("job_name", sa.Text, primary_key=True),
-    sa.Column("scope", sa.Text, primary_key=True),
-    sa.Column("owner_id", sa.Text, nullable=False),
-    sa.Column("lease_token", sa.Text, nullable=False),
-    sa.Column("fencing_token", sa.BigInteger, nullable=False),
-    sa.Column("acquired_at", TS, nullable=False),
-    sa.Column("heartbeat_at", TS, nullable=False),
-    sa.Column("expires_at", TS, nullable=False),
-    sa.Column("job_run_id", UUID(as_uuid=True)),
-)
-
-job_run = sa.Table(
-    "job_run",
-    metadata,
-    sa.Column("id", UUID(as_uuid=True), primary_key=True),
-    sa.Column("job_name", sa.Text, nullable=False),
-    sa.Column("scope", sa.Text, nullable=False),
-    sa.Column("window_start", sa.Date),
-    sa.Column("window_end", sa.Date),
-    sa.Column("mode", sa.Text, nullable=False),
-    sa.Column("trigger_type", sa.Text, nullable=False),
-    sa.Column("requester", sa.Text),
-    sa.Column("reason", sa.Text),
-    sa.Column("correlation_id", sa.Text),
-    sa.Column("scheduled_for", TS),
-    sa.Column("dagster_run_id", sa.Text),
-    sa.Column("owner_id", sa.Text, nullable=False),
-    sa.Column("fencing_token", sa.BigInteger),
-    sa.Column("options", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
-    sa.Column("created_at", TS, nullable=False, server_default=NOW),
-    sa.Column("started_at", TS, nullable=False, server_default=NOW),
-    sa.Column("heartbeat_at", TS, nullable=False, server_default=NOW),
-    sa.Column("finished_at", TS),
-    sa.Column("status", sa.Text, nullable=False),
-    sa.Column("status_reason", sa.Text),
-    sa.Column("cancel_requested_at", TS),
-    sa.Column("eligible_count", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("processed_count", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("succeeded_count", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("failed_count", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("skipped_count", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("retry_scheduled_count", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("deadlettered_count", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column(
-        "tally", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")
-    ),  # job-specific counts
-    sa.Column("last_error_code", sa.Text),
-    sa.Column("last_error_text", sa.Text),
-    sa.Column("duplicates_prevented_count", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("approved_by", sa.Text),  # the second identity that released a held run
-    sa.Column("approved_at", TS),
-    # when the run was asked for: the Dagster run's creation, the API's acceptance (0012)
-    sa.Column("requested_at", TS),
-    sa.Column("lock_wait_ms", sa.Integer),  # how long taking the lease took (execute runs)
-    # which of its trigger's retries this run is (0: the first attempt), of retries_max
-    sa.Column("retry_number", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("retries_max", sa.Integer),
-    _status_check("status", JOB_RUN_STATUSES),
-    _status_check("mode", RUN_MODES),
-    _status_check("trigger_type", TRIGGER_TYPES),
-    sa.Index("ix_job_run_history", "job_name", "scope", sa.text("started_at DESC")),
-    sa.Index("ix_job_run_running", "job_name", postgresql_where=sa.text("status = 'running'")),
-    # the metrics exporter reads what started and finished since its last scrape
-    sa.Index("ix_job_run_created", "created_at"),
-    sa.Index("ix_job_run_job_started", "job_name", sa.text("started_at DESC")),
-    sa.Index(
-        "ix_job_run_finished", "finished_at", postgresql_where=sa.text("finished_at IS NOT NULL")
-    ),
-    sa.Index(
-        "ix_job_run_job_finished",
-        "job_name",
-        sa.text("finished_at DESC"),
-        postgresql_where=sa.text("finished_at IS NOT NULL"),
-    ),
-    # the exporter's missed-run judgement starts at a job's first scheduled run
-    sa.Index(
-        "ix_job_run_scheduled",
-        "job_name",
-        "scheduled_for",
-        postgresql_where=sa.text("scheduled_for IS NOT NULL"),
-    ),
-    # an earlier Dagster execute of a job with the same reason (qo_ops/platform/consent.py)
-    sa.Index(
-        "ix_job_run_dagster_reason",
-        "job_name",
-        sa.text(r"btrim(regexp_replace(lower(reason), '\s+', ' ', 'g'))"),
-        postgresql_where=sa.text(
-            "mode = 'execute' AND reason IS NOT NULL AND dagster_run_id IS NOT NULL"
-        ),
-    ),
-    sa.Index(
-        "ix_job_run_active",
-        "job_name",
-        "scope",
-        postgresql_where=sa.text("status IN ('awaiting_approval', 'accepted', 'running')"),
-    ),
-    # run_history_retention: a tenant's runs (scope T or T/<window>) by finished_at; not
-    # partial, so that ANALYZE keeps statistics on the expression (the planner then knows
-    # how many runs a tenant has and walks the index in order)
-    sa.Index("ix_job_run_retention", sa.text("split_part(scope, '/', 1)"), "finished_at"),
-)
-
-# The resume point of a (job, scope); written in the transaction of the batch it follows.
-job_checkpoint = sa.Table(
-    "job_checkpoint",
-    metadata,
-    sa.Column("job_name", sa.Text, primary_key=True),
-    sa.Column("scope", sa.Text, primary_key=True),
-    sa.Column("cursor", JSONB, nullable=False),
-    sa.Column("updated_at", TS, nullable=False, server_default=NOW),
-    sa.Column("job_run_id", UUID(as_uuid=True)),
-    # run_history_retention: a tenant's checkpoints, least recently written first
-    sa.Index("ix_job_checkpoint_retention", sa.text("split_part(scope, '/', 1)"), "updated_at"),
-)
-
-# The kill switch: a row suspends a job for one tenant, or (tenant_id '') for every scope.
-# Resuming deletes the row; who suspended and resumed what, when and why is in job_audit.
-job_control = sa.Table(
-    "job_control",
-    metadata,
-    sa.Column("job_name", sa.Text, primary_key=True),
-    sa.Column("tenant_id", sa.Text, primary_key=True, server_default=""),  # '' = every scope
-    sa.Column("suspended_by", sa.Text, nullable=False),
-    sa.Column("reason", sa.Text, nullable=False),
-    sa.Column("suspended_at", TS, nullable=False, server_default=NOW),
-    sa.CheckConstraint("length(btrim(reason)) > 0", name="reason_given"),
-)
-
-# The downstream's circuit breaker (migration 0011): one row per downstream origin
-# (scheme://host:port, never credentials), shared by every run that calls it. A run that
-# sees most of its recent calls fail systemically writes ``open`` with ``probe_after`` (the
-# database's clock + the open time); the next run after that probes with a few calls
-# (``half_open``) and writes ``closed`` when they answer. See qo_ops/platform/breaker.py.
-downstream_breaker = sa.Table(
-    "downstream_breaker",
-    metadata,
-    sa.Column("downstream", sa.Text, primary_key=True),
-    sa.Column("state", sa.Text, nullable=False),
-    sa.Column("opened_at", TS),  # when the outage began (kept while failed probes reopen it)
-    sa.Column("probe_after", TS),  # an open breaker is probed from then on
-    sa.Column("reason", sa.Text),  # why it last changed: a short code, e.g. connect_error 7/10
-    sa.Column("opened_count", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("changed_at", TS, nullable=False, server_default=NOW),
-    sa.Column("changed_by_run", UUID(as_uuid=True)),
-    sa.CheckConstraint("state IN ('closed', 'open', 'half_open')", name="state_known"),
-)
-
-# Events written in the business transaction, published later by the relay.
-outbox_event = sa.Table(
-    "outbox_event",
-    metadata,
-    sa.Column("id", UUID(as_uuid=True), primary_key=True),
-    sa.Column("business_key", sa.Text, nullable=False, unique=True),
-    sa.Column("tenant_id", sa.Text, nullable=False),
-    sa.Column("aggregate_type", sa.Text, nullable=False),
-    sa.Column("aggregate_id", sa.Text, nullable=False),
-    sa.Column("event_type", sa.Text, nullable=False),
-    sa.Column("payload", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
-    sa.Column("created_at", TS, nullable=False, server_default=NOW),
-    sa.Column("available_at", TS, nullable=False, server_default=NOW),
-    sa.Column("published_at", TS),
-    sa.Column("publish_attempts", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("last_error_code", sa.Text),
-    sa.Column("dead_lettered_at", TS),  # poison or out of attempts: never published
-    # notification_publish: a tenant's due, unpublished events, oldest first
-    sa.Index(
-        "ix_outbox_event_unpublished",
-        "tenant_id",
-        "available_at",
-        "id",
-        postgresql_where=sa.text("published_at IS NULL AND dead_lettered_at IS NULL"),
-    ),
-    sa.Index("ix_outbox_event_aggregate", "aggregate_type", "aggregate_id"),
-    sa.Index(
-        "ix_outbox_event_dead",
-        "dead_lettered_at",
-        postgresql_where=sa.text("dead_lettered_at IS NOT NULL"),
-    ),
-)
-
-# Append-only record of every manual action; the database refuses UPDATE/DELETE/TRUNCATE.
-job_audit = sa.Table(
-    "job_audit",
-    metadata,
-    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    sa.Column("occurred_at", TS, nullable=False, server_default=NOW),
-    sa.Column("actor", sa.Text, nullable=False),
-    sa.Column("action", sa.Text, nullable=False),
-    sa.Column("job_name", sa.Text),
-    sa.Column("scope", sa.Text),
-    sa.Column("mode", sa.Text),
-    sa.Column("reason", sa.Text),
-    sa.Column("correlation_id", sa.Text),
-    sa.Column("decision", sa.Text, nullable=False),
-    sa.Column("job_run_id", UUID(as_uuid=True)),
-    sa.Column("details", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
-    sa.Column("request_id", sa.Text),  # the API request this decision answered
-    sa.Column("client_address", sa.Text),
-    sa.Index("ix_job_audit_job", "job_name", "occurred_at"),
-    sa.Index("ix_job_audit_actor", "actor", "occurred_at"),
-)
-
-API_ROLES = ("viewer", "operator", "approver")
-
-# Bearer tokens of the operator API: only a SHA-256 of the secret part is stored. The token
-# a client holds is ``qoops_<id>_<secret>``; ``id`` finds the row, the secret proves it.
-api_token = sa.Table(
-    "api_token",
-    metadata,
-    sa.Column("id", sa.Text, primary_key=True),
-    sa.Column("identity", sa.Text, nullable=False),
-    sa.Column("roles", sa.ARRAY(sa.Text), nullable=False),
-    sa.Column("tenant_id", sa.Text),  # NULL: every tenant
-    sa.Column("secret_sha256", sa.Text, nullable=False),
-    sa.Column("created_at", TS, nullable=False, server_default=NOW),
-    sa.Column("created_by", sa.Text, nullable=False),
-    sa.Column("expires_at", TS, nullable=False),
-    sa.Column("revoked_at", TS),
-    sa.CheckConstraint("id ~ '^[0-9a-f]{16}$'", name="id_format"),
-    sa.CheckConstraint("secret_sha256 ~ '^[0-9a-f]{64}$'", name="secret_sha256_format"),
-    sa.CheckConstraint(
-        "cardinality(roles) > 0 AND roles <@ ARRAY['viewer', 'operator', 'approver']::text[]",
-        name="roles_known",
-    ),
-    sa.Index("ix_api_token_identity", "identity"),
-)
-
-# Idempotent submission: one (identity, Idempotency-Key) names one run, for a day at least.
-api_idempotency = sa.Table(
-    "api_idempotency",
-    metadata,
-    sa.Column("identity", sa.Text, primary_key=True),
-    sa.Column("idempotency_key", sa.Text, primary_key=True),
-    sa.Column("request_sha256", sa.Text, nullable=False),
-    sa.Column("job_run_id", UUID(as_uuid=True), nullable=False),
-    sa.Column("created_at", TS, nullable=False, server_default=NOW),
-    sa.Index("ix_api_idempotency_created", "created_at"),
-)
-
-PLATFORM_TABLES = (
-    job_lease,
-    job_run,
-    job_checkpoint,
-    outbox_event,
-    job_audit,
-    api_token,
-    api_idempotency,
-    job_control,
-    downstream_breaker,
-)
-
-# ---------------------------------------------------------------------------- business
+from qo_ops.db.schema.base import NOW, TS, metadata, status_check, tenant_fk
 
 QUOTE_STATUSES = ("DRAFT", "ACTIVE", "ACCEPTED", "EXPIRED", "CANCELLED")
 ORDER_STATUSES = ("SUBMITTED", "IN_FULFILLMENT", "COMPLETED", "CANCELLED", "FAILED")
@@ -330,7 +32,7 @@ price_book = sa.Table(
     "price_book",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("version", sa.Integer, nullable=False),
     sa.Column("is_current", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("effective_from", TS, nullable=False),
@@ -345,7 +47,7 @@ quote = sa.Table(
     "quote",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("quote_number", sa.Text, nullable=False),
     sa.Column("customer_ref", sa.Text, nullable=False),  # opaque reference, never a name or e-mail
     sa.Column("status", sa.Text, nullable=False),
@@ -356,7 +58,7 @@ quote = sa.Table(
     sa.Column("updated_at", TS, nullable=False),
     sa.Column("expires_at", TS, nullable=False),
     sa.Column("version", sa.Integer, nullable=False, server_default="1"),
-    _status_check("status", QUOTE_STATUSES),
+    status_check("status", QUOTE_STATUSES),
     sa.UniqueConstraint("tenant_id", "quote_number"),
     # quote_expiration: ACTIVE quotes past expiry, oldest first
     sa.Index(
@@ -376,7 +78,7 @@ quote_line = sa.Table(
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
     sa.Column("quote_id", sa.BigInteger, sa.ForeignKey("quote.id"), nullable=False),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("line_no", sa.Integer, nullable=False),
     sa.Column("sku", sa.Text, nullable=False),
     sa.Column("quantity", sa.Integer, nullable=False),
@@ -389,7 +91,7 @@ pricing_snapshot = sa.Table(
     "pricing_snapshot",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("quote_id", sa.BigInteger, sa.ForeignKey("quote.id"), nullable=False),
     sa.Column("price_book_version", sa.Integer, nullable=False),
     sa.Column("total_amount", sa.Numeric(14, 2), nullable=False),
@@ -403,7 +105,7 @@ customer_order = sa.Table(
     "customer_order",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("quote_id", sa.BigInteger, sa.ForeignKey("quote.id"), unique=True),
     sa.Column("order_number", sa.Text, nullable=False, unique=True),  # the downstream reference
     sa.Column("status", sa.Text, nullable=False),
@@ -413,7 +115,7 @@ customer_order = sa.Table(
     sa.Column("updated_at", TS, nullable=False),
     sa.Column("version", sa.Integer, nullable=False, server_default="1"),
     sa.Column("needs_manual_review", sa.Boolean, nullable=False, server_default=sa.false()),
-    _status_check("status", ORDER_STATUSES),
+    status_check("status", ORDER_STATUSES),
     # order_reconciliation: orders of a tenant submitted in a window, by stable cursor
     sa.Index("ix_customer_order_tenant_submitted", "tenant_id", "submitted_at", "id"),
     sa.Index("ix_customer_order_tenant_id", "tenant_id", "id"),
@@ -436,7 +138,7 @@ order_read_model = sa.Table(
     "order_read_model",
     metadata,
     sa.Column("order_id", sa.BigInteger, sa.ForeignKey("customer_order.id"), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("order_number", sa.Text, nullable=False),
     sa.Column("quote_number", sa.Text),
     sa.Column("status", sa.Text, nullable=False),
@@ -451,7 +153,7 @@ delivery_attempt_item = sa.Table(
     "delivery_attempt_item",
     metadata,
     sa.Column("id", UUID(as_uuid=True), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("business_key", sa.Text, nullable=False, unique=True),  # also the idempotency key
     sa.Column("order_id", sa.BigInteger, sa.ForeignKey("customer_order.id")),
     sa.Column("status", sa.Text, nullable=False),
@@ -464,7 +166,7 @@ delivery_attempt_item = sa.Table(
     sa.Column("payload", JSONB, nullable=False),
     sa.Column("created_at", TS, nullable=False),
     sa.Column("updated_at", TS, nullable=False),
-    _status_check("status", DELIVERY_STATUSES),
+    status_check("status", DELIVERY_STATUSES),
     # delivery_retry: READY items that are due, and IN_PROGRESS items whose claim lapsed
     # (their process died between sending and recording), oldest first
     sa.Index(
@@ -486,7 +188,7 @@ notification = sa.Table(
     "notification",
     metadata,
     sa.Column("id", UUID(as_uuid=True), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("order_id", sa.BigInteger, sa.ForeignKey("customer_order.id")),
     sa.Column("channel", sa.Text, nullable=False),
     sa.Column("template", sa.Text, nullable=False),
@@ -496,7 +198,7 @@ notification = sa.Table(
     sa.Column("send_after", TS, nullable=False),
     sa.Column("sent_at", TS),
     sa.Column("created_at", TS, nullable=False),
-    _status_check("status", NOTIFICATION_STATUSES),
+    status_check("status", NOTIFICATION_STATUSES),
     sa.Index(
         "ix_notification_pending",
         "tenant_id",
@@ -510,14 +212,14 @@ checkout_session = sa.Table(
     "checkout_session",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("quote_id", sa.BigInteger, sa.ForeignKey("quote.id")),
     sa.Column("status", sa.Text, nullable=False),
     sa.Column("started_at", TS, nullable=False),
     sa.Column("last_activity_at", TS, nullable=False),
     sa.Column("closed_at", TS),
     sa.Column("version", sa.Integer, nullable=False, server_default="1"),
-    _status_check("status", CHECKOUT_STATUSES),
+    status_check("status", CHECKOUT_STATUSES),
     # abandoned_checkout_close: OPEN flows idle the longest first
     sa.Index(
         "ix_checkout_session_open_idle",
@@ -532,13 +234,13 @@ temp_file = sa.Table(
     "temp_file",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("storage_path", sa.Text, nullable=False, unique=True),
     sa.Column("size_bytes", sa.BigInteger, nullable=False),
     sa.Column("status", sa.Text, nullable=False),
     sa.Column("legal_hold", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("created_at", TS, nullable=False),
-    _status_check("status", TEMP_FILE_STATUSES),
+    status_check("status", TEMP_FILE_STATUSES),
     # temp_file_cleanup: terminal files not on legal hold, oldest first
     sa.Index(
         "ix_temp_file_cleanup",
@@ -555,7 +257,7 @@ audit_record = sa.Table(
     "audit_record",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("occurred_at", TS, nullable=False),
     sa.Column("actor_ref", sa.Text, nullable=False),
     sa.Column("action", sa.Text, nullable=False),
@@ -570,7 +272,7 @@ audit_archive_manifest = sa.Table(
     "audit_archive_manifest",
     metadata,
     sa.Column("id", UUID(as_uuid=True), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("window_start", TS, nullable=False),
     sa.Column("window_end", TS, nullable=False),
     sa.Column("file_path", sa.Text, nullable=False),
@@ -582,7 +284,7 @@ audit_archive_manifest = sa.Table(
     sa.Column("job_run_id", UUID(as_uuid=True)),
     sa.Column("created_at", TS, nullable=False, server_default=NOW),
     sa.Column("verified_at", TS),
-    _status_check("status", MANIFEST_STATUSES),
+    status_check("status", MANIFEST_STATUSES),
     sa.Index("ix_audit_archive_manifest_tenant", "tenant_id", "window_start"),
     # run_history_retention keeps the runs a manifest names
     sa.Index("ix_audit_archive_manifest_job_run", "job_run_id"),
@@ -592,7 +294,7 @@ catalog_item = sa.Table(
     "catalog_item",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("sku", sa.Text, nullable=False),
     sa.Column("name", sa.Text, nullable=False),
     sa.Column("list_price", sa.Numeric(14, 2), nullable=False),
@@ -606,7 +308,7 @@ catalog_cache = sa.Table(
     "catalog_cache",
     metadata,
     sa.Column("catalog_item_id", sa.BigInteger, sa.ForeignKey("catalog_item.id"), primary_key=True),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("cached_version", sa.Integer, nullable=False),
     sa.Column("payload", JSONB, nullable=False),
     sa.Column("refreshed_at", TS, nullable=False),
@@ -625,7 +327,7 @@ reconciliation_result = sa.Table(
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
     sa.Column("job_run_id", UUID(as_uuid=True), nullable=False),
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("order_id", sa.BigInteger, sa.ForeignKey("customer_order.id")),
     sa.Column("order_number", sa.Text, nullable=False),
     sa.Column("mismatch_type", sa.Text, nullable=False),
@@ -639,7 +341,7 @@ reconciliation_result = sa.Table(
     sa.Column("outcome", sa.Text, nullable=False),
     sa.Column("detail", sa.Text),
     sa.Column("created_at", TS, nullable=False, server_default=NOW),
-    _status_check("mismatch_type", MISMATCH_TYPES),
+    status_check("mismatch_type", MISMATCH_TYPES),
     sa.UniqueConstraint("job_run_id", "order_number"),
     sa.Index("ix_reconciliation_result_order", "tenant_id", "order_number", "created_at"),
 )
@@ -653,7 +355,7 @@ order_resubmission = sa.Table(
     metadata,
     sa.Column("order_id", sa.BigInteger, sa.ForeignKey("customer_order.id"), primary_key=True),
     sa.Column("resubmission", sa.Integer, primary_key=True),  # 1, 2, … QO_OPS_RESUBMIT_MAX
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("job_run_id", UUID(as_uuid=True), nullable=False),  # a stamp, like pricing's
     sa.Column("requested_at", TS, nullable=False, server_default=NOW),
     sa.CheckConstraint("resubmission >= 1", name="resubmission_from_one"),
@@ -671,7 +373,7 @@ temp_file_tombstone = sa.Table(
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
     sa.Column("temp_file_id", sa.BigInteger, nullable=False, unique=True),  # the row is gone: no FK
-    _tenant_fk(),
+    tenant_fk(),
     sa.Column("storage_path", sa.Text, nullable=False),
     sa.Column("size_bytes", sa.BigInteger, nullable=False),
     sa.Column("sha256", sa.Text),  # of the stored object's bytes; NULL: the object was already gone

@@ -1,0 +1,280 @@
+"""The platform's own tables: run records, leases, checkpoints, the kill switch, the
+downstream's circuit breakers, the outbox, the audit trail and the operator API's tokens and
+idempotency keys."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+from qo_ops.db.schema.base import NOW, TS, metadata, status_check
+
+JOB_RUN_STATUSES = (
+    "awaiting_approval",  # an API request for a destructive execute, held for a second identity
+    "accepted",  # created by the API; the Dagster run adopts it when its op starts
+    "running",
+    "success",
+    "partial_success",
+    "failed",
+    "timeout",
+    "cancelled",
+    "skipped",
+    "no_work",
+)
+RUN_MODES = ("dry_run", "execute")
+TRIGGER_TYPES = ("schedule", "sensor", "manual", "backfill", "retry", "api")
+
+# One row per (job, scope): whoever holds an unexpired lease may write for that scope.
+job_lease = sa.Table(
+    "job_lease",
+    metadata,
+    sa.Column("job_name", sa.Text, primary_key=True),
+    sa.Column("scope", sa.Text, primary_key=True),
+    sa.Column("owner_id", sa.Text, nullable=False),
+    sa.Column("lease_token", sa.Text, nullable=False),
+    sa.Column("fencing_token", sa.BigInteger, nullable=False),
+    sa.Column("acquired_at", TS, nullable=False),
+    sa.Column("heartbeat_at", TS, nullable=False),
+    sa.Column("expires_at", TS, nullable=False),
+    sa.Column("job_run_id", UUID(as_uuid=True)),
+)
+
+job_run = sa.Table(
+    "job_run",
+    metadata,
+    sa.Column("id", UUID(as_uuid=True), primary_key=True),
+    sa.Column("job_name", sa.Text, nullable=False),
+    sa.Column("scope", sa.Text, nullable=False),
+    sa.Column("window_start", sa.Date),
+    sa.Column("window_end", sa.Date),
+    sa.Column("mode", sa.Text, nullable=False),
+    sa.Column("trigger_type", sa.Text, nullable=False),
+    sa.Column("requester", sa.Text),
+    sa.Column("reason", sa.Text),
+    sa.Column("correlation_id", sa.Text),
+    sa.Column("scheduled_for", TS),
+    sa.Column("dagster_run_id", sa.Text),
+    sa.Column("owner_id", sa.Text, nullable=False),
+    sa.Column("fencing_token", sa.BigInteger),
+    sa.Column("options", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("created_at", TS, nullable=False, server_default=NOW),
+    sa.Column("started_at", TS, nullable=False, server_default=NOW),
+    sa.Column("heartbeat_at", TS, nullable=False, server_default=NOW),
+    sa.Column("finished_at", TS),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("status_reason", sa.Text),
+    sa.Column("cancel_requested_at", TS),
+    sa.Column("eligible_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("processed_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("succeeded_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("failed_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("skipped_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("retry_scheduled_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("deadlettered_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column(
+        "tally", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")
+    ),  # job-specific counts
+    sa.Column("last_error_code", sa.Text),
+    sa.Column("last_error_text", sa.Text),
+    sa.Column("duplicates_prevented_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("approved_by", sa.Text),  # the second identity that released a held run
+    sa.Column("approved_at", TS),
+    # when the run was asked for: the Dagster run's creation, the API's acceptance (0012)
+    sa.Column("requested_at", TS),
+    sa.Column("lock_wait_ms", sa.Integer),  # how long taking the lease took (execute runs)
+    # which of its trigger's retries this run is (0: the first attempt), of retries_max
+    sa.Column("retry_number", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("retries_max", sa.Integer),
+    status_check("status", JOB_RUN_STATUSES),
+    status_check("mode", RUN_MODES),
+    status_check("trigger_type", TRIGGER_TYPES),
+    sa.Index("ix_job_run_history", "job_name", "scope", sa.text("started_at DESC")),
+    sa.Index("ix_job_run_running", "job_name", postgresql_where=sa.text("status = 'running'")),
+    # the metrics exporter reads what started and finished since its last scrape
+    sa.Index("ix_job_run_created", "created_at"),
+    sa.Index("ix_job_run_job_started", "job_name", sa.text("started_at DESC")),
+    sa.Index(
+        "ix_job_run_finished", "finished_at", postgresql_where=sa.text("finished_at IS NOT NULL")
+    ),
+    sa.Index(
+        "ix_job_run_job_finished",
+        "job_name",
+        sa.text("finished_at DESC"),
+        postgresql_where=sa.text("finished_at IS NOT NULL"),
+    ),
+    # the exporter's missed-run judgement starts at a job's first scheduled run
+    sa.Index(
+        "ix_job_run_scheduled",
+        "job_name",
+        "scheduled_for",
+        postgresql_where=sa.text("scheduled_for IS NOT NULL"),
+    ),
+    # an earlier Dagster execute of a job with the same reason (qo_ops/platform/consent.py)
+    sa.Index(
+        "ix_job_run_dagster_reason",
+        "job_name",
+        sa.text(r"btrim(regexp_replace(lower(reason), '\s+', ' ', 'g'))"),
+        postgresql_where=sa.text(
+            "mode = 'execute' AND reason IS NOT NULL AND dagster_run_id IS NOT NULL"
+        ),
+    ),
+    sa.Index(
+        "ix_job_run_active",
+        "job_name",
+        "scope",
+        postgresql_where=sa.text("status IN ('awaiting_approval', 'accepted', 'running')"),
+    ),
+    # run_history_retention: a tenant's runs (scope T or T/<window>) by finished_at; not
+    # partial, so that ANALYZE keeps statistics on the expression (the planner then knows
+    # how many runs a tenant has and walks the index in order)
+    sa.Index("ix_job_run_retention", sa.text("split_part(scope, '/', 1)"), "finished_at"),
+)
+
+# The resume point of a (job, scope); written in the transaction of the batch it follows.
+job_checkpoint = sa.Table(
+    "job_checkpoint",
+    metadata,
+    sa.Column("job_name", sa.Text, primary_key=True),
+    sa.Column("scope", sa.Text, primary_key=True),
+    sa.Column("cursor", JSONB, nullable=False),
+    sa.Column("updated_at", TS, nullable=False, server_default=NOW),
+    sa.Column("job_run_id", UUID(as_uuid=True)),
+    # run_history_retention: a tenant's checkpoints, least recently written first
+    sa.Index("ix_job_checkpoint_retention", sa.text("split_part(scope, '/', 1)"), "updated_at"),
+)
+
+# The kill switch: a row suspends a job for one tenant, or (tenant_id '') for every scope.
+# Resuming deletes the row; who suspended and resumed what, when and why is in job_audit.
+job_control = sa.Table(
+    "job_control",
+    metadata,
+    sa.Column("job_name", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, primary_key=True, server_default=""),  # '' = every scope
+    sa.Column("suspended_by", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("suspended_at", TS, nullable=False, server_default=NOW),
+    sa.CheckConstraint("length(btrim(reason)) > 0", name="reason_given"),
+)
+
+# The downstream's circuit breaker (migration 0011): one row per downstream origin
+# (scheme://host:port, never credentials), shared by every run that calls it. A run that
+# sees most of its recent calls fail systemically writes ``open`` with ``probe_after`` (the
+# database's clock + the open time); the next run after that probes with a few calls
+# (``half_open``) and writes ``closed`` when they answer. See qo_ops/platform/breaker.py.
+downstream_breaker = sa.Table(
+    "downstream_breaker",
+    metadata,
+    sa.Column("downstream", sa.Text, primary_key=True),
+    sa.Column("state", sa.Text, nullable=False),
+    sa.Column("opened_at", TS),  # when the outage began (kept while failed probes reopen it)
+    sa.Column("probe_after", TS),  # an open breaker is probed from then on
+    sa.Column("reason", sa.Text),  # why it last changed: a short code, e.g. connect_error 7/10
+    sa.Column("opened_count", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("changed_at", TS, nullable=False, server_default=NOW),
+    sa.Column("changed_by_run", UUID(as_uuid=True)),
+    sa.CheckConstraint("state IN ('closed', 'open', 'half_open')", name="state_known"),
+)
+
+# Events written in the business transaction, published later by the relay.
+outbox_event = sa.Table(
+    "outbox_event",
+    metadata,
+    sa.Column("id", UUID(as_uuid=True), primary_key=True),
+    sa.Column("business_key", sa.Text, nullable=False, unique=True),
+    sa.Column("tenant_id", sa.Text, nullable=False),
+    sa.Column("aggregate_type", sa.Text, nullable=False),
+    sa.Column("aggregate_id", sa.Text, nullable=False),
+    sa.Column("event_type", sa.Text, nullable=False),
+    sa.Column("payload", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("created_at", TS, nullable=False, server_default=NOW),
+    sa.Column("available_at", TS, nullable=False, server_default=NOW),
+    sa.Column("published_at", TS),
+    sa.Column("publish_attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("last_error_code", sa.Text),
+    sa.Column("dead_lettered_at", TS),  # poison or out of attempts: never published
+    # notification_publish: a tenant's due, unpublished events, oldest first
+    sa.Index(
+        "ix_outbox_event_unpublished",
+        "tenant_id",
+        "available_at",
+        "id",
+        postgresql_where=sa.text("published_at IS NULL AND dead_lettered_at IS NULL"),
+    ),
+    sa.Index("ix_outbox_event_aggregate", "aggregate_type", "aggregate_id"),
+    sa.Index(
+        "ix_outbox_event_dead",
+        "dead_lettered_at",
+        postgresql_where=sa.text("dead_lettered_at IS NOT NULL"),
+    ),
+)
+
+# Append-only record of every manual action; the database refuses UPDATE/DELETE/TRUNCATE.
+job_audit = sa.Table(
+    "job_audit",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("occurred_at", TS, nullable=False, server_default=NOW),
+    sa.Column("actor", sa.Text, nullable=False),
+    sa.Column("action", sa.Text, nullable=False),
+    sa.Column("job_name", sa.Text),
+    sa.Column("scope", sa.Text),
+    sa.Column("mode", sa.Text),
+    sa.Column("reason", sa.Text),
+    sa.Column("correlation_id", sa.Text),
+    sa.Column("decision", sa.Text, nullable=False),
+    sa.Column("job_run_id", UUID(as_uuid=True)),
+    sa.Column("details", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("request_id", sa.Text),  # the API request this decision answered
+    sa.Column("client_address", sa.Text),
+    sa.Index("ix_job_audit_job", "job_name", "occurred_at"),
+    sa.Index("ix_job_audit_actor", "actor", "occurred_at"),
+)
+
+API_ROLES = ("viewer", "operator", "approver")
+
+# Bearer tokens of the operator API: only a SHA-256 of the secret part is stored. The token
+# a client holds is ``qoops_<id>_<secret>``; ``id`` finds the row, the secret proves it.
+api_token = sa.Table(
+    "api_token",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("identity", sa.Text, nullable=False),
+    sa.Column("roles", sa.ARRAY(sa.Text), nullable=False),
+    sa.Column("tenant_id", sa.Text),  # NULL: every tenant
+    sa.Column("secret_sha256", sa.Text, nullable=False),
+    sa.Column("created_at", TS, nullable=False, server_default=NOW),
+    sa.Column("created_by", sa.Text, nullable=False),
+    sa.Column("expires_at", TS, nullable=False),
+    sa.Column("revoked_at", TS),
+    sa.CheckConstraint("id ~ '^[0-9a-f]{16}$'", name="id_format"),
+    sa.CheckConstraint("secret_sha256 ~ '^[0-9a-f]{64}$'", name="secret_sha256_format"),
+    sa.CheckConstraint(
+        "cardinality(roles) > 0 AND roles <@ ARRAY['viewer', 'operator', 'approver']::text[]",
+        name="roles_known",
+    ),
+    sa.Index("ix_api_token_identity", "identity"),
+)
+
+# Idempotent submission: one (identity, Idempotency-Key) names one run, for a day at least.
+api_idempotency = sa.Table(
+    "api_idempotency",
+    metadata,
+    sa.Column("identity", sa.Text, primary_key=True),
+    sa.Column("idempotency_key", sa.Text, primary_key=True),
+    sa.Column("request_sha256", sa.Text, nullable=False),
+    sa.Column("job_run_id", UUID(as_uuid=True), nullable=False),
+    sa.Column("created_at", TS, nullable=False, server_default=NOW),
+    sa.Index("ix_api_idempotency_created", "created_at"),
+)
+
+PLATFORM_TABLES = (
+    job_lease,
+    job_run,
+    job_checkpoint,
+    outbox_event,
+    job_audit,
+    api_token,
+    api_idempotency,
+    job_control,
+    downstream_breaker,
+)
