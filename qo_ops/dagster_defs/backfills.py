@@ -20,7 +20,6 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from qo_ops.dagster_defs.jobs import Mode
 from qo_ops.dagster_defs.partitions import (
     MODE_TAG,
     REASON_TAG,
@@ -30,6 +29,7 @@ from qo_ops.dagster_defs.partitions import (
     days_partitions_def,
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.dagster_defs.run_config import Mode
 from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, run_options
 from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform.runs import append_audit

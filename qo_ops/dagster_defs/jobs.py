@@ -2,14 +2,11 @@
 and its typed config into ``run_job`` calls — one per tenant the run covers (a tick's chunk
 of tenants, or one) — and reports on each tenant's partition what the runner returned."""
 
-import enum
 import logging
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import date
 
 # (no `from __future__ import annotations`: Dagster reads these annotations at decoration time)
 from typing import Any
@@ -17,7 +14,6 @@ from typing import Any
 import dagster as dg
 import pandas as pd
 import sqlalchemy as sa
-from pydantic import Field
 
 from qo_ops.dagster_defs.checks import judged_materialization
 from qo_ops.dagster_defs.freshness import recent_success_evaluation
@@ -27,31 +23,30 @@ from qo_ops.dagster_defs.partitions import (
     JOB_RUN_TAG,
     MODE_TAG,
     partitions_def_for,
-    scope_from_partition_key,
     scope_tag,
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.dagster_defs.run_config import JobRunConfig
+from qo_ops.dagster_defs.scopes import (
+    MAX_NAMED,
+    adopted_run,
+    known_tenants,
+    refuse_accepted,
+    requested_scopes,
+)
 from qo_ops.dagster_defs.submission import (
     DESTRUCTIVE_TAG,
-    PARENT_RUN_TAG,
     WINDOWED_TAG,
     run_options,
     trigger_from_tags,
     with_run_facts,
 )
 from qo_ops.db.availability import is_unavailable
-from qo_ops.errors import BadInput, QoOpsError, one_line
-from qo_ops.platform import runs
+from qo_ops.errors import QoOpsError, one_line
 from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.overdue import Backlog, tenant_backlog
 from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.spec import (
-    MAX_BATCH_SIZE,
-    MAX_DEADLINE_S,
-    MAX_ITEMS,
-    MAX_TEXT,
-    MAX_THROTTLE_MS,
-    TRIGGERS_WITH_A_PERSON,
     JobSpec,
     RunOptions,
     Scope,
@@ -59,64 +54,6 @@ from qo_ops.platform.spec import (
 )
 from qo_ops.platform.stopping import TERMINATED
 from qo_ops.platform.telemetry import EVENT_LOGGER
-from qo_ops.platform.tenants import tenant_ids
-
-
-class Mode(enum.Enum):
-    """dry_run counts and samples what execute would change, and changes nothing."""
-
-    dry_run = "dry_run"
-    execute = "execute"
-
-
-class JobRunConfig(dg.Config):
-    """How this run behaves. Empty fields take the job's defaults."""
-
-    mode: Mode | None = Field(
-        default=None,
-        description=(
-            "dry_run: count and sample, change nothing. execute: apply. Empty: execute for "
-            "schedules and sensors, dry_run when launched by hand or by a backfill (a backfill "
-            "executes when tagged qo_ops/mode=execute)."
-        ),
-    )
-    batch_size: int | None = Field(
-        default=None, ge=1, le=MAX_BATCH_SIZE, description="Items per batch transaction."
-    )
-    max_items: int | None = Field(
-        default=None, ge=1, le=MAX_ITEMS, description="Stop after this many items."
-    )
-    throttle_ms: int | None = Field(
-        default=None,
-        ge=0,
-        le=MAX_THROTTLE_MS,
-        description="Pause between batches, in milliseconds.",
-    )
-    deadline_s: float | None = Field(
-        default=None,
-        gt=0,
-        le=MAX_DEADLINE_S,
-        description="Stop with status timeout after this many seconds.",
-    )
-    reason: str | None = Field(
-        default=None,
-        max_length=MAX_TEXT,
-        description=(
-            "Why this run is needed (required to execute by hand; kept in the audit trail). "
-            "Its own: the Launchpad copies an earlier run's config, and an execute giving a "
-            "reason an earlier execute of this job gave is refused (Re-execute that run to "
-            "repeat it)."
-        ),
-    )
-    tenants: list[str] | None = Field(
-        default=None,
-        description=(
-            "The tenants this run covers, each run on its own (lease, job run, kill switch). "
-            "Required for a windowed job (its partition is the day); a tenant job's run "
-            "covers its tenant partition when empty. Schedules and sensors fill it in chunks."
-        ),
-    )
-
 
 FAILING_STATUSES = ("failed", "timeout", "cancelled")
 KEPT_RIGHT = ("success", "no_work", "partial_success")  # an execute run that kept its outcome
@@ -232,126 +169,6 @@ def scope_backlog(
     except sa.exc.SQLAlchemyError as exc:  # the run is recorded; only its plot point is lost
         log.warning(f"tenant backlog not measured: {one_line(str(exc), 200)}")
         return Backlog(None, None)
-
-
-def _adopted(
-    spec: JobSpec, engine: Any, job_run_tag: str, context: dg.OpExecutionContext
-) -> tuple[Scope, RunOptions]:
-    """Scope and options of a run the operator API accepted: its job_run row is the source
-    of truth (validated and audited when it was accepted); the partition must agree."""
-    try:
-        run_id = uuid.UUID(job_run_tag)
-    except ValueError:
-        raise BadInput(f"tag {JOB_RUN_TAG} is not a job run id") from None
-    accepted = runs.load_accepted(engine, run_id, spec.name)
-    partition = scope_from_partition_key(spec, context.partition_key, accepted.scope.tenant_id)
-    if partition.tenant_id != accepted.scope.tenant_id or (
-        partition.window_start is not None and partition.window_start != accepted.scope.window_start
-    ):
-        raise BadInput(
-            f"partition {context.partition_key} does not match accepted run {run_id} "
-            f"({accepted.scope.key})"
-        )
-    limits = accepted.options
-    options = RunOptions(
-        mode=accepted.mode,  # type: ignore[arg-type]
-        trigger="api",
-        batch_size=limits.get("batch_size"),
-        max_items=limits.get("max_items"),
-        throttle_ms=limits.get("throttle_ms"),
-        requester=accepted.requester,
-        reason=accepted.reason,
-        correlation_id=accepted.correlation_id or context.run_id,
-        dagster_run_id=context.run_id,
-        job_run_id=run_id,
-        progress_interval_s=10.0,
-    )
-    return accepted.scope, options
-
-
-def _refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
-    try:
-        run_id = uuid.UUID(job_run_tag)
-    except ValueError:
-        return
-    with engine.begin() as conn:
-        code = getattr(exc, "error_code", "bad_input")  # e.g. "suspended" (the kill switch)
-        runs.finish_unstarted(conn, run_id, "failed", "refused_at_start", code, str(exc))
-
-
-MAX_TENANTS_PER_RUN = 1000  # a run naming more tenants is refused: split it (ticks chunk by 50)
-MAX_NAMED = 50  # tenants named in a run's failure description and metadata
-
-
-def _parent_failed_tenants(context: dg.OpExecutionContext, tags: dict[str, str]) -> set[str] | None:
-    """A re-execution of a failed run that recorded which tenants failed runs only those: the
-    failed tenants of the parent run, or None (not a re-execution, the parent succeeded, or
-    no record: run all)."""
-    parent_id = tags.get(PARENT_RUN_TAG)
-    if not parent_id:
-        return None
-    parent = context.instance.get_run_by_id(parent_id)
-    if (
-        parent is None
-        or parent.status == dg.DagsterRunStatus.SUCCESS  # its tag (if inherited) is cleared
-        or FAILED_TENANTS_TAG not in parent.tags
-    ):
-        return None
-    return {t for t in parent.tags[FAILED_TENANTS_TAG].split(",") if t}
-
-
-def requested_scopes(
-    spec: JobSpec, context: dg.OpExecutionContext, tenants: list[str] | None, tags: dict[str, str]
-) -> list[Scope]:
-    """The scopes a run covers, validated before any is claimed: its tenants (run config, or
-    the tenant partition(s) of a tenant job) and, for a windowed job, its day partition(s)
-    as one window. A re-execution narrows them to the tenants its parent failed."""
-    if tenants and spec.partitioning == "tenant" and context.has_partition_key:
-        raise BadInput("give either a tenant partition or config tenants, not both")
-    if not tenants:
-        if spec.partitioning == "tenant_day":
-            raise BadInput(
-                f"{spec.name} is windowed: name its tenants in run config (tenants), or "
-                "backfill tenants × days with tenant_backfill_job"
-            )
-        if not context.has_partition_key_range and not context.has_partition_key:
-            raise BadInput(f"{spec.name}: pick a tenant partition or name tenants in run config")
-        tenants = list(context.partition_keys)
-    if len(tenants) > MAX_TENANTS_PER_RUN:
-        raise BadInput(f"a run covers at most {MAX_TENANTS_PER_RUN} tenants, got {len(tenants)}")
-    if len(set(tenants)) != len(tenants):
-        raise BadInput("config tenants names a tenant twice")
-    failed_before = _parent_failed_tenants(context, tags)
-    if failed_before is not None:
-        tenants = [t for t in tenants if t in failed_before]
-    window: tuple[date, date] | None = None
-    if spec.partitioning == "tenant_day":
-        if not (context.has_partition_key or context.has_partition_key_range):
-            raise BadInput(f"{spec.name} is windowed: pick its day partition(s)")
-        days = sorted(date.fromisoformat(k.partition("|")[0]) for k in context.partition_keys)
-        window = (days[0], days[-1])
-    scopes = []
-    for tenant in tenants:
-        try:
-            scopes.append(Scope.days(tenant, *window) if window else Scope(tenant))
-        except BadInput as exc:
-            raise BadInput(f"tenant {tenant[:64]!r}: {exc}") from None
-    return scopes
-
-
-def known_tenants(
-    engine: Any, scopes: list[Scope], trigger: str, context: dg.OpExecutionContext
-) -> list[Scope]:
-    """The scopes whose tenant exists. A person naming an unknown tenant is refused before
-    any tenant runs; a tick's tenant removed since the tick is left out, with a warning."""
-    with engine.connect() as conn:
-        known = set(tenant_ids(conn, [s.tenant_id for s in scopes]))
-    unknown = [s.tenant_id for s in scopes if s.tenant_id not in known]
-    if unknown and trigger in TRIGGERS_WITH_A_PERSON:
-        raise BadInput(f"unknown tenant(s): {', '.join(unknown[:MAX_NAMED])}")
-    if unknown:
-        context.log.warning(f"tenants removed since the tick, not run: {', '.join(unknown)}")
-    return [s for s in scopes if s.tenant_id in known]
 
 
 class ChunkProgress:
@@ -676,7 +493,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
         engine = database.engine()
         try:
             if trigger == "api":
-                scope, options = _adopted(spec, engine, tags[JOB_RUN_TAG], context)
+                scope, options = adopted_run(spec, engine, tags[JOB_RUN_TAG], context)
                 scopes = [scope]
             else:
                 scopes = requested_scopes(spec, context, config.tenants, tags)
@@ -689,13 +506,13 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
             context.instance.add_run_tags(context.run_id, {MODE_TAG: options.mode})
         except QoOpsError as exc:  # bad input: refused before anything was written
             if trigger == "api":  # the accepted row must not wait forever
-                _refuse_accepted(engine, tags[JOB_RUN_TAG], exc)
+                refuse_accepted(engine, tags[JOB_RUN_TAG], exc)
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         outcomes: list[TenantOutcome] = []
         yield from run_tenants(spec, scopes, options, engine, context, outcomes)
         if len(scopes) == 1:
             if trigger == "api" and outcomes[0].refused is not None:
-                _refuse_accepted(engine, tags[JOB_RUN_TAG], outcomes[0].refused)
+                refuse_accepted(engine, tags[JOB_RUN_TAG], outcomes[0].refused)
             output = finish_single(spec, outcomes[0])
         else:
             output = finish_chunk(spec, context, outcomes)

@@ -1,0 +1,140 @@
+"""What one Dagster run of a catalog job covers, settled before any scope is claimed: the
+scopes its partition(s), run config and tags name (narrowed on a re-execution to the
+tenants its parent failed, and to the tenants that exist), or, for a run the operator API
+accepted, the scope and options of its job_run row."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import date
+from typing import Any
+
+import dagster as dg
+
+from qo_ops.dagster_defs.partitions import FAILED_TENANTS_TAG, JOB_RUN_TAG, scope_from_partition_key
+from qo_ops.dagster_defs.submission import PARENT_RUN_TAG
+from qo_ops.errors import BadInput, QoOpsError
+from qo_ops.platform import runs
+from qo_ops.platform.spec import TRIGGERS_WITH_A_PERSON, JobSpec, RunOptions, Scope
+from qo_ops.platform.tenants import tenant_ids
+
+MAX_TENANTS_PER_RUN = 1000  # a run naming more tenants is refused: split it (ticks chunk by 50)
+MAX_NAMED = 50  # tenants named in a run's failure description and metadata
+
+
+def adopted_run(
+    spec: JobSpec, engine: Any, job_run_tag: str, context: dg.OpExecutionContext
+) -> tuple[Scope, RunOptions]:
+    """Scope and options of a run the operator API accepted: its job_run row is the source
+    of truth (validated and audited when it was accepted); the partition must agree."""
+    try:
+        run_id = uuid.UUID(job_run_tag)
+    except ValueError:
+        raise BadInput(f"tag {JOB_RUN_TAG} is not a job run id") from None
+    accepted = runs.load_accepted(engine, run_id, spec.name)
+    partition = scope_from_partition_key(spec, context.partition_key, accepted.scope.tenant_id)
+    if partition.tenant_id != accepted.scope.tenant_id or (
+        partition.window_start is not None and partition.window_start != accepted.scope.window_start
+    ):
+        raise BadInput(
+            f"partition {context.partition_key} does not match accepted run {run_id} "
+            f"({accepted.scope.key})"
+        )
+    limits = accepted.options
+    options = RunOptions(
+        mode=accepted.mode,  # type: ignore[arg-type]
+        trigger="api",
+        batch_size=limits.get("batch_size"),
+        max_items=limits.get("max_items"),
+        throttle_ms=limits.get("throttle_ms"),
+        requester=accepted.requester,
+        reason=accepted.reason,
+        correlation_id=accepted.correlation_id or context.run_id,
+        dagster_run_id=context.run_id,
+        job_run_id=run_id,
+        progress_interval_s=10.0,
+    )
+    return accepted.scope, options
+
+
+def refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
+    """Finish the accepted run ``job_run_tag`` names as failed (refused at start): a run the
+    API accepted must not wait for ever when its Dagster run refuses it."""
+    try:
+        run_id = uuid.UUID(job_run_tag)
+    except ValueError:
+        return
+    with engine.begin() as conn:
+        code = getattr(exc, "error_code", "bad_input")  # e.g. "suspended" (the kill switch)
+        runs.finish_unstarted(conn, run_id, "failed", "refused_at_start", code, str(exc))
+
+
+def _parent_failed_tenants(context: dg.OpExecutionContext, tags: dict[str, str]) -> set[str] | None:
+    """A re-execution of a failed run that recorded which tenants failed runs only those: the
+    failed tenants of the parent run, or None (not a re-execution, the parent succeeded, or
+    no record: run all)."""
+    parent_id = tags.get(PARENT_RUN_TAG)
+    if not parent_id:
+        return None
+    parent = context.instance.get_run_by_id(parent_id)
+    if (
+        parent is None
+        or parent.status == dg.DagsterRunStatus.SUCCESS  # its tag (if inherited) is cleared
+        or FAILED_TENANTS_TAG not in parent.tags
+    ):
+        return None
+    return {t for t in parent.tags[FAILED_TENANTS_TAG].split(",") if t}
+
+
+def requested_scopes(
+    spec: JobSpec, context: dg.OpExecutionContext, tenants: list[str] | None, tags: dict[str, str]
+) -> list[Scope]:
+    """The scopes a run covers, validated before any is claimed: its tenants (run config, or
+    the tenant partition(s) of a tenant job) and, for a windowed job, its day partition(s)
+    as one window. A re-execution narrows them to the tenants its parent failed."""
+    if tenants and spec.partitioning == "tenant" and context.has_partition_key:
+        raise BadInput("give either a tenant partition or config tenants, not both")
+    if not tenants:
+        if spec.partitioning == "tenant_day":
+            raise BadInput(
+                f"{spec.name} is windowed: name its tenants in run config (tenants), or "
+                "backfill tenants × days with tenant_backfill_job"
+            )
+        if not context.has_partition_key_range and not context.has_partition_key:
+            raise BadInput(f"{spec.name}: pick a tenant partition or name tenants in run config")
+        tenants = list(context.partition_keys)
+    if len(tenants) > MAX_TENANTS_PER_RUN:
+        raise BadInput(f"a run covers at most {MAX_TENANTS_PER_RUN} tenants, got {len(tenants)}")
+    if len(set(tenants)) != len(tenants):
+        raise BadInput("config tenants names a tenant twice")
+    failed_before = _parent_failed_tenants(context, tags)
+    if failed_before is not None:
+        tenants = [t for t in tenants if t in failed_before]
+    window: tuple[date, date] | None = None
+    if spec.partitioning == "tenant_day":
+        if not (context.has_partition_key or context.has_partition_key_range):
+            raise BadInput(f"{spec.name} is windowed: pick its day partition(s)")
+        days = sorted(date.fromisoformat(k.partition("|")[0]) for k in context.partition_keys)
+        window = (days[0], days[-1])
+    scopes = []
+    for tenant in tenants:
+        try:
+            scopes.append(Scope.days(tenant, *window) if window else Scope(tenant))
+        except BadInput as exc:
+            raise BadInput(f"tenant {tenant[:64]!r}: {exc}") from None
+    return scopes
+
+
+def known_tenants(
+    engine: Any, scopes: list[Scope], trigger: str, context: dg.OpExecutionContext
+) -> list[Scope]:
+    """The scopes whose tenant exists. A person naming an unknown tenant is refused before
+    any tenant runs; a tick's tenant removed since the tick is left out, with a warning."""
+    with engine.connect() as conn:
+        known = set(tenant_ids(conn, [s.tenant_id for s in scopes]))
+    unknown = [s.tenant_id for s in scopes if s.tenant_id not in known]
+    if unknown and trigger in TRIGGERS_WITH_A_PERSON:
+        raise BadInput(f"unknown tenant(s): {', '.join(unknown[:MAX_NAMED])}")
+    if unknown:
+        context.log.warning(f"tenants removed since the tick, not run: {', '.join(unknown)}")
+    return [s for s in scopes if s.tenant_id in known]
