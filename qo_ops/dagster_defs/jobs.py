@@ -379,7 +379,7 @@ def tenants_table(outcomes: list[TenantOutcome]) -> dg.TableMetadataValue:
 
 def finish_chunk(
     spec: JobSpec, context: dg.OpExecutionContext, outcomes: list[TenantOutcome]
-) -> dg.Output:
+) -> dg.Output[dict[str, Any]]:
     """The run of many tenants ends: its metadata names every tenant's status; the run
     fails, naming the tenants that failed (and tags them, so that re-executing the run runs
     only those), if any tenant failed, was refused or missed a blocking outcome check."""
@@ -423,7 +423,7 @@ def finish_chunk(
     return dg.Output({"runs": [s.as_dict() for s in summaries]}, metadata=metadata)
 
 
-def finish_single(spec: JobSpec, outcome: TenantOutcome) -> dg.Output:
+def finish_single(spec: JobSpec, outcome: TenantOutcome) -> dg.Output[dict[str, Any]]:
     """The run of one scope ends as the runner said: its summary as the op's output, a
     failure (with the runner's one line) when it failed or missed a blocking check."""
     if outcome.summary is None:
