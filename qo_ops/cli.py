@@ -215,7 +215,7 @@ def _load_demo_data(
 ) -> None:
     """Load demo data (``load_demo_data``) and say what was loaded."""
     from qo_ops.demo.data import load_demo_data
-    from qo_ops.jobs.temp_file_cleanup import objects_root
+    from qo_ops.platform.objects import objects_root
 
     report = load_demo_data(
         engine,

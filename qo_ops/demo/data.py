@@ -28,7 +28,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 from qo_ops.errors import BadInput, ConfigError
-from qo_ops.jobs.temp_file_cleanup import ObjectStore, ObjectStoreError
+from qo_ops.platform.objects import ObjectStore, ObjectStoreError
 
 # Retention and timeout rules the demo anomalies are placed around (the jobs' defaults).
 TEMP_FILE_RETENTION_DAYS = 7
