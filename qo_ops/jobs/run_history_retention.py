@@ -291,8 +291,10 @@ def prune_history_batch(conn: Connection, ctx: BatchContext, items: Sequence[Any
 
 def _cutoff(ctx: BatchContext, minus: timedelta = timedelta(0)) -> sa.ColumnElement[Any]:
     """The run's cutoff (now less the period, a bound interval of whole days), less ``minus``."""
-    age = sa.bindparam("cutoff_age", timedelta(days=_run_days(ctx)) + minus, type_=sa.Interval)
-    return sa.func.now() - age
+    age: sa.BindParameter[timedelta] = sa.bindparam(
+        "cutoff_age", timedelta(days=_run_days(ctx)) + minus
+    )
+    return sa.func.now() - sa.cast(age, sa.Interval)
 
 
 def _counts(

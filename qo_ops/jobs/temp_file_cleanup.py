@@ -172,10 +172,10 @@ def run_settings(ctx: BatchContext) -> CleanupSettings:
     return settings_of_run(ctx, settings_from_env)
 
 
-def _retention(ctx: BatchContext) -> sa.BindParameter[timedelta]:
+def _retention(ctx: BatchContext) -> sa.Cast[timedelta]:
     """The run's retention as a bound interval (whole days)."""
     days = timedelta(days=run_settings(ctx).retention_days)
-    return sa.bindparam("retention", days, type_=sa.Interval, unique=True)
+    return sa.cast(sa.bindparam("retention", days, unique=True), sa.Interval)
 
 
 # ------------------------------------------------------------------------------ selection
