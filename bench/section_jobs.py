@@ -57,6 +57,7 @@ from bench.suite import Profile, Row, Section, median
 from qo_ops.jobs import audit_archive as archive_job
 from qo_ops.jobs import temp_file_cleanup as cleanup_job
 from qo_ops.jobs.catalog import get_spec
+from qo_ops.platform.objects import OBJECTS_DIR
 from qo_ops.platform.spec import BatchContext, Limits, Scope
 
 TITLE = "Jobs vs the database's limit"
@@ -241,7 +242,7 @@ def load_template(url: URL, sql: str) -> None:
 def write_objects(home: Path, n: int) -> None:
     """The stored object of every temp_file row (ids 1..n), TEMP_FILE_BYTES each."""
     block = os.urandom(TEMP_FILE_BYTES)
-    root = home / cleanup_job.OBJECTS_DIR
+    root = home / OBJECTS_DIR
     made: set[str] = set()
     for i in range(1, n + 1):
         rel = _object_path(i)
@@ -423,7 +424,7 @@ def cleanup_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
     """Lock and list the eligible rows, hash their objects, delete the rows and write their
     tombstones in one statement, unlink the objects, commit."""
     assert w is not None
-    root = home / cleanup_job.OBJECTS_DIR
+    root = home / OBJECTS_DIR
     params = {"tenant": TENANT, "start": w.start, "end": w.end}
     engine = engine_for(url)
     with engine.begin() as conn:
@@ -636,7 +637,7 @@ def verify_cleanup(url: URL, n: int, w: Window | None, home: Path) -> dict[str, 
         """,
         {"t": TENANT},
     )
-    row["objects_left"] = _count_files(home / cleanup_job.OBJECTS_DIR)
+    row["objects_left"] = _count_files(home / OBJECTS_DIR)
     ok = (
         row["rows_left"] == 0
         and row["tombstones"] == n
@@ -923,7 +924,7 @@ def _transition_sql(job: str, ids: list[int], ctx: BatchContext) -> tuple[sa.Tex
     if job == "temp_file_cleanup":
         params = {"ids": ids, "tenant": TENANT, "start": start, "end": end}
         params |= {"run": str(ctx.job_run_id), "reason": "bench explain"}
-        return cleanup_job._delete_rows_sql(CLEANUP_RETENTION_DAYS), params
+        return cleanup_job._DELETE_ROWS, params | {"days": CLEANUP_RETENTION_DAYS}
     assert job == "audit_archive"
     return sa.text(
         "DELETE FROM audit_record WHERE id = ANY(CAST(:ids AS bigint[])) AND tenant_id = :t"

@@ -51,7 +51,7 @@ def demo_data_command(
 ) -> None:
     """Load deterministic demo data, anomalies included, in one transaction."""
     from qo_ops.demo.data import load_demo_data
-    from qo_ops.jobs.temp_file_cleanup import objects_root
+    from qo_ops.platform.objects import objects_root
 
     anchor = (
         parse_timestamp(as_of, "--as-of") if as_of else datetime.now(UTC).replace(microsecond=0)

@@ -78,6 +78,7 @@ def parse_database_url(raw: str) -> URL:
 # The embedded server serves demos and tests: no replicas, so WAL can be minimal, which
 # lets a load into tables truncated in the same transaction skip WAL entirely.
 _EMBEDDED_SETTINGS = {"wal_level": "minimal", "max_wal_senders": "0"}
+_SETTING = sa.text("SELECT current_setting(:name)")  # SHOW, with the name bound
 
 
 def _tune_embedded(server: Any, uri: str) -> None:
@@ -89,7 +90,7 @@ def _tune_embedded(server: Any, uri: str) -> None:
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
     with PostgresServer._lock:
         with engine.connect() as conn:
-            current = {k: conn.exec_driver_sql(f"SHOW {k}").scalar() for k in _EMBEDDED_SETTINGS}
+            current = {k: conn.execute(_SETTING, {"name": k}).scalar() for k in _EMBEDDED_SETTINGS}
             if current == _EMBEDDED_SETTINGS:
                 engine.dispose()
                 return

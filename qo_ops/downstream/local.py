@@ -101,15 +101,17 @@ def local_simulator(store: Path | None = None) -> Iterator[str]:
         yield sim.url
 
 
+# The demo's downstream view: what the simulator should know of every order.
+_DOWNSTREAM_ORDERS = sa.text("SELECT order_number, tenant_id, status FROM downstream_order")
+
+
 def seed_from_demo(engine: Engine, url: str) -> int:
     """Give an empty simulator the demo's downstream view (the `downstream_order` rows)."""
     with DownstreamClient(url) as client:
         if client.stats(detail=False).get("orders"):
             return 0
         with engine.connect() as conn:
-            rows = conn.execute(
-                sa.text("SELECT order_number, tenant_id, status FROM downstream_order")
-            ).all()
+            rows = conn.execute(_DOWNSTREAM_ORDERS).all()
         for row in rows:
             client.put_order(row.order_number, row.tenant_id, row.status)
         return len(rows)

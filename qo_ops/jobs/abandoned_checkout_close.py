@@ -38,7 +38,7 @@ IDLE_HOURS_ENV = "QO_OPS_CHECKOUT_IDLE_HOURS"
 DEFAULT_IDLE_HOURS = 24
 MIN_IDLE_HOURS = 1  # the job never closes a session idle for less than this
 MAX_IDLE_HOURS = 24 * 365
-GRACE = "interval '5 minutes'"  # the outcome check forgives sessions that went idle this recently
+GRACE_MINUTES = 5  # the outcome check forgives sessions that went idle this recently
 
 OPEN: sa.ColumnElement[str] = sa.literal_column(
     "'OPEN'"
@@ -63,6 +63,13 @@ def _run_idle_hours(ctx: BatchContext) -> int:
     return run_settings(ctx, idle_timeout_hours)
 
 
+# Idle past the run's timeout (a bound interval of whole hours), on ix_checkout_session_open_idle.
+_IDLE_PAST_TIMEOUT = sa.text(
+    "checkout_session.last_activity_at "
+    "< now() - make_interval(hours => CAST(:idle_hours AS integer))"
+)
+
+
 def idle_checkouts(ctx: BatchContext) -> sa.Select[Any]:
     """OPEN sessions of the tenant idle past the timeout, longest idle first
     (ix_checkout_session_open_idle).
@@ -76,10 +83,7 @@ def idle_checkouts(ctx: BatchContext) -> sa.Select[Any]:
         .where(
             checkout_session.c.tenant_id == ctx.scope.tenant_id,
             checkout_session.c.status == OPEN,
-            sa.text(
-                "checkout_session.last_activity_at "
-                "< now() - make_interval(hours => CAST(:idle_hours AS integer))"
-            ).bindparams(idle_hours=hours),
+            _IDLE_PAST_TIMEOUT.bindparams(idle_hours=hours),
         )
         .order_by(checkout_session.c.last_activity_at, checkout_session.c.id)
     )
@@ -92,8 +96,9 @@ def idle_checkouts(ctx: BatchContext) -> sa.Select[Any]:
     return query
 
 
-# Conditional OPEN -> ABANDONED (a session already closed, or active again, is not touched)
-# and its event under a unique business key (a second one is never inserted): safe twice.
+# Conditional OPEN -> ABANDONED, and its event under a unique business key.
+# Twice: a session already closed, or active again, matches nothing, and a second event for
+# it conflicts on business_key and is never inserted.
 CLOSE_CHECKOUT_BATCH = sa.text(
     """
     WITH closed AS (
@@ -145,7 +150,7 @@ def close_checkout_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]
 # acts, so its closed_at follows the last activity by minutes and it has no event).
 # Events are counted once per session in one grouped pass, not by a subquery per session.
 EVENT_CHECK = sa.text(
-    f"""
+    """
     SELECT count(*) FILTER (WHERE e.n IS NULL) AS missing,
            count(*) FILTER (WHERE e.n > 1) AS duplicated
       FROM checkout_session s
@@ -155,8 +160,20 @@ EVENT_CHECK = sa.text(
                   GROUP BY aggregate_id) e ON e.aggregate_id = s.id::text
      WHERE s.tenant_id = :tenant AND s.status = 'ABANDONED'
        AND (e.n IS NOT NULL
-            OR s.closed_at >= s.last_activity_at + interval '{MIN_IDLE_HOURS} hours')
+            OR s.closed_at >= s.last_activity_at + make_interval(hours => CAST(:min_idle AS integer)))
     """
+)
+# OPEN sessions idle past :hours and :grace_min minutes more.
+IDLE_PAST_GRACE = sa.text(
+    "SELECT count(*) FROM checkout_session WHERE tenant_id = :tenant AND status = 'OPEN' "
+    "AND last_activity_at < now() - make_interval(hours => CAST(:hours AS integer)) "
+    "- make_interval(mins => CAST(:grace_min AS integer))"
+)
+OLDEST_IDLE_SECONDS = sa.text(
+    "SELECT extract(epoch FROM now() - make_interval(hours => CAST(:hours AS integer)) "
+    "- min(last_activity_at)) FROM checkout_session "
+    "WHERE tenant_id = :tenant AND status = 'OPEN' "
+    "AND last_activity_at < now() - make_interval(hours => CAST(:hours AS integer))"
 )
 
 
@@ -165,15 +182,10 @@ def check_abandoned_checkouts(conn: Connection, ctx: BatchContext) -> list[Outco
     closed."""
     hours = _run_idle_hours(ctx)
     params = {"tenant": ctx.scope.tenant_id, "hours": hours}
-    idle = conn.execute(
-        sa.text(
-            f"SELECT count(*) FROM checkout_session WHERE tenant_id = :tenant AND status = 'OPEN' "
-            f"AND last_activity_at < now() - make_interval(hours => CAST(:hours AS integer)) "
-            f"- {GRACE}"
-        ),
-        params,
-    ).scalar()
-    events = conn.execute(EVENT_CHECK, params).one()
+    idle = conn.execute(IDLE_PAST_GRACE, {**params, "grace_min": GRACE_MINUTES}).scalar()
+    events = conn.execute(
+        EVENT_CHECK, {"tenant": ctx.scope.tenant_id, "min_idle": MIN_IDLE_HOURS}
+    ).one()
     return [
         OutcomeCheck(
             "no_idle_open_checkouts",
@@ -193,13 +205,7 @@ def check_abandoned_checkouts(conn: Connection, ctx: BatchContext) -> list[Outco
 def oldest_idle_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     """Seconds since the longest-idle OPEN session of the tenant passed the timeout."""
     value = conn.execute(
-        sa.text(
-            "SELECT extract(epoch FROM now() - make_interval(hours => CAST(:hours AS integer)) "
-            "- min(last_activity_at)) FROM checkout_session "
-            "WHERE tenant_id = :tenant AND status = 'OPEN' "
-            "AND last_activity_at < now() - make_interval(hours => CAST(:hours AS integer))"
-        ),
-        {"tenant": ctx.scope.tenant_id, "hours": _run_idle_hours(ctx)},
+        OLDEST_IDLE_SECONDS, {"tenant": ctx.scope.tenant_id, "hours": _run_idle_hours(ctx)}
     ).scalar()
     return seconds_or_none(value)
 

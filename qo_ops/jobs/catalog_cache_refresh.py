@@ -54,8 +54,9 @@ def stale_catalog_items(ctx: BatchContext) -> sa.Select[Any]:
     return query
 
 
-# Upsert each selected item's entry from the item itself; the WHERE on the update leaves an
-# entry that is already at the item's version untouched, so a second run writes nothing.
+# Upsert each selected item's entry from the item itself.
+# Twice: the WHERE on the update leaves an entry already at the item's version untouched, so
+# a second run writes nothing.
 REFRESH_CACHE_BATCH = sa.text(
     """
     INSERT INTO catalog_cache AS c (catalog_item_id, tenant_id, cached_version, payload,
@@ -89,20 +90,26 @@ def refresh_cache_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any])
     )
 
 
+# The tenant's items without a cache entry, and with one behind their version.
+MISSING_AND_STALE = sa.text(
+    """
+    SELECT count(*) FILTER (WHERE c.catalog_item_id IS NULL) AS missing,
+           count(*) FILTER (WHERE c.cached_version <> i.version) AS stale
+      FROM catalog_item i
+      LEFT JOIN catalog_cache c ON c.catalog_item_id = i.id
+     WHERE i.tenant_id = :tenant
+    """
+)
+OLDEST_STALE_SECONDS = sa.text(
+    "SELECT extract(epoch FROM now() - min(i.updated_at)) FROM catalog_item i "
+    "LEFT JOIN catalog_cache c ON c.catalog_item_id = i.id "
+    "WHERE i.tenant_id = :tenant AND c.cached_version IS DISTINCT FROM i.version"
+)
+
+
 def check_catalog_cache(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """Every catalog item of the tenant has a cache entry at its current version."""
-    row = conn.execute(
-        sa.text(
-            """
-            SELECT count(*) FILTER (WHERE c.catalog_item_id IS NULL) AS missing,
-                   count(*) FILTER (WHERE c.cached_version <> i.version) AS stale
-              FROM catalog_item i
-              LEFT JOIN catalog_cache c ON c.catalog_item_id = i.id
-             WHERE i.tenant_id = :tenant
-            """
-        ),
-        {"tenant": ctx.scope.tenant_id},
-    ).one()
+    row = conn.execute(MISSING_AND_STALE, {"tenant": ctx.scope.tenant_id}).one()
     return [
         OutcomeCheck(
             "cache_versions_match_source",
@@ -115,14 +122,7 @@ def check_catalog_cache(conn: Connection, ctx: BatchContext) -> list[OutcomeChec
 
 def oldest_stale_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     """Seconds since the least recently changed item whose cache entry is out of date."""
-    value = conn.execute(
-        sa.text(
-            "SELECT extract(epoch FROM now() - min(i.updated_at)) FROM catalog_item i "
-            "LEFT JOIN catalog_cache c ON c.catalog_item_id = i.id "
-            "WHERE i.tenant_id = :tenant AND c.cached_version IS DISTINCT FROM i.version"
-        ),
-        {"tenant": ctx.scope.tenant_id},
-    ).scalar()
+    value = conn.execute(OLDEST_STALE_SECONDS, {"tenant": ctx.scope.tenant_id}).scalar()
     return seconds_or_none(value)
 
 

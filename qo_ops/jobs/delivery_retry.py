@@ -1,9 +1,10 @@
 """delivery_retry: due delivery items are sent to the fulfilment system with their
 business key as the idempotency key; delivered, retried with backoff, or dead-lettered.
 
-Per batch: (1) claim — due items become IN_PROGRESS, attempt + 1, hidden until the claim
-lapses (2 × lease TTL) — and commit; (2) call the downstream with no transaction open;
-(3) record each result with an update conditional on the claim (same attempt number).
+Per batch (the steps of :class:`~qo_ops.downstream.claims.ClaimedCalls`): (1) claim — due
+items become IN_PROGRESS, attempt + 1, hidden until the claim lapses (2 × lease TTL) — and
+commit; (2) call the downstream with no transaction open; (3) record each result with an
+update conditional on the claim (same attempt number).
 A process that dies between (2) and (3) leaves its items IN_PROGRESS; once the claim lapses
 they are due again and are re-sent with the same idempotency key, which the downstream
 answers with the original result: never a second delivery.
@@ -11,32 +12,17 @@ answers with the original result: never a second delivery.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import delivery_attempt_item
-from qo_ops.downstream.calls import (
-    call_for_each,
-    call_settings,
-    claim_seconds,
-    finish_calls,
-    prepare_calls,
-)
+from qo_ops.downstream.claims import ClaimedCalls, Decision, select_due
+from qo_ops.downstream.client import DownstreamClient
 from qo_ops.errors import one_line
-from qo_ops.platform.retry import dispose
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
-from qo_ops.platform.spec import (
-    BatchContext,
-    BatchOutcome,
-    CheckSpec,
-    JobSpec,
-    Limits,
-    OutcomeCheck,
-    run_settings,
-)
+from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, OutcomeCheck
 
 # literals, so the selection matches the partial index's predicate in every plan
 DUE_STATES: list[sa.ColumnElement[str]] = [
@@ -50,19 +36,12 @@ SIDE_EFFECT = "submit_delivery"  # each call is one attempt at it (job_side_effe
 def due_items(ctx: BatchContext) -> sa.Select[Any]:
     """READY items that are due, and IN_PROGRESS items whose claim lapsed, oldest first."""
     item = delivery_attempt_item
-    return (
-        sa.select(item.c.id)
-        .where(
-            item.c.tenant_id == ctx.scope.tenant_id,
-            item.c.status.in_(DUE_STATES),
-            item.c.next_attempt_at <= sa.func.now(),
-        )
-        .order_by(item.c.next_attempt_at, item.c.id)
-    )
+    return select_due(ctx, item, item.c.next_attempt_at, item.c.status.in_(DUE_STATES))
 
 
-# Claim: only items still due move (a rerun or a rival claims nothing twice); the attempt
-# number taken here is what the result must match to be recorded.
+# Claim: the attempt number taken here is what the result must match to be recorded.
+# Twice: only items still due move, and a claim hides them until it lapses, so a rerun or
+# a rival claims nothing twice.
 CLAIM_DELIVERY_BATCH = sa.text(
     """
     UPDATE delivery_attempt_item i
@@ -79,36 +58,19 @@ CLAIM_DELIVERY_BATCH = sa.text(
 )
 
 
-def claim_delivery_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
-    """Claim the selected items for this run's calls."""
-    prepare_calls(conn, ctx)
-    claim_s = claim_seconds(ctx, len(ids))
-    rows = conn.execute(
-        CLAIM_DELIVERY_BATCH,
-        {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s},
-    ).mappings()
-    return BatchOutcome(work=[dict(r) for r in rows])
-
-
-def send_deliveries(ctx: BatchContext, work: list[Any]) -> list[Any]:
-    """Submit every claimed item to the fulfilment system (bounded concurrency)."""
-    return call_for_each(
-        ctx,
-        work,
-        lambda client, item: (
-            client.submit_delivery(
-                item["business_key"], item["tenant_id"], item["order_number"], item["payload"]
-            ).duplicate
-        ),
-        attempt_field="attempt_count",
-        max_attempts=lambda item: item["max_attempts"],
-    )
+def submit_delivery(client: DownstreamClient, item: dict[str, Any]) -> bool:
+    """Submit one claimed item to the fulfilment system: whether it had the key already."""
+    return client.submit_delivery(
+        item["business_key"], item["tenant_id"], item["order_number"], item["payload"]
+    ).duplicate
 
 
 # Record results, each only if the item is still under this claim (same attempt number). A
 # released item (the run stopped before its call, or before its answer, or the breaker was
 # open) is due again at once with its attempt given back: stopping is not the item's
 # failure. So is a rate-limited item (due after Retry-After) and one spared by the breaker.
+# Twice: a recorded item is no longer IN_PROGRESS at that attempt, so recording it again, or
+# after a rival claimed it, matches nothing.
 RECORD_DELIVERY_RESULTS = sa.text(
     """
     UPDATE delivery_attempt_item i
@@ -139,6 +101,7 @@ _STATE = {
 
 # The breaker opened: the failures that started the outage in an earlier batch of this run
 # get their attempt back and are due again (only while nobody claimed them since).
+# Twice: it matches only at the attempt recorded, which it lowers: a second one matches nothing.
 GIVE_BACK_DELIVERY_ATTEMPTS = sa.text(
     """
     UPDATE delivery_attempt_item i
@@ -150,42 +113,51 @@ GIVE_BACK_DELIVERY_ATTEMPTS = sa.text(
 )
 
 
-def record_delivery_results(
-    conn: Connection, ctx: BatchContext, results: list[Any]
-) -> BatchOutcome:
-    """Write DELIVERED / READY with backoff / DEAD_LETTER for each call result."""
-    policy = run_settings(ctx, call_settings).retry
-    decisions = [(r, dispose(r, policy)) for r in results]
-    rows = conn.execute(
-        RECORD_DELIVERY_RESULTS,
-        {
-            "ids": [r.item_id for r, _ in decisions],
-            "attempts": [r.attempt for r, _ in decisions],
-            "states": [d.state for _, d in decisions],
-            "statuses": [_STATE[d.state] for _, d in decisions],
-            "delays": [d.delay_s for _, d in decisions],
-            "refunds": [int(d.refund) for _, d in decisions],
-            "codes": [r.code for r, _ in decisions],
-            "messages": [one_line(r.message, 300) if r.message else None for r, _ in decisions],
-        },
-    ).all()
-    recorded = {str(row.id): row.state for row in rows}
-    return finish_calls(conn, ctx, decisions, recorded, SIDE_EFFECT, GIVE_BACK_DELIVERY_ATTEMPTS)
+def delivery_columns(decisions: list[Decision]) -> dict[str, list[Any]]:
+    """What RECORD_DELIVERY_RESULTS takes besides ids, attempts, states and delays: DELIVERED /
+    READY / DEAD_LETTER, the attempt given back, the error."""
+    return {
+        "statuses": [_STATE[d.state] for _, d in decisions],
+        "refunds": [int(d.refund) for _, d in decisions],
+        "codes": [r.code for r, _ in decisions],
+        "messages": [one_line(r.message, 300) if r.message else None for r, _ in decisions],
+    }
+
+
+DELIVERIES = ClaimedCalls(
+    side_effect=SIDE_EFFECT,
+    claim=CLAIM_DELIVERY_BATCH,
+    call=submit_delivery,
+    attempt_field="attempt_count",
+    max_attempts=lambda item: item["max_attempts"],
+    record=RECORD_DELIVERY_RESULTS,
+    columns=delivery_columns,
+    give_back=GIVE_BACK_DELIVERY_ATTEMPTS,
+)
+
+
+# The tenant's items due for longer than :slo seconds, and its dead letters.
+LATE_AND_DEAD = sa.text(
+    """
+    SELECT count(*) FILTER (WHERE status IN ('READY', 'IN_PROGRESS')
+                              AND next_attempt_at < now() - make_interval(secs => :slo)) AS late,
+           count(*) FILTER (WHERE status = 'DEAD_LETTER') AS dead
+      FROM delivery_attempt_item WHERE tenant_id = :tenant
+    """
+)
+OLDEST_DUE_SECONDS = sa.text(
+    "SELECT extract(epoch FROM now() - min(next_attempt_at)) FROM delivery_attempt_item "
+    "WHERE tenant_id = :tenant AND status IN ('READY', 'IN_PROGRESS') AND next_attempt_at <= now()"
+)
+# Every tenant's dead letters, for the exporter's capped count.
+DEAD_ITEMS = sa.select(delivery_attempt_item.c.id).where(
+    delivery_attempt_item.c.status == "DEAD_LETTER"
+)
 
 
 def check_deliveries(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """No due item older than the lag SLO; dead letters counted."""
-    row = conn.execute(
-        sa.text(
-            """
-            SELECT count(*) FILTER (WHERE status IN ('READY', 'IN_PROGRESS')
-                                      AND next_attempt_at < now() - make_interval(secs => :slo)) AS late,
-                   count(*) FILTER (WHERE status = 'DEAD_LETTER') AS dead
-              FROM delivery_attempt_item WHERE tenant_id = :tenant
-            """
-        ),
-        {"tenant": ctx.scope.tenant_id, "slo": LAG_SLO_S},
-    ).one()
+    row = conn.execute(LATE_AND_DEAD, {"tenant": ctx.scope.tenant_id, "slo": LAG_SLO_S}).one()
     return [
         OutcomeCheck(
             "no_delivery_past_lag_slo",
@@ -198,25 +170,14 @@ def check_deliveries(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
 
 def oldest_due_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     """Seconds the oldest due delivery item has been waiting."""
-    value = conn.execute(
-        sa.text(
-            "SELECT extract(epoch FROM now() - min(next_attempt_at)) FROM delivery_attempt_item "
-            "WHERE tenant_id = :tenant AND status IN ('READY', 'IN_PROGRESS') AND next_attempt_at <= now()"
-        ),
-        {"tenant": ctx.scope.tenant_id},
-    ).scalar()
-    return seconds_or_none(value)
+    return seconds_or_none(
+        conn.execute(OLDEST_DUE_SECONDS, {"tenant": ctx.scope.tenant_id}).scalar()
+    )
 
 
 def dead_lettered(conn: Connection) -> int:
     """Delivery items dead-lettered now, every tenant (counted up to the exporter's cap)."""
-    return capped_count(
-        conn,
-        sa.select(delivery_attempt_item.c.id).where(
-            delivery_attempt_item.c.status == "DEAD_LETTER"
-        ),
-        DEAD_LETTER_CAP,
-    )
+    return capped_count(conn, DEAD_ITEMS, DEAD_LETTER_CAP)
 
 
 SPEC = JobSpec(
@@ -225,9 +186,6 @@ SPEC = JobSpec(
     description="Send due fulfilment deliveries with their idempotency key; retry with backoff or dead-letter",
     partitioning="tenant",
     eligible=due_items,
-    transition=claim_delivery_batch,
-    external=send_deliveries,
-    record=record_delivery_results,
     check=check_deliveries,
     lag=oldest_due_seconds,
     dead_letters=dead_lettered,
@@ -241,11 +199,7 @@ SPEC = JobSpec(
     ),
     cron_schedule="*/5 * * * *",
     backlog_threshold=500,
-    # 1,024, a multiple of 32 and 64 calls: a batch's calls wait for its slowest, then for the
-    # record and the next claim; fewer, larger batches leave them idle less (bench/TUNING.md)
-    defaults=Limits(batch_size=1024, concurrency=32),
     change="sent with its idempotency key: delivered, retried or dead-lettered",
     healthy="No delivery due for longer than 15 minutes, and no dead letter waiting for a person.",
-    side_effects=(SIDE_EFFECT,),
-    validate_settings=call_settings,  # downstream URL and retry policy, before any claim
+    **DELIVERIES.steps,  # claim → call → record, its side effect, settings and defaults
 )

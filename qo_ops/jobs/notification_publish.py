@@ -2,40 +2,26 @@
 ``available_at`` passes) are published to the notification sink at least once, with the
 event id as the dedupe key; then marked published, retried with backoff, or dead-lettered.
 
-Same three steps per batch as delivery_retry: claim (hide the event until the claim lapses,
-attempt + 1) and commit, publish with no transaction open, record conditional on the claim.
+Same three steps per batch as delivery_retry (:class:`~qo_ops.downstream.claims.ClaimedCalls`):
+claim (hide the event until the claim lapses, attempt + 1) and commit, publish with no
+transaction open, record conditional on the claim.
 A crash between publishing and recording publishes the event again later; the sink dedupes
 on the event id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import outbox_event
-from qo_ops.downstream.calls import (
-    call_for_each,
-    call_settings,
-    claim_seconds,
-    finish_calls,
-    prepare_calls,
-)
+from qo_ops.downstream.claims import ClaimedCalls, Decision, select_due
+from qo_ops.downstream.client import DownstreamClient
 from qo_ops.errors import one_line
-from qo_ops.platform.retry import dispose
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
-from qo_ops.platform.spec import (
-    BatchContext,
-    BatchOutcome,
-    CheckSpec,
-    JobSpec,
-    Limits,
-    OutcomeCheck,
-    run_settings,
-)
+from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, OutcomeCheck
 
 MAX_PUBLISH_ATTEMPTS = 8
 LAG_SLO_S = 600  # the oldest due, unpublished event may wait this long
@@ -45,19 +31,14 @@ SIDE_EFFECT = "publish_notification"  # each call is one attempt at it (job_side
 def due_events(ctx: BatchContext) -> sa.Select[Any]:
     """The tenant's unpublished, not dead-lettered events that are due, oldest first."""
     e = outbox_event
-    return (
-        sa.select(e.c.id)
-        .where(
-            e.c.tenant_id == ctx.scope.tenant_id,
-            e.c.published_at.is_(None),
-            e.c.dead_lettered_at.is_(None),
-            e.c.available_at <= sa.func.now(),
-        )
-        .order_by(e.c.available_at, e.c.id)
+    return select_due(
+        ctx, e, e.c.available_at, e.c.published_at.is_(None), e.c.dead_lettered_at.is_(None)
     )
 
 
 # Claim: still due and unpublished, or nothing; hidden until the claim lapses.
+# Twice: a claimed event is not due again until its claim lapses, so a rerun or a rival
+# claims nothing twice.
 CLAIM_EVENT_BATCH = sa.text(
     """
     UPDATE outbox_event
@@ -70,33 +51,19 @@ CLAIM_EVENT_BATCH = sa.text(
 )
 
 
-def claim_event_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
-    """Claim the selected events for this run's publishing."""
-    prepare_calls(conn, ctx)
-    claim_s = claim_seconds(ctx, len(ids))
-    rows = conn.execute(
-        CLAIM_EVENT_BATCH,
-        {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s},
-    ).mappings()
-    return BatchOutcome(work=[dict(r) for r in rows])
-
-
-def publish_events(ctx: BatchContext, work: list[Any]) -> list[Any]:
-    """Publish every claimed event to the notification sink (bounded concurrency)."""
-    return call_for_each(
-        ctx,
-        work,
-        lambda client, event: client.publish_notification(
-            str(event["id"]), event["event_type"], event["tenant_id"], event["payload"]
-        ),
-        attempt_field="publish_attempts",
-        max_attempts=lambda _event: MAX_PUBLISH_ATTEMPTS,
+def publish_event(client: DownstreamClient, event: dict[str, Any]) -> bool:
+    """Publish one claimed event to the notification sink: whether it had the event already."""
+    return client.publish_notification(
+        str(event["id"]), event["event_type"], event["tenant_id"], event["payload"]
     )
 
 
 # Record, each only while the event is still under this claim (same attempt number). A
 # released event (the run stopped before publishing it, or before the answer) is due again at
 # once with its attempt given back.
+# Twice: after a rival's claim (a higher attempt) it matches nothing; recorded again, a
+# result that settled the event (published, dead, attempt given back) matches nothing and a
+# retry is set to the same state once more.
 RECORD_PUBLISH_RESULTS = sa.text(
     """
     UPDATE outbox_event e
@@ -119,6 +86,7 @@ RECORD_PUBLISH_RESULTS = sa.text(
 
 # The breaker opened: the failures that started the outage in an earlier batch of this run
 # get their attempt back and are due again (only while nobody claimed them since).
+# Twice: it matches only at the attempt recorded, which it lowers: a second one matches nothing.
 GIVE_BACK_PUBLISH_ATTEMPTS = sa.text(
     """
     UPDATE outbox_event e
@@ -130,6 +98,7 @@ GIVE_BACK_PUBLISH_ATTEMPTS = sa.text(
 )
 
 # Notifications waiting for an event that was just published are sent.
+# Twice: only PENDING notifications move; a second run finds them SENT.
 MARK_NOTIFICATIONS_SENT = sa.text(
     """
     UPDATE notification SET status = 'SENT', sent_at = clock_timestamp()
@@ -138,58 +107,51 @@ MARK_NOTIFICATIONS_SENT = sa.text(
 )
 
 
-def record_publish_results(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
-    """Write published / retry with backoff / dead-lettered for each publish result."""
-    policy = run_settings(ctx, call_settings).retry
-    decisions = [(r, dispose(r, policy)) for r in results]
-    rows = conn.execute(
-        RECORD_PUBLISH_RESULTS,
-        {
-            "ids": [r.item_id for r, _ in decisions],
-            "attempts": [r.attempt for r, _ in decisions],
-            "states": [d.state for _, d in decisions],
-            "delays": [d.delay_s for _, d in decisions],
-            "codes": [one_line(r.code, 60) if r.code else None for r, _ in decisions],
-        },
-    ).all()
-    recorded = {str(row.id): row.state for row in rows}
-    published = [i for i, state in recorded.items() if state == "done"]
-    if published:
-        conn.execute(MARK_NOTIFICATIONS_SENT, {"ids": published})
-    return finish_calls(conn, ctx, decisions, recorded, SIDE_EFFECT, GIVE_BACK_PUBLISH_ATTEMPTS)
+def publish_columns(decisions: list[Decision]) -> dict[str, list[Any]]:
+    """What RECORD_PUBLISH_RESULTS takes besides ids, attempts, states and delays: the error."""
+    return {"codes": [one_line(r.code, 60) if r.code else None for r, _ in decisions]}
+
+
+EVENTS = ClaimedCalls(
+    side_effect=SIDE_EFFECT,
+    claim=CLAIM_EVENT_BATCH,
+    call=publish_event,
+    attempt_field="publish_attempts",
+    max_attempts=lambda _event: MAX_PUBLISH_ATTEMPTS,
+    record=RECORD_PUBLISH_RESULTS,
+    columns=publish_columns,
+    give_back=GIVE_BACK_PUBLISH_ATTEMPTS,
+    on_done=MARK_NOTIFICATIONS_SENT,  # the notifications waiting for a published event
+)
+
+
+OLDEST_UNPUBLISHED_SECONDS = sa.text(
+    "SELECT extract(epoch FROM now() - min(available_at)) FROM outbox_event "
+    "WHERE tenant_id = :tenant AND published_at IS NULL AND dead_lettered_at IS NULL "
+    "AND available_at <= now()"
+)
+TENANT_DEAD_EVENTS = sa.text(
+    "SELECT count(*) FROM outbox_event WHERE tenant_id = :t AND dead_lettered_at IS NOT NULL"
+)
+# Every tenant's dead letters, for the exporter's capped count.
+DEAD_EVENTS = sa.select(outbox_event.c.id).where(outbox_event.c.dead_lettered_at.is_not(None))
 
 
 def oldest_unpublished_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     """Seconds the oldest due, unpublished event of the tenant has been waiting."""
-    value = conn.execute(
-        sa.text(
-            "SELECT extract(epoch FROM now() - min(available_at)) FROM outbox_event "
-            "WHERE tenant_id = :tenant AND published_at IS NULL AND dead_lettered_at IS NULL "
-            "AND available_at <= now()"
-        ),
-        {"tenant": ctx.scope.tenant_id},
-    ).scalar()
+    value = conn.execute(OLDEST_UNPUBLISHED_SECONDS, {"tenant": ctx.scope.tenant_id}).scalar()
     return seconds_or_none(value)
 
 
 def dead_lettered(conn: Connection) -> int:
     """Outbox events dead-lettered now, every tenant (counted up to the exporter's cap)."""
-    return capped_count(
-        conn,
-        sa.select(outbox_event.c.id).where(outbox_event.c.dead_lettered_at.is_not(None)),
-        DEAD_LETTER_CAP,
-    )
+    return capped_count(conn, DEAD_EVENTS, DEAD_LETTER_CAP)
 
 
 def check_outbox(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """The oldest due, unpublished event is within the SLO."""
     age = oldest_unpublished_seconds(conn, ctx)
-    dead = conn.execute(
-        sa.text(
-            "SELECT count(*) FROM outbox_event WHERE tenant_id = :t AND dead_lettered_at IS NOT NULL"
-        ),
-        {"t": ctx.scope.tenant_id},
-    ).scalar()
+    dead = conn.execute(TENANT_DEAD_EVENTS, {"t": ctx.scope.tenant_id}).scalar()
     return [
         OutcomeCheck(
             "oldest_unpublished_within_slo",
@@ -206,9 +168,6 @@ SPEC = JobSpec(
     description="Publish due outbox events (delayed ones included) to the notification sink, deduped by event id",
     partitioning="tenant",
     eligible=due_events,
-    transition=claim_event_batch,
-    external=publish_events,
-    record=record_publish_results,
     check=check_outbox,
     lag=oldest_unpublished_seconds,
     dead_letters=dead_lettered,
@@ -222,11 +181,7 @@ SPEC = JobSpec(
     ),
     cron_schedule="* * * * *",
     backlog_threshold=1000,
-    # 1,024, a multiple of 32 and 64 calls: a batch's calls wait for its slowest, then for the
-    # record and the next claim; fewer, larger batches leave them idle less (bench/TUNING.md)
-    defaults=Limits(batch_size=1024, concurrency=32),
     change="published once by event id, retried or dead-lettered",
     healthy="No outbox event overdue for publishing, and no dead letter waiting for a person.",
-    side_effects=(SIDE_EFFECT,),
-    validate_settings=call_settings,  # downstream URL and retry policy, before any claim
+    **EVENTS.steps,  # claim → call → record, its side effect, settings and defaults
 )

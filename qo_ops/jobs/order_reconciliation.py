@@ -146,15 +146,16 @@ def in_flight_orders(ctx: BatchContext) -> sa.Select[Any]:
     return query
 
 
+# What the comparison needs of the batch's orders (no claim: nothing is changed yet).
+READ_ORDERS = sa.text(
+    "SELECT id, order_number, status, version FROM customer_order "
+    "WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id"
+)
+
+
 def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Read what the comparison needs (no claim: nothing is changed yet)."""
-    rows = conn.execute(
-        sa.text(
-            "SELECT id, order_number, status, version FROM customer_order "
-            "WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id"
-        ),
-        {"ids": list(ids)},
-    ).mappings()
+    rows = conn.execute(READ_ORDERS, {"ids": list(ids)}).mappings()
     return BatchOutcome(work=[dict(r) for r in rows], cursor={"last_id": int(ids[-1])})
 
 
@@ -209,6 +210,8 @@ def _classify(ours: str, theirs: str | None) -> str | None:
 
 
 # Adopt the downstream's terminal status, only if the order is as we read it (version).
+# Twice: adopting bumps the version and leaves the in-flight statuses, so a second run (or a
+# rival) with the same reading matches nothing.
 ADOPT_STATUS = sa.text(
     """
     UPDATE customer_order SET status = :status, version = version + 1, updated_at = clock_timestamp()
@@ -241,6 +244,10 @@ RESUBMIT_STATE = sa.text(
 )
 # Re-submit: the order's delivery items go back to READY, keeping their idempotency key.
 # Never a DEAD_LETTER item (only the audited requeue moves those) nor one being sent.
+# Twice: not on its own (a DELIVERED item would go back to READY again): a rerun reads the
+# budget first (RESUBMIT_STATE: the last re-submission delivered and past its grace), and
+# this runs in one savepoint with RECORD_RESUBMISSION, where a rival taking the same n
+# conflicts and rolls it back (a re-send would be deduped on the key downstream).
 RESUBMIT = sa.text(
     """
     UPDATE delivery_attempt_item
@@ -249,7 +256,9 @@ RESUBMIT = sa.text(
     RETURNING id
     """
 )
-# Re-submission n is taken once: a rival or a rerun conflicts on (order, n) and adds nothing.
+# Take re-submission n of the order's budget.
+# Twice: n is taken once: a rival or a rerun conflicts on (order, n), adds nothing, and
+# rolls its RESUBMIT back.
 RECORD_RESUBMISSION = sa.text(
     """
     INSERT INTO order_resubmission (order_id, resubmission, tenant_id, job_run_id, requested_at)
@@ -258,9 +267,14 @@ RECORD_RESUBMISSION = sa.text(
     RETURNING resubmission
     """
 )
+# Flag the order for a person.
+# Twice: only an order not flagged yet changes; a second run matches nothing.
 FLAG_REVIEW = sa.text(
     "UPDATE customer_order SET needs_manual_review = true WHERE id = :id AND NOT needs_manual_review RETURNING id"
 )
+# A correction's event, under its business key (adopted:<status>, resubmit:<n>).
+# Twice: a second insert of the same correction conflicts on business_key and adds nothing
+# (counted as a duplicate prevented).
 EVENT = sa.text(
     """
     INSERT INTO outbox_event (id, business_key, tenant_id, aggregate_type, aggregate_id, event_type, payload)
@@ -268,12 +282,38 @@ EVENT = sa.text(
     ON CONFLICT (business_key) DO NOTHING
     """
 )
+# What the run found and did about one order (the run's evidence, kept with its job_run).
+# Twice: one row per run and order: recording the same order again in a run adds nothing; a
+# rerun records what it finds under its own run id.
 RESULT = sa.text(
     """
     INSERT INTO reconciliation_result (job_run_id, tenant_id, order_id, order_number, mismatch_type,
                                        our_status, downstream_status, action, outcome, detail)
     VALUES (:run, :tenant, :order_id, :order_number, :type, :ours, :theirs, :action, :outcome, :detail)
     ON CONFLICT (job_run_id, order_number) DO NOTHING
+    """
+)
+# Which of the downstream's order numbers the tenant has (the rest are unknown to qo-ops).
+KNOWN_ORDER_NUMBERS = sa.text(
+    "SELECT order_number FROM customer_order WHERE tenant_id = :t "
+    "AND order_number = ANY(CAST(:n AS text[]))"
+)
+# The mismatches a run recorded, by type, action and outcome.
+RECORDED_MISMATCHES = sa.text(
+    "SELECT mismatch_type, action, outcome, count(*) AS n FROM reconciliation_result "
+    "WHERE job_run_id = :run GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
+)
+# Of the scope's recorded mismatches: adopted orders not at their adopted status yet, and the
+# ones no action resolved.
+STILL_MISMATCHED = sa.text(
+    """
+    SELECT count(*) FILTER (WHERE r.action = 'adopt_status' AND r.outcome = 'corrected'
+                              AND o.status IN ('SUBMITTED', 'IN_FULFILLMENT')) AS still_mismatched,
+           count(*) FILTER (WHERE r.outcome IN ('flagged', 'dead_letter_flagged',
+                                                'budget_exhausted', 'failed')) AS unresolved
+      FROM reconciliation_result r JOIN customer_order o ON o.id = r.order_id
+     WHERE r.tenant_id = :t AND o.tenant_id = :t
+       AND o.submitted_at >= :start AND o.submitted_at < :end
     """
 )
 ACTIONS = {
@@ -401,15 +441,8 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
             out.cursor = {"last_id": r["resume_after"]}
             continue
         if "downstream_orders" in r:
-            known = set(
-                conn.execute(
-                    sa.text(
-                        "SELECT order_number FROM customer_order WHERE tenant_id = :t "
-                        "AND order_number = ANY(CAST(:n AS text[]))"
-                    ),
-                    {"t": tenant, "n": [d["order_number"] for d in r["downstream_orders"]]},
-                ).scalars()
-            )
+            numbers = [d["order_number"] for d in r["downstream_orders"]]
+            known = set(conn.execute(KNOWN_ORDER_NUMBERS, {"t": tenant, "n": numbers}).scalars())
             for d in r["downstream_orders"]:
                 if d["order_number"] not in known:
                     out.tally["unknown_downstream"] = out.tally.get("unknown_downstream", 0) + 1
@@ -502,13 +535,7 @@ def report_mismatches(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
     """Mismatches this run recorded, by type, with the action taken and its outcome."""
     return [
         ReportRow("mismatch", r.mismatch_type, r.n, f"{r.action} → {r.outcome}")
-        for r in conn.execute(
-            sa.text(
-                "SELECT mismatch_type, action, outcome, count(*) AS n FROM reconciliation_result "
-                "WHERE job_run_id = :run GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
-            ),
-            {"run": ctx.job_run_id},
-        )
+        for r in conn.execute(RECORDED_MISMATCHES, {"run": ctx.job_run_id})
     ]
 
 
@@ -516,18 +543,7 @@ def check_reconciliation(conn: Connection, ctx: BatchContext) -> list[OutcomeChe
     """No order repaired in this scope is still mismatched; unresolved ones counted by type."""
     start, end = ctx.scope.window_bounds()
     row = conn.execute(
-        sa.text(
-            """
-            SELECT count(*) FILTER (WHERE r.action = 'adopt_status' AND r.outcome = 'corrected'
-                                      AND o.status IN ('SUBMITTED', 'IN_FULFILLMENT')) AS still_mismatched,
-                   count(*) FILTER (WHERE r.outcome IN ('flagged', 'dead_letter_flagged',
-                                                        'budget_exhausted', 'failed')) AS unresolved
-              FROM reconciliation_result r JOIN customer_order o ON o.id = r.order_id
-             WHERE r.tenant_id = :t AND o.tenant_id = :t
-               AND o.submitted_at >= :start AND o.submitted_at < :end
-            """
-        ),
-        {"t": ctx.scope.tenant_id, "start": start, "end": end},
+        STILL_MISMATCHED, {"t": ctx.scope.tenant_id, "start": start, "end": end}
     ).one()
     return [
         OutcomeCheck(

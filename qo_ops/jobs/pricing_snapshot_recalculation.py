@@ -79,6 +79,8 @@ def parse_cursor_time(cursor: dict[str, Any]) -> datetime:
 # One set-based statement per batch: recompute the batch's snapshots for the current price
 # book, upsert only what differs, and report how many rows changed, whether the tenant has a
 # current price book, and the created_at of the last selected quote (the new cursor).
+# Twice: one snapshot per (quote, price-book version), updated only where it differs, so a
+# second run over the same quotes and book writes nothing.
 RECALCULATE_BATCH = sa.text(
     """
     WITH pb AS (

@@ -27,7 +27,7 @@ from qo_ops.platform.spec import (
 
 SIDE_EFFECT = "quote_expired_event"  # the event each transition appends (job_side_effects_total)
 
-GRACE = "interval '5 minutes'"  # the outcome check forgives quotes that expired this recently
+GRACE_MINUTES = 5  # the outcome check forgives quotes that expired this recently
 
 
 ACTIVE: sa.ColumnElement[str] = sa.literal_column(
@@ -56,8 +56,9 @@ def eligible_quotes(ctx: BatchContext) -> sa.Select[Any]:
     return query
 
 
-# Conditional ACTIVE -> EXPIRED (a quote already expired is not touched again) and its event
-# under a unique business key (a second one is never inserted): safe to run twice.
+# Conditional ACTIVE -> EXPIRED, and its event under a unique business key.
+# Twice: a quote already EXPIRED matches nothing, and a second event for it conflicts on
+# business_key and is never inserted.
 EXPIRE_QUOTE_BATCH = sa.text(
     """
     WITH expired AS (
@@ -95,32 +96,36 @@ def expire_quote_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) 
     return outcome
 
 
+# The tenant's ACTIVE quotes past expiry by more than :grace_min minutes.
+OVERDUE_ACTIVE_QUOTES = sa.text(
+    "SELECT count(*) FROM quote WHERE tenant_id = :tenant AND status = 'ACTIVE' "
+    "AND expires_at < now() - make_interval(mins => CAST(:grace_min AS integer))"
+)
+# EXPIRED quotes without their event, or with more than one: events counted once per quote
+# (one grouped pass), not by a subquery per quote.
+EXPIRED_QUOTE_EVENTS = sa.text(
+    """
+    SELECT count(*) FILTER (WHERE e.n IS NULL) AS missing,
+           count(*) FILTER (WHERE e.n > 1) AS duplicated
+      FROM quote q
+      LEFT JOIN (SELECT aggregate_id, count(*) AS n FROM outbox_event
+                  WHERE tenant_id = :tenant AND aggregate_type = 'quote'
+                    AND event_type = 'QuoteExpired'
+                  GROUP BY aggregate_id) e ON e.aggregate_id = q.id::text
+     WHERE q.tenant_id = :tenant AND q.status = 'EXPIRED'
+    """
+)
+OLDEST_OVERDUE_SECONDS = sa.text(
+    "SELECT extract(epoch FROM now() - min(expires_at)) FROM quote "
+    "WHERE tenant_id = :tenant AND status = 'ACTIVE' AND expires_at < now()"
+)
+
+
 def check_quote_expiration(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """No ACTIVE quote past expiry (beyond grace); every EXPIRED quote has one event."""
     tenant = {"tenant": ctx.scope.tenant_id}
-    overdue = conn.execute(
-        sa.text(
-            f"SELECT count(*) FROM quote WHERE tenant_id = :tenant AND status = 'ACTIVE' "
-            f"AND expires_at < now() - {GRACE}"
-        ),
-        tenant,
-    ).scalar()
-    # events counted once per quote (one grouped pass), not by a subquery per quote
-    bad_events = conn.execute(
-        sa.text(
-            """
-            SELECT count(*) FILTER (WHERE e.n IS NULL) AS missing,
-                   count(*) FILTER (WHERE e.n > 1) AS duplicated
-              FROM quote q
-              LEFT JOIN (SELECT aggregate_id, count(*) AS n FROM outbox_event
-                          WHERE tenant_id = :tenant AND aggregate_type = 'quote'
-                            AND event_type = 'QuoteExpired'
-                          GROUP BY aggregate_id) e ON e.aggregate_id = q.id::text
-             WHERE q.tenant_id = :tenant AND q.status = 'EXPIRED'
-            """
-        ),
-        tenant,
-    ).one()
+    overdue = conn.execute(OVERDUE_ACTIVE_QUOTES, {**tenant, "grace_min": GRACE_MINUTES}).scalar()
+    bad_events = conn.execute(EXPIRED_QUOTE_EVENTS, tenant).one()
     return [
         OutcomeCheck(
             "no_overdue_active_quotes",
@@ -139,13 +144,7 @@ def check_quote_expiration(conn: Connection, ctx: BatchContext) -> list[OutcomeC
 
 def oldest_overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     """Seconds since the oldest still-ACTIVE quote of the tenant expired."""
-    value = conn.execute(
-        sa.text(
-            "SELECT extract(epoch FROM now() - min(expires_at)) FROM quote "
-            "WHERE tenant_id = :tenant AND status = 'ACTIVE' AND expires_at < now()"
-        ),
-        {"tenant": ctx.scope.tenant_id},
-    ).scalar()
+    value = conn.execute(OLDEST_OVERDUE_SECONDS, {"tenant": ctx.scope.tenant_id}).scalar()
     return seconds_or_none(value)
 
 

@@ -71,9 +71,10 @@ def _drifted_in_window(ctx: BatchContext) -> sa.Select[Any]:
     )
 
 
-# Recompute the rows from the source; the WHERE on the update leaves rows that are already
-# right untouched, so a second run writes nothing. Also returns the last selected order's
-# submitted_at: where the next batch's selection starts.
+# Recompute the rows from the source. Also returns the last selected order's submitted_at:
+# where the next batch's selection starts.
+# Twice: the WHERE on the update leaves rows that are already right untouched, so a second
+# run writes nothing.
 REPAIR_READ_MODEL_BATCH = sa.text(
     """
     WITH repaired AS (
@@ -114,25 +115,26 @@ def repair_read_model_batch(
     )
 
 
+# The window's drift by kind: a missing row, or a field that differs from its order.
+DRIFT_BY_KIND = sa.text(
+    """
+    SELECT count(*) FILTER (WHERE r.order_id IS NULL) AS missing,
+           count(*) FILTER (WHERE r.status <> o.status) AS status,
+           count(*) FILTER (WHERE r.total_amount <> o.total_amount) AS total_amount,
+           count(*) FILTER (WHERE r.line_count <> o.line_count) AS line_count,
+           count(*) FILTER (WHERE r.order_number <> o.order_number) AS order_number,
+           count(*) FILTER (WHERE r.source_version <> o.version) AS source_version
+      FROM customer_order o LEFT JOIN order_read_model r ON r.order_id = o.id
+     WHERE o.tenant_id = :t AND o.submitted_at >= :start AND o.submitted_at < :end
+    """
+)
+
+
 def check_read_model(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """The read model equals its source for every order of the scope; drift counted by kind
     (so a dry-run's summary says what execute would repair, and why)."""
     start, end = ctx.scope.window_bounds()
-    row = conn.execute(
-        sa.text(
-            """
-            SELECT count(*) FILTER (WHERE r.order_id IS NULL) AS missing,
-                   count(*) FILTER (WHERE r.status <> o.status) AS status,
-                   count(*) FILTER (WHERE r.total_amount <> o.total_amount) AS total_amount,
-                   count(*) FILTER (WHERE r.line_count <> o.line_count) AS line_count,
-                   count(*) FILTER (WHERE r.order_number <> o.order_number) AS order_number,
-                   count(*) FILTER (WHERE r.source_version <> o.version) AS source_version
-              FROM customer_order o LEFT JOIN order_read_model r ON r.order_id = o.id
-             WHERE o.tenant_id = :t AND o.submitted_at >= :start AND o.submitted_at < :end
-            """
-        ),
-        {"t": ctx.scope.tenant_id, "start": start, "end": end},
-    ).one()
+    row = conn.execute(DRIFT_BY_KIND, {"t": ctx.scope.tenant_id, "start": start, "end": end}).one()
     drifted_now = _drifted_in_window(ctx).order_by(None).subquery()  # never after a position
     count = sa.select(sa.func.count()).select_from(drifted_now)
     drifted = conn.execute(count).scalar_one()

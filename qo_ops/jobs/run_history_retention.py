@@ -48,7 +48,7 @@ No checkpoint: deleting an item removes it from the selection.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -72,24 +72,24 @@ DAYS_ENV = "QO_OPS_RUN_HISTORY_DAYS"
 DEFAULT_DAYS = 90
 MIN_DAYS = 7  # never prunes what an incident review of last week would need
 MAX_DAYS = 3650
-GRACE = "interval '1 hour'"  # the outcome check forgives rows that crossed the cutoff this recently
+GRACE = timedelta(hours=1)  # the outcome check forgives rows that crossed the cutoff this recently
 AUDIT_ACTION = "retention.prune"
-RUN_PREFIX, CHECKPOINT_PREFIX = "run:", "checkpoint:"
+RUN_PREFIX, CHECKPOINT_PREFIX = "run:", "checkpoint:"  # the items' names, as the SQL writes them
 TS = sa.DateTime(timezone=True)
 
-_FINAL = ", ".join(f"'{s}'" for s in runs.FINAL_STATUSES)
-_ACTIVE = ", ".join(f"'{s}'" for s in runs.ACTIVE_STATUSES)
-_CUTOFF = "now() - make_interval(days => CAST(:days AS integer))"
-
-# A prunable run of the tenant (alias r); shared by the selection and the delete. The
+# A prunable run of the tenant (alias r). The selection and the delete share this one
+# predicate, and that is the safety: the delete re-checks exactly what the selection chose
+# by, so a run that changed since (a newer run vanished, a lease named it) stays. The status
+# lists are runs.FINAL_STATUSES, written out (test_run_history_retention checks them). The
 # keep-rules are two per-row lookups by index: ``OFFSET 0`` keeps PostgreSQL from turning an
 # EXISTS into a join (a hash join would read all of job_run), and two of them (rather than
 # one per rule) keep its estimate of the rows they pass realistic, so the plan walks
 # ix_job_run_retention in order and stops at the batch size.
-PRUNABLE_RUN = f"""
+PRUNABLE_RUN = """
     split_part(r.scope, '/', 1) = :tenant
-    AND r.finished_at < {_CUTOFF}
-    AND r.status IN ({_FINAL})
+    AND r.finished_at < now() - make_interval(days => CAST(:days AS integer))
+    AND r.status IN ('success', 'partial_success', 'failed', 'timeout', 'cancelled', 'skipped',
+                     'no_work')
     -- a later run of the same job and scope started and finished after it (so it is not
     -- the latest), and a later success if it is the last success (ix_job_run_history)
     AND EXISTS (SELECT FROM job_run n
@@ -113,19 +113,47 @@ PRUNABLE_RUN = f"""
 """
 
 # A prunable checkpoint of the tenant (alias c): old, and nobody is working on its scope:
-# no unexpired lease (primary key), no active run (ix_job_run_active); one per-row lookup.
-PRUNABLE_CHECKPOINT = f"""
+# no unexpired lease (primary key), no active run (ix_job_run_active, whose predicate the
+# literal runs.ACTIVE_STATUSES imply); one per-row lookup. Shared by the selection and the
+# delete, like PRUNABLE_RUN, for the same reason.
+PRUNABLE_CHECKPOINT = """
     split_part(c.scope, '/', 1) = :tenant
-    AND c.updated_at < {_CUTOFF}
+    AND c.updated_at < now() - make_interval(days => CAST(:days AS integer))
     AND NOT EXISTS (SELECT FROM job_lease l
                      WHERE l.job_name = c.job_name AND l.scope = c.scope
                        AND l.expires_at > clock_timestamp()
                     UNION ALL
                     SELECT FROM job_run a
                      WHERE a.job_name = c.job_name AND a.scope = c.scope
-                       AND a.status IN ({_ACTIVE})
+                       AND a.status IN ('awaiting_approval', 'accepted', 'running')
                     OFFSET 0)
 """
+
+# Both kinds of prunable history as (item, at, kind), the whole of it: the counts, a run's
+# first batch and its last pass.
+ALL_PRUNABLE_HISTORY = sa.text(
+    f"""
+    SELECT 'run:' || r.id::text AS item, r.finished_at AS at, 'job_run' AS kind
+      FROM job_run r WHERE {PRUNABLE_RUN}
+    UNION ALL
+    SELECT 'checkpoint:' || c.job_name || ':' || c.scope, c.updated_at, 'job_checkpoint'
+      FROM job_checkpoint c WHERE {PRUNABLE_CHECKPOINT}
+    """
+)
+
+# The same after a position (``:after``): each kind its own ordered range cut at ``:cap``
+# (the batch size), so a batch reads at most two batches' worth of index entries.
+PRUNABLE_HISTORY_AFTER = sa.text(
+    f"""
+    (SELECT 'run:' || r.id::text AS item, r.finished_at AS at, 'job_run' AS kind
+       FROM job_run r WHERE {PRUNABLE_RUN} AND r.finished_at > :after
+      ORDER BY r.finished_at LIMIT :cap)
+    UNION ALL
+    (SELECT 'checkpoint:' || c.job_name || ':' || c.scope, c.updated_at, 'job_checkpoint'
+       FROM job_checkpoint c WHERE {PRUNABLE_CHECKPOINT} AND c.updated_at > :after
+      ORDER BY c.updated_at LIMIT :cap)
+    """
+)
 
 
 def history_days(environ: dict[str, str] | None = None) -> int:
@@ -138,43 +166,18 @@ def _run_days(ctx: BatchContext) -> int:
     return run_settings(ctx, history_days)
 
 
-def _history_sql(after: datetime | None) -> str:
-    """Both kinds of prunable history as (item, at, kind). After a position (``:after``),
-    each kind is its own ordered range cut at ``:cap`` (the batch size), so a batch reads
-    at most two batches' worth of index entries; without one (the counts, a run's first
-    batch and its last pass) it is the whole of what is prunable."""
-    if after is None:
-        return f"""
-            SELECT '{RUN_PREFIX}' || r.id::text AS item, r.finished_at AS at, 'job_run' AS kind
-              FROM job_run r WHERE {PRUNABLE_RUN}
-            UNION ALL
-            SELECT '{CHECKPOINT_PREFIX}' || c.job_name || ':' || c.scope, c.updated_at,
-                   'job_checkpoint'
-              FROM job_checkpoint c WHERE {PRUNABLE_CHECKPOINT}
-        """
-    return f"""
-        (SELECT '{RUN_PREFIX}' || r.id::text AS item, r.finished_at AS at, 'job_run' AS kind
-           FROM job_run r WHERE {PRUNABLE_RUN} AND r.finished_at > :after
-          ORDER BY r.finished_at LIMIT :cap)
-        UNION ALL
-        (SELECT '{CHECKPOINT_PREFIX}' || c.job_name || ':' || c.scope, c.updated_at,
-                'job_checkpoint'
-           FROM job_checkpoint c WHERE {PRUNABLE_CHECKPOINT} AND c.updated_at > :after
-          ORDER BY c.updated_at LIMIT :cap)
-    """
-
-
 def _history(ctx: BatchContext, after: datetime | None = None) -> sa.Subquery:
+    """Both kinds of prunable history as (item, at, kind): all of it, or after a position."""
     params: dict[str, Any] = {"tenant": ctx.scope.tenant_id, "days": _run_days(ctx)}
+    statement = ALL_PRUNABLE_HISTORY
     if after is not None:
-        params["after"] = after
-        params["cap"] = ctx.limits.batch_size
-    text = sa.text(_history_sql(after)).bindparams(**params)
-    return text.columns(
-        sa.column("item", sa.Text),
-        sa.column("at", TS),
-        sa.column("kind", sa.Text),
-    ).subquery("history")
+        statement = PRUNABLE_HISTORY_AFTER
+        params |= {"after": after, "cap": ctx.limits.batch_size}
+    return (
+        statement.bindparams(**params)
+        .columns(sa.column("item", sa.Text), sa.column("at", TS), sa.column("kind", sa.Text))
+        .subquery("history")
+    )
 
 
 def prunable_history(ctx: BatchContext) -> sa.Select[Any]:
@@ -190,9 +193,10 @@ def prunable_history(ctx: BatchContext) -> sa.Select[Any]:
     return sa.select(history.c.item).order_by(history.c.at)
 
 
-# Deletes what is still prunable of the batch (the whole predicate again, so a row that
-# changed since the selection stays, and a second run deletes nothing); the main query sees
-# the rows as they were before the deletes (the batch's last time: where the next starts).
+# Deletes what is still prunable of the batch; the main query sees the rows as they were
+# before the deletes (the batch's last time: where the next starts).
+# Twice: the deletes re-check the whole predicate (PRUNABLE_RUN, PRUNABLE_CHECKPOINT), so a
+# row that changed since the selection stays and a second run deletes nothing.
 PRUNE_HISTORY_BATCH = sa.text(
     f"""
     WITH keys AS (
@@ -212,12 +216,14 @@ PRUNE_HISTORY_BATCH = sa.text(
            (SELECT count(*) FROM pruned_checkpoints) AS checkpoints,
            (SELECT min(updated_at) FROM pruned_checkpoints) AS oldest_checkpoint_at,
            (SELECT max(updated_at) FROM pruned_checkpoints) AS newest_checkpoint_at,
-           {_CUTOFF} AS cutoff,
+           now() - make_interval(days => CAST(:days AS integer)) AS cutoff,
            greatest((SELECT max(finished_at) FROM job_run WHERE id = ANY(CAST(:run_ids AS uuid[]))),
                     (SELECT max(c.updated_at) FROM job_checkpoint c
                       WHERE (c.job_name, c.scope) IN (SELECT j, s FROM keys))) AS last_at
     """
 )
+
+_RUN_REQUESTER = sa.text("SELECT requester, correlation_id FROM job_run WHERE id = :id")
 
 
 def _split(items: Sequence[Any]) -> tuple[list[str], list[str], list[str]]:
@@ -252,10 +258,7 @@ def prune_history_batch(conn: Connection, ctx: BatchContext, items: Sequence[Any
             "cp_scopes": scopes,
         },
     ).one()
-    requester = conn.execute(
-        sa.text("SELECT requester, correlation_id FROM job_run WHERE id = :id"),
-        {"id": ctx.job_run_id},
-    ).one()
+    requester = conn.execute(_RUN_REQUESTER, {"id": ctx.job_run_id}).one()
     runs.append_audit(
         conn,
         actor=requester.requester or "qo-ops",
@@ -286,17 +289,21 @@ def prune_history_batch(conn: Connection, ctx: BatchContext, items: Sequence[Any
     )
 
 
-def _cutoff(ctx: BatchContext, minus: str = "") -> sa.ColumnElement[Any]:
-    """The run's cutoff as SQL (the period is a validated whole number), less ``minus``."""
-    extra = f" - {minus}" if minus else ""
-    return sa.literal_column(f"now() - interval '{_run_days(ctx)} days'{extra}", TS)
+def _cutoff(ctx: BatchContext, minus: timedelta = timedelta(0)) -> sa.ColumnElement[Any]:
+    """The run's cutoff (now less the period, a bound interval of whole days), less ``minus``."""
+    age: sa.BindParameter[timedelta] = sa.bindparam(
+        "cutoff_age", timedelta(days=_run_days(ctx)) + minus
+    )
+    return sa.func.now() - sa.cast(age, sa.Interval)
 
 
-def _counts(conn: Connection, ctx: BatchContext, older_than: str = "") -> dict[str, int]:
+def _counts(
+    conn: Connection, ctx: BatchContext, older_than: timedelta | None = None
+) -> dict[str, int]:
     """Prunable rows now, by kind (optionally only those past the cutoff by ``older_than``)."""
     history = _history(ctx)
     query = sa.select(history.c.kind, sa.func.count()).group_by(history.c.kind)
-    if older_than:
+    if older_than is not None:
         query = query.where(history.c.at < _cutoff(ctx, older_than))
     found = {"job_run": 0, "job_checkpoint": 0}
     found.update({kind: int(n) for kind, n in conn.execute(query).all()})

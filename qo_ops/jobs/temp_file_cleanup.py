@@ -8,7 +8,7 @@ any cleanup setting is refused before anything is written), in a terminal
 status (COMPLETED, FAILED_TERMINAL) and not on legal hold; oldest first, on the partial index
 ``ix_temp_file_cleanup`` (its predicate is written as SQL literals so every plan can use it).
 Stored objects live under ``QO_OPS_HOME/objects/<storage_path>``, reached through
-:class:`ObjectStore` without ever following a symlink: a storage path that is not a plain
+:class:`~qo_ops.platform.objects.ObjectStore` without ever following a symlink: a storage path that is not a plain
 relative path, or that goes through a symlinked directory, is ``unsafe_storage_path`` (the
 file fails, its row and object stay).
 
@@ -64,23 +64,22 @@ No checkpoint: deleting a row removes it from the selection, so a rerun finds wh
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import math
 import os
-import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from qo_ops.config import load_settings, whole_number
+from qo_ops.config import whole_number
 from qo_ops.db.schema import job_run, temp_file
 from qo_ops.errors import ConfigError
 from qo_ops.platform.faults import crash_point
+from qo_ops.platform.objects import ObjectStore, ObjectStoreError, objects_root
 from qo_ops.platform.runs import append_audit
 from qo_ops.platform.selection import after_position, seconds_or_none
 from qo_ops.platform.spec import (
@@ -104,7 +103,6 @@ DEFAULT_RETENTION_DAYS = 7
 DEFAULT_MAX_DELETE = 10_000
 DEFAULT_MAX_SHARE = 0.5
 GRACE_DAYS = 1  # nothing_eligible_past_grace forgives files that became eligible this recently
-OBJECTS_DIR = "objects"  # under QO_OPS_HOME: stands in for the object store
 GUARD_TRIGGER = "temp_file_legal_hold_guard"
 CRASH_AFTER_OBJECT_DELETE = "after_object_delete"  # QO_OPS_CRASH_AT: objects gone, no commit
 
@@ -113,7 +111,6 @@ TERMINAL: list[sa.ColumnElement[str]] = [
     sa.literal_column("'COMPLETED'"),
     sa.literal_column("'FAILED_TERMINAL'"),
 ]
-_TERMINAL_SQL = "('COMPLETED', 'FAILED_TERMINAL')"
 _GATE_KEY = "temp_file_cleanup.gate"
 _GATE_MEASURE_KEY = "temp_file_cleanup.gate_measure"
 _REFUSED_KEY = "temp_file_cleanup.refused"  # ids this run will not take again
@@ -129,12 +126,6 @@ class CleanupConfigError(ConfigError):
     """A cleanup setting in the environment is unusable."""
 
     error_code = "bad_config"
-
-
-class ObjectStoreError(Exception):
-    """A stored object could not be removed; the batch's transaction is rolled back."""
-
-    error_code = "object_store_error"
 
 
 # ------------------------------------------------------------------------------ settings
@@ -176,188 +167,15 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CleanupSettin
     )
 
 
-def objects_root(environ: Mapping[str, str] | None = None) -> Path:
-    """The object store the job uses: ``QO_OPS_HOME/objects``."""
-    env = os.environ if environ is None else environ
-    return load_settings(dict(env)).home / OBJECTS_DIR
-
-
 def run_settings(ctx: BatchContext) -> CleanupSettings:
     """The run's settings: those checked before it started, so every batch and check agrees."""
     return settings_of_run(ctx, settings_from_env)
 
 
-def _retention(ctx: BatchContext) -> sa.ColumnElement[Any]:
-    days = int(run_settings(ctx).retention_days)
-    return sa.literal_column(f"interval '{days} days'", sa.Interval)
-
-
-# ------------------------------------------------------------------------------ objects
-
-
-class ObjectStore:
-    """The stored objects under one root, reached without ever following a symlink.
-
-    A storage path is a relative path of plain names. Its directories are opened one
-    component at a time from the root with ``O_NOFOLLOW``, and the object is tested, hashed,
-    unlinked (or, for the demo data, written: :meth:`put`) relative to its directory's
-    descriptor: no path string is resolved twice, so a directory swapped for a symlink after
-    a check cannot redirect a read or a removal outside the store. A path whose directory is
-    a symlink, or not a directory, is unsafe (:data:`UNSAFE`); a missing directory means the
-    object is gone.
-
-    Directory descriptors are cached for the life of the store (one batch step), so the
-    objects of a batch — usually a few directories — cost a stat, an open and a read each
-    rather than a full path resolution. :meth:`close` releases them.
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._dirs: dict[tuple[str, ...], int | None] = {}
-
-    def __enter__(self) -> ObjectStore:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for fd in self._dirs.values():
-            if fd is not None and fd >= 0:
-                os.close(fd)
-        self._dirs.clear()
-
-    def _dir(self, parts: tuple[str, ...]) -> int | None:
-        """The directory's descriptor; -1 when it does not exist; None when unsafe."""
-        if parts in self._dirs:
-            return self._dirs[parts]
-        fd: int | None
-        try:
-            if not parts:  # the root itself is configuration (it may be a symlink)
-                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-            else:
-                parent = self._dir(parts[:-1])
-                if parent is None or parent < 0:
-                    return parent
-                fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
-        except FileNotFoundError:
-            fd = -1
-        except OSError:  # ELOOP (a symlink), ENOTDIR (a file): never followed
-            fd = None
-        self._dirs[parts] = fd
-        return fd
-
-    def locate(self, storage_path: str) -> tuple[int, str] | None:
-        """(directory descriptor or -1 when the directory is missing, name); None when the
-        path would leave the store."""
-        parts = storage_path.split("/")  # canonical only: no "", "." or ".." anywhere
-        if any(p in _NOT_A_NAME or "\0" in p for p in parts):
-            return None
-        fd = self._dir(tuple(parts[:-1]))
-        return None if fd is None else (fd, parts[-1])
-
-    def sha256(self, storage_path: str) -> tuple[bool, str | None]:
-        """(safe, checksum): checksum None when the object is gone; unsafe when the path
-        leaves the store or the object is not a regular file (never followed or removed)."""
-        where = self.locate(storage_path)
-        if where is None:
-            return False, None
-        fd, name = where
-        if fd < 0:
-            return True, None
-        try:
-            if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                return False, None
-            obj = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-        except FileNotFoundError:
-            return True, None
-        except OSError:  # swapped for a symlink since the stat
-            return False, None
-        with os.fdopen(obj, "rb", buffering=0) as f:
-            if not stat.S_ISREG(os.fstat(obj).st_mode):
-                return False, None
-            return True, hashlib.file_digest(f, "sha256").hexdigest()
-
-    def exists(self, storage_path: str) -> bool:
-        """Whether anything (a file, a symlink) is stored at a safe ``storage_path``."""
-        where = self.locate(storage_path)
-        if where is None or where[0] < 0:
-            return False
-        try:
-            os.stat(where[1], dir_fd=where[0], follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def put(self, storage_path: str, data: bytes) -> bool:
-        """Store ``data`` at ``storage_path``, creating its directories (never through a
-        symlink): True if the object is new, False if it replaced one;
-        :class:`ObjectStoreError` when the path would leave the store or cannot be written."""
-        parts = storage_path.split("/")
-        if any(p in _NOT_A_NAME or "\0" in p for p in parts):
-            raise ObjectStoreError("cannot store an object: its path would leave the store")
-        try:
-            fd = self._made_dir(tuple(parts[:-1]))
-            try:
-                obj, new = os.open(parts[-1], _NEW_OBJECT, 0o644, dir_fd=fd), True
-            except FileExistsError:  # replaced in place; a symlink there is refused (ELOOP)
-                obj, new = os.open(parts[-1], _REPLACE_OBJECT, dir_fd=fd), False
-            with os.fdopen(obj, "wb") as f:
-                f.write(data)
-                f.flush()
-                # cut to size after writing, not to 0 before (O_TRUNC): ext4 flushes a file
-                # truncated to 0 and rewritten when it is closed, a disk wait per object
-                os.ftruncate(obj, len(data))
-        except OSError as exc:
-            raise ObjectStoreError(f"cannot store an object: {exc.strerror}") from exc
-        return new
-
-    def _made_dir(self, parts: tuple[str, ...]) -> int:
-        """The directory's descriptor, creating it (and its parents) when missing."""
-        fd = self._dir(parts)
-        if fd is not None and fd >= 0:
-            return fd
-        if fd is None:
-            raise ObjectStoreError(
-                "cannot store an object: a directory on its path is a symlink or a file"
-            )
-        if not parts:
-            self.root.mkdir(parents=True, exist_ok=True)
-        else:
-            with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
-                os.mkdir(parts[-1], dir_fd=self._made_dir(parts[:-1]))
-        self._dirs.pop(parts, None)  # cached as missing
-        made = self._dir(parts)
-        if made is None or made < 0:
-            raise ObjectStoreError("cannot store an object: its directory cannot be opened")
-        return made
-
-    def remove(self, storage_path: str) -> bool:
-        """Unlink one object: True if removed, False if it was already gone;
-        :class:`ObjectStoreError` when it cannot be removed or its path became unsafe."""
-        where = self.locate(storage_path)
-        if where is None:
-            raise ObjectStoreError("cannot remove a stored object: its path left the store")
-        if where[0] < 0:
-            return False
-        return _remove_object(*where)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-_NEW_OBJECT = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-_REPLACE_OBJECT = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO there: ENXIO, no wait
-_NOT_A_NAME = frozenset(("", ".", ".."))
-
-
-def _remove_object(dir_fd: int, name: str) -> bool:
-    """Unlink ``name`` in the directory ``dir_fd`` (a symlink itself, never its target)."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise ObjectStoreError(f"cannot remove a stored object: {exc.strerror}") from exc
-    return True
+def _retention(ctx: BatchContext) -> sa.Cast[timedelta]:
+    """The run's retention as a bound interval (whole days)."""
+    days = timedelta(days=run_settings(ctx).retention_days)
+    return sa.cast(sa.bindparam("retention", days, unique=True), sa.Interval)
 
 
 # ------------------------------------------------------------------------------ selection
@@ -485,6 +303,9 @@ def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
 
 # ------------------------------------------------------------------------------ step 1: decide
 
+# The removal decided, before any byte goes: one intent per file, with the checksum of its bytes.
+# Twice: the upsert on temp_file_id keeps the checksum first seen and leaves a completed
+# tombstone alone (WHERE deleted_at IS NULL), so a rerun only re-stamps its run and reason.
 _WRITE_INTENTS = sa.text(
     """
     INSERT INTO temp_file_tombstone AS t
@@ -565,36 +386,38 @@ def hand_over(ctx: BatchContext, work: list[Any]) -> list[Any]:
 # ------------------------------------------------------------------------------ step 2: remove
 
 
-def _delete_rows_sql(retention_days: int) -> sa.TextClause:
-    # still eligible (a row changed since step 1 stays) and never a held row; the
-    # tombstone gets the row's legal_hold as this very DELETE returned it
-    return sa.text(
-        f"""
-        WITH gone AS (
-            DELETE FROM temp_file f
-             WHERE f.id = ANY(CAST(:ids AS bigint[])) AND f.tenant_id = :tenant
-               AND f.legal_hold = false AND f.status IN {_TERMINAL_SQL}
-               AND f.created_at >= :start AND f.created_at < :end
-               AND f.created_at < now() - interval '{int(retention_days)} days'
-            RETURNING f.id, f.tenant_id, f.storage_path, f.size_bytes, f.status, f.created_at,
-                      f.legal_hold
-        )
-        INSERT INTO temp_file_tombstone AS t
-               (temp_file_id, tenant_id, storage_path, size_bytes, file_status, file_created_at,
-                legal_hold, job_run_id, reason, selected_at, deleted_at)
-        SELECT id, tenant_id, storage_path, size_bytes, status, created_at, legal_hold,
-               CAST(:run AS uuid), :reason, clock_timestamp(), clock_timestamp()
-          FROM gone
-        ON CONFLICT (temp_file_id) DO UPDATE
-           SET storage_path = EXCLUDED.storage_path, size_bytes = EXCLUDED.size_bytes,
-               file_status = EXCLUDED.file_status, file_created_at = EXCLUDED.file_created_at,
-               legal_hold = EXCLUDED.legal_hold, job_run_id = EXCLUDED.job_run_id,
-               reason = EXCLUDED.reason, deleted_at = EXCLUDED.deleted_at
-        RETURNING t.temp_file_id, t.storage_path, t.size_bytes
-        """
+# Still eligible (a row changed since step 1 stays) and never a held row; the tombstone gets
+# the row's legal_hold as this very DELETE returned it.
+# Twice: a deleted row matches nothing again, and the tombstone is upserted on temp_file_id
+# (the intent of step 1 completed, never a second row).
+_DELETE_ROWS = sa.text(
+    """
+    WITH gone AS (
+        DELETE FROM temp_file f
+         WHERE f.id = ANY(CAST(:ids AS bigint[])) AND f.tenant_id = :tenant
+           AND f.legal_hold = false AND f.status IN ('COMPLETED', 'FAILED_TERMINAL')
+           AND f.created_at >= :start AND f.created_at < :end
+           AND f.created_at < now() - make_interval(days => CAST(:days AS integer))
+        RETURNING f.id, f.tenant_id, f.storage_path, f.size_bytes, f.status, f.created_at,
+                  f.legal_hold
     )
+    INSERT INTO temp_file_tombstone AS t
+           (temp_file_id, tenant_id, storage_path, size_bytes, file_status, file_created_at,
+            legal_hold, job_run_id, reason, selected_at, deleted_at)
+    SELECT id, tenant_id, storage_path, size_bytes, status, created_at, legal_hold,
+           CAST(:run AS uuid), :reason, clock_timestamp(), clock_timestamp()
+      FROM gone
+    ON CONFLICT (temp_file_id) DO UPDATE
+       SET storage_path = EXCLUDED.storage_path, size_bytes = EXCLUDED.size_bytes,
+           file_status = EXCLUDED.file_status, file_created_at = EXCLUDED.file_created_at,
+           legal_hold = EXCLUDED.legal_hold, job_run_id = EXCLUDED.job_run_id,
+           reason = EXCLUDED.reason, deleted_at = EXCLUDED.deleted_at
+    RETURNING t.temp_file_id, t.storage_path, t.size_bytes
+    """
+)
 
-
+# Intents of rows that stay (changed since step 1, object intact).
+# Twice: only intents (deleted_at IS NULL) go, and a second run finds none of them left.
 _FORGET_INTENTS = sa.text(
     "DELETE FROM temp_file_tombstone WHERE temp_file_id = ANY(CAST(:ids AS bigint[])) "
     "AND deleted_at IS NULL"
@@ -610,12 +433,13 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
     safe = {w["id"]: w["storage_path"] for w in work if w["safe"]}
     gone = (
         conn.execute(
-            _delete_rows_sql(settings.retention_days),
+            _DELETE_ROWS,
             {
                 "ids": list(safe),
                 "tenant": ctx.scope.tenant_id,
                 "start": start,
                 "end": end,
+                "days": settings.retention_days,
                 "run": str(ctx.job_run_id),
                 "reason": _reason(ctx),
             },
@@ -665,6 +489,44 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
 
 # ------------------------------------------------------------------------------ outcome
 
+# Tombstones of the window's held files that were deleted (the guard should make it 0).
+_HELD_DELETED = sa.text(
+    "SELECT count(*) FROM temp_file_tombstone WHERE tenant_id = :tenant "
+    "AND file_created_at >= :start AND file_created_at < :end "
+    "AND deleted_at IS NOT NULL AND legal_hold"
+)
+_GUARD_STATE = sa.text(
+    "SELECT tgenabled FROM pg_trigger WHERE tgname = :name "
+    "AND tgrelid = CAST('temp_file' AS regclass)"
+)
+# A held row that a removal had been decided for (its object may be gone).
+_HELD_WITH_INTENT = sa.text(
+    "SELECT f.storage_path FROM temp_file f JOIN temp_file_tombstone t "
+    "ON t.temp_file_id = f.id WHERE f.tenant_id = :tenant "
+    "AND f.created_at >= :start AND f.created_at < :end AND f.legal_hold"
+)
+# Deletable files of the window past :days (retention + grace), on ix_temp_file_cleanup.
+_OVERDUE_FILES = sa.text(
+    "SELECT count(*) FROM temp_file WHERE tenant_id = :tenant "
+    "AND legal_hold = false AND status IN ('COMPLETED', 'FAILED_TERMINAL') "
+    "AND created_at >= :start AND created_at < :end "
+    "AND created_at < now() - make_interval(days => CAST(:days AS integer))"
+)
+# Paths of the window's deleted files that no live row uses again.
+_DELETED_PATHS = sa.text(
+    "SELECT t.storage_path FROM temp_file_tombstone t WHERE t.tenant_id = :tenant "
+    "AND t.file_created_at >= :start AND t.file_created_at < :end "
+    "AND t.deleted_at IS NOT NULL "
+    "AND NOT EXISTS (SELECT 1 FROM temp_file f WHERE f.storage_path = t.storage_path)"
+)
+# What a run deleted, per creation day.
+_DELETED_BY_DAY = sa.text(
+    "SELECT (file_created_at AT TIME ZONE 'UTC')::date AS day, count(*) AS files, "
+    "coalesce(sum(size_bytes), 0) AS bytes, count(sha256) AS checksums "
+    "FROM temp_file_tombstone WHERE job_run_id = :run AND deleted_at IS NOT NULL "
+    "GROUP BY 1 ORDER BY 1"
+)
+
 
 def _window(ctx: BatchContext) -> dict[str, Any]:
     start, end = ctx.scope.window_bounds()
@@ -676,52 +538,17 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     the eligible set within the anomaly thresholds."""
     settings = run_settings(ctx)
     window = _window(ctx)
-    held_deleted = conn.execute(
-        sa.text(
-            "SELECT count(*) FROM temp_file_tombstone WHERE tenant_id = :tenant "
-            "AND file_created_at >= :start AND file_created_at < :end "
-            "AND deleted_at IS NOT NULL AND legal_hold"
-        ),
-        window,
-    ).scalar_one()
-    guard = conn.execute(
-        sa.text(
-            "SELECT tgenabled FROM pg_trigger WHERE tgname = :name "
-            "AND tgrelid = CAST('temp_file' AS regclass)"
-        ),
-        {"name": GUARD_TRIGGER},
-    ).scalar()
+    held_deleted = conn.execute(_HELD_DELETED, window).scalar_one()
+    guard = conn.execute(_GUARD_STATE, {"name": GUARD_TRIGGER}).scalar()
     guard_enforced = guard in ("O", "A")  # fires in ordinary sessions
-    # a held row that a removal had been decided for, and whose object is gone
-    held_with_intent = conn.execute(
-        sa.text(
-            "SELECT f.storage_path FROM temp_file f JOIN temp_file_tombstone t "
-            "ON t.temp_file_id = f.id WHERE f.tenant_id = :tenant "
-            "AND f.created_at >= :start AND f.created_at < :end AND f.legal_hold"
-        ),
-        window,
-    ).scalars()
+    held_with_intent = conn.execute(_HELD_WITH_INTENT, window).scalars()
     with ObjectStore(settings.objects_root) as store:
         held_bytes_lost = sum(1 for p in held_with_intent if not store.exists(p))
-    overdue = conn.execute(
-        sa.text(
-            f"SELECT count(*) FROM temp_file WHERE tenant_id = :tenant "
-            f"AND legal_hold = false AND status IN {_TERMINAL_SQL} "
-            f"AND created_at >= :start AND created_at < :end "
-            f"AND created_at < now() - interval '{settings.retention_days + GRACE_DAYS} days'"
-        ),
-        window,
-    ).scalar_one()
+    overdue_days = settings.retention_days + GRACE_DAYS
+    overdue = conn.execute(_OVERDUE_FILES, {**window, "days": overdue_days}).scalar_one()
     # streamed: checked on its own, the window is every day of the tenant's deletions
     deleted_paths = conn.execute(
-        sa.text(
-            "SELECT t.storage_path FROM temp_file_tombstone t WHERE t.tenant_id = :tenant "
-            "AND t.file_created_at >= :start AND t.file_created_at < :end "
-            "AND t.deleted_at IS NOT NULL "
-            "AND NOT EXISTS (SELECT 1 FROM temp_file f WHERE f.storage_path = t.storage_path)"
-        ),
-        window,
-        execution_options={"yield_per": 10_000},
+        _DELETED_PATHS, window, execution_options={"yield_per": 10_000}
     ).scalars()
     with ObjectStore(settings.objects_root) as store:
         leftover = sum(1 for p in deleted_paths if store.exists(p))
@@ -795,15 +622,7 @@ def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
             f"cap {settings.max_delete}, share {settings.max_share:.0%}",
         )
     ]
-    for day in conn.execute(
-        sa.text(
-            "SELECT (file_created_at AT TIME ZONE 'UTC')::date AS day, count(*) AS files, "
-            "coalesce(sum(size_bytes), 0) AS bytes, count(sha256) AS checksums "
-            "FROM temp_file_tombstone WHERE job_run_id = :run AND deleted_at IS NOT NULL "
-            "GROUP BY 1 ORDER BY 1"
-        ),
-        {"run": ctx.job_run_id},
-    ):
+    for day in conn.execute(_DELETED_BY_DAY, {"run": ctx.job_run_id}):
         name = day.day.isoformat()
         gone = day.files - day.checksums
         detail = f"{day.checksums} checksummed, {gone} object(s) already gone"
@@ -872,13 +691,4 @@ SPEC = JobSpec(
     ),
 )
 
-__all__ = [
-    "SPEC",
-    "AnomalyThreshold",
-    "CleanupConfigError",
-    "CleanupSettings",
-    "ObjectStore",
-    "ObjectStoreError",
-    "objects_root",
-    "settings_from_env",
-]
+__all__ = ["SPEC", "AnomalyThreshold", "CleanupConfigError", "CleanupSettings", "settings_from_env"]

@@ -175,6 +175,40 @@ def load_breaker(conn: Connection, downstream: str, settings: BreakerSettings) -
     return breaker
 
 
+# The downstream's one shared row takes the last transition of a batch (an ``open`` one sets
+# ``opened_at`` and ``probe_after`` from the database clock).
+# Twice: the state columns are set, not added to, so the same transition written again
+# leaves the same state; only opened_count adds up, and the run's breaker hands each opening
+# over once (drained) before it is written.
+_SAVE_TRANSITION = sa.text(
+    """
+    INSERT INTO downstream_breaker AS b
+           (downstream, state, opened_at, probe_after, reason, opened_count,
+            changed_at, changed_by_run)
+    VALUES (:downstream, :state,
+            CASE WHEN :state = 'open' THEN clock_timestamp() END,
+            CASE WHEN :state = 'open'
+                 THEN clock_timestamp() + make_interval(secs => :open_s) END,
+            :reason, :opened, clock_timestamp(), :run_id)
+    ON CONFLICT (downstream) DO UPDATE
+       SET state = excluded.state,
+           -- when the outage began: kept while failed probes open it again
+           opened_at = CASE WHEN excluded.state = 'open'
+                             AND (b.state = 'closed' OR b.opened_at IS NULL)
+                            THEN excluded.opened_at
+                            WHEN excluded.state = 'closed' THEN NULL
+                            ELSE b.opened_at END,
+           probe_after = CASE WHEN excluded.state = 'open' THEN excluded.probe_after
+                              WHEN excluded.state = 'closed' THEN NULL
+                              ELSE b.probe_after END,
+           reason = excluded.reason,
+           opened_count = b.opened_count + excluded.opened_count,
+           changed_at = excluded.changed_at,
+           changed_by_run = excluded.changed_by_run
+    """
+)
+
+
 def save_transitions(
     conn: Connection,
     downstream: str,
@@ -189,33 +223,7 @@ def save_transitions(
     last = transitions[-1]
     opened = sum(1 for t in transitions if t.to == OPEN)
     conn.execute(
-        sa.text(
-            """
-            INSERT INTO downstream_breaker AS b
-                   (downstream, state, opened_at, probe_after, reason, opened_count,
-                    changed_at, changed_by_run)
-            VALUES (:downstream, :state,
-                    CASE WHEN :state = 'open' THEN clock_timestamp() END,
-                    CASE WHEN :state = 'open'
-                         THEN clock_timestamp() + make_interval(secs => :open_s) END,
-                    :reason, :opened, clock_timestamp(), :run_id)
-            ON CONFLICT (downstream) DO UPDATE
-               SET state = excluded.state,
-                   -- when the outage began: kept while failed probes open it again
-                   opened_at = CASE WHEN excluded.state = 'open'
-                                     AND (b.state = 'closed' OR b.opened_at IS NULL)
-                                    THEN excluded.opened_at
-                                    WHEN excluded.state = 'closed' THEN NULL
-                                    ELSE b.opened_at END,
-                   probe_after = CASE WHEN excluded.state = 'open' THEN excluded.probe_after
-                                      WHEN excluded.state = 'closed' THEN NULL
-                                      ELSE b.probe_after END,
-                   reason = excluded.reason,
-                   opened_count = b.opened_count + excluded.opened_count,
-                   changed_at = excluded.changed_at,
-                   changed_by_run = excluded.changed_by_run
-            """
-        ),
+        _SAVE_TRANSITION,
         {
             "downstream": downstream,
             "state": last.to,

@@ -20,7 +20,9 @@ from sqlalchemy.exc import DBAPIError
 
 log = logging.getLogger(__name__)
 
-# Free or expired → ours; the fencing token only ever goes up. Safe to race: one wins.
+# Free or expired → ours; the fencing token only ever goes up.
+# Twice: a held, unexpired lease matches nothing (the upsert's WHERE), so of two racing
+# acquires one wins, and a second acquire by the winner finds it held and gets nothing.
 _ACQUIRE = sa.text(
     """
     INSERT INTO job_lease AS l (job_name, scope, owner_id, lease_token, fencing_token,
@@ -38,6 +40,7 @@ _ACQUIRE = sa.text(
 )
 
 # Extend only while still ours and unexpired: a lapsed lease is never revived.
+# Twice: extending again only moves the expiry to now + TTL once more.
 _HEARTBEAT = sa.text(
     """
     UPDATE job_lease SET heartbeat_at = clock_timestamp(),
@@ -70,6 +73,8 @@ _GUARD = sa.text(
 )
 
 # Give the lease back by expiring it; the row (and its fencing token) stays.
+# Twice: it matches only our token and fencing token, so a second release re-expires our own
+# lapsed lease and never touches a lease another run took since (a new token).
 _RELEASE = sa.text(
     """
     UPDATE job_lease SET expires_at = clock_timestamp(), heartbeat_at = clock_timestamp()

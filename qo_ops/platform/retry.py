@@ -79,6 +79,24 @@ class RetryPolicy:
         return "retry"
 
 
+# A tenant's dead letters (all, or the ones named) back to READY with their attempts reset,
+# at most :limit, oldest first.
+# Twice: only DEAD_LETTER rows move, so requeueing twice moves nothing the second time.
+_REQUEUE_DEAD = sa.text(
+    """
+    UPDATE delivery_attempt_item
+       SET status = 'READY', attempt_count = 0, next_attempt_at = clock_timestamp(),
+           updated_at = clock_timestamp()
+     WHERE id = ANY(ARRAY(
+           SELECT id FROM delivery_attempt_item
+            WHERE tenant_id = :tenant AND status = 'DEAD_LETTER'
+              AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+            ORDER BY updated_at, id LIMIT :limit FOR UPDATE))
+    RETURNING id
+    """
+)
+
+
 def requeue_dead_letters(
     engine: Engine,
     *,
@@ -91,24 +109,8 @@ def requeue_dead_letters(
     """Put dead-lettered delivery items of a tenant back to READY (attempts reset), at most
     ``limit`` of them, oldest first; one audit row records who, why and how many."""
     with engine.begin() as conn:
-        # Only DEAD_LETTER rows move, so requeueing twice moves nothing the second time.
         requeued = (
-            conn.execute(
-                sa.text(
-                    """
-                UPDATE delivery_attempt_item
-                   SET status = 'READY', attempt_count = 0, next_attempt_at = clock_timestamp(),
-                       updated_at = clock_timestamp()
-                 WHERE id = ANY(ARRAY(
-                       SELECT id FROM delivery_attempt_item
-                        WHERE tenant_id = :tenant AND status = 'DEAD_LETTER'
-                          AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
-                        ORDER BY updated_at, id LIMIT :limit FOR UPDATE))
-                RETURNING id
-                """
-                ),
-                {"tenant": tenant_id, "ids": item_ids, "limit": limit},
-            )
+            conn.execute(_REQUEUE_DEAD, {"tenant": tenant_id, "ids": item_ids, "limit": limit})
             .scalars()
             .all()
         )

@@ -171,6 +171,7 @@ def finish_run(
 
 # A run is orphaned when it says `running` but holds no live lease and has not beaten
 # its heartbeat for a whole grace period (a fresh run has not acquired yet: not orphaned).
+# Twice: a reaped run is `failed`, no longer `running`, so a second reaper matches nothing.
 _REAP = sa.text(
     """
     UPDATE job_run r

@@ -6,6 +6,7 @@ bad QO_OPS_RUN_HISTORY_DAYS is one line and changes nothing; a second run prunes
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -14,7 +15,14 @@ import sqlalchemy as sa
 
 from qo_ops.errors import ConfigError
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.jobs.run_history_retention import DAYS_ENV, SPEC, history_days
+from qo_ops.jobs.run_history_retention import (
+    DAYS_ENV,
+    PRUNABLE_CHECKPOINT,
+    PRUNABLE_RUN,
+    SPEC,
+    history_days,
+)
+from qo_ops.platform import runs
 from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.spec import RunOptions, Scope
 from qo_ops_tests.conftest import base_env, run_cli
@@ -323,3 +331,16 @@ def test_settings_and_catalog_entry():
     assert history_days({}) == 90 and history_days({DAYS_ENV: " 30 "}) == 30
     assert CATALOG[JOB] is SPEC
     assert SPEC.destructive and SPEC.partitioning == "tenant" and SPEC.backlog_threshold is None
+
+
+def _statuses(predicate: str, column: str) -> set[str]:
+    found = re.search(rf"{re.escape(column)} IN \(([^)]*)\)", predicate)
+    assert found, (column, predicate)
+    return set(re.findall(r"'(\w+)'", found.group(1)))
+
+
+def test_the_predicates_name_the_platforms_statuses():
+    """The shared predicates write the status lists out (literals, so that every plan of the
+    checkpoint lookup implies ix_job_run_active's predicate): they are the platform's."""
+    assert _statuses(PRUNABLE_RUN, "r.status") == set(runs.FINAL_STATUSES)
+    assert _statuses(PRUNABLE_CHECKPOINT, "a.status") == set(runs.ACTIVE_STATUSES)

@@ -28,6 +28,7 @@ from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs import temp_file_cleanup as tfc
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.jobs.temp_file_cleanup import SPEC
+from qo_ops.platform import objects
 from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.runs import reap_orphans
 from qo_ops.platform.spec import BatchContext, RunOptions, Scope
@@ -586,15 +587,15 @@ def test_an_object_store_error_rolls_the_batch_back_and_a_rerun_converges(loaded
     db, home, stored = loaded
     scope = window(*MIXED)
     expected = expected_ids(db.engine, scope)
-    real_remove, calls = tfc._remove_object, []
+    real_remove, calls = objects._remove_object, []
 
     def flaky(dir_fd: int, name: str) -> bool:
         calls.append(name)
         if len(calls) == 3:
-            raise tfc.ObjectStoreError("cannot remove a stored object: Input/output error")
+            raise objects.ObjectStoreError("cannot remove a stored object: Input/output error")
         return real_remove(dir_fd, name)
 
-    monkeypatch.setattr(tfc, "_remove_object", flaky)
+    monkeypatch.setattr(objects, "_remove_object", flaky)
     failed = run(db.engine, scope, batch_size=5)
 
     assert (failed.status, failed.error_code) == ("failed", "object_store_error")
@@ -602,7 +603,7 @@ def test_an_object_store_error_rolls_the_batch_back_and_a_rerun_converges(loaded
     assert len(tree(home)) == len(stored) - 2  # two objects went before the error
     assert set(tombstones(db.engine)) == set(expected[:5])  # intents with their checksums
 
-    monkeypatch.setattr(tfc, "_remove_object", real_remove)
+    monkeypatch.setattr(objects, "_remove_object", real_remove)
     rerun = run(db.engine, scope, reason="retry after storage error")
 
     assert rerun.status == "success" and rerun.mutated_count == len(expected)
@@ -664,13 +665,13 @@ def test_storing_an_object_never_writes_through_a_symlink(tmp_path):
     root, outside = tmp_path / "objects", tmp_path / "outside"
     outside.mkdir()
     (outside / "x.bin").write_bytes(b"keep")
-    with tfc.ObjectStore(root) as store:
+    with objects.ObjectStore(root) as store:
         assert store.put("tmp/t/a.bin", b"first") is True  # root and directories created
         assert store.put("tmp/t/a.bin", b"2nd") is False  # replaced, cut to its new size
         (root / "tmp" / "link").symlink_to(outside, target_is_directory=True)
         (root / "tmp" / "t" / "b.bin").symlink_to(outside / "x.bin")
         for path in ("tmp/link/x.bin", "tmp/t/b.bin", "../outside/x.bin", "tmp//a.bin"):
-            with pytest.raises(tfc.ObjectStoreError, match="cannot store an object"):
+            with pytest.raises(objects.ObjectStoreError, match="cannot store an object"):
                 store.put(path, b"overwritten")
     assert (root / "tmp" / "t" / "a.bin").read_bytes() == b"2nd"
     assert (outside / "x.bin").read_bytes() == b"keep" and sorted(outside.iterdir()) == [
@@ -689,16 +690,16 @@ def test_a_directory_swapped_for_a_symlink_between_the_steps_stops_the_batch(
     victim = stored[expected[0]].storage_path
     directory = home / "objects" / Path(victim).parent
     outside = _outside_copy(home, tmp_path, victim)
-    real_sha256 = tfc.ObjectStore.sha256
+    real_sha256 = objects.ObjectStore.sha256
 
-    def then_swap(self: tfc.ObjectStore, storage_path: str) -> tuple[bool, str | None]:
+    def then_swap(self: objects.ObjectStore, storage_path: str) -> tuple[bool, str | None]:
         found = real_sha256(self, storage_path)
         if storage_path == victim and directory.is_dir() and not directory.is_symlink():
             directory.rename(tmp_path / "moved-away")
             directory.symlink_to(outside, target_is_directory=True)
         return found
 
-    monkeypatch.setattr(tfc.ObjectStore, "sha256", then_swap)
+    monkeypatch.setattr(objects.ObjectStore, "sha256", then_swap)
     before = file_ids(db.engine)
     failed = run(db.engine, scope, batch_size=5)
 

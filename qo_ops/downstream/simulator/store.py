@@ -72,23 +72,31 @@ _COUNTERS = (
 
 # One statement per delivery: a new key inserts (times_received 1), a repeated one counts
 # the arrival and hands back the original delivery_id.
+# Twice: the idempotency key is the primary key, so a repeat only counts one more arrival:
+# never a second delivery.
 _UPSERT_DELIVERY = """
 INSERT INTO delivery VALUES (?, ?, ?, ?, ?, 1, ?, ?)
 ON CONFLICT (idempotency_key) DO UPDATE SET
     times_received = times_received + 1, last_received_at = excluded.last_received_at
 RETURNING delivery_id, order_number, times_received
 """
+# The downstream's view of an order (a delivery moves it on; the admin API sets it).
+# Twice: an upsert on order_number: the same status written again leaves the same row.
 _UPSERT_ORDER = """
 INSERT INTO downstream_order (order_number, tenant_id, status, updated_at) VALUES (?, ?, ?, ?)
 ON CONFLICT (order_number) DO UPDATE SET
     tenant_id = excluded.tenant_id, status = excluded.status, updated_at = excluded.updated_at
 """
+# One statement per notification, like a delivery.
+# Twice: the event id is the primary key, so a repeat only counts one more arrival.
 _UPSERT_NOTIFICATION = """
 INSERT INTO notification VALUES (?, ?, ?, ?, 1, ?, ?)
 ON CONFLICT (event_id) DO UPDATE SET
     times_received = times_received + 1, last_received_at = excluded.last_received_at
 RETURNING times_received
 """
+# A counter's value as the store holds it (written with the group commit).
+# Twice: it sets the value, not adds to it, so writing it again leaves it as it is.
 _SET_COUNTER = (
     "INSERT INTO counter (name, value) VALUES (?, ?) "
     "ON CONFLICT (name) DO UPDATE SET value = excluded.value"

@@ -1,0 +1,134 @@
+"""Claim → call → record: the three steps of a job that sends items to the downstream
+(delivery_retry, notification_publish), written once. Each job names its own statements,
+whole; this runs them.
+
+1. *claim* (a batch transaction, then commit): the selected items that are still due get
+   attempt + 1 and are hidden until the claim lapses;
+2. *call*, with no transaction open: each claimed item is sent (:func:`call_for_each`);
+3. *record* (a second transaction): each result is written only while the item is still
+   under this claim (the same attempt number), then the run's manners (:func:`finish_calls`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.downstream.calls import (
+    CallSettings,
+    call_for_each,
+    call_settings,
+    claim_seconds,
+    finish_calls,
+    prepare_calls,
+)
+from qo_ops.downstream.client import DownstreamClient
+from qo_ops.platform.retry import CallResult, Disposition, dispose
+from qo_ops.platform.spec import BatchContext, BatchOutcome, Limits, run_settings
+
+Decision = tuple[CallResult, Disposition]  # a call's result and what the retry policy made of it
+
+# 1,024, a multiple of 32 and 64 calls: a batch's calls wait for its slowest, then for the
+# record and the next claim; fewer, larger batches leave them idle less (bench/TUNING.md)
+CALLING_DEFAULTS = Limits(batch_size=1024, concurrency=32)
+
+
+def select_due(
+    ctx: BatchContext, table: sa.Table, due_at: sa.Column[Any], *due: sa.ColumnElement[bool]
+) -> sa.Select[Any]:
+    """The tenant's rows of ``table`` that are ``due`` and whose ``due_at`` has passed, the
+    longest due first (``id`` breaking ties): what a claim → call → record job selects."""
+    return (
+        sa.select(table.c.id)
+        .where(table.c.tenant_id == ctx.scope.tenant_id, *due, due_at <= sa.func.now())
+        .order_by(due_at, table.c.id)
+    )
+
+
+class CallingSteps(TypedDict):
+    """The JobSpec fields a claim → call → record job takes from its :class:`ClaimedCalls`."""
+
+    transition: Callable[[Connection, BatchContext, Sequence[Any]], BatchOutcome]
+    external: Callable[[BatchContext, list[Any]], list[Any]]
+    record: Callable[[Connection, BatchContext, list[Any]], BatchOutcome]
+    side_effects: tuple[str, ...]
+    validate_settings: Callable[[], CallSettings]
+    defaults: Limits
+
+
+@dataclass(frozen=True)
+class ClaimedCalls:
+    """One job's claim, call and record.
+
+    ``claim`` takes ``:ids``, ``:tenant`` and ``:claim_s`` and returns the items it claimed
+    (``id``, the attempt number in ``attempt_field``, what ``call`` needs); ``call`` sends one
+    item and answers whether the downstream had seen it already. ``record`` takes one array
+    per result — ``:ids``, ``:attempts``, ``:states``, ``:delays`` and the job's own
+    ``columns`` — and returns ``(id, state)`` of each result it recorded; ``on_done`` (if
+    any) then runs over the ``:ids`` recorded done; ``give_back`` takes ``:ids`` and
+    ``:attempts`` (:func:`finish_calls`)."""
+
+    side_effect: str
+    claim: sa.TextClause
+    call: Callable[[DownstreamClient, dict[str, Any]], bool]
+    attempt_field: str
+    max_attempts: Callable[[dict[str, Any]], int]
+    record: sa.TextClause
+    columns: Callable[[list[Decision]], dict[str, list[Any]]]
+    give_back: sa.TextClause
+    on_done: sa.TextClause | None = None
+
+    @property
+    def steps(self) -> CallingSteps:
+        """Its three steps, its side effect, the downstream's settings (URL, retry policy,
+        manners: checked before any claim) and the batch defaults, for the job's JobSpec."""
+        return CallingSteps(
+            transition=self.claim_batch,
+            external=self.call_batch,
+            record=self.record_batch,
+            side_effects=(self.side_effect,),
+            validate_settings=call_settings,
+            defaults=CALLING_DEFAULTS,
+        )
+
+    def claim_batch(self, conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
+        """Claim the selected items for this run's calls (the run's first claim loads the
+        downstream's breaker)."""
+        prepare_calls(conn, ctx)
+        claim_s = claim_seconds(ctx, len(ids))
+        rows = conn.execute(
+            self.claim,
+            {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s},
+        ).mappings()
+        return BatchOutcome(work=[dict(r) for r in rows])
+
+    def call_batch(self, ctx: BatchContext, work: list[Any]) -> list[Any]:
+        """Send every claimed item to the downstream (bounded concurrency)."""
+        return call_for_each(
+            ctx, work, self.call, attempt_field=self.attempt_field, max_attempts=self.max_attempts
+        )
+
+    def record_batch(self, conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
+        """Record each result as the retry policy disposes of it (done, retry with backoff,
+        dead, or given back), while the item is still under this claim."""
+        policy = run_settings(ctx, call_settings).retry
+        decisions = [(r, dispose(r, policy)) for r in results]
+        rows = conn.execute(
+            self.record,
+            {
+                "ids": [r.item_id for r, _ in decisions],
+                "attempts": [r.attempt for r, _ in decisions],
+                "states": [d.state for _, d in decisions],
+                "delays": [d.delay_s for _, d in decisions],
+                **self.columns(decisions),
+            },
+        ).all()
+        recorded = {str(row.id): row.state for row in rows}
+        done = [i for i, state in recorded.items() if state == "done"]
+        if self.on_done is not None and done:
+            conn.execute(self.on_done, {"ids": done})
+        return finish_calls(conn, ctx, decisions, recorded, self.side_effect, self.give_back)

@@ -1,0 +1,198 @@
+"""Stored objects: temp files' bytes under ``QO_OPS_HOME/objects/<storage_path>``, reached
+without ever following a symlink.
+
+temp_file_cleanup hashes and unlinks them (an object is unlinked only while its row's delete
+is pending in the same transaction); the demo data writes them (:meth:`ObjectStore.put`).
+A storage path that is not a plain relative path, or that goes through a symlinked
+directory, is refused: the store never reads, writes or removes anything outside its root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+from qo_ops.config import load_settings
+
+OBJECTS_DIR = "objects"  # under QO_OPS_HOME: stands in for the object store
+
+
+class ObjectStoreError(Exception):
+    """A stored object could not be stored or removed; the batch's transaction is rolled back."""
+
+    error_code = "object_store_error"
+
+
+def objects_root(environ: Mapping[str, str] | None = None) -> Path:
+    """The object store: ``QO_OPS_HOME/objects``."""
+    env = os.environ if environ is None else environ
+    return load_settings(dict(env)).home / OBJECTS_DIR
+
+
+class ObjectStore:
+    """The stored objects under one root, reached without ever following a symlink.
+
+    A storage path is a relative path of plain names. Its directories are opened one
+    component at a time from the root with ``O_NOFOLLOW``, and the object is tested, hashed,
+    unlinked (or, for the demo data, written: :meth:`put`) relative to its directory's
+    descriptor: no path string is resolved twice, so a directory swapped for a symlink after
+    a check cannot redirect a read or a removal outside the store. A path whose directory is
+    a symlink, or not a directory, is unsafe (:data:`UNSAFE`); a missing directory means the
+    object is gone.
+
+    Directory descriptors are cached for the life of the store (one batch step), so the
+    objects of a batch — usually a few directories — cost a stat, an open and a read each
+    rather than a full path resolution. :meth:`close` releases them.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._dirs: dict[tuple[str, ...], int | None] = {}
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._dirs.values():
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._dirs.clear()
+
+    def _dir(self, parts: tuple[str, ...]) -> int | None:
+        """The directory's descriptor; -1 when it does not exist; None when unsafe."""
+        if parts in self._dirs:
+            return self._dirs[parts]
+        fd: int | None
+        try:
+            if not parts:  # the root itself is configuration (it may be a symlink)
+                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            else:
+                parent = self._dir(parts[:-1])
+                if parent is None or parent < 0:
+                    return parent
+                fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            fd = -1
+        except OSError:  # ELOOP (a symlink), ENOTDIR (a file): never followed
+            fd = None
+        self._dirs[parts] = fd
+        return fd
+
+    def locate(self, storage_path: str) -> tuple[int, str] | None:
+        """(directory descriptor or -1 when the directory is missing, name); None when the
+        path would leave the store."""
+        parts = storage_path.split("/")  # canonical only: no "", "." or ".." anywhere
+        if any(p in _NOT_A_NAME or "\0" in p for p in parts):
+            return None
+        fd = self._dir(tuple(parts[:-1]))
+        return None if fd is None else (fd, parts[-1])
+
+    def sha256(self, storage_path: str) -> tuple[bool, str | None]:
+        """(safe, checksum): checksum None when the object is gone; unsafe when the path
+        leaves the store or the object is not a regular file (never followed or removed)."""
+        where = self.locate(storage_path)
+        if where is None:
+            return False, None
+        fd, name = where
+        if fd < 0:
+            return True, None
+        try:
+            if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                return False, None
+            obj = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        except FileNotFoundError:
+            return True, None
+        except OSError:  # swapped for a symlink since the stat
+            return False, None
+        with os.fdopen(obj, "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(obj).st_mode):
+                return False, None
+            return True, hashlib.file_digest(f, "sha256").hexdigest()
+
+    def exists(self, storage_path: str) -> bool:
+        """Whether anything (a file, a symlink) is stored at a safe ``storage_path``."""
+        where = self.locate(storage_path)
+        if where is None or where[0] < 0:
+            return False
+        try:
+            os.stat(where[1], dir_fd=where[0], follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def put(self, storage_path: str, data: bytes) -> bool:
+        """Store ``data`` at ``storage_path``, creating its directories (never through a
+        symlink): True if the object is new, False if it replaced one;
+        :class:`ObjectStoreError` when the path would leave the store or cannot be written."""
+        parts = storage_path.split("/")
+        if any(p in _NOT_A_NAME or "\0" in p for p in parts):
+            raise ObjectStoreError("cannot store an object: its path would leave the store")
+        try:
+            fd = self._made_dir(tuple(parts[:-1]))
+            try:
+                obj, new = os.open(parts[-1], _NEW_OBJECT, 0o644, dir_fd=fd), True
+            except FileExistsError:  # replaced in place; a symlink there is refused (ELOOP)
+                obj, new = os.open(parts[-1], _REPLACE_OBJECT, dir_fd=fd), False
+            with os.fdopen(obj, "wb") as f:
+                f.write(data)
+                f.flush()
+                # cut to size after writing, not to 0 before (O_TRUNC): ext4 flushes a file
+                # truncated to 0 and rewritten when it is closed, a disk wait per object
+                os.ftruncate(obj, len(data))
+        except OSError as exc:
+            raise ObjectStoreError(f"cannot store an object: {exc.strerror}") from exc
+        return new
+
+    def _made_dir(self, parts: tuple[str, ...]) -> int:
+        """The directory's descriptor, creating it (and its parents) when missing."""
+        fd = self._dir(parts)
+        if fd is not None and fd >= 0:
+            return fd
+        if fd is None:
+            raise ObjectStoreError(
+                "cannot store an object: a directory on its path is a symlink or a file"
+            )
+        if not parts:
+            self.root.mkdir(parents=True, exist_ok=True)
+        else:
+            with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
+                os.mkdir(parts[-1], dir_fd=self._made_dir(parts[:-1]))
+        self._dirs.pop(parts, None)  # cached as missing
+        made = self._dir(parts)
+        if made is None or made < 0:
+            raise ObjectStoreError("cannot store an object: its directory cannot be opened")
+        return made
+
+    def remove(self, storage_path: str) -> bool:
+        """Unlink one object: True if removed, False if it was already gone;
+        :class:`ObjectStoreError` when it cannot be removed or its path became unsafe."""
+        where = self.locate(storage_path)
+        if where is None:
+            raise ObjectStoreError("cannot remove a stored object: its path left the store")
+        if where[0] < 0:
+            return False
+        return _remove_object(*where)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+_NEW_OBJECT = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+_REPLACE_OBJECT = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO there: ENXIO, no wait
+_NOT_A_NAME = frozenset(("", ".", ".."))
+
+
+def _remove_object(dir_fd: int, name: str) -> bool:
+    """Unlink ``name`` in the directory ``dir_fd`` (a symlink itself, never its target)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise ObjectStoreError(f"cannot remove a stored object: {exc.strerror}") from exc
+    return True
