@@ -56,6 +56,7 @@ from bench.common import (
 from bench.suite import Profile, Row, Section, median
 from qo_ops.jobs import audit_archive as archive_job
 from qo_ops.jobs import temp_file_cleanup as cleanup_job
+from qo_ops.jobs.audit_archive import storage as archive_storage
 from qo_ops.jobs.catalog import get_spec
 from qo_ops.platform.objects import OBJECTS_DIR
 from qo_ops.platform.spec import BatchContext, Limits, Scope
@@ -510,7 +511,7 @@ def audit_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
                 sink = io.BytesIO()
                 pq.write_table(part, sink, compression="zstd")
                 data = sink.getvalue()
-                archive_job._write_file(home / rel, data)
+                archive_storage.write_file(home / rel, data)
                 ws = datetime.combine(date.fromisoformat(day), datetime.min.time(), UTC)
                 ids = part.column("id")
                 cur.execute(
@@ -673,7 +674,7 @@ def verify_audit(url: URL, n: int, w: Window | None, home: Path) -> dict[str, An
             )
         ).all()
     engine.dispose()
-    bad = sum(1 for f in files if archive_job._sha256_or_none(home / f.file_path) != f.sha256)
+    bad = sum(1 for f in files if archive_storage.sha256_or_none(home / f.file_path) != f.sha256)
     in_files = sum(pq.read_metadata(home / f.file_path).num_rows for f in files)
     row |= {"archived": int(row["archived"]), "files": len(files), "files_not_matching": bad}
     row["rows_in_files"] = in_files

@@ -33,6 +33,8 @@ from qo_ops.jobs.audit_archive import (
     ArchiveError,
     read_rows,
     restore_day,
+    steps,
+    storage,
 )
 from qo_ops.platform.faults import CRASH_ENV, CRASH_POINTS
 from qo_ops.platform.runner import count_eligible, run_job
@@ -340,7 +342,7 @@ def test_values_that_csv_must_quote_round_trip_exactly(seeded, home):
 def test_a_corrupted_file_fails_verification_and_nothing_is_deleted(seeded, home, monkeypatch):
     db = seeded
     original = _audit_digest(db.engine)
-    real_write = audit_archive._write_file
+    real_write = steps.write_file
 
     def write_then_flip_a_byte(path: Path, data: bytes) -> None:
         real_write(path, data)
@@ -348,7 +350,7 @@ def test_a_corrupted_file_fails_verification_and_nothing_is_deleted(seeded, home
         raw[len(raw) // 2] ^= 0x01
         path.write_bytes(bytes(raw))
 
-    monkeypatch.setattr(audit_archive, "_write_file", write_then_flip_a_byte)
+    monkeypatch.setattr(steps, "write_file", write_then_flip_a_byte)
     failed = _execute(db.engine, batch_size=500)
     assert (failed.status, failed.error_code) == ("failed", "archive_verification_failed")
     assert "sha256 differs" in (failed.error_text or "")
@@ -357,7 +359,7 @@ def test_a_corrupted_file_fails_verification_and_nothing_is_deleted(seeded, home
     assert _audit_digest(db.engine) == original  # nothing deleted
     assert all(_checks(failed).values())  # FAILED archives are not counted
 
-    monkeypatch.setattr(audit_archive, "_write_file", real_write)
+    monkeypatch.setattr(steps, "write_file", real_write)
     healed = _execute(db.engine, batch_size=500)
     assert healed.status == "success" and healed.mutated_count == ROWS_ON_DAY
     assert _statuses(db.engine) == {"FAILED": 1, "VERIFIED": 3}
@@ -367,7 +369,7 @@ def test_a_corrupted_file_fails_verification_and_nothing_is_deleted(seeded, home
 
 def test_source_rows_changed_before_the_delete_fail_verification(seeded, home, monkeypatch):
     db = seeded
-    real_verify = audit_archive.verify_file
+    real_verify = steps.verify_file
 
     def verify_then_change_a_source_row(chunk, sha):
         result = real_verify(chunk, sha)
@@ -378,7 +380,7 @@ def test_source_rows_changed_before_the_delete_fail_verification(seeded, home, m
             )
         return result
 
-    monkeypatch.setattr(audit_archive, "verify_file", verify_then_change_a_source_row)
+    monkeypatch.setattr(steps, "verify_file", verify_then_change_a_source_row)
     before = len(_day_ids(db.engine))
     failed = _execute(db.engine, batch_size=500)
     assert (failed.status, failed.error_code) == ("failed", "archive_verification_failed")
@@ -391,7 +393,7 @@ def test_a_file_changed_between_verification_and_delete_is_caught(seeded, home, 
     """The delete transaction hashes the file once more: what is deleted is what verified."""
     db = seeded
     original = _audit_digest(db.engine)
-    real_verify = audit_archive.verify_file
+    real_verify = steps.verify_file
 
     def verify_then_tamper(chunk, sha):
         result = real_verify(chunk, sha)
@@ -401,7 +403,7 @@ def test_a_file_changed_between_verification_and_delete_is_caught(seeded, home, 
         path.write_bytes(bytes(raw))
         return result
 
-    monkeypatch.setattr(audit_archive, "verify_file", verify_then_tamper)
+    monkeypatch.setattr(steps, "verify_file", verify_then_tamper)
     failed = _execute(db.engine, batch_size=500)
     assert (failed.status, failed.error_code) == ("failed", "archive_verification_failed")
     assert "file changed after verification" in (failed.error_text or "")
@@ -537,7 +539,7 @@ def test_the_orphan_sweep_judges_file_age_by_the_database_clock(seeded, home, mo
         manifest_id, TENANT, DAY, start, end,
         audit_archive.relative_path(TENANT, DAY, manifest_id), 0, 0, 0, table=None,
     )  # fmt: skip
-    assert audit_archive._sweep_orphans(work, chunk) == 2
+    assert storage.sweep_orphans(work, chunk) == 2
     assert just_written.exists()
     assert not old_orphan.exists() and not old_tmp.exists()
 

@@ -1,0 +1,55 @@
+"""What one batch carries from phase to phase: the chunks the selection cut, the work it
+hands the file phase, and each file's verdict for the delete."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import date, datetime
+
+import pyarrow as pa
+from sqlalchemy.engine import Engine
+
+
+@dataclass
+class Chunk:
+    """One file's worth: every eligible record of (tenant, day) with an id in [min, max]."""
+
+    manifest_id: uuid.UUID
+    tenant_id: str
+    day: date
+    window_start: datetime
+    window_end: datetime
+    file_path: str
+    row_count: int
+    min_id: int
+    max_id: int
+    table: pa.Table | None  # the records; None when adopting an existing WRITTEN manifest
+    sha256: str | None = None  # known up front only when adopting
+    retired: list[str] = field(default_factory=list)  # files of retired manifests
+    adopted: bool = False  # a WRITTEN manifest of an earlier run, verified again
+
+
+@dataclass
+class Work:
+    """What the selection hands the file phase."""
+
+    engine: Engine
+    job_name: str
+    scope_key: str
+    job_run_id: uuid.UUID
+    fencing_token: int | None
+    min_file_age_s: float
+    chunks: list[Chunk]
+
+
+@dataclass
+class FileResult:
+    """A chunk after the file phase: verified against its manifest, or why not."""
+
+    chunk: Chunk
+    ok: bool
+    reason: str | None = None
+    ids: list[int] = field(default_factory=list)  # the file's ids, in order
+    digests: tuple[str, str] | None = None  # table_digests() of the file's rows
+    orphans_removed: int = 0

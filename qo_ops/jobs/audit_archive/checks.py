@@ -1,0 +1,145 @@
+"""What the job answers after a run, or at any time: its outcome checks (every record in
+exactly one place, every archive file still matching its checksum), its report, and its
+lag (how long the oldest record past retention has waited)."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.db.schema import audit_archive_manifest, audit_record
+from qo_ops.errors import one_line
+from qo_ops.jobs.audit_archive.settings import retention_cutoff
+from qo_ops.jobs.audit_archive.storage import resolve_path, sha256_or_none
+from qo_ops.platform.selection import seconds_or_none
+from qo_ops.platform.spec import BatchContext, OutcomeCheck, ReportRow
+
+# The VERIFIED archives of a window (by the day they hold), in file order.
+_VERIFIED_MANIFESTS = (
+    sa.select(audit_archive_manifest)
+    .where(
+        audit_archive_manifest.c.tenant_id == sa.bindparam("t"),
+        audit_archive_manifest.c.status == "VERIFIED",
+        audit_archive_manifest.c.window_start >= sa.bindparam("s"),
+        audit_archive_manifest.c.window_start < sa.bindparam("e"),
+    )
+    .order_by(audit_archive_manifest.c.window_start, audit_archive_manifest.c.min_record_id)
+)
+
+# Where the window's records are: still in the source; in the source although a VERIFIED
+# archive has them too (must be none); in WRITTEN or FAILED archives (never counted).
+_PLACES = sa.text(
+    """
+    SELECT (SELECT count(*) FROM audit_record WHERE tenant_id = :t
+              AND occurred_at >= :s AND occurred_at < :e) AS remaining,
+           -- per archive, the source rows of its own day and id range (an index
+           -- range each), however many days the window spans
+           (SELECT coalesce(sum(n.rows), 0) FROM audit_archive_manifest m
+              CROSS JOIN LATERAL (
+                  SELECT count(*) AS rows FROM audit_record r
+                   WHERE r.tenant_id = m.tenant_id
+                     AND r.occurred_at >= m.window_start AND r.occurred_at < m.window_end
+                     AND r.id BETWEEN m.min_record_id AND m.max_record_id) n
+            WHERE m.tenant_id = :t AND m.status = 'VERIFIED'
+              AND m.window_start >= :s AND m.window_start < :e) AS both_places,
+           (SELECT count(*) FROM audit_archive_manifest WHERE tenant_id = :t
+              AND status IN ('WRITTEN', 'FAILED')
+              AND window_start >= :s AND window_start < :e) AS not_counted
+    """
+)
+
+
+def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
+    """Every record of the window is in exactly one place; every archive file verifies."""
+    scope = ctx.scope
+    start, end = scope.window_bounds()
+    window = {"t": scope.tenant_id, "s": start, "e": end}
+    manifests = list(conn.execute(_VERIFIED_MANIFESTS, window).all())
+    row = conn.execute(_PLACES, window).one()
+    archived = sum(m.row_count for m in manifests)
+    malformed = sum(
+        1
+        for m in manifests
+        if m.row_count < 1 or m.max_record_id - m.min_record_id + 1 < m.row_count
+    )
+    baseline = ctx.state.get("archive_baseline")
+    total = int(row.remaining) + archived
+    accounts = row.both_places == 0 and malformed == 0 and (baseline is None or total == baseline)
+
+    mismatched: list[str] = []
+    for m in manifests:
+        if sha256_or_none(resolve_path(m.file_path)) != m.sha256:
+            mismatched.append(str(m.id))
+    return [
+        OutcomeCheck(
+            "archive_accounts_for_every_record",
+            accounts,
+            "records of the window = remaining source rows + rows of VERIFIED archives, "
+            "and no record is in both",
+            {
+                "remaining_records": int(row.remaining),
+                "archived_records": archived,
+                "verified_archives": len(manifests),
+                "records_at_run_start": baseline,
+                "records_in_both_places": int(row.both_places),
+                "malformed_manifests": malformed,
+                "unverified_archives": int(row.not_counted),
+            },
+        ),
+        OutcomeCheck(
+            "archives_verify",
+            not mismatched,
+            "every VERIFIED archive file of the window still has its manifest's sha256",
+            {
+                "files_checked": len(manifests),
+                "files_mismatched": len(mismatched),
+                "mismatched_manifests": ", ".join(mismatched[:10]) or "none",
+            },
+        ),
+    ]
+
+
+# Per day and status, the archives a run wrote or adopted: files, records, checksums.
+_RUN_ARCHIVES = sa.text(
+    """
+    SELECT (window_start AT TIME ZONE 'UTC')::date AS day, status, count(*) AS files,
+           sum(row_count) AS records, string_agg(left(sha256, 12), ' ' ORDER BY min_record_id) AS sums
+      FROM audit_archive_manifest
+     WHERE job_run_id = :run
+     GROUP BY 1, 2
+     ORDER BY 1, 2
+    """
+)
+
+
+def report_archive(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
+    """Per day and manifest status: archive files this run wrote or adopted, their records
+    and checksums (first 12 hex digits)."""
+    return [
+        ReportRow(
+            "archived" if r.status == "VERIFIED" else r.status.lower(),
+            r.day.isoformat(),
+            int(r.records),
+            one_line(f"{r.files} file(s), sha256 {r.sums}", 160),
+        )
+        for r in conn.execute(_RUN_ARCHIVES, {"run": ctx.job_run_id})
+    ]
+
+
+def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
+    """How long the oldest eligible record of the window has been past retention."""
+    start, end = ctx.scope.window_bounds()
+    oldest = conn.execute(
+        sa.select(sa.func.min(audit_record.c.occurred_at)).where(
+            audit_record.c.tenant_id == ctx.scope.tenant_id,
+            audit_record.c.occurred_at >= start,
+            audit_record.c.occurred_at < end,
+            audit_record.c.occurred_at < retention_cutoff(ctx),
+        )
+    ).scalar()
+    if oldest is None:
+        return None
+    value = conn.execute(
+        sa.select(sa.func.extract("epoch", retention_cutoff(ctx) - sa.literal(oldest)))
+    ).scalar()
+    return seconds_or_none(value)

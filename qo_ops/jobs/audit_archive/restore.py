@@ -1,0 +1,149 @@
+"""``restore`` (``qo-ops archive restore``): a tenant-day's VERIFIED archives back into
+``audit_record`` with their ids, the manifests WRITTEN again — S3 back to S2, in one
+transaction (the package's docstring tells the states)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import date, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from qo_ops.db.schema import audit_archive_manifest
+from qo_ops.errors import BadInput
+from qo_ops.jobs.audit_archive.errors import ArchiveError
+from qo_ops.jobs.audit_archive.format import read_rows
+from qo_ops.jobs.audit_archive.settings import JOB_NAME
+from qo_ops.jobs.audit_archive.storage import resolve_path
+from qo_ops.platform import runs
+from qo_ops.platform.spec import Scope
+from qo_ops.platform.tenants import tenant_exists
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What ``restore`` did for one tenant-day."""
+
+    tenant_id: str
+    day: date
+    archives: int
+    archived_rows: int
+    restored_rows: int
+
+    @property
+    def already_present(self) -> int:
+        """Archived rows that were in the source already (restored before, say)."""
+        return self.archived_rows - self.restored_rows
+
+
+# The VERIFIED archives of the day, locked until the restore commits.
+_LOCK_VERIFIED = (
+    sa.select(audit_archive_manifest)
+    .where(
+        audit_archive_manifest.c.tenant_id == sa.bindparam("t"),
+        audit_archive_manifest.c.status == "VERIFIED",
+        audit_archive_manifest.c.window_start >= sa.bindparam("s"),
+        audit_archive_manifest.c.window_start < sa.bindparam("e"),
+    )
+    .order_by(audit_archive_manifest.c.min_record_id)
+    .with_for_update()
+)
+
+# One archive's rows back into the source, with their own ids.
+# Twice: ON CONFLICT (id) DO NOTHING skips a row already there (restored before, or never
+# deleted), and RETURNING counts only the rows this statement put back.
+_RESTORE_ROWS = sa.text(
+    """
+    INSERT INTO audit_record (id, tenant_id, occurred_at, actor_ref, action, entity_type,
+                              entity_id, details)
+    SELECT u.id, u.tenant_id, u.occurred_at, u.actor_ref, u.action, u.entity_type, u.entity_id,
+           CAST(u.details AS jsonb)
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:tenants AS text[]), CAST(:occurred AS timestamptz[]),
+                  CAST(:actors AS text[]), CAST(:actions AS text[]), CAST(:etypes AS text[]),
+                  CAST(:eids AS text[]), CAST(:details AS text[]))
+           AS u(id, tenant_id, occurred_at, actor_ref, action, entity_type, entity_id, details)
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
+    """
+)
+
+# The archive is a copy again (its rows are in the source): WRITTEN, counted as archived by
+# no one until an archive run re-verifies it.
+# Twice: a second restore locks only VERIFIED manifests, so it never reaches this one again.
+_REOPEN_MANIFEST = sa.text(
+    "UPDATE audit_archive_manifest SET status = 'WRITTEN', verified_at = NULL WHERE id = :id"
+)
+
+
+def restore_day(
+    engine: Engine,
+    tenant_id: str,
+    day: date,
+    *,
+    actor: str = "unknown",
+    reason: str | None = None,
+) -> RestoreResult:
+    """Put every VERIFIED archive of (tenant, day) back into ``audit_record``, same ids.
+
+    One transaction: all files are checked against their manifests first (a file that does
+    not match aborts the restore, changing nothing); rows go back with ``ON CONFLICT (id)
+    DO NOTHING``; the manifests become WRITTEN (source intact, file a copy), so a record is
+    never counted both as remaining and as archived. A second restore finds nothing to do.
+    """
+    scope = Scope(tenant_id, day, day + timedelta(days=1))  # validates the tenant key
+    start, end = scope.window_bounds()
+    with engine.begin() as conn:
+        if not tenant_exists(conn, tenant_id):
+            raise BadInput(f"unknown tenant {tenant_id}")
+        manifests = conn.execute(_LOCK_VERIFIED, {"t": tenant_id, "s": start, "e": end}).all()
+        archived = restored = 0
+        for m in manifests:
+            path = resolve_path(m.file_path)
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise ArchiveError(
+                    f"archive {m.id} of {tenant_id} {day}: cannot read {m.file_path} "
+                    f"({type(exc).__name__}); nothing restored"
+                ) from None
+            if hashlib.sha256(data).hexdigest() != m.sha256:
+                raise ArchiveError(
+                    f"archive {m.id} of {tenant_id} {day}: file does not match its manifest "
+                    "checksum; nothing restored"
+                )
+            rows = read_rows(data)
+            if len(rows) != m.row_count or any(r[1] != tenant_id for r in rows):
+                raise ArchiveError(
+                    f"archive {m.id} of {tenant_id} {day}: rows do not match the manifest; "
+                    "nothing restored"
+                )
+            columns = list(zip(*rows, strict=True))
+            back = conn.execute(
+                _RESTORE_ROWS,
+                {
+                    "ids": list(columns[0]),
+                    "tenants": list(columns[1]),
+                    "occurred": list(columns[2]),
+                    "actors": list(columns[3]),
+                    "actions": list(columns[4]),
+                    "etypes": list(columns[5]),
+                    "eids": list(columns[6]),
+                    "details": list(columns[7]),
+                },
+            ).all()
+            archived += len(rows)
+            restored += len(back)
+            conn.execute(_REOPEN_MANIFEST, {"id": m.id})
+        runs.append_audit(
+            conn,
+            actor=actor,
+            action="archive_restore",
+            decision="allowed",
+            job_name=JOB_NAME,
+            scope=scope.key,
+            reason=reason,
+            details={"archives": len(manifests), "restored_rows": restored},
+        )
+    return RestoreResult(tenant_id, day, len(manifests), archived, restored)

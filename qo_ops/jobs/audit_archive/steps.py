@@ -1,0 +1,421 @@
+"""The job's batch, in the runner's steps: **eligible** (records past retention), **transition**
+(select: copy the locked records out, cut them into per-day chunks), **external** (write
+each file and its WRITTEN manifest, read it back, sweep orphans) and **record** (compare the
+locked source rows with the file; VERIFIED and deleted, or FAILED, in one transaction).
+The package's docstring tells the states a chunk goes through."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, date, datetime, timedelta
+from datetime import time as dtime
+from typing import Any
+
+import pyarrow.compute as pc
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.db.schema import audit_record
+from qo_ops.errors import one_line
+from qo_ops.jobs.audit_archive.batch import Chunk, FileResult, Work
+from qo_ops.jobs.audit_archive.errors import (
+    VERIFICATION_FAILED,
+    ArchiveError,
+    ArchiveVerificationFailed,
+)
+from qo_ops.jobs.audit_archive.format import (
+    ARCHIVE_ROWS,
+    SOURCE_DIGEST,
+    copy_batch,
+    parquet_bytes,
+    read_table,
+    table_digests,
+)
+from qo_ops.jobs.audit_archive.settings import retention_cutoff
+from qo_ops.jobs.audit_archive.storage import (
+    relative_path,
+    resolve_path,
+    sha256_or_none,
+    sweep_orphans,
+    write_file,
+)
+from qo_ops.platform.faults import crash_point
+from qo_ops.platform.lease import LeaseLost
+from qo_ops.platform.spec import BatchContext, BatchOutcome, Scope
+
+SIDE_EFFECT = "archive_file"  # writing one archive file (job_side_effects_total)
+
+ARCHIVE_CRASH_POINTS = (
+    "archive_after_file_written",
+    "archive_after_manifest_written",
+    "archive_before_delete_commit",
+    "archive_after_delete_commit",
+)
+
+
+def _day_bounds(day: date) -> tuple[datetime, datetime]:
+    start = datetime.combine(day, dtime(), UTC)
+    return start, start + timedelta(days=1)
+
+
+# ------------------------------------------------------------------------ eligible
+
+
+def _day_expr() -> sa.ColumnElement[Any]:
+    return sa.cast(sa.func.timezone("UTC", audit_record.c.occurred_at), sa.Date)
+
+
+def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
+    """The tenant's records of the window past retention, by day, then id."""
+    if ctx.state.pop("_archive_deleted", False):  # the previous batch's delete committed
+        crash_point("archive_after_delete_commit")
+    start, end = ctx.scope.window_bounds()
+    query = sa.select(audit_record.c.id).where(
+        audit_record.c.tenant_id == ctx.scope.tenant_id,
+        audit_record.c.occurred_at >= start,
+        audit_record.c.occurred_at < end,
+        audit_record.c.occurred_at < retention_cutoff(ctx),
+    )
+    if end - start > timedelta(days=1):
+        return query.order_by(_day_expr(), audit_record.c.id)
+    return query.order_by(audit_record.c.id)
+
+
+# ------------------------------------------------------------------------ transition (select)
+
+# Records of the window that exist: in the source, or in a VERIFIED archive.
+_BASELINE = sa.text(
+    """
+    SELECT (SELECT count(*) FROM audit_record WHERE tenant_id = :t
+              AND occurred_at >= :s AND occurred_at < :e)
+         + (SELECT coalesce(sum(row_count), 0) FROM audit_archive_manifest
+             WHERE tenant_id = :t AND status = 'VERIFIED'
+               AND window_start >= :s AND window_start < :e)
+    """
+)
+
+
+def _baseline(conn: Connection, scope: Scope) -> int:
+    start, end = scope.window_bounds()
+    return int(conn.execute(_BASELINE, {"t": scope.tenant_id, "s": start, "e": end}).scalar_one())
+
+
+# WRITTEN manifests of earlier runs over the chunk's day that overlap its id range, locked:
+# one of exactly the chunk's shape is adopted, any other retired.
+_STALE_WRITTEN = sa.text(
+    """
+    SELECT id, window_start, window_end, file_path, row_count, min_record_id, max_record_id, sha256
+      FROM audit_archive_manifest
+     WHERE tenant_id = :t AND status = 'WRITTEN' AND window_start = :ws
+       AND min_record_id <= :hi AND max_record_id >= :lo
+       AND job_run_id IS DISTINCT FROM :run
+     ORDER BY min_record_id
+       FOR UPDATE
+    """
+)
+
+# Retire stale WRITTEN manifests (their files are removed after this commits).
+# Twice: a manifest already retired, or no longer WRITTEN, matches nothing.
+_RETIRE_WRITTEN = sa.text(
+    """
+    DELETE FROM audit_archive_manifest
+     WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'WRITTEN'
+    RETURNING file_path
+    """
+)
+
+# The run's fencing token, which the manifest insert must still find on the lease.
+_FENCING_TOKEN = sa.text("SELECT fencing_token FROM job_run WHERE id = :id")
+
+
+def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
+    """Read the selected (locked) records and cut them into per-day chunks."""
+    if ctx.state.get("archive_failure"):  # a file failed verification: stop, as a job's own stop
+        raise ArchiveVerificationFailed(ctx.state["archive_failure"])
+    if "archive_baseline" not in ctx.state:
+        ctx.state["archive_baseline"] = _baseline(conn, ctx.scope)
+    cutoff = conn.execute(sa.select(retention_cutoff(ctx))).scalar_one()  # this txn's now()
+    table = copy_batch(conn, [int(i) for i in ids], ctx.scope.tenant_id)
+    chunks = []
+    offset = 0
+    for day_text in pc.unique(table.column("day")).to_pylist():  # in order: sorted by day
+        count = pc.sum(pc.equal(table.column("day"), day_text)).as_py()
+        day_table = table.slice(offset, count).drop_columns(["day"])
+        offset += count
+        day = date.fromisoformat(day_text)
+        day_start, day_end = _day_bounds(day)
+        day_ids = day_table.column("id")
+        lo, hi = day_ids[0].as_py(), day_ids[-1].as_py()
+        day_rows = day_table  # len() is its row count
+        stale = conn.execute(
+            _STALE_WRITTEN,
+            {"t": ctx.scope.tenant_id, "ws": day_start, "lo": lo, "hi": hi, "run": ctx.job_run_id},
+        ).all()
+        adopt = next(
+            (
+                m
+                for m in stale
+                if (m.min_record_id, m.max_record_id, m.row_count) == (lo, hi, day_rows.num_rows)
+            ),
+            None,
+        )
+        retire = [m.id for m in stale if m is not adopt]
+        retired = (
+            list(conn.execute(_RETIRE_WRITTEN, {"ids": [str(i) for i in retire]}).scalars())
+            if retire
+            else []
+        )
+        if adopt is not None:
+            chunks.append(
+                Chunk(
+                    adopt.id,
+                    ctx.scope.tenant_id,
+                    day,
+                    adopt.window_start,
+                    adopt.window_end,
+                    adopt.file_path,
+                    adopt.row_count,
+                    adopt.min_record_id,
+                    adopt.max_record_id,
+                    table=None,
+                    sha256=adopt.sha256,
+                    retired=retired,
+                    adopted=True,
+                )
+            )
+            continue
+        manifest_id = uuid.uuid4()
+        chunks.append(
+            Chunk(
+                manifest_id,
+                ctx.scope.tenant_id,
+                day,
+                day_start,
+                min(day_end, cutoff),
+                relative_path(ctx.scope.tenant_id, day, manifest_id),
+                day_rows.num_rows,
+                lo,
+                hi,
+                table=day_rows,
+                retired=retired,
+            )
+        )
+    del table  # the chunks hold their slices
+    fence = conn.execute(_FENCING_TOKEN, {"id": ctx.job_run_id}).scalar()
+    work = Work(
+        engine=conn.engine,
+        job_name=ctx.job_name,
+        scope_key=ctx.scope.key,
+        job_run_id=ctx.job_run_id,
+        fencing_token=fence,
+        min_file_age_s=ctx.limits.lease_ttl_s,
+        chunks=chunks,
+    )
+    return BatchOutcome(work=[work])
+
+
+# ------------------------------------------------------------------------ external (files)
+
+# Fenced: a manifest is written only while this run's lease is current.
+# Twice: a rerun never writes one again for the same chunk: it adopts this WRITTEN manifest
+# (same chunk) or retires it (another shape); a run that lost its lease inserts nothing.
+_INSERT_WRITTEN = sa.text(
+    """
+    INSERT INTO audit_archive_manifest (id, tenant_id, window_start, window_end, file_path,
+                                        row_count, min_record_id, max_record_id, sha256, status,
+                                        job_run_id)
+    SELECT :id, :tenant, :ws, :we, :path, :rows, :lo, :hi, :sha, 'WRITTEN', :run
+     WHERE EXISTS (SELECT 1 FROM job_lease WHERE job_name = :job AND scope = :scope
+                     AND fencing_token = :fence AND expires_at > clock_timestamp())
+    RETURNING id
+    """
+)
+
+
+def _insert_written(work: Work, chunk: Chunk, sha: str) -> None:
+    with work.engine.begin() as conn:
+        inserted = conn.execute(
+            _INSERT_WRITTEN,
+            {
+                "id": chunk.manifest_id,
+                "tenant": chunk.tenant_id,
+                "ws": chunk.window_start,
+                "we": chunk.window_end,
+                "path": chunk.file_path,
+                "rows": chunk.row_count,
+                "lo": chunk.min_id,
+                "hi": chunk.max_id,
+                "sha": sha,
+                "run": work.job_run_id,
+                "job": work.job_name,
+                "scope": work.scope_key,
+                "fence": work.fencing_token,
+            },
+        ).first()
+    if inserted is None:
+        raise LeaseLost(f"lease on {work.job_name}/{work.scope_key} lost before the manifest")
+
+
+def verify_file(chunk: Chunk, sha: str) -> FileResult:
+    """Read the file back: checksum, format, row count, id range, tenant, window."""
+    path = resolve_path(chunk.file_path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return FileResult(chunk, False, f"unreadable: {type(exc).__name__}")
+    if hashlib.sha256(data).hexdigest() != sha:
+        return FileResult(chunk, False, "sha256 differs from the manifest")
+    try:
+        table = read_table(data)
+    except Exception as exc:  # any parse error is a failed verification
+        return FileResult(chunk, False, f"unreadable parquet: {type(exc).__name__}")
+    ids = table.column("id")
+    n = table.num_rows
+    problems = []
+    if n != chunk.row_count:
+        problems.append(f"{n} rows, manifest says {chunk.row_count}")
+    if n and (ids[0].as_py(), ids[-1].as_py()) != (chunk.min_id, chunk.max_id):
+        problems.append("id range differs from the manifest")
+    if n > 1 and not pc.all(pc.greater(ids.slice(1), ids.slice(0, n - 1))).as_py():
+        problems.append("ids not strictly ascending")
+    if n and not pc.all(pc.equal(table.column("tenant_id"), chunk.tenant_id)).as_py():
+        problems.append("rows of another tenant")
+    occurred = table.column("occurred_at")
+    if n and not (
+        pc.min(occurred).as_py() >= chunk.window_start
+        and pc.max(occurred).as_py() < chunk.window_end
+    ):
+        problems.append("rows outside the manifest window")
+    if problems:
+        return FileResult(chunk, False, "; ".join(problems))
+    return FileResult(chunk, True, ids=ids.to_pylist(), digests=table_digests(table))
+
+
+def write_and_verify(ctx: BatchContext, work_items: list[Any]) -> list[Any]:
+    """Write each chunk's file and WRITTEN manifest, then read the file back (no transaction)."""
+    results: list[FileResult] = []
+    for work in work_items:
+        assert isinstance(work, Work)
+        for chunk in work.chunks:
+            for retired in chunk.retired:  # their manifest rows are gone (committed)
+                resolve_path(retired).unlink(missing_ok=True)
+            if chunk.table is not None:
+                rows, chunk.table = chunk.table, None  # the file holds them from here on
+                data = parquet_bytes(
+                    rows,
+                    {
+                        "manifest_id": str(chunk.manifest_id),
+                        "tenant_id": chunk.tenant_id,
+                        "window_start": chunk.window_start.isoformat(),
+                        "window_end": chunk.window_end.isoformat(),
+                    },
+                )
+                del rows
+                chunk.sha256 = hashlib.sha256(data).hexdigest()
+                try:
+                    write_file(resolve_path(chunk.file_path), data)
+                except OSError as exc:
+                    raise ArchiveError(
+                        f"cannot write archive file {chunk.file_path}: {one_line(str(exc), 200)}"
+                    ) from None
+                crash_point("archive_after_file_written")
+                _insert_written(work, chunk, chunk.sha256)
+                crash_point("archive_after_manifest_written")
+            assert chunk.sha256 is not None
+            result = verify_file(chunk, chunk.sha256)
+            result.orphans_removed = sweep_orphans(work, chunk)
+            results.append(result)
+    return results
+
+
+# ------------------------------------------------------------------------ record (delete)
+
+# Only a WRITTEN manifest becomes VERIFIED, in the transaction that deletes its rows.
+# Twice: a manifest already VERIFIED (or FAILED) is not WRITTEN: nothing is returned, so
+# nothing is deleted.
+_MARK_VERIFIED = sa.text(
+    """
+    UPDATE audit_archive_manifest SET status = 'VERIFIED', verified_at = clock_timestamp()
+     WHERE id = :id AND status = 'WRITTEN'
+    RETURNING id
+    """
+)
+
+# The file's rows leave the source: by the predicate they were copied by (format.ARCHIVE_ROWS).
+# Twice: it runs only in the transaction that made the manifest VERIFIED, which no second run
+# can do again; and it must delete all the locked rows or the batch aborts (count checked).
+_DELETE_ARCHIVED = sa.text(f"DELETE FROM audit_record WHERE {ARCHIVE_ROWS}")
+
+# Twice: a manifest already FAILED (or VERIFIED by another run) is not WRITTEN: no change.
+_MARK_FAILED = sa.text(
+    "UPDATE audit_archive_manifest SET status = 'FAILED' WHERE id = :id AND status = 'WRITTEN'"
+)
+
+
+def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
+    """In one transaction per batch: verified chunks → manifest VERIFIED + source rows
+    deleted; anything else → manifest FAILED, nothing deleted."""
+    outcome = BatchOutcome(tally={})
+
+    def tally(key: str, n: int = 1) -> None:
+        outcome.tally[key] = outcome.tally.get(key, 0) + n
+
+    for result in results:
+        assert isinstance(result, FileResult)
+        chunk = result.chunk
+        tally("archives_replaced", len(chunk.retired))
+        if result.orphans_removed:
+            tally("orphan_files_removed", result.orphans_removed)
+        tally("archives_adopted" if chunk.adopted else "archives_written")
+        if chunk.adopted:  # an earlier attempt wrote this file and did not get to delete
+            outcome.side_effect(SIDE_EFFECT, "duplicate_prevented")
+        if result.ok:
+            source = conn.execute(  # locked: nobody changes them until this commits
+                SOURCE_DIGEST,
+                {
+                    "t": chunk.tenant_id,
+                    "lo": chunk.min_id,
+                    "hi": chunk.max_id,
+                    "ws": chunk.window_start,
+                    "we": chunk.window_end,
+                },
+            ).one()
+            assert result.digests is not None
+            if (source.n, source.ids) != (len(result.ids), result.digests[0]):
+                result.ok, result.reason = False, "source ids differ from the file's"
+            elif source.rows != result.digests[1]:  # every value, exactly
+                result.ok, result.reason = False, "source rows differ from the file's"
+            elif sha256_or_none(resolve_path(chunk.file_path)) != chunk.sha256:
+                # the file is still the bytes that were verified, right before the delete
+                result.ok, result.reason = False, "file changed after verification"
+        ids = result.ids  # exactly the locked rows that equal the file's, when ok
+        if result.ok:
+            verified = conn.execute(_MARK_VERIFIED, {"id": chunk.manifest_id}).first()
+            if verified is None:  # resolved by someone else meanwhile: not ours to delete
+                outcome.skipped += chunk.row_count
+                tally("archives_taken_over")
+                continue
+            deleted = conn.execute(_DELETE_ARCHIVED, {"ids": ids, "t": chunk.tenant_id}).rowcount
+            if deleted != len(ids) or deleted != chunk.row_count:  # never half, never none
+                raise ArchiveError(f"archive {chunk.manifest_id}: locked source rows vanished")
+            outcome.succeeded += deleted
+            tally("archives_verified")
+            if not chunk.adopted:
+                outcome.side_effect(SIDE_EFFECT, "success")
+        else:
+            conn.execute(_MARK_FAILED, {"id": chunk.manifest_id})
+            outcome.failed += chunk.row_count
+            outcome.failed_items.append((str(chunk.manifest_id), VERIFICATION_FAILED))
+            tally("archives_failed")
+            if not chunk.adopted:
+                outcome.side_effect(SIDE_EFFECT, "failed")
+            ctx.state["archive_failure"] = (
+                f"archive {chunk.manifest_id} ({chunk.tenant_id} {chunk.day}) failed "
+                f"verification: {result.reason}; nothing of it was deleted"
+            )
+    outcome.tally = {k: v for k, v in outcome.tally.items() if v}
+    crash_point("archive_before_delete_commit")
+    ctx.state["_archive_deleted"] = outcome.succeeded > 0
+    return outcome
