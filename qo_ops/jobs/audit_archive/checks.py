@@ -14,8 +14,9 @@ from qo_ops.jobs.audit_archive.storage import resolve_path, sha256_or_none
 from qo_ops.platform.selection import seconds_or_none
 from qo_ops.platform.spec import BatchContext, OutcomeCheck, ReportRow
 
-# The VERIFIED archives of a window (by the day they hold), in file order.
-_VERIFIED_MANIFESTS = (
+# The VERIFIED archives of a window (by the day they hold), in file order: what counts as
+# archived (restore locks the same rows).
+VERIFIED_MANIFESTS = (
     sa.select(audit_archive_manifest)
     .where(
         audit_archive_manifest.c.tenant_id == sa.bindparam("t"),
@@ -54,7 +55,7 @@ def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     scope = ctx.scope
     start, end = scope.window_bounds()
     window = {"t": scope.tenant_id, "s": start, "e": end}
-    manifests = list(conn.execute(_VERIFIED_MANIFESTS, window).all())
+    manifests = list(conn.execute(VERIFIED_MANIFESTS, window).all())
     row = conn.execute(_PLACES, window).one()
     archived = sum(m.row_count for m in manifests)
     malformed = sum(

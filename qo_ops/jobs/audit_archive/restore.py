@@ -11,8 +11,8 @@ from datetime import date, timedelta
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from qo_ops.db.schema import audit_archive_manifest
 from qo_ops.errors import BadInput
+from qo_ops.jobs.audit_archive.checks import VERIFIED_MANIFESTS
 from qo_ops.jobs.audit_archive.errors import ArchiveError
 from qo_ops.jobs.audit_archive.format import read_rows
 from qo_ops.jobs.audit_archive.settings import JOB_NAME
@@ -38,18 +38,9 @@ class RestoreResult:
         return self.archived_rows - self.restored_rows
 
 
-# The VERIFIED archives of the day, locked until the restore commits.
-_LOCK_VERIFIED = (
-    sa.select(audit_archive_manifest)
-    .where(
-        audit_archive_manifest.c.tenant_id == sa.bindparam("t"),
-        audit_archive_manifest.c.status == "VERIFIED",
-        audit_archive_manifest.c.window_start >= sa.bindparam("s"),
-        audit_archive_manifest.c.window_start < sa.bindparam("e"),
-    )
-    .order_by(audit_archive_manifest.c.min_record_id)
-    .with_for_update()
-)
+# The VERIFIED archives of the day, locked until the restore commits (the archives of one
+# day all start at its midnight: in min_record_id order).
+_LOCK_VERIFIED = VERIFIED_MANIFESTS.with_for_update()
 
 # One archive's rows back into the source, with their own ids.
 # Twice: ON CONFLICT (id) DO NOTHING skips a row already there (restored before, or never
