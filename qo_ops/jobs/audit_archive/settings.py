@@ -1,5 +1,5 @@
-"""The job's name and settings: the retention, the archive directory, and the cutoff they
-make on the database's clock."""
+"""The job's name and settings: the retention (and the cutoff it puts on the database's
+clock) and the archive directory, checked before a run locks or writes anything."""
 
 from __future__ import annotations
 
