@@ -56,6 +56,7 @@ from bench.common import (
 from bench.suite import Profile, Row, Section, median
 from qo_ops.jobs import audit_archive as archive_job
 from qo_ops.jobs import temp_file_cleanup as cleanup_job
+from qo_ops.jobs.audit_archive import steps as archive_steps
 from qo_ops.jobs.audit_archive import storage as archive_storage
 from qo_ops.jobs.catalog import get_spec
 from qo_ops.platform.objects import OBJECTS_DIR
@@ -927,9 +928,7 @@ def _transition_sql(job: str, ids: list[int], ctx: BatchContext) -> tuple[sa.Tex
         params |= {"run": str(ctx.job_run_id), "reason": "bench explain"}
         return cleanup_job._DELETE_ROWS, params | {"days": CLEANUP_RETENTION_DAYS}
     assert job == "audit_archive"
-    return sa.text(
-        "DELETE FROM audit_record WHERE id = ANY(CAST(:ids AS bigint[])) AND tenant_id = :t"
-    ), {"ids": ids, "t": TENANT}
+    return archive_steps._DELETE_ARCHIVED, {"ids": ids, "t": TENANT}
 
 
 def _plan(rows: Any) -> list[str]:

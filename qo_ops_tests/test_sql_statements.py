@@ -83,19 +83,14 @@ ALLOWED: list[tuple[str, str, str]] = [
         )
         for counts in ("_BUCKET_COUNTS", "_DRIFT_COUNTS", "_LOCK_COUNTS", "_DELAY_COUNTS")
     ),
-    # until the changes of issue 22 that bind these merge (the API's refactor; audit_archive
-    # as a package, whose files these paths do not match)
+    # until the change of issue 22 that binds this merges (the API's refactor)
     ("qo_ops/api/service.py", "IDEMPOTENCY_TTL_HOURS", "the API helper's"),
-    ("qo_ops/jobs/audit_archive.py", "WITH locked AS", "the audit_archive helper's"),
 ]
 
-# Writing statements whose comment another change of issue 22 adds (the API's refactor;
-# audit_archive becoming a package, after which these paths no longer exist). Delete the
-# entries once both have merged.
+# Writing statements whose comment another change of issue 22 adds (the API's refactor).
+# Delete the entry once it has merged.
 ELSEWHERE_IN_ISSUE_22 = {
     ("qo_ops/api/service.py", "_DELETE_EXPIRED_KEYS"),
-    ("qo_ops/jobs/audit_archive.py", "_INSERT_WRITTEN"),
-    ("qo_ops/jobs/audit_archive.py", "_RESTORE_ROWS"),
 }
 
 SQL_CALLS = {"text", "literal_column"}  # sqlalchemy's, however imported

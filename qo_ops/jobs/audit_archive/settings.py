@@ -58,4 +58,4 @@ def archive_settings(environ: Mapping[str, str] | None = None) -> ArchiveSetting
 def retention_cutoff(ctx: BatchContext) -> sa.ColumnElement[Any]:
     """Records that occurred before this (database clock) are past the run's retention."""
     days = run_settings(ctx, archive_settings).retention_days
-    return sa.func.now() - sa.literal(timedelta(days=days), sa.Interval)  # bound, not spliced
+    return sa.func.now() - sa.cast(sa.literal(timedelta(days=days)), sa.Interval)  # bound
