@@ -48,27 +48,6 @@ ROWS_ON_DAY = 1234  # tenant-001's records on DAY (tenant-002 has its own, inter
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
 
 
-def _registered() -> bool:
-    from qo_ops.jobs.catalog import CATALOG
-
-    return "audit_archive" in CATALOG
-
-
-def _restore_registered() -> bool:
-    from qo_ops.cli import app
-
-    return any(group.name == "archive" for group in app.registered_groups)
-
-
-needs_catalog = pytest.mark.skipif(
-    not _registered(), reason="audit_archive is not in the catalog yet (qo_ops/jobs/catalog.py)"
-)
-needs_archive_command = pytest.mark.skipif(
-    not _restore_registered(),
-    reason="`qo-ops archive` is not registered in qo_ops/cli/__init__.py yet",
-)
-
-
 # ----------------------------------------------------------------------------- fixtures
 
 
@@ -824,7 +803,6 @@ def test_sigkill_at_every_step_then_rerun_is_exact(seeded, home, point):
     _crash_then_rerun(seeded, home, "python", point)
 
 
-@needs_catalog
 @pytest.mark.parametrize("point", list(AFTER_CRASH))
 def test_cli_sigkill_at_every_step_then_rerun_is_exact(seeded, home, point):
     _crash_then_rerun(seeded, home, "cli", point)
@@ -852,7 +830,6 @@ def test_a_stale_written_archive_of_another_shape_is_replaced(seeded, home):
 # ----------------------------------------------------------------------------- via the CLI
 
 
-@needs_catalog
 def test_cli_dry_run_then_execute(seeded, home):
     db = seeded
     env = base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_HOME=str(home))
@@ -872,7 +849,6 @@ def test_cli_dry_run_then_execute(seeded, home):
     assert "check.archives_verify=passed" in done.stdout
 
 
-@needs_archive_command
 def test_cli_archive_restore(seeded, home):
     db = seeded
     original = _audit_digest(db.engine)

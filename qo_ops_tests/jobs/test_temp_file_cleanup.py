@@ -26,7 +26,6 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs import temp_file_cleanup as tfc
-from qo_ops.jobs.catalog import CATALOG
 from qo_ops.jobs.temp_file_cleanup import SPEC
 from qo_ops.platform import objects
 from qo_ops.platform.runner import RunSummary, run_job
@@ -822,11 +821,7 @@ def test_migration_0003_downgrades_cleanly(empty_db):
     assert migrate.current_revision(engine) == migrate.head_revision()
 
 
-# ------------------------------------------------------------------------- CLI (once registered)
-
-registered = pytest.mark.skipif(
-    SPEC.name not in CATALOG, reason="temp_file_cleanup is not in the job catalog yet"
-)
+# ----------------------------------------------------------------------------------- CLI
 
 
 def _cli(db, home: Path, *args: str, **env: str):
@@ -836,7 +831,6 @@ def _cli(db, home: Path, *args: str, **env: str):
     )
 
 
-@registered
 def test_cli_dry_run_then_execute(loaded):
     import json
 
@@ -868,7 +862,6 @@ def test_cli_dry_run_then_execute(loaded):
     assert_consistent(db.engine, home, stored, set(expected), {summary["job_run_id"]})
 
 
-@registered
 def test_cli_killed_after_the_object_delete_then_rerun_converges(loaded):
     import json
 
