@@ -24,17 +24,17 @@ from qo_ops.api import authz, service
 from qo_ops.api.dagster import DagsterClient, DagsterUnavailable
 from qo_ops.api.ratelimit import RateLimiter
 from qo_ops.api.tokens import Principal, authenticate
-from qo_ops.dagster_defs.partitions import (
+from qo_ops.errors import BadInput, one_line
+from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform import control, runs
+from qo_ops.platform.manners import DownstreamCalls
+from qo_ops.platform.partition_keys import (
     JOB_RUN_TAG,
     MODE_TAG,
     REQUESTER_TAG,
     SCOPE_TAG,
     WINDOW_TAG,
 )
-from qo_ops.errors import BadInput, one_line
-from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import control, runs
-from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.spec import (
     FIRST_DAY,
     LAST_DAY,

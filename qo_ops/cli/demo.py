@@ -232,9 +232,9 @@ def demo_dagster_command(
 
     from qo_ops.config import load_settings
     from qo_ops.dagster_defs.instance import prepare_dagster_home
-    from qo_ops.dagster_defs.partitions import partition_key_for
     from qo_ops.definitions import build_definitions
     from qo_ops.jobs.catalog import CATALOG
+    from qo_ops.platform.partition_keys import partition_key_for
 
     Scope(tenant)
     target = resolve_target()

@@ -20,18 +20,18 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from qo_ops.dagster_defs.partitions import (
+from qo_ops.dagster_defs.partitions import days_partitions_def
+from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.dagster_defs.run_config import Mode
+from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, run_options
+from qo_ops.errors import BadInput, QoOpsError, one_line
+from qo_ops.platform.partition_keys import (
     MODE_TAG,
     REASON_TAG,
     REQUESTER_TAG,
     chunk_scope_tag,
     chunk_tenants,
-    days_partitions_def,
 )
-from qo_ops.dagster_defs.resources import QoOpsDatabase
-from qo_ops.dagster_defs.run_config import Mode
-from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, run_options
-from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform.runs import append_audit
 from qo_ops.platform.spec import MAX_TEXT, JobSpec, RunOptions, check_consent
 from qo_ops.platform.tenants import tenant_ids

@@ -18,13 +18,7 @@ import sqlalchemy as sa
 from qo_ops.dagster_defs.checks import judged_materialization
 from qo_ops.dagster_defs.freshness import recent_success_evaluation
 from qo_ops.dagster_defs.k8s import k8s_config_tag
-from qo_ops.dagster_defs.partitions import (
-    FAILED_TENANTS_TAG,
-    JOB_RUN_TAG,
-    MODE_TAG,
-    partitions_def_for,
-    scope_tag,
-)
+from qo_ops.dagster_defs.partitions import partitions_def_for
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.run_config import JobRunConfig
 from qo_ops.dagster_defs.scopes import (
@@ -45,6 +39,7 @@ from qo_ops.db.availability import is_unavailable
 from qo_ops.errors import QoOpsError, one_line
 from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.overdue import Backlog, tenant_backlog
+from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, JOB_RUN_TAG, MODE_TAG, scope_tag
 from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.spec import (
     JobSpec,

@@ -9,8 +9,6 @@ import dagster as dg
 
 from qo_ops.dagster_defs.partitions import (
     PARTITION_START_ENV,
-    chunk_scope_tag,
-    chunk_tenants,
     days_partitions_def,
     tenants_partitions_def,
 )
@@ -20,6 +18,7 @@ from qo_ops.errors import QoOpsError
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.lease import held_scopes
 from qo_ops.platform.missed import expected_scope
+from qo_ops.platform.partition_keys import chunk_scope_tag, chunk_tenants
 from qo_ops.platform.spec import JobSpec
 
 SCHEDULE_TIMEZONE = "UTC"

@@ -11,10 +11,10 @@ from typing import Any
 
 import dagster as dg
 
-from qo_ops.dagster_defs.partitions import FAILED_TENANTS_TAG, JOB_RUN_TAG, scope_from_partition_key
 from qo_ops.dagster_defs.submission import PARENT_RUN_TAG
 from qo_ops.errors import BadInput, QoOpsError
 from qo_ops.platform import runs
+from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, JOB_RUN_TAG, scope_from_partition_key
 from qo_ops.platform.spec import TRIGGERS_WITH_A_PERSON, JobSpec, RunOptions, Scope
 from qo_ops.platform.tenants import tenant_ids
 

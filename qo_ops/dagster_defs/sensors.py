@@ -35,18 +35,14 @@ from qo_ops.dagster_defs.freshness import (
     recent_tenants,
     stale_limit_s,
 )
-from qo_ops.dagster_defs.partitions import (
-    JOB_RUN_TAG,
-    SCOPE_TAG,
-    chunk_tenants,
-    tenants_partitions_def,
-)
+from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.schedules import chunk_run_request
 from qo_ops.dagster_defs.submission import REFUSED_PREFIX, REFUSED_TAG, op_config, run_options
 from qo_ops.errors import one_line
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.overdue import backlog_scope, database_now
+from qo_ops.platform.partition_keys import JOB_RUN_TAG, SCOPE_TAG, chunk_tenants
 from qo_ops.platform.runs import append_audit, finish_unstarted
 from qo_ops.platform.spec import BatchContext, JobSpec
 

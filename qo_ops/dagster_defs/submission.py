@@ -14,8 +14,8 @@ from typing import Any
 
 import dagster as dg
 
-from qo_ops.dagster_defs.partitions import JOB_RUN_TAG, MODE_TAG, REASON_TAG, REQUESTER_TAG
 from qo_ops.errors import BadInput
+from qo_ops.platform.partition_keys import JOB_RUN_TAG, MODE_TAG, REASON_TAG, REQUESTER_TAG
 from qo_ops.platform.spec import RunOptions, Trigger, check_consent
 
 USER_TAG = "dagster/user"  # the signed-in person (Dagster+; absent in the OSS webserver)

@@ -8,8 +8,8 @@ import pytest
 import sqlalchemy as sa
 
 from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
-from qo_ops.dagster_defs.partitions import FAILED_TENANTS_TAG, MODE_TAG, REASON_TAG
 from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, MODE_TAG, REASON_TAG
 
 SPECS = sorted(CATALOG)
 
@@ -25,7 +25,7 @@ def work_partition(loaded, job_name: str, tenant: str = "tenant-001") -> str:
     import uuid
     from datetime import date, timedelta
 
-    from qo_ops.dagster_defs.partitions import partition_key_for
+    from qo_ops.platform.partition_keys import partition_key_for
     from qo_ops.platform.runner import count_eligible
     from qo_ops.platform.spec import BatchContext, Scope
 

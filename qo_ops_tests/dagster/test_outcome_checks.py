@@ -37,7 +37,6 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.dagster_defs.checks import OUTCOME_CHECKS_JOB, outcome_asset_key
 from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
-from qo_ops.dagster_defs.partitions import partition_key_for
 from qo_ops.demo.data import load_demo_data
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.downstream.local import seed_from_demo
@@ -50,6 +49,7 @@ from qo_ops.platform.overdue import (
     last_scheduled_day,
     overdue_scope,
 )
+from qo_ops.platform.partition_keys import partition_key_for
 from qo_ops.platform.runner import count_eligible, run_job
 from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope
 

@@ -10,10 +10,10 @@ import sqlalchemy as sa
 from dagster._core.definitions.partitions.context import partition_loading_context
 
 from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_JOB
-from qo_ops.dagster_defs.partitions import SCOPE_TAG, TENANTS_TAG
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.sensors import STALE_TAG
 from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform.partition_keys import SCOPE_TAG, TENANTS_TAG
 
 
 def _database(loaded) -> QoOpsDatabase:

@@ -10,7 +10,6 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from qo_ops.dagster_defs.partitions import MODE_TAG, REASON_TAG, SCOPE_TAG
 from qo_ops.dagster_defs.submission import (
     DESTRUCTIVE_TAG,
     REFUSED_TAG,
@@ -22,6 +21,7 @@ from qo_ops.dagster_defs.submission import (
 )
 from qo_ops.errors import BadInput
 from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform.partition_keys import MODE_TAG, REASON_TAG, SCOPE_TAG
 from qo_ops_tests.dagster.test_sensors import _database
 
 PARENT = {"dagster/parent_run_id": "p1", "dagster/root_run_id": "p1"}

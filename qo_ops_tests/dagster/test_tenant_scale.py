@@ -22,18 +22,13 @@ from dagster._core.storage.asset_check_execution_record import AssetCheckExecuti
 from dagster._core.test_utils import in_process_test_workspace
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 
-from qo_ops.dagster_defs.partitions import (
-    FAILED_TENANTS_TAG,
-    SCOPE_TAG,
-    TENANTS_TAG,
-    days_partitions_def,
-    tenants_partitions_def,
-)
+from qo_ops.dagster_defs.partitions import days_partitions_def, tenants_partitions_def
 from qo_ops.dagster_defs.sensors import BACKLOG_COOLDOWN_S, MAX_TENANTS_PER_TICK
 from qo_ops.dagster_defs.submission import refusal_at_submission
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.missed import expected_scope
+from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, SCOPE_TAG, TENANTS_TAG
 from qo_ops_tests.dagster import scale_fixtures as sf
 from qo_ops_tests.dagster.conftest import SYNC_LAUNCH
 
