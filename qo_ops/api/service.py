@@ -88,18 +88,20 @@ def audit(
     with engine.begin() as conn:
         runs.append_audit(
             conn,
-            actor=actor,
-            action=action,
-            decision=decision,
-            job_name=job_name,
-            scope=scope,
-            mode=mode,
-            reason=reason,
-            correlation_id=correlation_id,
-            job_run_id=run_id,
-            details=details,
-            request_id=meta.request_id,
-            client_address=meta.client_address,
+            runs.AuditEntry(
+                actor=actor,
+                action=action,
+                decision=decision,
+                job_name=job_name,
+                scope=scope,
+                mode=mode,
+                reason=reason,
+                correlation_id=correlation_id,
+                job_run_id=run_id,
+                details=details or {},
+                request_id=meta.request_id,
+                client_address=meta.client_address,
+            ),
         )
 
 
@@ -182,9 +184,11 @@ def _submit_once(
                 same = seen.request_sha256 == fingerprint
                 runs.append_audit(
                     conn,
-                    **common,
-                    decision="replayed" if same else "denied: idempotency key reused",
-                    job_run_id=seen.id,
+                    runs.AuditEntry(
+                        **common,
+                        decision="replayed" if same else "denied: idempotency key reused",
+                        job_run_id=seen.id,
+                    ),
                 )
                 return Submitted("replayed" if same else "key_reused", seen.id, seen.status)
         # one accepting transaction per job and scope at a time
@@ -196,10 +200,12 @@ def _submit_once(
         if active is not None:
             runs.append_audit(
                 conn,
-                **common,
-                decision="denied: conflict",
-                job_run_id=active["id"],
-                details={"active_status": active["status"]},
+                runs.AuditEntry(
+                    **common,
+                    decision="denied: conflict",
+                    job_run_id=active["id"],
+                    details={"active_status": active["status"]},
+                ),
             )
             return Submitted("conflict", active["id"], active["status"], active)
         run_id = uuid.uuid4()
@@ -232,10 +238,12 @@ def _submit_once(
             )
         runs.append_audit(
             conn,
-            **common,
-            decision="held for approval" if hold else "allowed",
-            job_run_id=run_id,
-            details={"limits": request.limits},
+            runs.AuditEntry(
+                **common,
+                decision="held for approval" if hold else "allowed",
+                job_run_id=run_id,
+                details={"limits": request.limits},
+            ),
         )
         return Submitted("created", run_id, status)
 
@@ -248,12 +256,14 @@ def expire_stale(engine: Engine, run_id: uuid.UUID, reason: str, meta: RequestMe
         if done:
             runs.append_audit(
                 conn,
-                actor="qo-ops-api",
-                action="expire",
-                decision=f"failed: {reason}",
-                job_run_id=run_id,
-                request_id=meta.request_id,
-                client_address=meta.client_address,
+                runs.AuditEntry(
+                    actor="qo-ops-api",
+                    action="expire",
+                    decision=f"failed: {reason}",
+                    job_run_id=run_id,
+                    request_id=meta.request_id,
+                    client_address=meta.client_address,
+                ),
             )
         return done
 
@@ -273,13 +283,15 @@ def record_launch_failed(
         runs.finish_unstarted(conn, run_id, "failed", "launch_failed", "launch_failed", message)
         runs.append_audit(
             conn,
-            actor=identity,
-            action="launch",
-            decision="failed: launch_failed",
-            job_run_id=run_id,
-            details={"error": message},
-            request_id=meta.request_id,
-            client_address=meta.client_address,
+            runs.AuditEntry(
+                actor=identity,
+                action="launch",
+                decision="failed: launch_failed",
+                job_run_id=run_id,
+                details={"error": message},
+                request_id=meta.request_id,
+                client_address=meta.client_address,
+            ),
         )
 
 
@@ -305,16 +317,20 @@ def approve(
             )
         runs.append_audit(
             conn,
-            actor=identity,
-            action="approve",
-            decision="allowed" if row.status == "awaiting_approval" else f"ignored: {row.status}",
-            job_name=row.job_name,
-            scope=row.scope,
-            mode=row.mode,
-            reason=reason,
-            job_run_id=run_id,
-            request_id=meta.request_id,
-            client_address=meta.client_address,
+            runs.AuditEntry(
+                actor=identity,
+                action="approve",
+                decision="allowed"
+                if row.status == "awaiting_approval"
+                else f"ignored: {row.status}",
+                job_name=row.job_name,
+                scope=row.scope,
+                mode=row.mode,
+                reason=reason,
+                job_run_id=run_id,
+                request_id=meta.request_id,
+                client_address=meta.client_address,
+            ),
         )
         return str(row.status)
 

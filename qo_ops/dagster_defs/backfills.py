@@ -32,7 +32,7 @@ from qo_ops.platform.partition_keys import (
     chunk_scope_tag,
     chunk_tenants,
 )
-from qo_ops.platform.runs import append_audit
+from qo_ops.platform.runs import AuditEntry, append_audit
 from qo_ops.platform.spec import MAX_TEXT, JobSpec, RunOptions, check_consent
 from qo_ops.platform.tenants import tenant_ids
 
@@ -192,19 +192,21 @@ def build_backfill_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
                     )
                 append_audit(
                     conn,
-                    actor=requester or "unknown",
-                    action="backfill",
-                    decision="accepted",
-                    job_name=spec.name,
-                    mode=mode,
-                    reason=config.reason,  # type: ignore[attr-defined]
-                    correlation_id=context.run_id,
-                    details={
-                        "tenants": len(tenants),
-                        "windows": len(windows),
-                        "runs": runs,
-                        "dagster_run_id": context.run_id,
-                    },
+                    AuditEntry(
+                        actor=requester or "unknown",
+                        action="backfill",
+                        decision="accepted",
+                        job_name=spec.name,
+                        mode=mode,
+                        reason=config.reason,  # type: ignore[attr-defined]
+                        correlation_id=context.run_id,
+                        details={
+                            "tenants": len(tenants),
+                            "windows": len(windows),
+                            "runs": runs,
+                            "dagster_run_id": context.run_id,
+                        },
+                    ),
                 )
         except QoOpsError as exc:  # refused before anything was claimed
             raise dg.Failure(description=one_line(str(exc), 300), allow_retries=False) from None

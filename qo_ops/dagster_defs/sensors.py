@@ -43,7 +43,7 @@ from qo_ops.errors import one_line
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.overdue import backlog_scope, database_now
 from qo_ops.platform.partition_keys import JOB_RUN_TAG, SCOPE_TAG, chunk_tenants
-from qo_ops.platform.runs import append_audit, finish_unstarted
+from qo_ops.platform.runs import AuditEntry, append_audit, finish_unstarted
 from qo_ops.platform.spec import BatchContext, JobSpec
 
 MAX_TENANTS_PER_TICK = (
@@ -442,29 +442,33 @@ def run_failure_recorder(context: dg.RunFailureSensorContext, database: QoOpsDat
             options = run_options(op_config(run), run.tags, run.run_id)
             append_audit(
                 conn,
-                actor=options.requester or "unknown",
-                action="trigger",
-                decision="denied",
-                job_name=run.job_name,
-                scope=scope,
-                mode=options.mode,
-                reason=options.reason,
-                correlation_id=run.run_id,
-                details={
-                    "refused": run.tags.get(REFUSED_TAG, "bad_input"),
-                    "cause": message,
-                    "trigger": options.trigger,
-                    "dagster_run_id": run.run_id,
-                    "at": "submission",
-                },
+                AuditEntry(
+                    actor=options.requester or "unknown",
+                    action="trigger",
+                    decision="denied",
+                    job_name=run.job_name,
+                    scope=scope,
+                    mode=options.mode,
+                    reason=options.reason,
+                    correlation_id=run.run_id,
+                    details={
+                        "refused": run.tags.get(REFUSED_TAG, "bad_input"),
+                        "cause": message,
+                        "trigger": options.trigger,
+                        "dagster_run_id": run.run_id,
+                        "at": "submission",
+                    },
+                ),
             )
             return
         append_audit(
             conn,
-            actor="dagster",
-            action="run_failure",
-            decision="recorded",
-            job_name=run.job_name,
-            scope=scope,
-            details={"dagster_run_id": run.run_id, "message": message},
+            AuditEntry(
+                actor="dagster",
+                action="run_failure",
+                decision="recorded",
+                job_name=run.job_name,
+                scope=scope,
+                details={"dagster_run_id": run.run_id, "message": message},
+            ),
         )

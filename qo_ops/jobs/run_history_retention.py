@@ -261,24 +261,26 @@ def prune_history_batch(conn: Connection, ctx: BatchContext, items: Sequence[Any
     requester = conn.execute(_RUN_REQUESTER, {"id": ctx.job_run_id}).one()
     runs.append_audit(
         conn,
-        actor=requester.requester or "qo-ops",
-        action=AUDIT_ACTION,
-        decision="pruned",
-        job_name=ctx.job_name,
-        scope=ctx.scope.key,
-        mode=ctx.mode,
-        correlation_id=requester.correlation_id,
-        job_run_id=ctx.job_run_id,
-        details={
-            "retention_days": days,
-            "cutoff": _iso(row.cutoff),
-            "runs_deleted": row.runs,
-            "checkpoints_deleted": row.checkpoints,
-            "runs_finished_from": _iso(row.oldest_finished_at),
-            "runs_finished_to": _iso(row.newest_finished_at),
-            "checkpoints_updated_from": _iso(row.oldest_checkpoint_at),
-            "checkpoints_updated_to": _iso(row.newest_checkpoint_at),
-        },
+        runs.AuditEntry(
+            actor=requester.requester or "qo-ops",
+            action=AUDIT_ACTION,
+            decision="pruned",
+            job_name=ctx.job_name,
+            scope=ctx.scope.key,
+            mode=ctx.mode,
+            correlation_id=requester.correlation_id,
+            job_run_id=ctx.job_run_id,
+            details={
+                "retention_days": days,
+                "cutoff": _iso(row.cutoff),
+                "runs_deleted": row.runs,
+                "checkpoints_deleted": row.checkpoints,
+                "runs_finished_from": _iso(row.oldest_finished_at),
+                "runs_finished_to": _iso(row.newest_finished_at),
+                "checkpoints_updated_from": _iso(row.oldest_checkpoint_at),
+                "checkpoints_updated_to": _iso(row.newest_checkpoint_at),
+            },
+        ),
     )
     deleted = row.runs + row.checkpoints
     return BatchOutcome(

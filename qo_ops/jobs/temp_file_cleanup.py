@@ -80,7 +80,7 @@ from qo_ops.db.schema import job_run, temp_file
 from qo_ops.errors import ConfigError
 from qo_ops.platform.faults import crash_point
 from qo_ops.platform.objects import ObjectStore, ObjectStoreError, objects_root
-from qo_ops.platform.runs import append_audit
+from qo_ops.platform.runs import AuditEntry, append_audit
 from qo_ops.platform.selection import after_position, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
@@ -280,16 +280,18 @@ def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
     if settings.override and (run.reason or "").strip():
         append_audit(
             conn,
-            actor=run.requester or "unknown",
-            action="anomaly_override",
-            decision="allowed",
-            job_name=ctx.job_name,
-            scope=ctx.scope.key,
-            mode=ctx.mode,
-            reason=run.reason,
-            correlation_id=run.correlation_id,
-            job_run_id=ctx.job_run_id,
-            details={**measure.as_metadata(), "breaches": breaches},
+            AuditEntry(
+                actor=run.requester or "unknown",
+                action="anomaly_override",
+                decision="allowed",
+                job_name=ctx.job_name,
+                scope=ctx.scope.key,
+                mode=ctx.mode,
+                reason=run.reason,
+                correlation_id=run.correlation_id,
+                job_run_id=ctx.job_run_id,
+                details={**measure.as_metadata(), "breaches": breaches},
+            ),
         )
         ctx.state[_GATE_KEY] = "overridden"
         return

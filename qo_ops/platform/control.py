@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from qo_ops.db.schema import job_control
 from qo_ops.errors import BadInput, QoOpsError, one_line
-from qo_ops.platform.runs import append_audit
+from qo_ops.platform.runs import AuditEntry, append_audit
 from qo_ops.platform.spec import MAX_TEXT, Scope
 from qo_ops.platform.tenants import tenant_exists
 
@@ -141,14 +141,16 @@ def suspend(
         current = conn.execute(sa.select(job_control).where(_row_of(job_name, tenant_id))).one()
         append_audit(
             conn,
-            actor=actor,
-            action="suspend",
-            decision="allowed" if inserted else "already_suspended",
-            job_name=job_name,
-            scope=_scope_key(tenant_id),
-            reason=text,
-            details={"tenant_id": tenant_id, "every_scope": tenant_id is None},
-            **(audit or {}),
+            AuditEntry(
+                actor=actor,
+                action="suspend",
+                decision="allowed" if inserted else "already_suspended",
+                job_name=job_name,
+                scope=_scope_key(tenant_id),
+                reason=text,
+                details={"tenant_id": tenant_id, "every_scope": tenant_id is None},
+                **(audit or {}),
+            ),
         )
     return _suspension(current), inserted is not None
 
@@ -173,17 +175,19 @@ def resume(
         lifted = None if gone is None else _suspension(gone)
         append_audit(
             conn,
-            actor=actor,
-            action="resume",
-            decision="allowed" if lifted else "not_suspended",
-            job_name=job_name,
-            scope=_scope_key(tenant_id),
-            reason=text,
-            details={
-                "tenant_id": tenant_id,
-                "every_scope": tenant_id is None,
-                "was": lifted.as_dict() if lifted else None,
-            },
-            **(audit or {}),
+            AuditEntry(
+                actor=actor,
+                action="resume",
+                decision="allowed" if lifted else "not_suspended",
+                job_name=job_name,
+                scope=_scope_key(tenant_id),
+                reason=text,
+                details={
+                    "tenant_id": tenant_id,
+                    "every_scope": tenant_id is None,
+                    "was": lifted.as_dict() if lifted else None,
+                },
+                **(audit or {}),
+            ),
         )
     return lifted

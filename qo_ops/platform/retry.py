@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 
 from qo_ops.config import number
 from qo_ops.errors import ConfigError
-from qo_ops.platform.runs import append_audit
+from qo_ops.platform.runs import AuditEntry, append_audit
 
 
 class ErrorClass(StrEnum):
@@ -116,18 +116,20 @@ def requeue_dead_letters(
         )
         append_audit(
             conn,
-            actor=requester,
-            action="requeue",
-            job_name="delivery_retry",
-            scope=tenant_id,
-            mode="execute",
-            reason=reason,
-            decision=f"requeued {len(requeued)}",
-            details={
-                "requested_ids": len(item_ids or []),
-                "limit": limit,
-                "requeued": len(requeued),
-            },
+            AuditEntry(
+                actor=requester,
+                action="requeue",
+                job_name="delivery_retry",
+                scope=tenant_id,
+                mode="execute",
+                reason=reason,
+                decision=f"requeued {len(requeued)}",
+                details={
+                    "requested_ids": len(item_ids or []),
+                    "limit": limit,
+                    "requeued": len(requeued),
+                },
+            ),
         )
     return len(requeued)
 

@@ -181,16 +181,18 @@ def _audit_trigger(
         trigger["dagster_run_id"] = options.dagster_run_id
     runs.append_audit(
         conn,
-        actor=options.requester or "unknown",
-        action="trigger",
-        decision=decision,
-        job_name=spec.name,
-        scope=scope.key,
-        mode=options.mode,
-        reason=options.reason,
-        correlation_id=options.correlation_id,
-        job_run_id=run_id,
-        details={**trigger, **details},
+        runs.AuditEntry(
+            actor=options.requester or "unknown",
+            action="trigger",
+            decision=decision,
+            job_name=spec.name,
+            scope=scope.key,
+            mode=options.mode,
+            reason=options.reason,
+            correlation_id=options.correlation_id,
+            job_run_id=run_id,
+            details={**trigger, **details},
+        ),
     )
 
 

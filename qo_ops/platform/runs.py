@@ -6,7 +6,7 @@ This module and the jobs' own modules are the only places that write these table
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -303,53 +303,50 @@ def request_cancel(
             )
         append_audit(
             conn,
-            actor=requester,
-            action="cancel",
-            job_name=row.job_name,
-            scope=row.scope,
-            mode=row.mode,
-            reason=reason,
-            decision=decision,
-            job_run_id=run_id,
-            request_id=request_id,
-            client_address=client_address,
+            AuditEntry(
+                actor=requester,
+                action="cancel",
+                job_name=row.job_name,
+                scope=row.scope,
+                mode=row.mode,
+                reason=reason,
+                decision=decision,
+                job_run_id=run_id,
+                request_id=request_id,
+                client_address=client_address,
+            ),
         )
         return row.status
 
 
-def append_audit(
-    conn: Connection,
-    *,
-    actor: str,
-    action: str,
-    decision: str,
-    job_name: str | None = None,
-    scope: str | None = None,
-    mode: str | None = None,
-    reason: str | None = None,
-    correlation_id: str | None = None,
-    job_run_id: uuid.UUID | None = None,
-    details: dict[str, Any] | None = None,
-    request_id: str | None = None,
-    client_address: str | None = None,
-) -> None:
-    """Append one row to the append-only audit trail."""
-    conn.execute(
-        sa.insert(job_audit).values(
-            actor=actor,
-            action=action,
-            decision=decision,
-            job_name=job_name,
-            scope=scope,
-            mode=mode,
-            reason=reason,
-            correlation_id=correlation_id,
-            job_run_id=job_run_id,
-            details=details or {},
-            request_id=request_id,
-            client_address=client_address,
-        )
-    )
+@dataclass(frozen=True)
+class AuditEntry:
+    """One row of the audit trail: who (``actor``) did what (``action``) to which job, scope
+    and run, what was decided and why; ``request_id`` and ``client_address`` say where an
+    API request came from."""
+
+    actor: str
+    action: str
+    decision: str
+    job_name: str | None = None
+    scope: str | None = None
+    mode: str | None = None
+    reason: str | None = None
+    correlation_id: str | None = None
+    job_run_id: uuid.UUID | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    request_id: str | None = None
+    client_address: str | None = None
+
+
+# Twice: the trail is append-only; a second call records a second decision (a retried
+# request is one), and a rolled-back transaction takes its row with it.
+_APPEND_AUDIT = sa.insert(job_audit)
+
+
+def append_audit(conn: Connection, entry: AuditEntry) -> None:
+    """Append ``entry`` to the append-only audit trail, in the caller's transaction."""
+    conn.execute(_APPEND_AUDIT, asdict(entry))
 
 
 @dataclass(frozen=True)

@@ -129,12 +129,14 @@ def restore_day(
             conn.execute(_REOPEN_MANIFEST, {"id": m.id})
         runs.append_audit(
             conn,
-            actor=actor,
-            action="archive_restore",
-            decision="allowed",
-            job_name=JOB_NAME,
-            scope=scope.key,
-            reason=reason,
-            details={"archives": len(manifests), "restored_rows": restored},
+            runs.AuditEntry(
+                actor=actor,
+                action="archive_restore",
+                decision="allowed",
+                job_name=JOB_NAME,
+                scope=scope.key,
+                reason=reason,
+                details={"archives": len(manifests), "restored_rows": restored},
+            ),
         )
     return RestoreResult(tenant_id, day, len(manifests), archived, restored)
