@@ -24,6 +24,35 @@ IDENTITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$")
 MAX_TTL = timedelta(days=366)
 
 
+# Twice: a second call stores a second token under its own random id and never touches the
+# first (the same id again would fail on the primary key); each can be revoked.
+_INSERT_TOKEN = (
+    sa.insert(api_token)
+    .values(expires_at=sa.func.now() + sa.bindparam("ttl", type_=sa.Interval))
+    .returning(api_token.c.expires_at)
+)
+
+# A live token by its id (its secret is checked by the caller, in constant time).
+_LIVE_TOKEN = sa.select(api_token).where(
+    api_token.c.id == sa.bindparam("token_id"),
+    api_token.c.revoked_at.is_(None),
+    api_token.c.expires_at > sa.func.now(),
+)
+
+# Twice: a second revoke finds the token already revoked and matches nothing.
+_REVOKE_TOKEN = (
+    sa.update(api_token)
+    .where(api_token.c.id == sa.bindparam("token_id"), api_token.c.revoked_at.is_(None))
+    .values(revoked_at=sa.func.now())
+    .returning(api_token.c.id)
+)
+
+# Every token's metadata, never its secret's hash, newest first.
+_LIST_TOKENS = sa.select(*(c for c in api_token.c if c.name != "secret_sha256")).order_by(
+    api_token.c.created_at.desc()
+)
+
+
 @dataclass(frozen=True)
 class Principal:
     """Who a valid token says is calling."""
@@ -73,17 +102,16 @@ def create_token(
     ordered = tuple(r for r in API_ROLES if r in roles)
     with engine.begin() as conn:
         expires_at = conn.execute(
-            sa.insert(api_token)
-            .values(
-                id=token_id,
-                identity=identity,
-                roles=list(ordered),
-                tenant_id=tenant_id,
-                secret_sha256=_digest(secret),
-                created_by=created_by,
-                expires_at=sa.func.now() + ttl,
-            )
-            .returning(api_token.c.expires_at)
+            _INSERT_TOKEN,
+            {
+                "id": token_id,
+                "identity": identity,
+                "roles": list(ordered),
+                "tenant_id": tenant_id,
+                "secret_sha256": _digest(secret),
+                "created_by": created_by,
+                "ttl": ttl,
+            },
         ).scalar_one()
     return IssuedToken(
         f"{PREFIX}{token_id}_{secret}", token_id, identity, ordered, tenant_id, expires_at
@@ -97,13 +125,7 @@ def authenticate(engine: Engine, presented: str | None) -> Principal | None:
         return None
     token_id, secret = match.groups()
     with engine.connect() as conn:
-        row = conn.execute(
-            sa.select(api_token).where(
-                api_token.c.id == token_id,
-                api_token.c.revoked_at.is_(None),
-                api_token.c.expires_at > sa.func.now(),
-            )
-        ).first()
+        row = conn.execute(_LIVE_TOKEN, {"token_id": token_id}).first()
     if row is None or not hmac.compare_digest(row.secret_sha256, _digest(secret)):
         return None
     return Principal(row.identity, frozenset(row.roles), row.tenant_id, row.id)
@@ -112,18 +134,11 @@ def authenticate(engine: Engine, presented: str | None) -> Principal | None:
 def revoke_token(engine: Engine, token_id: str) -> bool:
     """Revoke a token by its id; False when there is no such live token."""
     with engine.begin() as conn:
-        done = conn.execute(
-            sa.update(api_token)
-            .where(api_token.c.id == token_id, api_token.c.revoked_at.is_(None))
-            .values(revoked_at=sa.func.now())
-            .returning(api_token.c.id)
-        ).first()
+        done = conn.execute(_REVOKE_TOKEN, {"token_id": token_id}).first()
     return done is not None
 
 
 def list_tokens(engine: Engine) -> list[dict[str, object]]:
     """Every token's metadata (never a secret or its hash), newest first."""
-    columns = [c for c in api_token.c if c.name != "secret_sha256"]
     with engine.connect() as conn:
-        rows = conn.execute(sa.select(*columns).order_by(api_token.c.created_at.desc()))
-        return [dict(r._mapping) for r in rows]
+        return [dict(r._mapping) for r in conn.execute(_LIST_TOKENS)]
