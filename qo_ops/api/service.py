@@ -1,6 +1,7 @@
 """The database side of the operator API: accept a run (run row, idempotency key and audit
-row in one transaction), record its launch, approve, cancel, read. Every decision the API
-takes — allowed or denied — becomes one ``job_audit`` row here."""
+row in one transaction), record its launch, approve, read. Every decision the API takes —
+allowed or denied — becomes one ``job_audit`` row: here when it belongs to the transaction
+that acts on it, through ``deps.Audit`` (one row in its own transaction) for a refusal."""
 
 from __future__ import annotations
 
@@ -19,9 +20,70 @@ from qo_ops.platform import runs, tenants
 from qo_ops.platform.spec import JobSpec, Scope
 
 IDEMPOTENCY_TTL_HOURS = 24
-_DELETE_EXPIRED_KEYS = sa.delete(api_idempotency).where(
-    api_idempotency.c.created_at
-    < sa.func.now() - sa.text(f"interval '{IDEMPOTENCY_TTL_HOURS} hours'")
+
+# Twice: a second delete finds the expired keys already gone and matches nothing.
+_DELETE_EXPIRED_KEYS = sa.text(
+    "DELETE FROM api_idempotency WHERE created_at < now() - make_interval(hours => :ttl_hours)"
+)
+
+# The run an identity's Idempotency-Key already names, and the request the key is bound to.
+_FIND_KEY = (
+    sa.select(api_idempotency.c.request_sha256, job_run.c.id, job_run.c.status)
+    .join(job_run, job_run.c.id == api_idempotency.c.job_run_id)
+    .where(
+        api_idempotency.c.identity == sa.bindparam("identity"),
+        api_idempotency.c.idempotency_key == sa.bindparam("idempotency_key"),
+    )
+)
+
+# One accepting transaction per job and scope at a time (released at commit).
+_LOCK_SCOPE = sa.text("SELECT pg_advisory_xact_lock(hashtextextended(:lock_key, 0))")
+
+# The oldest run of the job and scope that has not ended, if any.
+_ACTIVE_RUN = (
+    sa.select(
+        job_run.c.id,
+        job_run.c.status,
+        job_run.c.dagster_run_id,
+        job_run.c.created_at,
+        # its age by the database's clock: whether it is stale is no API replica's guess
+        sa.func.extract("epoch", sa.func.clock_timestamp() - job_run.c.created_at).label("age_s"),
+    )
+    .where(
+        job_run.c.job_name == sa.bindparam("job_name"),
+        job_run.c.scope == sa.bindparam("scope"),
+        job_run.c.status.in_(runs.ACTIVE_STATUSES),
+    )
+    .order_by(job_run.c.created_at)
+    .limit(1)
+)
+
+# Twice: each call creates its own run (a fresh id); a second request for the same job and
+# scope waits on _LOCK_SCOPE and then finds this one in _ACTIVE_RUN: a conflict, no insert.
+_INSERT_RUN = sa.insert(job_run)
+
+# Twice: (identity, idempotency_key) is unique: a concurrent twin's insert fails, and submit
+# then reads the run the first one created.
+_INSERT_KEY = sa.insert(api_idempotency)
+
+# Twice: a run is launched once, by the request that created or approved it; writing the
+# same Dagster run id again changes nothing.
+_RECORD_LAUNCH = sa.text("UPDATE job_run SET dagster_run_id = :dagster_run_id WHERE id = :run_id")
+
+# The run to approve, locked until the approval commits.
+_LOCK_RUN = (
+    sa.select(job_run.c.status, job_run.c.job_name, job_run.c.scope, job_run.c.mode)
+    .where(job_run.c.id == sa.bindparam("run_id"))
+    .with_for_update()
+)
+
+# Twice: a second approval finds the run no longer awaiting_approval and matches nothing.
+_APPROVE = sa.text(
+    """
+    UPDATE job_run SET status = 'accepted', approved_by = :identity,
+                       approved_at = clock_timestamp()
+     WHERE id = :run_id AND status = 'awaiting_approval'
+    """
 )
 
 
@@ -31,6 +93,17 @@ class RequestMeta:
 
     request_id: str
     client_address: str | None
+
+    def entry(self, actor: str, action: str, decision: str, **about: Any) -> runs.AuditEntry:
+        """An audit entry of this request: ``about`` names the job, scope, run and so on."""
+        return runs.AuditEntry(
+            actor,
+            action,
+            decision,
+            request_id=self.request_id,
+            client_address=self.client_address,
+            **about,
+        )
 
 
 @dataclass(frozen=True)
@@ -59,6 +132,17 @@ class RunRequest:
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Submission:
+    """A run request as one identity submitted it."""
+
+    identity: str
+    request: RunRequest
+    hold: bool  # authorization's answer: wait for a second identity's approval
+    idempotency_key: str | None
+    meta: RequestMeta
+
+
 @dataclass
 class Submitted:
     """What became of a submission."""
@@ -69,180 +153,98 @@ class Submitted:
     active_run: dict[str, Any] = field(default_factory=dict)
 
 
-def audit(
-    engine: Engine,
-    actor: str,
-    action: str,
-    decision: str,
-    meta: RequestMeta,
-    *,
-    job_name: str | None = None,
-    scope: str | None = None,
-    mode: str | None = None,
-    reason: str | None = None,
-    correlation_id: str | None = None,
-    run_id: uuid.UUID | None = None,
-    details: dict[str, Any] | None = None,
-) -> None:
-    """One audit row in its own transaction (denials, launches, reads are not audited)."""
-    with engine.begin() as conn:
-        runs.append_audit(
-            conn,
-            runs.AuditEntry(
-                actor=actor,
-                action=action,
-                decision=decision,
-                job_name=job_name,
-                scope=scope,
-                mode=mode,
-                reason=reason,
-                correlation_id=correlation_id,
-                job_run_id=run_id,
-                details=details or {},
-                request_id=meta.request_id,
-                client_address=meta.client_address,
-            ),
-        )
-
-
-def _active_run(conn: sa.Connection, job_name: str, scope: str) -> dict[str, Any] | None:
-    row = conn.execute(
-        sa.select(
-            job_run.c.id,
-            job_run.c.status,
-            job_run.c.dagster_run_id,
-            job_run.c.created_at,
-            # its age by the database's clock: whether it is stale is no API replica's guess
-            sa.func.extract("epoch", sa.func.clock_timestamp() - job_run.c.created_at).label(
-                "age_s"
-            ),
-        )
-        .where(
-            job_run.c.job_name == job_name,
-            job_run.c.scope == scope,
-            job_run.c.status.in_(runs.ACTIVE_STATUSES),
-        )
-        .order_by(job_run.c.created_at)
-        .limit(1)
-    ).first()
-    return dict(row._mapping) if row else None
-
-
-def submit(
-    engine: Engine,
-    identity: str,
-    request: RunRequest,
-    hold: bool,
-    idempotency_key: str | None,
-    meta: RequestMeta,
-) -> Submitted:
+def submit(engine: Engine, submission: Submission) -> Submitted:
     """Create the ``accepted`` (or ``awaiting_approval``) run and its audit row, unless the
     key names an earlier run or the job and scope already have an active run."""
     for _attempt in range(2):  # a concurrent twin with the same key: read what it created
         try:
-            return _submit_once(engine, identity, request, hold, idempotency_key, meta)
+            return _submit_once(engine, submission)
         except IntegrityError:
             continue
     raise RuntimeError("idempotency key kept colliding")
 
 
-def _submit_once(
-    engine: Engine,
-    identity: str,
-    request: RunRequest,
-    hold: bool,
-    idempotency_key: str | None,
-    meta: RequestMeta,
-) -> Submitted:
+def _submit_once(engine: Engine, submission: Submission) -> Submitted:
+    identity, request, meta = submission.identity, submission.request, submission.meta
+    key = submission.idempotency_key
     spec, scope = request.spec, request.scope
     fingerprint = request.fingerprint()
+    about: dict[str, Any] = {
+        "job_name": spec.name,
+        "scope": scope.key,
+        "mode": request.mode,
+        "reason": request.reason,
+        "correlation_id": request.correlation_id,
+    }
     with engine.begin() as conn:
-        common: dict[str, Any] = {
-            "actor": identity,
-            "action": "submit",
-            "job_name": spec.name,
-            "scope": scope.key,
-            "mode": request.mode,
-            "reason": request.reason,
-            "correlation_id": request.correlation_id,
-            "request_id": meta.request_id,
-            "client_address": meta.client_address,
-        }
-        if idempotency_key is not None:
+        if key is not None:
             # keys live a day: an expired one (whose run run_history_retention may have
             # deleted since) is forgotten before the lookup, never replayed or collided with
-            conn.execute(_DELETE_EXPIRED_KEYS)
-            seen = conn.execute(
-                sa.select(api_idempotency.c.request_sha256, job_run.c.id, job_run.c.status)
-                .join(job_run, job_run.c.id == api_idempotency.c.job_run_id)
-                .where(
-                    api_idempotency.c.identity == identity,
-                    api_idempotency.c.idempotency_key == idempotency_key,
-                )
-            ).first()
+            conn.execute(_DELETE_EXPIRED_KEYS, {"ttl_hours": IDEMPOTENCY_TTL_HOURS})
+            seen = conn.execute(_FIND_KEY, {"identity": identity, "idempotency_key": key}).first()
             if seen is not None:
                 same = seen.request_sha256 == fingerprint
+                decision = "replayed" if same else "denied: idempotency key reused"
                 runs.append_audit(
-                    conn,
-                    runs.AuditEntry(
-                        **common,
-                        decision="replayed" if same else "denied: idempotency key reused",
-                        job_run_id=seen.id,
-                    ),
+                    conn, meta.entry(identity, "submit", decision, job_run_id=seen.id, **about)
                 )
                 return Submitted("replayed" if same else "key_reused", seen.id, seen.status)
-        # one accepting transaction per job and scope at a time
-        conn.execute(
-            sa.text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"),
-            {"k": f"qo_ops.api:{spec.name}:{scope.key}"},
-        )
-        active = _active_run(conn, spec.name, scope.key)
-        if active is not None:
+        conn.execute(_LOCK_SCOPE, {"lock_key": f"qo_ops.api:{spec.name}:{scope.key}"})
+        found = conn.execute(_ACTIVE_RUN, {"job_name": spec.name, "scope": scope.key}).first()
+        if found is not None:
+            active = dict(found._mapping)
             runs.append_audit(
                 conn,
-                runs.AuditEntry(
-                    **common,
-                    decision="denied: conflict",
+                meta.entry(
+                    identity,
+                    "submit",
+                    "denied: conflict",
                     job_run_id=active["id"],
                     details={"active_status": active["status"]},
+                    **about,
                 ),
             )
             return Submitted("conflict", active["id"], active["status"], active)
         run_id = uuid.uuid4()
-        status = "awaiting_approval" if hold else "accepted"
+        status = "awaiting_approval" if submission.hold else "accepted"
         conn.execute(
-            sa.insert(job_run).values(
-                id=run_id,
-                job_name=spec.name,
-                scope=scope.key,
-                window_start=scope.window_start,
-                window_end=scope.window_end,
-                mode=request.mode,
-                trigger_type="api",
-                requester=identity,
-                reason=request.reason,
-                correlation_id=request.correlation_id,
-                owner_id="api",
-                options=request.limits,
-                status=status,
-            )
+            _INSERT_RUN,
+            {
+                "id": run_id,
+                "job_name": spec.name,
+                "scope": scope.key,
+                "window_start": scope.window_start,
+                "window_end": scope.window_end,
+                "mode": request.mode,
+                "trigger_type": "api",
+                "requester": identity,
+                "reason": request.reason,
+                "correlation_id": request.correlation_id,
+                "owner_id": "api",
+                "options": request.limits,
+                "status": status,
+            },
         )
-        if idempotency_key is not None:
+        if key is not None:
             conn.execute(
-                sa.insert(api_idempotency).values(
-                    identity=identity,
-                    idempotency_key=idempotency_key,
-                    request_sha256=fingerprint,
-                    job_run_id=run_id,
-                )
+                _INSERT_KEY,
+                {
+                    "identity": identity,
+                    "idempotency_key": key,
+                    "request_sha256": fingerprint,
+                    "job_run_id": run_id,
+                },
             )
+        decision = "held for approval" if submission.hold else "allowed"
         runs.append_audit(
             conn,
-            runs.AuditEntry(
-                **common,
-                decision="held for approval" if hold else "allowed",
+            meta.entry(
+                identity,
+                "submit",
+                decision,
                 job_run_id=run_id,
                 details={"limits": request.limits},
+                **about,
             ),
         )
         return Submitted("created", run_id, status)
@@ -255,24 +257,15 @@ def expire_stale(engine: Engine, run_id: uuid.UUID, reason: str, meta: RequestMe
         done = runs.finish_unstarted(conn, run_id, "failed", reason, reason)
         if done:
             runs.append_audit(
-                conn,
-                runs.AuditEntry(
-                    actor="qo-ops-api",
-                    action="expire",
-                    decision=f"failed: {reason}",
-                    job_run_id=run_id,
-                    request_id=meta.request_id,
-                    client_address=meta.client_address,
-                ),
+                conn, meta.entry("qo-ops-api", "expire", f"failed: {reason}", job_run_id=run_id)
             )
         return done
 
 
 def record_launch(engine: Engine, run_id: uuid.UUID, dagster_run_id: str) -> None:
+    """Link the run to the Dagster run that will execute it."""
     with engine.begin() as conn:
-        conn.execute(
-            sa.update(job_run).where(job_run.c.id == run_id).values(dagster_run_id=dagster_run_id)
-        )
+        conn.execute(_RECORD_LAUNCH, {"run_id": run_id, "dagster_run_id": dagster_run_id})
 
 
 def record_launch_failed(
@@ -283,14 +276,12 @@ def record_launch_failed(
         runs.finish_unstarted(conn, run_id, "failed", "launch_failed", "launch_failed", message)
         runs.append_audit(
             conn,
-            runs.AuditEntry(
-                actor=identity,
-                action="launch",
-                decision="failed: launch_failed",
+            meta.entry(
+                identity,
+                "launch",
+                "failed: launch_failed",
                 job_run_id=run_id,
                 details={"error": message},
-                request_id=meta.request_id,
-                client_address=meta.client_address,
             ),
         )
 
@@ -300,36 +291,21 @@ def approve(
 ) -> str:
     """Release a held run (status ``accepted``); returns the status it had."""
     with engine.begin() as conn:
-        row = conn.execute(
-            sa.select(job_run.c.status, job_run.c.job_name, job_run.c.scope, job_run.c.mode)
-            .where(job_run.c.id == run_id)
-            .with_for_update()
-        ).one()
-        if row.status == "awaiting_approval":
-            conn.execute(
-                sa.update(job_run)
-                .where(job_run.c.id == run_id)
-                .values(
-                    status="accepted",
-                    approved_by=identity,
-                    approved_at=sa.func.clock_timestamp(),
-                )
-            )
+        row = conn.execute(_LOCK_RUN, {"run_id": run_id}).one()
+        held = row.status == "awaiting_approval"
+        if held:
+            conn.execute(_APPROVE, {"run_id": run_id, "identity": identity})
         runs.append_audit(
             conn,
-            runs.AuditEntry(
-                actor=identity,
-                action="approve",
-                decision="allowed"
-                if row.status == "awaiting_approval"
-                else f"ignored: {row.status}",
+            meta.entry(
+                identity,
+                "approve",
+                "allowed" if held else f"ignored: {row.status}",
                 job_name=row.job_name,
                 scope=row.scope,
                 mode=row.mode,
                 reason=reason,
                 job_run_id=run_id,
-                request_id=meta.request_id,
-                client_address=meta.client_address,
             ),
         )
         return str(row.status)
@@ -362,13 +338,16 @@ RUN_FIELDS = (
 )
 
 
+# A run of a job, as the API shows it.
+_GET_RUN = sa.select(*(job_run.c[f] for f in RUN_FIELDS)).where(
+    job_run.c.id == sa.bindparam("run_id"), job_run.c.job_name == sa.bindparam("job_name")
+)
+
+
 def get_run(engine: Engine, job_name: str, run_id: uuid.UUID) -> dict[str, Any] | None:
+    """The run ``run_id`` of ``job_name``, or None."""
     with engine.connect() as conn:
-        row = conn.execute(
-            sa.select(*(job_run.c[f] for f in RUN_FIELDS)).where(
-                job_run.c.id == run_id, job_run.c.job_name == job_name
-            )
-        ).first()
+        row = conn.execute(_GET_RUN, {"run_id": run_id, "job_name": job_name}).first()
     return dict(row._mapping) if row else None
 
 

@@ -1,0 +1,51 @@
+"""The two-person rule's second step: a second identity approves a held destructive run
+(``POST /internal/jobs/{jobName}/runs/{runId}/approve``), which then launches."""
+
+# (no `from __future__ import annotations`: FastAPI reads these annotations at runtime)
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body
+from fastapi.responses import JSONResponse
+
+from qo_ops.api import authz, service
+from qo_ops.api.deps import Api, Auditor, Caller, Run
+from qo_ops.api.errors import ERRORS, ApiError
+from qo_ops.api.launch import launch
+from qo_ops.api.models import Accepted, ReasonBody, accepted
+from qo_ops.platform.spec import Scope, tenant_of
+
+router = APIRouter()
+
+
+@router.post(
+    "/internal/jobs/{jobName}/runs/{runId}/approve",
+    status_code=202,
+    response_model=Accepted,
+    responses=ERRORS,
+    summary="Approve a held destructive run as a second identity (it then launches)",
+)
+def approve_run(
+    run: Run, p: Caller, api: Api, audit: Auditor, body: Annotated[ReasonBody, Body()]
+) -> JSONResponse:
+    row = run.load(api.engine)
+    decision = authz.may_approve(p, row["requester"], tenant_of(row["scope"]))
+    if not decision.allowed:
+        raise audit.deny(
+            p, "approve", decision.reason, job_name=run.spec.name, scope=row["scope"],
+            mode=row["mode"], job_run_id=run.id, reason=body.reason,
+        )  # fmt: skip
+    before = service.approve(api.engine, p.identity, run.id, body.reason, audit.meta)
+    if before != "awaiting_approval":
+        raise ApiError(409, f"run {run.id} is not awaiting approval ({before})")
+    held = service.RunRequest(
+        spec=run.spec,
+        mode=row["mode"],
+        scope=Scope(tenant_of(row["scope"]), row["window_start"], row["window_end"]),
+        limits={},
+        reason=row["reason"],
+        correlation_id=row["correlation_id"],
+        request_approval=True,
+    )
+    launch(api, audit.meta, p.identity, run.id, held)
+    return accepted(run.spec.name, run.id, "accepted", row["mode"])
