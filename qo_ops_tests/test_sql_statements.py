@@ -83,15 +83,7 @@ ALLOWED: list[tuple[str, str, str]] = [
         )
         for counts in ("_BUCKET_COUNTS", "_DRIFT_COUNTS", "_LOCK_COUNTS", "_DELAY_COUNTS")
     ),
-    # until the change of issue 22 that binds this merges (the API's refactor)
-    ("qo_ops/api/service.py", "IDEMPOTENCY_TTL_HOURS", "the API helper's"),
 ]
-
-# Writing statements whose comment another change of issue 22 adds (the API's refactor).
-# Delete the entry once it has merged.
-ELSEWHERE_IN_ISSUE_22 = {
-    ("qo_ops/api/service.py", "_DELETE_EXPIRED_KEYS"),
-}
 
 SQL_CALLS = {"text", "literal_column"}  # sqlalchemy's, however imported
 DRIVER_CALLS = {"exec_driver_sql"}  # a Connection's method
@@ -302,7 +294,6 @@ def test_every_writing_statement_says_why_it_is_safe_twice():
         for m in MODULES
         for line, name in writing_statements(m)
         if not re.search(r"(?<!\S)Twice:", m.comment_above(line))
-        and (m.rel, name) not in ELSEWHERE_IN_ISSUE_22
     ]
     assert not missing, (
         "module-level statements that write need a comment block directly above them with a "
