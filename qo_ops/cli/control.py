@@ -30,15 +30,12 @@ def suspend_command(
     """Kill switch: no new run of JOB starts (schedules, sensors, CLI, API), and a running
     one stops at its next batch boundary (ends `cancelled`, reason `suspended`)."""
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.control import suspend
+    from qo_ops.platform.control import ControlChange, suspend
 
     engine = ready_engine()
     found, new = suspend(
         engine,
-        job,
-        tenant,
-        actor=resolve_requester(requester),
-        reason=reason,
+        ControlChange(job, tenant, actor=resolve_requester(requester), reason=reason),
         known_jobs=set(CATALOG),
     )
     if as_json:
@@ -64,15 +61,12 @@ def resume_command(
 ) -> None:
     """Lift a suspension made with `qo-ops suspend` (the same JOB and --tenant)."""
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.control import resume, suspensions
+    from qo_ops.platform.control import ControlChange, resume, suspensions
 
     engine = ready_engine()
     lifted = resume(
         engine,
-        job,
-        tenant,
-        actor=resolve_requester(requester),
-        reason=reason,
+        ControlChange(job, tenant, actor=resolve_requester(requester), reason=reason),
         known_jobs=set(CATALOG),
     )
     with engine.connect() as conn:

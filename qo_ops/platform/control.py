@@ -10,7 +10,7 @@ same transaction as the change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -113,19 +113,29 @@ def _checked(job_name: str, tenant_id: str | None, reason: str | None, known: se
     return text
 
 
+@dataclass(frozen=True)
+class ControlChange:
+    """A person's suspend or resume: the job, its tenant (None: every scope), who asks and
+    why; ``request`` says where an API request came from (request id, client address), for
+    the audit row."""
+
+    job_name: str
+    tenant_id: str | None
+    actor: str
+    reason: str | None
+    request: dict[str, Any] = field(default_factory=dict)
+
+
 def suspend(
     engine: Engine,
-    job_name: str,
-    tenant_id: str | None,
+    change: ControlChange,
     *,
-    actor: str,
-    reason: str | None,
     known_jobs: set[str],
-    audit: dict[str, Any] | None = None,
 ) -> tuple[Suspension, bool]:
-    """Suspend ``job_name`` for ``tenant_id`` (None: every scope). Returns the suspension
+    """Suspend the change's job for its tenant (None: every scope). Returns the suspension
     and whether it is new (suspending twice keeps the first one, and says so)."""
-    text = _checked(job_name, tenant_id, reason, known_jobs)
+    job_name, tenant_id, actor = change.job_name, change.tenant_id, change.actor
+    text = _checked(job_name, tenant_id, change.reason, known_jobs)
     with engine.begin() as conn:
         if tenant_id is not None and not tenant_exists(conn, tenant_id):
             raise BadInput(f"unknown tenant {tenant_id}")
@@ -149,7 +159,7 @@ def suspend(
                 scope=_scope_key(tenant_id),
                 reason=text,
                 details={"tenant_id": tenant_id, "every_scope": tenant_id is None},
-                **(audit or {}),
+                **change.request,
             ),
         )
     return _suspension(current), inserted is not None
@@ -157,17 +167,14 @@ def suspend(
 
 def resume(
     engine: Engine,
-    job_name: str,
-    tenant_id: str | None,
+    change: ControlChange,
     *,
-    actor: str,
-    reason: str | None,
     known_jobs: set[str],
-    audit: dict[str, Any] | None = None,
 ) -> Suspension | None:
-    """Lift the suspension of ``job_name`` for ``tenant_id`` (None: the job-wide one).
+    """Lift the suspension of the change's job for its tenant (None: the job-wide one).
     Returns what was lifted, None when nothing was suspended there (audited either way)."""
-    text = _checked(job_name, tenant_id, reason, known_jobs)
+    job_name, tenant_id, actor = change.job_name, change.tenant_id, change.actor
+    text = _checked(job_name, tenant_id, change.reason, known_jobs)
     with engine.begin() as conn:
         gone = conn.execute(
             sa.delete(job_control).where(_row_of(job_name, tenant_id)).returning(*job_control.c)
@@ -187,7 +194,7 @@ def resume(
                     "every_scope": tenant_id is None,
                     "was": lifted.as_dict() if lifted else None,
                 },
-                **(audit or {}),
+                **change.request,
             ),
         )
     return lifted

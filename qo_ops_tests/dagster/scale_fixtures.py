@@ -68,12 +68,18 @@ def hold_lease(engine: Engine, job_name: str, scope: str) -> None:
 def suspend(engine: Engine, job_name: str, tenant: str) -> None:
     """The per-tenant kill switch, as an operator sets it."""
     control.suspend(
-        engine, job_name, tenant, actor="test", reason="planted", known_jobs=set(CATALOG)
+        engine,
+        control.ControlChange(job_name, tenant, actor="test", reason="planted"),
+        known_jobs=set(CATALOG),
     )
 
 
 def resume(engine: Engine, job_name: str, tenant: str) -> None:
-    control.resume(engine, job_name, tenant, actor="test", reason="fixed", known_jobs=set(CATALOG))
+    control.resume(
+        engine,
+        control.ControlChange(job_name, tenant, actor="test", reason="fixed"),
+        known_jobs=set(CATALOG),
+    )
 
 
 FAILING = "planted_expiry_fails"

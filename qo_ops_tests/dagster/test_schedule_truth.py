@@ -125,7 +125,7 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
                 {"job": JOB},
             ).first()
 
-    who = {"actor": "ops@example.invalid", "known_jobs": set(CATALOG)}
+    who = "ops@example.invalid"
     with dg.instance_for_test() as other:  # the held run's own Dagster instance (own thread)
         other.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
         held = threading.Thread(
@@ -136,7 +136,11 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
         held.start()
         try:
             _wait_for(lambda: running() is not None, "the held run never started")
-            control.suspend(engine, JOB, "tenant-001", reason="schedule test", **who)
+            control.suspend(
+                engine,
+                control.ControlChange(JOB, "tenant-001", actor=who, reason="schedule test"),
+                known_jobs=set(CATALOG),
+            )
             # tick t1: tenant-002's previous run is still active, tenant-001 is suspended
             with freeze_time(t1):
                 second = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t1)
@@ -176,7 +180,11 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
         finally:
             held.join(timeout=120)
     assert not held.is_alive()
-    control.resume(engine, JOB, "tenant-001", reason="schedule test over", **who)
+    control.resume(
+        engine,
+        control.ControlChange(JOB, "tenant-001", actor=who, reason="schedule test over"),
+        known_jobs=set(CATALOG),
+    )
     assert [(scope, status) for scope, status, _ in _drifts(engine)] == [
         ("tenant-001", "no_work"),
         ("tenant-002", "cancelled"),

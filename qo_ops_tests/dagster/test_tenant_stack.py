@@ -9,7 +9,7 @@ import dagster as dg
 import sqlalchemy as sa
 
 from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
-from qo_ops.platform.control import resume, suspend
+from qo_ops.platform.control import ControlChange, resume, suspend
 from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
 from qo_ops_tests.dagster.test_person_runs import _reexecute
@@ -78,7 +78,11 @@ def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_depl
         with db.engine.begin() as conn:  # a tenant with nothing to do
             conn.execute(sa.text("INSERT INTO tenant (id, name) VALUES ('tenant-003', 'T3')"))
         instance.add_dynamic_partitions("tenants", ["tenant-003"])
-        suspend(db.engine, JOB, "tenant-002", actor="sre", reason="stack test", known_jobs={JOB})
+        suspend(
+            db.engine,
+            ControlChange(JOB, "tenant-002", actor="sre", reason="stack test"),
+            known_jobs={JOB},
+        )
         chunk = client.submit_job_execution(
             JOB,
             repository_location_name=LOCATION,
@@ -112,7 +116,11 @@ def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_depl
         assert sum(f"{JOB} tenant-002: refused: " in m for m in op_lines) == 1
 
         # lift the suspension, press Re-execute: only tenant-002 runs
-        resume(db.engine, JOB, "tenant-002", actor="sre", reason="done", known_jobs={JOB})
+        resume(
+            db.engine,
+            ControlChange(JOB, "tenant-002", actor="sre", reason="done"),
+            known_jobs={JOB},
+        )
         child = _reexecute(port, chunk)
         wait_for(lambda: _status(instance, child) in FINISHED, 240, "the re-execution")
         assert _status(instance, child) == dg.DagsterRunStatus.SUCCESS

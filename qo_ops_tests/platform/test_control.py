@@ -19,7 +19,7 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, job_audit, job_control, outbox_event
 from qo_ops.errors import BadInput
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.control import JobSuspended, resume, suspend, suspension_for
+from qo_ops.platform.control import ControlChange, JobSuspended, resume, suspend, suspension_for
 from qo_ops.platform.runner import run_job
 from qo_ops.platform.spec import RunOptions, Scope
 from qo_ops_tests.dagster.test_sensors import _database, schedule_tick
@@ -68,7 +68,9 @@ def _digest(engine) -> str:
 def test_a_suspended_job_starts_no_run_and_resume_restores_it(loaded):
     engine = loaded.engine
     found, new = suspend(
-        engine, JOB, None, actor="alice", reason="INC-7: downstream outage", known_jobs=KNOWN
+        engine,
+        ControlChange(JOB, None, actor="alice", reason="INC-7: downstream outage"),
+        known_jobs=KNOWN,
     )
     assert new and found.tenant_id is None and found.suspended_by == "alice"
     before = _digest(engine)
@@ -86,10 +88,14 @@ def test_a_suspended_job_starts_no_run_and_resume_restores_it(loaded):
         ("bob", "tenant-001", "suspended"),
         ("unknown", "tenant-002", "suspended"),
     ]
-    again, new = suspend(engine, JOB, None, actor="carol", reason="again", known_jobs=KNOWN)
+    again, new = suspend(
+        engine, ControlChange(JOB, None, actor="carol", reason="again"), known_jobs=KNOWN
+    )
     assert not new and again.suspended_by == "alice"  # the first suspension stands
 
-    lifted = resume(engine, JOB, None, actor="dave", reason="INC-7 resolved", known_jobs=KNOWN)
+    lifted = resume(
+        engine, ControlChange(JOB, None, actor="dave", reason="INC-7 resolved"), known_jobs=KNOWN
+    )
     assert lifted is not None and lifted.reason == "INC-7: downstream outage"
     assert _execute(engine).status == "success"
     assert [(r.actor, r.decision) for r in _audit(engine, "suspend")] == [
@@ -99,13 +105,18 @@ def test_a_suspended_job_starts_no_run_and_resume_restores_it(loaded):
     assert [(r.actor, r.decision, r.reason) for r in _audit(engine, "resume")] == [
         ("dave", "allowed", "INC-7 resolved")
     ]
-    assert resume(engine, JOB, None, actor="dave", reason="twice", known_jobs=KNOWN) is None
+    assert (
+        resume(engine, ControlChange(JOB, None, actor="dave", reason="twice"), known_jobs=KNOWN)
+        is None
+    )
     assert _audit(engine, "resume")[-1].decision == "not_suspended"
 
 
 def test_a_tenant_suspension_stops_only_that_tenant(loaded):
     engine = loaded.engine
-    suspend(engine, JOB, "tenant-001", actor="alice", reason="data fix", known_jobs=KNOWN)
+    suspend(
+        engine, ControlChange(JOB, "tenant-001", actor="alice", reason="data fix"), known_jobs=KNOWN
+    )
     with pytest.raises(JobSuspended, match="tenant tenant-001"):
         _execute(engine, tenant="tenant-001")
     assert _execute(engine, tenant="tenant-002").status == "success"
@@ -127,7 +138,7 @@ def test_a_tenant_suspension_stops_only_that_tenant(loaded):
 def test_bad_input_changes_nothing(loaded, job, tenant, reason, message):
     engine = loaded.engine
     with pytest.raises(BadInput, match=message):
-        suspend(engine, job, tenant, actor="alice", reason=reason, known_jobs=KNOWN)
+        suspend(engine, ControlChange(job, tenant, actor="alice", reason=reason), known_jobs=KNOWN)
     with engine.connect() as conn:
         assert conn.scalar(sa.select(sa.func.count()).select_from(job_control)) == 0
         assert conn.scalar(sa.select(sa.func.count()).select_from(job_audit)) == 0
@@ -159,7 +170,9 @@ def test_suspending_a_running_job_stops_it_at_the_next_batch_boundary(loaded):
             if done >= 20:
                 break
             time.sleep(0.05)
-    suspend(engine, JOB, "tenant-001", actor="alice", reason="stop now", known_jobs=KNOWN)
+    suspend(
+        engine, ControlChange(JOB, "tenant-001", actor="alice", reason="stop now"), known_jobs=KNOWN
+    )
     worker.join(60)
     summary = result["summary"]
 
@@ -177,7 +190,7 @@ def test_suspending_a_running_job_stops_it_at_the_next_batch_boundary(loaded):
     assert still_due == summary.eligible_count - summary.processed_count
     assert tuple(row) == ("cancelled", "suspended")
 
-    resume(engine, JOB, "tenant-001", actor="dave", reason="go on", known_jobs=KNOWN)
+    resume(engine, ControlChange(JOB, "tenant-001", actor="dave", reason="go on"), known_jobs=KNOWN)
     rest = _execute(engine)
     assert rest.status == "success" and rest.processed_count == still_due
 
@@ -227,12 +240,16 @@ def test_schedule_and_backlog_sensor_skip_what_is_suspended(defs, instance, load
 
     engine = loaded.engine
     assert tenants(tick()) == ["tenant-001", "tenant-002"]
-    suspend(engine, JOB, "tenant-001", actor="alice", reason="INC-1", known_jobs=KNOWN)
+    suspend(
+        engine, ControlChange(JOB, "tenant-001", actor="alice", reason="INC-1"), known_jobs=KNOWN
+    )
     assert tenants(tick()) == ["tenant-002"]
     sensed = sense()
     assert "tenant-001" not in tenants(sensed)
 
-    suspend(engine, JOB, None, actor="alice", reason="INC-2 everything", known_jobs=KNOWN)
+    suspend(
+        engine, ControlChange(JOB, None, actor="alice", reason="INC-2 everything"), known_jobs=KNOWN
+    )
     whole = tick()
     assert not whole.run_requests and "INC-2 everything" in whole.skip_message
     sensed = sense()
@@ -247,8 +264,8 @@ def test_schedule_and_backlog_sensor_skip_what_is_suspended(defs, instance, load
     failure = launched_by_hand.get_step_failure_events()[0].step_failure_data.user_failure_data
     assert "suspended for every scope by alice" in failure.description
 
-    resume(engine, JOB, None, actor="dave", reason="ok", known_jobs=KNOWN)
-    resume(engine, JOB, "tenant-001", actor="dave", reason="ok", known_jobs=KNOWN)
+    resume(engine, ControlChange(JOB, None, actor="dave", reason="ok"), known_jobs=KNOWN)
+    resume(engine, ControlChange(JOB, "tenant-001", actor="dave", reason="ok"), known_jobs=KNOWN)
     assert tenants(tick()) == ["tenant-001", "tenant-002"]
     with loaded.engine.connect() as conn:
         assert suspension_for(conn, JOB, "tenant-001") is None

@@ -29,9 +29,12 @@ def suspend_job(
 ) -> dict[str, Any]:
     _allowed("suspend", spec, body, p, api, audit)
     found, new = control.suspend(
-        api.engine, spec.name, body.tenant, actor=p.identity, reason=body.reason,
-        known_jobs=set(CATALOG), audit=_request_of(audit),
-    )  # fmt: skip
+        api.engine,
+        control.ControlChange(
+            spec.name, body.tenant, actor=p.identity, reason=body.reason, request=_request_of(audit)
+        ),
+        known_jobs=set(CATALOG),
+    )
     return {"job": spec.name, "suspended": jsonable(found.as_dict()), "new": new}
 
 
@@ -45,9 +48,12 @@ def resume_job(
 ) -> dict[str, Any]:
     _allowed("resume", spec, body, p, api, audit)
     lifted = control.resume(
-        api.engine, spec.name, body.tenant, actor=p.identity, reason=body.reason,
-        known_jobs=set(CATALOG), audit=_request_of(audit),
-    )  # fmt: skip
+        api.engine,
+        control.ControlChange(
+            spec.name, body.tenant, actor=p.identity, reason=body.reason, request=_request_of(audit)
+        ),
+        known_jobs=set(CATALOG),
+    )
     with api.engine.connect() as conn:
         left = control.suspensions(conn, spec.name)
     return {
