@@ -262,15 +262,6 @@ def finish_unstarted(
     return done is not None
 
 
-def cancel_requested(conn: Connection, run_id: uuid.UUID) -> bool:
-    """Whether someone asked this run to stop."""
-    return bool(
-        conn.execute(
-            sa.select(job_run.c.cancel_requested_at.is_not(None)).where(job_run.c.id == run_id)
-        ).scalar()
-    )
-
-
 def request_cancel(
     engine: Engine,
     run_id: uuid.UUID,
