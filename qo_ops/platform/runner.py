@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,6 +38,7 @@ from qo_ops.errors import BadInput, DatabaseUnavailable, one_line
 from qo_ops.platform import runs
 from qo_ops.platform.consent import check_reason_is_new
 from qo_ops.platform.control import JobSuspended, suspension_for
+from qo_ops.platform.counts import Counts
 from qo_ops.platform.faults import crash_point, hold_point
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.manners import is_manners_key, manners_rows
@@ -51,9 +52,9 @@ from qo_ops.platform.spec import (
     ExecuteRefused,
     JobSpec,
     Limits,
-    OutcomeCheck,
     ReportRow,
     RunOptions,
+    RunSummary,
     Scope,
     check_consent,
 )
@@ -63,51 +64,6 @@ from qo_ops.platform.tenants import tenant_exists
 from qo_ops.platform.tracing import span
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunSummary:
-    """What a run did, as printed by the CLI and returned to Dagster and the API."""
-
-    job_run_id: str
-    job_name: str
-    status: str
-    mode: str
-    scope: str
-    trigger: str
-    requester: str | None
-    eligible_count: int = 0
-    processed_count: int = 0
-    mutated_count: int = 0
-    failed_count: int = 0
-    skipped_count: int = 0
-    retry_scheduled_count: int = 0
-    deadlettered_count: int = 0
-    duplicates_prevented: int = 0
-    batches: int = 0
-    duration_ms: int = 0
-    batch_ms_p50: float | None = None  # batch transaction times (guard to commit)
-    batch_ms_p99: float | None = None
-    batch_ms_max: float | None = None
-    status_reason: str | None = None
-    error_code: str | None = None
-    error_text: str | None = None
-    sample_ids: list[str] = field(default_factory=list)
-    tally: dict[str, int] = field(default_factory=dict)
-    checks: list[OutcomeCheck] = field(default_factory=list)
-    fencing_token: int | None = None  # of the lease the run held
-    lock_wait_ms: int | None = None  # how long taking (or being refused) the lease took
-    checkpoint_before: str | None = None  # the cursor as JSON text (checkpointed jobs)
-    checkpoint_after: str | None = None
-    backlog: int | None = None  # items still eligible when the run ended
-    oldest_due_age_s: float | None = None  # age of the oldest of them (the job's lag)
-    checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
-    dead_letters: int | None = None  # items dead-lettered now, all tenants (capped count)
-    report: list[dict[str, Any]] = field(default_factory=list)  # ReportRow dicts
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return asdict(self)
 
 
 def owner_identity() -> str:
@@ -350,13 +306,7 @@ def run_job(
                     "job.status_reason": summary.status_reason,
                     "duration_ms": summary.duration_ms,
                     "items.eligible": summary.eligible_count,
-                    "items.processed": summary.processed_count,
-                    "items.succeeded": summary.mutated_count,
-                    "items.failed": summary.failed_count,
-                    "items.skipped": summary.skipped_count,
-                    "retry.scheduled": summary.retry_scheduled_count,
-                    "items.deadlettered": summary.deadlettered_count,
-                    "duplicates.prevented": summary.duplicates_prevented,
+                    **summary.counts.event_fields(),
                     "tally": summary.tally or None,
                     "error.class": summary.error_code,
                     "checks.failed": [c.name for c in summary.checks if not c.passed],
@@ -364,8 +314,8 @@ def run_job(
                 },
             )
             root.set_attribute("job.status", summary.status)
-            root.set_attribute("items.processed", summary.processed_count)
-            root.set_attribute("items.failed", summary.failed_count)
+            root.set_attribute("items.processed", summary.counts.processed)
+            root.set_attribute("items.failed", summary.counts.failed)
         if foreign is not None:
             raise foreign
     return summary
@@ -550,20 +500,9 @@ def build_report(
         rows.append(ReportRow("would_change", change, summary.eligible_count))
         rows += [ReportRow("sample", i, 1, change) for i in summary.sample_ids[:REPORT_SAMPLE]]
     else:
-        counters = {
-            "processed": summary.processed_count,
-            "changed": summary.mutated_count,
-            "failed": summary.failed_count,
-            "skipped": summary.skipped_count,
-        }
-        optional = {
-            "retry_scheduled": summary.retry_scheduled_count,
-            "dead_lettered": summary.deadlettered_count,
-            "duplicates_prevented": summary.duplicates_prevented,
-        }
-        counters |= {k: v for k, v in optional.items() if v}
         rows += [
-            ReportRow("items", k, v, change if k == "changed" else "") for k, v in counters.items()
+            ReportRow("items", k, v, change if k == "changed" else "")
+            for k, v in summary.counts.report_items().items()
         ]
     for key, value in sorted(summary.tally.items()):
         if not is_manners_key(key):
@@ -764,7 +703,7 @@ def _batch_loop(
         if time.monotonic() >= deadline:
             summary.status, summary.status_reason = "timeout", "deadline reached"
             return
-        room = limits.max_items - summary.processed_count
+        room = limits.max_items - summary.counts.processed
         if room <= 0:
             summary.status_reason = "max items reached"
             return
@@ -787,27 +726,27 @@ def _batch_loop(
                 if not items:
                     rescan = spec.uses_checkpoint and spec.rescan_when_complete
                     if rescan and ctx.mode == "execute" and _forget_cursor(conn, spec, ctx.scope):
-                        runs.add_counts(conn, run_id, tally={CHECKPOINT_RESETS: 1})
+                        runs.add_counts(conn, run_id, Counts(), {CHECKPOINT_RESETS: 1})
                         summary.tally[CHECKPOINT_RESETS] = 1
                     return
                 crash_point("after_batch_select")
                 outcome = spec.transition(conn, ctx, items)
+                outcome.processed = len(items)
                 crash_point("before_commit")
                 if spec.external is None:
-                    _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
+                    _commit_effects(conn, spec, ctx, run_id, outcome)
             crash_point("after_commit")
             if spec.external is not None and spec.record is not None:
                 results = spec.external(ctx, outcome.work)  # no transaction open, no rows locked
                 crash_point("after_external_call")
                 with _batch_transaction(conn, lease, run_id):
                     claimed, outcome = outcome, spec.record(conn, ctx, results)
-                    outcome.cursor = (
-                        outcome.cursor or claimed.cursor
-                    )  # the claim knows the position
-                    _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
+                    outcome.processed = claimed.processed  # the claim knows what was selected
+                    outcome.cursor = outcome.cursor or claimed.cursor  # and the position
+                    _commit_effects(conn, spec, ctx, run_id, outcome)
             batch_ms.append((time.perf_counter() - batch_started) * 1000)
-            _account(summary, outcome, len(items), spec, metrics)
-            batch_span.set_attribute("items.processed", len(items))  # counts, never ids
+            _account(summary, outcome, spec, metrics)
+            batch_span.set_attribute("items.processed", outcome.processed)  # counts, never ids
             batch_span.set_attribute("items.failed", outcome.failed)
             if outcome.position is not None:
                 ctx.position = outcome.position
@@ -831,11 +770,9 @@ def _batch_loop(
             events.progress(
                 **{
                     "batch_number": summary.batches,
-                    "items.processed": summary.processed_count,
-                    "items.succeeded": summary.mutated_count,
-                    "items.failed": summary.failed_count,
+                    **summary.counts.event_fields(("processed", "succeeded", "failed")),
                     "elapsed_ms": int(elapsed * 1000),
-                    "throughput_per_second": round(summary.processed_count / elapsed, 1)
+                    "throughput_per_second": round(summary.counts.processed / elapsed, 1)
                     if elapsed
                     else None,
                 }
@@ -856,25 +793,13 @@ def _commit_effects(
     ctx: BatchContext,
     run_id: uuid.UUID,
     outcome: BatchOutcome,
-    selected: int,
 ) -> None:
     """The rest of a batch's transaction: checkpoint and run counters."""
     if spec.uses_checkpoint and outcome.cursor is not None and ctx.mode == "execute":
         with span("checkpoint.update", **{"job.name": spec.name}):
             _save_cursor(conn, spec, ctx.scope, run_id, outcome.cursor)
         outcome.tally[CHECKPOINT_UPDATES] = outcome.tally.get(CHECKPOINT_UPDATES, 0) + 1
-    runs.add_counts(
-        conn,
-        run_id,
-        processed_count=selected,
-        succeeded_count=outcome.succeeded,
-        failed_count=outcome.failed,
-        skipped_count=outcome.skipped,
-        retry_scheduled_count=outcome.retry_scheduled,
-        deadlettered_count=outcome.deadlettered,
-        duplicates_prevented_count=outcome.duplicates_prevented,
-        tally=outcome.tally,
-    )
+    runs.add_counts(conn, run_id, outcome, outcome.tally)
 
 
 def _forget_cursor(conn: Connection, spec: JobSpec, scope: Scope) -> bool:
@@ -888,19 +813,13 @@ def _forget_cursor(conn: Connection, spec: JobSpec, scope: Scope) -> bool:
 
 
 def _account(
-    summary: RunSummary, outcome: BatchOutcome, selected: int, spec: JobSpec, metrics: JobMetrics
+    summary: RunSummary, outcome: BatchOutcome, spec: JobSpec, metrics: JobMetrics
 ) -> None:
     summary.batches += 1
-    summary.processed_count += selected
-    summary.mutated_count += outcome.succeeded
-    summary.failed_count += outcome.failed
-    summary.skipped_count += outcome.skipped
-    summary.retry_scheduled_count += outcome.retry_scheduled
-    summary.deadlettered_count += outcome.deadlettered
-    summary.duplicates_prevented += outcome.duplicates_prevented
+    summary.counts += outcome
     for key, value in outcome.tally.items():
         summary.tally[key] = summary.tally.get(key, 0) + value
-    metrics.items_processed.labels(spec.name).inc(selected)
+    metrics.items_processed.labels(spec.name).inc(outcome.processed)
     for _, error_class in outcome.failed_items:
         metrics.items_failed.labels(spec.name, error_class).inc()
     if outcome.failed and not outcome.failed_items:
@@ -911,11 +830,11 @@ def _account(
 
 
 def _final_status(summary: RunSummary) -> str:
-    if summary.processed_count == 0:
+    if summary.counts.processed == 0:
         return "no_work"
-    if summary.failed_count == 0:
+    if summary.counts.failed == 0:
         return "success"
-    if summary.mutated_count > 0:
+    if summary.counts.succeeded > 0:
         return "partial_success"
     summary.error_code = summary.error_code or "items_failed"
     return "failed"

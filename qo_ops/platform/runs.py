@@ -16,6 +16,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from qo_ops.db.schema import job_audit, job_run
 from qo_ops.errors import BadInput, one_line
+from qo_ops.platform.counts import Counts
 from qo_ops.platform.spec import RunOptions, Scope, tenant_of
 
 FINAL_STATUSES = (
@@ -101,12 +102,12 @@ def create_run(
 
 
 def add_counts(
-    conn: Connection, run_id: uuid.UUID, *, tally: dict[str, int] | None = None, **deltas: int
+    conn: Connection, run_id: uuid.UUID, counts: Counts, tally: dict[str, int] | None = None
 ) -> None:
-    """Add to a run's counters and to its tally (key by key), in one statement inside the
-    caller's (batch) transaction."""
+    """Add a batch's counters (``counts``) to its run's and its ``tally`` to the run's (key
+    by key), in one statement inside the caller's (batch) transaction."""
     changes: dict[str, Any] = {
-        name: job_run.c[name] + value for name, value in deltas.items() if value
+        column: job_run.c[column] + value for column, value in counts.columns().items() if value
     }
     if tally:
         sums = [

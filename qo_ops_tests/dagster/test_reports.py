@@ -18,8 +18,8 @@ from qo_ops_tests.dagster.test_jobs import SPECS, _run, _summary, work_partition
 
 # what a job's own report rows add up to, on an execute run over a partition with work
 JOB_ROWS = {
-    "temp_file_cleanup": ("deleted", "mutated_count"),
-    "audit_archive": ("archived", "mutated_count"),
+    "temp_file_cleanup": ("deleted", "succeeded_count"),
+    "audit_archive": ("archived", "succeeded_count"),
     "order_reconciliation": ("mismatch", None),
     "delivery_retry": ("outcome", "processed_count"),
     "notification_publish": ("outcome", "processed_count"),
@@ -107,7 +107,7 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
     assert instance.get_run_by_id(result.run_id).tags[MODE_TAG] == "execute"
     items = {r["name"]: r["count"] for r in rows if r["kind"] == "items"}
     assert items["processed"] == summary["processed_count"]
-    assert items["changed"] == summary["mutated_count"] > 0
+    assert items["changed"] == summary["succeeded_count"] > 0
     checks = {r["name"]: r["detail"] for r in rows if r["kind"] == "check"}
     assert checks == {c.name: "passed" for c in spec.checks}
     assert metadata["fencing_token"].value >= 1
