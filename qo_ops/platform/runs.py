@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 from qo_ops.db.schema import job_audit, job_run
 from qo_ops.errors import BadInput, one_line
 from qo_ops.platform.counts import Counts
-from qo_ops.platform.spec import RunOptions, Scope, tenant_of
+from qo_ops.platform.spec import RunOptions, RunSummary, Scope, tenant_of
 
 FINAL_STATUSES = (
     "success",
@@ -141,31 +141,24 @@ def set_eligible(
         )
 
 
-def finish_run(
-    engine: Engine,
-    run_id: uuid.UUID,
-    status: str,
-    reason: str | None = None,
-    error_code: str | None = None,
-    error_text: str | None = None,
-    lock_wait_ms: int | None = None,
-    fencing_token: int | None = None,
-) -> None:
-    """Write the final status; only a ``running`` row is finished (never twice). The lease
-    the run took (its fencing token) and how long taking it took go on the record too."""
-    assert status in FINAL_STATUSES, status
+def finish_run(engine: Engine, summary: RunSummary) -> None:
+    """Write the run's final status as ``summary`` says; only a ``running`` row is finished
+    (never twice). The lease the run took (its fencing token) and how long taking it took
+    go on the record too."""
+    assert summary.status in FINAL_STATUSES, summary.status
+    error_text = summary.error_text
     with engine.begin() as conn:
         conn.execute(
             sa.update(job_run)
-            .where(job_run.c.id == run_id, job_run.c.status == "running")
+            .where(job_run.c.id == uuid.UUID(summary.job_run_id), job_run.c.status == "running")
             .values(
-                status=status,
-                status_reason=reason,
+                status=summary.status,
+                status_reason=summary.status_reason,
                 finished_at=sa.func.clock_timestamp(),
-                last_error_code=error_code,
+                last_error_code=summary.error_code,
                 last_error_text=one_line(error_text, ERROR_TEXT_LIMIT) if error_text else None,
-                lock_wait_ms=lock_wait_ms,
-                fencing_token=sa.func.coalesce(job_run.c.fencing_token, fencing_token),
+                lock_wait_ms=summary.lock_wait_ms,
+                fencing_token=sa.func.coalesce(job_run.c.fencing_token, summary.fencing_token),
             )
         )
 
