@@ -245,7 +245,7 @@ def run_cli(n: int, concurrency: int, batch_size: int | None) -> dict[str, Any]:
                 raise SystemExit(f"{label}: qo-ops run failed ({proc.returncode}): {proc.stderr}")
             summary = json.loads(proc.stdout)
             failed_checks = [c for c in summary["checks"] if not c["passed"]]
-            if summary["status"] != "success" or summary["mutated_count"] != n or failed_checks:
+            if summary["status"] != "success" or summary["succeeded_count"] != n or failed_checks:
                 raise SystemExit(f"{label}: did not do the work: {json.dumps(summary)[:2000]}")
             verified = verify(url, sim, n, label)
     seconds = summary["duration_ms"] / 1000
@@ -459,7 +459,7 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
         summary = run_job(spec, Scope(TENANT), options, engine=engine)
         engine.dispose()
         client.close()
-        if summary.status != "success" or summary.mutated_count != n:
+        if summary.status != "success" or summary.counts.succeeded != n:
             raise SystemExit(f"instrumented run did not do the work: {summary.as_dict()}")
         verify(url, sim, n, "instrumented")
 

@@ -302,7 +302,7 @@ def run_job_measured(
         out = json.loads(proc.stdout.splitlines()[-1])
         s = out["summary"]
         failed = [c["name"] for c in s["checks"] if not c["passed"]]
-        if s["status"] != "success" or s["mutated_count"] != n or failed:
+        if s["status"] != "success" or s["succeeded_count"] != n or failed:
             raise SystemExit(f"{label}: did not do the work: {json.dumps(s)[:2000]}")
         engine = engine_for(url)
         with engine.connect() as conn:

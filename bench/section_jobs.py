@@ -818,7 +818,7 @@ def run_job_cli(case: Case, url: URL, n: int, w: Window | None, home: Path) -> d
     if (
         s["status"] != "success"
         or s["processed_count"] != n
-        or s["mutated_count"] != n
+        or s["succeeded_count"] != n
         or failed_checks
     ):
         raise SystemExit(f"{case.job}: qo-ops run did not do the work: {json.dumps(s)[:2000]}")

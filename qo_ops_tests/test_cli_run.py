@@ -31,7 +31,7 @@ SUMMARY_KEYS = (
     "requester",
     "eligible_count",
     "processed_count",
-    "mutated_count",
+    "succeeded_count",
     "failed_count",
     "skipped_count",
     "duration_ms",
@@ -46,7 +46,7 @@ ROW_COLUMNS = {
     "requester": "requester",
     "eligible_count": "eligible_count",
     "processed_count": "processed_count",
-    "mutated_count": "succeeded_count",
+    "succeeded_count": "succeeded_count",
     "failed_count": "failed_count",
     "skipped_count": "skipped_count",
 }
@@ -187,7 +187,7 @@ def test_dry_run_prints_key_value_summary_and_changes_no_business_row(demo, cli)
     assert summary["requester"] == "alice"
     assert int(summary["eligible_count"]) == backlog
     assert summary["processed_count"] == "0"
-    assert summary["mutated_count"] == "0"
+    assert summary["succeeded_count"] == "0"
     assert summary["failed_count"] == "0"
     assert summary["skipped_count"] == "0"
     assert int(summary["duration_ms"]) >= 0
@@ -227,7 +227,7 @@ def test_json_summary_matches_the_job_run_row(demo, cli):
     assert summary["status"] == "success"
     assert summary["mode"] == "execute"
     assert summary["processed_count"] == backlog
-    assert summary["mutated_count"] == backlog
+    assert summary["succeeded_count"] == backlog
     assert isinstance(summary["duration_ms"], int) and summary["duration_ms"] >= 0
 
     row = job_run_row(demo, summary["job_run_id"])
@@ -246,7 +246,7 @@ def test_execute_exits_0_and_expires_the_backlog(demo, cli):
     assert result.code == 0, result.stderr
     summary = parse_kv(result.stdout)
     assert summary["status"] == "success"
-    assert int(summary["mutated_count"]) == backlog
+    assert int(summary["succeeded_count"]) == backlog
     assert overdue_active(demo) == 0
     assert overdue_active(demo, "tenant-002") == other  # scope respected
 

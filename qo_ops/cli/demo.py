@@ -131,7 +131,7 @@ class DemoRun:
     status: str  # the runner's status; "not run" when the run failed before it
     eligible_count: int | None
     processed_count: int | None
-    mutated_count: int | None
+    succeeded_count: int | None
     failed_count: int | None
     duration_ms: int | None
     job_run_id: str | None
@@ -142,7 +142,7 @@ class DemoRun:
         """Two or three lines: what ran and how it ended, its counts, its checks."""
         counts = (
             f"eligible {self.eligible_count:,}, processed {self.processed_count:,}, "
-            f"changed {self.mutated_count:,}, failed {self.failed_count:,}"
+            f"changed {self.succeeded_count:,}, failed {self.failed_count:,}"
             f" in {self.duration_ms:,} ms"
             if self.eligible_count is not None
             else "no counts: the runner did not finish"
@@ -187,7 +187,7 @@ def _demo_run(spec: JobSpec, tenant: str, result: Any) -> DemoRun:
         status=summary.get("status", "not run"),
         eligible_count=summary.get("eligible_count"),
         processed_count=summary.get("processed_count"),
-        mutated_count=summary.get("mutated_count"),
+        succeeded_count=summary.get("succeeded_count"),
         failed_count=summary.get("failed_count"),
         duration_ms=summary.get("duration_ms"),
         job_run_id=summary.get("job_run_id"),

@@ -35,7 +35,7 @@ SUMMARY_KEYS = (
     "requester",
     "eligible_count",
     "processed_count",
-    "mutated_count",
+    "succeeded_count",
     "failed_count",
     "skipped_count",
     "duration_ms",

@@ -37,6 +37,7 @@ from qo_ops.dagster_defs.submission import (
 )
 from qo_ops.db.availability import is_unavailable
 from qo_ops.errors import QoOpsError, one_line
+from qo_ops.platform.counts import COLUMNS
 from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.overdue import Backlog, tenant_backlog
 from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, JOB_RUN_TAG, MODE_TAG, scope_tag
@@ -82,13 +83,7 @@ def summary_metadata(summary: RunSummary, scope: Scope | None = None) -> dict[st
         "scope",
         "trigger",
         "eligible_count",
-        "processed_count",
-        "mutated_count",
-        "failed_count",
-        "skipped_count",
-        "retry_scheduled_count",
-        "deadlettered_count",
-        "duplicates_prevented",
+        *COLUMNS.values(),  # processed_count … duplicates_prevented_count
         "batches",
         "duration_ms",
         "batch_ms_p50",
@@ -141,8 +136,8 @@ def outcome_event(
         "mode": summary.mode,
         "job_run_id": summary.job_run_id,
         "eligible_count": summary.eligible_count,
-        "mutated_count": summary.mutated_count,
-        "failed_count": summary.failed_count,
+        "succeeded_count": summary.counts.succeeded,
+        "failed_count": summary.counts.failed,
     }
     if scope.window_start is not None:
         metadata["run_scope"] = scope.key  # the window the run itself covered
@@ -287,8 +282,8 @@ def run_tenants(
         line = (
             f"{spec.name} {scope.key} {summary.mode}: {summary.status}"
             f"{' (' + summary.status_reason + ')' if summary.status_reason else ''} — "
-            f"eligible {summary.eligible_count}, processed {summary.processed_count}, "
-            f"changed {summary.mutated_count}, failed {summary.failed_count}"
+            f"eligible {summary.eligible_count}, processed {summary.counts.processed}, "
+            f"changed {summary.counts.succeeded}, failed {summary.counts.failed}"
         )
         if len(scopes) == 1:
             context.log.info(line)
@@ -359,8 +354,8 @@ def tenants_table(outcomes: list[TenantOutcome]) -> dg.TableMetadataValue:
                     "tenant": o.scope.tenant_id,
                     "status": o.status,
                     "eligible": s.eligible_count if s else 0,
-                    "changed": s.mutated_count if s else 0,
-                    "failed": s.failed_count if s else 0,
+                    "changed": s.counts.succeeded if s else 0,
+                    "failed": s.counts.failed if s else 0,
                     "job_run_id": s.job_run_id if s else "",
                     "detail": one_line(
                         (s.status_reason or "") if s else str(o.refused or o.error), 200
@@ -401,9 +396,9 @@ def finish_chunk(
         "tenants_outcome_not_met": len(blocking),
         "failed_tenants": ", ".join(rerun[:MAX_NAMED]) or "none",
         "eligible_count": sum(s.eligible_count for s in summaries),
-        "processed_count": sum(s.processed_count for s in summaries),
-        "mutated_count": sum(s.mutated_count for s in summaries),
-        "failed_count": sum(s.failed_count for s in summaries),
+        "processed_count": sum(s.counts.processed for s in summaries),
+        "succeeded_count": sum(s.counts.succeeded for s in summaries),
+        "failed_count": sum(s.counts.failed for s in summaries),
         "tenant_runs": tenants_table(outcomes),
     }
     if rerun:
@@ -425,7 +420,7 @@ def finish_single(spec: JobSpec, outcome: TenantOutcome) -> dg.Output[dict[str, 
         raise dg.Failure(description=str(outcome.refused or outcome.error), allow_retries=False)
     summary = outcome.summary
     if summary.status == "partial_success":
-        dg.get_dagster_logger().warning(f"partial success: {summary.failed_count} item(s) failed")
+        dg.get_dagster_logger().warning(f"partial success: {summary.counts.failed} item(s) failed")
     metadata = summary_metadata(summary, outcome.scope)
     if summary.status in FAILING_STATUSES:
         raise dg.Failure(

@@ -143,6 +143,11 @@ class Lease:
             )
 
 
+LOCK_TIMEOUT_MS = 2000  # taking the lease waits this long for a holder's batch to commit
+# SET LOCAL lock_timeout, with the value bound (SET itself takes no parameters).
+_LOCK_TIMEOUT = sa.text("SELECT set_config('lock_timeout', :ms, true)")
+
+
 def acquire(
     engine: Engine,
     job_name: str,
@@ -150,17 +155,16 @@ def acquire(
     owner_id: str,
     ttl_s: float,
     job_run_id: uuid.UUID,
-    lock_timeout_ms: int = 2000,
 ) -> Lease | None:
     """Take the lease of (job, scope) if it is free or expired; None if someone holds it.
 
     Waiting is bounded: if a holder's batch transaction keeps the lease row locked longer
-    than ``lock_timeout_ms``, the lease counts as held.
+    than :data:`LOCK_TIMEOUT_MS`, the lease counts as held.
     """
     token = secrets.token_hex(16)
     try:
         with engine.begin() as conn:
-            conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}")
+            conn.execute(_LOCK_TIMEOUT, {"ms": str(LOCK_TIMEOUT_MS)})
             fence = conn.execute(
                 _ACQUIRE,
                 {

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.platform.missed import scheduled_day, tick_window_s
-from qo_ops.platform.runner import count_eligible
+from qo_ops.platform.selection import count_eligible
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope, cron_ticks
 
 FIRST_DAY = date(1970, 1, 1)  # no business record predates it: "every day" starts here

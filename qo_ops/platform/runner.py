@@ -6,11 +6,13 @@
 A run stops between batches when its deadline passes (``timeout``), when it is asked to
 (``cancelled``: a flag on its job_run row, or SIGTERM/SIGINT), or when its lease is gone
 (``failed``/``lease_lost``); whatever committed stays, and a rerun carries on from there.
+
+One run is one :class:`JobRun`: ``run_job`` makes it, and its ``run`` method reads top to
+bottom as the run goes, each step a method of its own.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -18,96 +20,50 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from enum import Enum
 from typing import Any
 
 import sqlalchemy as sa
+from opentelemetry.trace import Span
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from qo_ops.config import number
 from qo_ops.db.availability import (
     UNAVAILABLE,
     db_retry_s,
     is_unavailable,
     retry_while_unavailable,
 )
-from qo_ops.db.schema import job_checkpoint
-from qo_ops.errors import BadInput, DatabaseUnavailable, one_line
-from qo_ops.platform import runs
-from qo_ops.platform.consent import check_reason_is_new
-from qo_ops.platform.control import JobSuspended, suspension_for
+from qo_ops.errors import DatabaseUnavailable, one_line
+from qo_ops.platform import checkpoint, runs
+from qo_ops.platform.admission import RunRequest
+from qo_ops.platform.counts import Counts
+from qo_ops.platform.drift import drift_reason, drift_s, drift_warn_s
 from qo_ops.platform.faults import crash_point, hold_point
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
-from qo_ops.platform.manners import is_manners_key, manners_rows
-from qo_ops.platform.missed import scope_busy_at
-from qo_ops.platform.signals import ITEM_RETRY_EXHAUSTED, ITEM_RETRY_PREFIX
+from qo_ops.platform.report import add_report
+from qo_ops.platform.selection import count_eligible, select_batch
 from qo_ops.platform.spec import (
     CHECKPOINT_RESETS,
     CHECKPOINT_UPDATES,
     BatchContext,
     BatchOutcome,
-    ExecuteRefused,
     JobSpec,
-    Limits,
-    OutcomeCheck,
-    ReportRow,
     RunOptions,
+    RunSummary,
     Scope,
-    check_consent,
 )
 from qo_ops.platform.stopping import TERMINATED, StopSignals, Terminated, stop_grace_s
 from qo_ops.platform.telemetry import METRICS, EventContext, JobMetrics
-from qo_ops.platform.tenants import tenant_exists
 from qo_ops.platform.tracing import span
+
+# count_eligible and select_batch live in selection.py; callers import them from here too
+__all__ = ["JobRun", "RunSummary", "count_eligible", "owner_identity", "run_job", "select_batch"]
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class RunSummary:
-    """What a run did, as printed by the CLI and returned to Dagster and the API."""
-
-    job_run_id: str
-    job_name: str
-    status: str
-    mode: str
-    scope: str
-    trigger: str
-    requester: str | None
-    eligible_count: int = 0
-    processed_count: int = 0
-    mutated_count: int = 0
-    failed_count: int = 0
-    skipped_count: int = 0
-    retry_scheduled_count: int = 0
-    deadlettered_count: int = 0
-    duplicates_prevented: int = 0
-    batches: int = 0
-    duration_ms: int = 0
-    batch_ms_p50: float | None = None  # batch transaction times (guard to commit)
-    batch_ms_p99: float | None = None
-    batch_ms_max: float | None = None
-    status_reason: str | None = None
-    error_code: str | None = None
-    error_text: str | None = None
-    sample_ids: list[str] = field(default_factory=list)
-    tally: dict[str, int] = field(default_factory=dict)
-    checks: list[OutcomeCheck] = field(default_factory=list)
-    fencing_token: int | None = None  # of the lease the run held
-    lock_wait_ms: int | None = None  # how long taking (or being refused) the lease took
-    checkpoint_before: str | None = None  # the cursor as JSON text (checkpointed jobs)
-    checkpoint_after: str | None = None
-    backlog: int | None = None  # items still eligible when the run ended
-    oldest_due_age_s: float | None = None  # age of the oldest of them (the job's lag)
-    checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
-    dead_letters: int | None = None  # items dead-lettered now, all tenants (capped count)
-    report: list[dict[str, Any]] = field(default_factory=list)  # ReportRow dicts
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return asdict(self)
+ENDED_WELL = ("success", "no_work", "skipped")  # job.finished at INFO; the rest at WARNING
+PROGRESS_COUNTS = ("processed", "succeeded", "failed")  # the counters job.progress carries
 
 
 def owner_identity() -> str:
@@ -116,154 +72,6 @@ def owner_identity() -> str:
 
 
 _PROCESS_NONCE = uuid.uuid4().hex[:8]
-
-
-def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> object:
-    """Reject a run that cannot be right, before anything is written; returns the job's
-    settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
-    options.validated()
-    check_consent(options, destructive=spec.destructive, job_name=spec.name)
-    check_reason_is_new(engine, spec.name, options)  # a Launchpad relaunch's copied reason
-    drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
-    settings = spec.validate_settings() if spec.validate_settings is not None else None
-    windowed = spec.partitioning == "tenant_day"
-    if windowed and scope.window_start is None:
-        raise BadInput(f"{spec.name} is windowed: give --date or --from/--to")
-    if not windowed and scope.window_start is not None:
-        raise BadInput(f"{spec.name} is not windowed: drop --date/--from/--to")
-    with engine.connect() as conn:
-        known = tenant_exists(conn, scope.tenant_id)
-    if not known:
-        raise BadInput(f"unknown tenant {scope.tenant_id}")
-    return settings
-
-
-DRIFT_WARN_ENV = "QO_OPS_DRIFT_WARN_S"
-DEFAULT_DRIFT_WARN_S = 300.0
-
-
-def drift_warn_s() -> float:
-    """Above this many seconds late, a scheduled run logs job.scheduler.drift.detected
-    (``QO_OPS_DRIFT_WARN_S``; a bad value is refused before a run starts)."""
-    return number(DRIFT_WARN_ENV, DEFAULT_DRIFT_WARN_S, 0.001, 86400.0, unit="seconds")
-
-
-def _drift_reason(
-    engine: Engine, spec: JobSpec, scope: Scope, run_id: uuid.UUID, tick: datetime
-) -> str:
-    """Why a scheduled run starts late, as far as the run records tell: another run of the
-    scope was running at its tick (it waited behind it), or nothing recorded explains it
-    (the daemon, the run queue or the run worker's start was slow)."""
-    with engine.connect() as conn:
-        behind = scope_busy_at(conn, spec.name, scope.key, tick, other_than=run_id)
-    return "previous_run_active" if behind else "start_delayed"
-
-
-def _drift_s(options: RunOptions) -> float | None:
-    """How late a scheduled run starts after its tick (UTC clocks), or None."""
-    if options.scheduled_for is None:
-        return None
-    return (datetime.now(UTC) - options.scheduled_for).total_seconds()
-
-
-def _audit_trigger(
-    conn: Connection,
-    spec: JobSpec,
-    scope: Scope,
-    options: RunOptions,
-    decision: str,
-    run_id: uuid.UUID | None,
-    details: dict[str, Any],
-) -> None:
-    """The audit row of a run being started (or refused) for ``options.requester``."""
-    trigger: dict[str, str] = {"trigger": options.trigger}
-    if options.dagster_run_id:
-        trigger["dagster_run_id"] = options.dagster_run_id
-    runs.append_audit(
-        conn,
-        runs.AuditEntry(
-            actor=options.requester or "unknown",
-            action="trigger",
-            decision=decision,
-            job_name=spec.name,
-            scope=scope.key,
-            mode=options.mode,
-            reason=options.reason,
-            correlation_id=options.correlation_id,
-            job_run_id=run_id,
-            details={**trigger, **details},
-        ),
-    )
-
-
-def _refuse_if_suspended(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
-    """A suspended job starts no run, whatever triggered it; the refusal is audited."""
-    with engine.begin() as conn:
-        found = suspension_for(conn, spec.name, scope.tenant_id)
-        if found is None:
-            return
-        _audit_trigger(
-            conn, spec, scope, options, "denied", options.job_run_id,
-            {"refused": "suspended", "trigger": options.trigger, **found.as_dict()},
-        )  # fmt: skip
-    raise JobSuspended(f"{found.describe()}; nothing was run (resume: qo-ops resume)")
-
-
-def _load_cursor(engine: Engine, spec: JobSpec, scope: Scope) -> dict[str, Any] | None:
-    with engine.connect() as conn:
-        return conn.execute(
-            sa.select(job_checkpoint.c.cursor).where(
-                job_checkpoint.c.job_name == spec.name, job_checkpoint.c.scope == scope.key
-            )
-        ).scalar()
-
-
-def _save_cursor(
-    conn: Connection, spec: JobSpec, scope: Scope, run_id: uuid.UUID, cursor: dict[str, Any]
-) -> None:
-    stmt = sa.dialects.postgresql.insert(job_checkpoint).values(
-        job_name=spec.name,
-        scope=scope.key,
-        cursor=cursor,
-        job_run_id=run_id,
-        updated_at=sa.func.clock_timestamp(),
-    )
-    conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=["job_name", "scope"],
-            set_={
-                "cursor": stmt.excluded.cursor,
-                "job_run_id": run_id,
-                "updated_at": sa.func.clock_timestamp(),
-            },
-        )
-    )
-
-
-def count_eligible(conn: Connection, spec: JobSpec, ctx: BatchContext) -> int:
-    """How many items the run's selection matches now (the dry-run estimate)."""
-    selection = spec.eligible(ctx).order_by(None).subquery()
-    return int(conn.execute(sa.select(sa.func.count()).select_from(selection)).scalar() or 0)
-
-
-def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int) -> list[Any]:
-    """The next ``limit`` items, locked for this transaction (skipping ones others hold)."""
-    query = spec.eligible(ctx).limit(limit)
-    if spec.compete_with_skip_locked:
-        query = query.with_for_update(skip_locked=True, of=spec.lock_of)
-    return list(conn.execute(query).scalars().all())
-
-
-@contextmanager
-def _batch_transaction(conn: Connection, lease: Lease, run_id: uuid.UUID) -> Iterator[str | None]:
-    """One batch's transaction on the run's connection; yields why the run must stop (a
-    cancel asked, the job suspended), or None."""
-    with conn.begin():
-        # a holder frozen mid-transaction is cut off by the server, releasing its locks
-        conn.exec_driver_sql(
-            f"SET LOCAL idle_in_transaction_session_timeout = '{int(lease.ttl_s * 1000)}ms'"
-        )
-        yield lease.guard(conn, run_id)
 
 
 def run_job(
@@ -280,654 +88,554 @@ def run_job(
     database restarting, a bug -- the record is finished and the lease given back before
     this returns (or re-raises a foreign interrupt, e.g. Dagster's)."""
     with StopSignals(stop_grace_s()) as stop:  # a signal before the record: nothing written
-        try:
-            settings = validate_request(engine, spec, scope, options)
-        except ExecuteRefused as refused:  # a person's execute without consent: on record
-            with stop.deferred(), engine.begin() as conn:
-                _audit_trigger(
-                    conn, spec, scope, options, "denied", options.job_run_id,
-                    {"refused": refused.error_code, "cause": str(refused)},
-                )  # fmt: skip
-            raise
-        _refuse_if_suspended(engine, spec, scope, options)
-        limits = spec.defaults.overridden_by(options)
-        started = time.monotonic()
-        owner = owner_identity()
-        with stop.deferred():
-            run_id = runs.create_run(engine, spec.name, scope, options, owner, limits.as_dict())
-        ctx = BatchContext(
-            spec.name, scope, options.mode, run_id, limits=limits, settings=settings, stop=stop
-        )
-        summary = RunSummary(
-            job_run_id=str(run_id),
-            job_name=spec.name,
-            status="running",
-            mode=options.mode,
-            scope=scope.key,
-            trigger=options.trigger,
-            requester=options.requester,
-        )
-        events = EventContext(
-            job_name=spec.name,
-            run_id=str(run_id),
-            trigger=options.trigger,
-            scope=scope.tenant_id,
-            mode=options.mode,
+        return JobRun(engine, RunRequest(spec, scope, options), stop, metrics).run()
+
+
+# A holder frozen mid-transaction is cut off by the server, releasing its locks: SET LOCAL
+# idle_in_transaction_session_timeout, with the value bound (SET takes no parameters).
+_IDLE_TIMEOUT = sa.text("SELECT set_config('idle_in_transaction_session_timeout', :ms, true)")
+
+
+class _Step(Enum):
+    """How a batch that recorded nothing leaves the batch loop."""
+
+    AGAIN = "again"  # one last pass from the start of the selection
+    DONE = "done"  # no more work, or the run must stop (its summary says why)
+
+
+class JobRun:
+    """One run of one job over one scope, from its admission to its finished record.
+
+    It holds what the run's steps share (spec, options, limits, owner, stop signals,
+    metrics; once recorded, the context its batches see, its summary and events; once
+    leased, the lease, its heartbeat, the deadline and the batch timings), so that each
+    step takes only what varies: a connection, a batch's outcome."""
+
+    # once the record is written (_open)
+    run_id: uuid.UUID
+    ctx: BatchContext
+    summary: RunSummary
+    events: EventContext
+    started: float  # monotonic, just before the record: the run's duration counts from it
+    # once the lease is taken (_execute)
+    lease: Lease
+    heartbeat: Heartbeat
+    deadline: float  # monotonic
+    batches_started: float  # monotonic: the progress event's elapsed time counts from it
+
+    def __init__(
+        self, engine: Engine, request: RunRequest, stop: StopSignals, metrics: JobMetrics
+    ) -> None:
+        self.engine, self.request, self.stop, self.metrics = engine, request, stop, metrics
+        self.spec, self.scope, self.options = request.spec, request.scope, request.options
+        self.limits = self.spec.defaults.overridden_by(self.options)
+        self.owner = owner_identity()
+        self.batch_ms: list[float] = []  # batch transaction times (guard to commit)
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> RunSummary:
+        """Admit the run, write its record, do the work, and end the run."""
+        settings = self.request.admit(self.engine, self.stop)  # nothing written before
+        self._open(settings)
+        with span(f"Job {self.spec.name}", **self._root_attributes()) as root:
+            ended_by: BaseException | None = None
+            try:
+                self._work()
+            except BaseException as exc:  # whatever ended the work, the record is finished
+                ended_by = exc
+            self._end(root, ended_by)
+        if ended_by is not None and not isinstance(ended_by, Terminated | Exception):
+            raise ended_by  # a foreign interrupt (Dagster terminating the run) goes on
+        return self.summary
+
+    def _open(self, settings: object) -> None:
+        """Write the run's ``running`` record; the context, summary and events follow it."""
+        spec, scope, options = self.spec, self.scope, self.options
+        self.started = time.monotonic()
+        with self.stop.deferred():
+            self.run_id = runs.create_run(
+                self.engine, spec.name, scope, options, self.owner, self.limits.as_dict()
+            )
+        self.ctx = BatchContext(
+            spec.name, scope, options.mode, self.run_id,
+            limits=self.limits, settings=settings, stop=self.stop,
+        )  # fmt: skip
+        self.summary = RunSummary(
+            job_run_id=str(self.run_id), job_name=spec.name, status="running", mode=options.mode,
+            scope=scope.key, trigger=options.trigger, requester=options.requester,
+        )  # fmt: skip
+        self.events = EventContext(
+            job_name=spec.name, run_id=str(self.run_id), trigger=options.trigger,
+            scope=scope.tenant_id, mode=options.mode,
             window_start=scope.window_start.isoformat() if scope.window_start else None,
             window_end=scope.window_end.isoformat() if scope.window_end else None,
             progress_interval_s=options.progress_interval_s,
-        )
-        root_attributes = {
-            "job.name": spec.name,
-            "job.run_id": str(run_id),
-            "job.trigger": options.trigger,
-            "job.mode": options.mode,
-            "job.scope": scope.key,
-        }
-        foreign: BaseException | None = None
-        with span(f"Job {spec.name}", **root_attributes) as root:
-            try:
-                _run(engine, spec, ctx, options, limits, owner, summary, events, metrics)
-            except Terminated:
-                _stopped_by_signal(summary, "")
-            except Exception as exc:  # a failure outside the batches: still a finished record
-                _failed(summary, exc)
-            except BaseException as exc:  # interrupted by the caller (Dagster terminating the
-                # run): the record still gets the batches' outcome before this goes on
-                foreign = exc
-                if summary.status == "running":
-                    summary.status = "cancelled"
-                summary.status_reason = summary.status_reason or "interrupted"
-            summary.duration_ms = int((time.monotonic() - started) * 1000)  # checks included
-            with stop.deferred():
-                _finish(engine, run_id, summary, stop)
-            _record_metrics(metrics, spec, summary, time.monotonic() - started)
-            events.emit(
-                "job.finished",
-                logging.INFO
-                if summary.status in ("success", "no_work", "skipped")
-                else logging.WARNING,
-                **{
-                    "job.status": summary.status,
-                    "job.status_reason": summary.status_reason,
-                    "duration_ms": summary.duration_ms,
-                    "items.eligible": summary.eligible_count,
-                    "items.processed": summary.processed_count,
-                    "items.succeeded": summary.mutated_count,
-                    "items.failed": summary.failed_count,
-                    "items.skipped": summary.skipped_count,
-                    "retry.scheduled": summary.retry_scheduled_count,
-                    "items.deadlettered": summary.deadlettered_count,
-                    "duplicates.prevented": summary.duplicates_prevented,
-                    "tally": summary.tally or None,
-                    "error.class": summary.error_code,
-                    "checks.failed": [c.name for c in summary.checks if not c.passed],
-                    **({"stop.signal": stop.signal_name} if stop.requested else {}),
-                },
-            )
-            root.set_attribute("job.status", summary.status)
-            root.set_attribute("items.processed", summary.processed_count)
-            root.set_attribute("items.failed", summary.failed_count)
-        if foreign is not None:
-            raise foreign
-    return summary
+        )  # fmt: skip
 
+    def _root_attributes(self) -> dict[str, Any]:
+        return {
+            "job.name": self.spec.name, "job.run_id": str(self.run_id),
+            "job.trigger": self.options.trigger, "job.mode": self.options.mode,
+            "job.scope": self.scope.key,
+        }  # fmt: skip
 
-def _run(
-    engine: Engine,
-    spec: JobSpec,
-    ctx: BatchContext,
-    options: RunOptions,
-    limits: Limits,
-    owner: str,
-    summary: RunSummary,
-    events: EventContext,
-    metrics: JobMetrics,
-) -> None:
-    """Everything between the run record's creation and its end: audit, start events,
-    orphans, the work (dry run or batches), then the outcome checks."""
-    run_id = ctx.job_run_id
-    if options.person_behind and options.job_run_id is None:  # API runs: audited on accept
-        with ctx.stop.deferred(), engine.begin() as conn:
-            _audit_trigger(
-                conn, spec, ctx.scope, options, "allowed", run_id, {"limits": limits.as_dict()}
+    def _work(self) -> None:
+        """Everything between the run record's creation and its end: audit, start events,
+        orphans, the work (dry run or batches), then the outcome checks."""
+        if self.options.person_behind and self.options.job_run_id is None:  # API runs: audited
+            with self.stop.deferred(), self.engine.begin() as conn:  # when accepted
+                self.request.audit(conn, "allowed", self.run_id, {"limits": self.limits.as_dict()})
+        self._announce()
+        self._reap_orphans()
+        if self.options.mode == "dry_run" and not self.spec.dry_run_scans:
+            self._dry_run()
+        else:
+            self._execute()
+        crash_point("before_finalize")
+        summary = self.summary
+        not_done = summary.status in ("skipped", "running") or summary.error_code == UNAVAILABLE
+        if not_done or self.stop.requested:
+            return  # nothing was done, or the checks cannot run now: nothing to check
+        self._check_outcome()
+
+    def _announce(self) -> None:
+        """job.started, and job.scheduler.drift.detected when a scheduled run starts late."""
+        self.metrics.started.labels(self.spec.name).inc()
+        late, tick = drift_s(self.options), self.options.scheduled_for
+        self.events.emit(
+            "job.started", scheduled_for=tick, limits=self.limits.as_dict(),
+            **({"scheduler.drift_s": round(late, 3)} if late is not None else {}),
+        )  # fmt: skip
+        if late is not None and late > drift_warn_s():
+            assert tick is not None
+            reason = drift_reason(self.engine, self.spec.name, self.scope.key, self.run_id, tick)
+            self.events.emit(
+                "job.scheduler.drift.detected",
+                logging.WARNING,
+                scheduled_for=tick,
+                reason=reason,
+                **{"scheduler.drift_s": round(late, 3), "scheduler.drift_warn_s": drift_warn_s()},
             )
-    metrics.started.labels(spec.name).inc()
-    drift_s = _drift_s(options)
-    events.emit(
-        "job.started", scheduled_for=options.scheduled_for, limits=limits.as_dict(),
-        **({"scheduler.drift_s": round(drift_s, 3)} if drift_s is not None else {}),
-    )  # fmt: skip
-    if drift_s is not None and drift_s > drift_warn_s():
-        assert options.scheduled_for is not None
-        events.emit(
-            "job.scheduler.drift.detected",
-            logging.WARNING,
-            scheduled_for=options.scheduled_for,
-            reason=_drift_reason(engine, spec, ctx.scope, run_id, options.scheduled_for),
+
+    def _reap_orphans(self) -> None:
+        with self.stop.deferred():
+            reaped = runs.reap_orphans(self.engine, self.spec.name, grace_s=self.limits.lease_ttl_s)
+        if ids := [str(r) for r in reaped]:
+            self.events.emit("job.orphans.reaped", logging.WARNING, count=len(ids), run_ids=ids)
+
+    # ------------------------------------------------------------------ the work
+    def _load_checkpoint(self) -> None:
+        """A checkpointed job starts (and a dry run looks) where the last run stopped."""
+        if self.spec.uses_checkpoint:
+            self.ctx.cursor = checkpoint.load(self.engine, self.spec.name, self.scope.key)
+            self.summary.checkpoint_before = checkpoint.as_text(self.ctx.cursor)
+
+    def _dry_run(self) -> None:
+        """Count and sample exactly what execute would select; write nothing but the run row."""
+        spec, ctx, summary = self.spec, self.ctx, self.summary
+        self._load_checkpoint()
+        with self.engine.connect() as conn:
+            summary.eligible_count = count_eligible(conn, spec, ctx)
+            sample = conn.execute(spec.eligible(ctx).limit(self.options.sample_size)).scalars()
+            summary.sample_ids = [str(v) for v in sample]
+        runs.set_eligible(self.engine, self.run_id, summary.eligible_count, None)
+        summary.status = "success" if summary.eligible_count else "no_work"
+
+    def _execute(self) -> None:
+        """Under the lease, the batches; the lease goes back whatever happens, before the run
+        is recorded as ended."""
+        lease = self._acquire()
+        if lease is None:
+            return
+        summary = self.summary
+        self.lease, self.heartbeat = lease, Heartbeat(self.engine, lease, self.run_id).start()
+        self.deadline = time.monotonic() + self.limits.deadline_s
+        try:
+            crash_point("after_lease_acquire")
+            hold_point("after_lease_acquire")
+            self._load_checkpoint()
+            with self.engine.connect() as conn:
+                summary.eligible_count = count_eligible(conn, self.spec, self.ctx)
+            with self.stop.deferred():
+                runs.set_eligible(
+                    self.engine, self.run_id, summary.eligible_count, lease.fencing_token
+                )
+            self._batches()
+        except LeaseLost as exc:
+            summary.status, summary.error_code = "failed", "lease_lost"
+            summary.status_reason, summary.error_text = "lease_lost", str(exc)
+            self.events.emit("job.lock.lost", logging.ERROR, **{"lock.name": self._lock_name()})
+        except Exception as exc:  # any failure ends the run as failed, with a safe one-line reason
+            self._failed(exc)
+            if summary.error_code != UNAVAILABLE and not self._still_held():
+                summary.error_code = summary.status_reason = "lease_lost"
+        finally:  # on a signal too: the lease goes back before the run is recorded as ended
+            self.heartbeat.stop()
+            with self.stop.deferred():
+                self._release()
+        if summary.status == "running":
+            summary.status = self._final_status()
+
+    def _lock_name(self) -> str:
+        return f"{self.spec.name}:{self.scope.key}"
+
+    def _acquire(self) -> Lease | None:
+        """The scope's lease, or None (then the summary says why: skipped, or cancelled while
+        waiting)."""
+        summary = self.summary
+        with (
+            span("lease.acquire", **{"lock.name": self._lock_name()}) as acquiring,
+            self.stop.deferred(),  # taken or not, never half: the token must reach us
+        ):
+            asked = time.monotonic()
+            lease = acquire(
+                self.engine, self.spec.name, self.scope.key, self.owner,
+                self.limits.lease_ttl_s, self.run_id,
+            )  # fmt: skip
+            summary.lock_wait_ms = int((time.monotonic() - asked) * 1000)
+            acquiring.set_attribute("lock.acquired", lease is not None)
+        if lease is None:
+            if self.stop.requested:  # asked to stop while waiting for the lease
+                summary.status, summary.status_reason = "cancelled", TERMINATED
+                return None
+            self.metrics.lock_failed.labels(self.spec.name).inc()
+            refused = {"lock.name": self._lock_name(), "wait_ms": summary.lock_wait_ms}
+            self.events.emit("job.lock.acquire.failed", logging.WARNING, **refused)
+            summary.status, summary.status_reason = "skipped", "lease-not-acquired"
+            return None
+        self.events.emit(
+            "job.lock.acquire.succeeded",
             **{
-                "scheduler.drift_s": round(drift_s, 3),
-                "scheduler.drift_warn_s": drift_warn_s(),
+                "lock.name": self._lock_name(),
+                "lock.ttl_ms": int(lease.ttl_s * 1000),
+                "lock.fencing_token": lease.fencing_token,
+                "wait_ms": summary.lock_wait_ms,
             },
         )
-    with ctx.stop.deferred():
-        reaped = runs.reap_orphans(engine, spec.name, grace_s=limits.lease_ttl_s)
-    if reaped:
-        events.emit(
-            "job.orphans.reaped",
-            logging.WARNING,
-            count=len(reaped),
-            run_ids=[str(r) for r in reaped],
-        )
+        summary.fencing_token = lease.fencing_token
+        return lease
 
-    if options.mode == "dry_run" and not spec.dry_run_scans:
-        _dry_run(engine, spec, ctx, options, summary)
-    else:
-        _execute(engine, spec, ctx, options, limits, owner, summary, events, metrics)
-    crash_point("before_finalize")
-    if (
-        summary.status in ("skipped", "running")
-        or summary.error_code == UNAVAILABLE
-        or ctx.stop.requested
-    ):
-        return  # nothing was done, or the checks cannot run now: nothing to check
-    try:
-        hold_point("before_finalize")  # the outcome-check phase, as far as a signal knows
-        with engine.connect() as conn:
-            summary.checks = spec.check(conn, ctx)
-            lag = spec.lag(conn, ctx) if spec.lag else None
-            summary.oldest_due_age_s = lag
-            _after_run(conn, spec, ctx, limits, summary)
-        metrics.lag.labels(spec.name).set(lag or 0.0)
-    except Terminated:
-        summary.checks = []
-        _stopped_by_signal(summary, " during outcome checks")
-        raise
-    except Exception as exc:
-        if not is_unavailable(exc):
-            raise
-        summary.checks = []  # the work is recorded; its checks wait for the next run
-        summary.status_reason = (
-            summary.status_reason or "outcome checks skipped: database unavailable"
-        )
-    except BaseException:
-        summary.status_reason = summary.status_reason or "interrupted during outcome checks"
-        raise
-
-
-def _stopped_by_signal(summary: RunSummary, where: str) -> None:
-    """A run stopped by SIGTERM/SIGINT: ``cancelled``/``terminated``, unless its work was
-    already over (then it keeps that status, and the reason says what was cut short)."""
-    if summary.status == "running":
-        summary.status, summary.status_reason = "cancelled", TERMINATED
-    else:
-        summary.status_reason = summary.status_reason or f"{TERMINATED}{where}"
-
-
-def _failed(summary: RunSummary, exc: BaseException) -> None:
-    """A run that ends on an error: ``failed``, with its class and a safe one-line text."""
-    summary.status = "failed"
-    summary.error_code = UNAVAILABLE if is_unavailable(exc) else _error_class(exc)
-    summary.status_reason = summary.error_code
-    summary.error_text = one_line(
-        f"{type(exc).__name__}: {getattr(exc, 'orig', exc)}", runs.ERROR_TEXT_LIMIT
-    )
-    log.debug("run failed", exc_info=True)
-
-
-def _finish(engine: Engine, run_id: uuid.UUID, summary: RunSummary, stop: StopSignals) -> None:
-    """Write the run's final record, riding out a database restart for a bounded time (the
-    stop grace, when stopping); if the database never comes back, the reaper ends it."""
-    limit = min(db_retry_s(), stop.remaining_s()) if stop.requested else db_retry_s()
-    try:
-        retry_while_unavailable(
-            lambda: runs.finish_run(
-                engine,
-                run_id,
-                summary.status,
-                summary.status_reason,
-                summary.error_code,
-                summary.error_text,
-                summary.lock_wait_ms,
-                summary.fencing_token,
-            ),  # fmt: skip
-            limit_s=limit,
-            what="finishing the run record",
-        )
-    except DBAPIError as exc:
-        if not is_unavailable(exc):
-            raise
-        raise DatabaseUnavailable(
-            f"the database did not come back within {limit:.0f} s: run {run_id} ended "
-            f"{summary.status} but its record says running until the reaper ends it "
-            f"(qo-ops reap)",
-            exit_code=1,
-        ) from None
-
-
-def _cursor_text(cursor: Any) -> str | None:
-    return (
-        None if cursor is None else one_line(json.dumps(cursor, default=str, sort_keys=True), 200)
-    )
-
-
-def _after_run(
-    conn: Connection, spec: JobSpec, ctx: BatchContext, limits: Limits, summary: RunSummary
-) -> None:
-    """What the run left behind, for its report: backlog, checkpoint, the report rows."""
-    if spec.uses_checkpoint:
-        saved = conn.execute(
-            sa.select(
-                job_checkpoint.c.cursor,
-                sa.func.extract("epoch", sa.func.clock_timestamp() - job_checkpoint.c.updated_at),
-            ).where(job_checkpoint.c.job_name == spec.name, job_checkpoint.c.scope == ctx.scope.key)
-        ).first()
-        if saved is not None:
-            summary.checkpoint_after = _cursor_text(saved[0])
-            summary.checkpoint_age_s = float(saved[1])
-    elif not spec.dry_run_scans:  # a selection of what is due: what is still due is backlog
-        fresh = BatchContext(
-            spec.name, ctx.scope, ctx.mode, ctx.job_run_id, limits=limits, settings=ctx.settings
-        )
-        summary.backlog = (
-            summary.eligible_count if ctx.mode == "dry_run" else count_eligible(conn, spec, fresh)
-        )
-    if spec.dead_letters is not None:
-        summary.dead_letters = spec.dead_letters(conn)
-    summary.report = [asdict(row) for row in build_report(conn, spec, ctx, summary)]
-
-
-REPORT_SAMPLE = 20  # sample rows of a dry run's report
-
-
-def build_report(
-    conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunSummary
-) -> list[ReportRow]:
-    """The run's report table: a dry run's sample with the change execute would make, the
-    counters, the job's own tallies and rows, its calls to the downstream (retry pressure,
-    rate limiting, breaker), and the checks."""
-    rows: list[ReportRow] = []
-    change = spec.change or "changed"
-    if summary.mode == "dry_run":
-        rows.append(ReportRow("would_change", change, summary.eligible_count))
-        rows += [ReportRow("sample", i, 1, change) for i in summary.sample_ids[:REPORT_SAMPLE]]
-    else:
-        counters = {
-            "processed": summary.processed_count,
-            "changed": summary.mutated_count,
-            "failed": summary.failed_count,
-            "skipped": summary.skipped_count,
-        }
-        optional = {
-            "retry_scheduled": summary.retry_scheduled_count,
-            "dead_lettered": summary.deadlettered_count,
-            "duplicates_prevented": summary.duplicates_prevented,
-        }
-        counters |= {k: v for k, v in optional.items() if v}
-        rows += [
-            ReportRow("items", k, v, change if k == "changed" else "") for k, v in counters.items()
-        ]
-    for key, value in sorted(summary.tally.items()):
-        if not is_manners_key(key):
-            rows.append(_tally_row(key, value))
-    rows += manners_rows(summary.tally, summary.error_code, summary.status_reason)
-    if spec.report is not None:
-        rows += spec.report(conn, ctx)
-    words = ("met now", "not met now") if summary.mode == "dry_run" else ("passed", "FAILED")
-    rows += [
-        ReportRow("check", c.name, int(c.passed), words[0] if c.passed else words[1])
-        for c in summary.checks
-    ]
-    return rows
-
-
-def _tally_row(key: str, value: int) -> ReportRow:
-    """A tally counter as a report row; ``outcome.<class>.attempt_<n>.<state>`` (calls to
-    another system) becomes an outcome row by error class and attempt, and side-effect
-    counts a row per side effect and result (or ambiguity reason)."""
-    parts = key.split(".")
-    if len(parts) == 4 and parts[0] == "outcome" and parts[2].startswith("attempt_"):
-        attempt = parts[2].removeprefix("attempt_")
-        return ReportRow("outcome", parts[1], value, f"attempt {attempt} → {parts[3]}")
-    if len(parts) == 3 and parts[0] == "side_effect":
-        return ReportRow("side_effect", parts[1], value, parts[2])
-    if len(parts) == 2 and parts[0] == "side_effect_ambiguity":
-        return ReportRow("side_effect_ambiguity", parts[1], value)
-    if key.startswith(ITEM_RETRY_PREFIX):
-        return ReportRow(
-            "retry", key.removeprefix(ITEM_RETRY_PREFIX), value, "item retry scheduled"
-        )
-    if key == ITEM_RETRY_EXHAUSTED:
-        return ReportRow("retry_exhausted", "item", value, "dead-lettered after its last attempt")
-    return ReportRow("tally", key, value)
-
-
-def _dry_run(
-    engine: Engine, spec: JobSpec, ctx: BatchContext, options: RunOptions, summary: RunSummary
-) -> None:
-    """Count and sample exactly what execute would select; write nothing but the run row."""
-    if spec.uses_checkpoint:  # what execute would do next starts at the checkpoint
-        ctx.cursor = _load_cursor(engine, spec, ctx.scope)
-        summary.checkpoint_before = _cursor_text(ctx.cursor)
-    with engine.connect() as conn:
-        summary.eligible_count = count_eligible(conn, spec, ctx)
-        sample = conn.execute(spec.eligible(ctx).limit(options.sample_size)).scalars()
-        summary.sample_ids = [str(v) for v in sample]
-    runs.set_eligible(engine, uuid.UUID(summary.job_run_id), summary.eligible_count, None)
-    summary.status = "success" if summary.eligible_count else "no_work"
-
-
-def _execute(
-    engine: Engine,
-    spec: JobSpec,
-    ctx: BatchContext,
-    options: RunOptions,
-    limits: Limits,
-    owner: str,
-    summary: RunSummary,
-    events: EventContext,
-    metrics: JobMetrics,
-) -> None:
-    run_id = ctx.job_run_id
-    with (
-        span("lease.acquire", **{"lock.name": f"{spec.name}:{ctx.scope.key}"}) as acquiring,
-        ctx.stop.deferred(),  # taken or not, never half: the token must reach us
-    ):
-        asked = time.monotonic()
-        lease = acquire(engine, spec.name, ctx.scope.key, owner, limits.lease_ttl_s, run_id)
-        summary.lock_wait_ms = int((time.monotonic() - asked) * 1000)
-        acquiring.set_attribute("lock.acquired", lease is not None)
-    if lease is None:
-        if ctx.stop.requested:  # asked to stop while waiting for the lease
-            summary.status, summary.status_reason = "cancelled", TERMINATED
-            return
-        metrics.lock_failed.labels(spec.name).inc()
-        events.emit(
-            "job.lock.acquire.failed",
-            logging.WARNING,
-            **{"lock.name": f"{spec.name}:{ctx.scope.key}", "wait_ms": summary.lock_wait_ms},
-        )
-        summary.status, summary.status_reason = "skipped", "lease-not-acquired"
-        return
-    events.emit(
-        "job.lock.acquire.succeeded",
-        **{
-            "lock.name": f"{spec.name}:{ctx.scope.key}",
-            "lock.ttl_ms": int(lease.ttl_s * 1000),
-            "lock.fencing_token": lease.fencing_token,
-            "wait_ms": summary.lock_wait_ms,
-        },
-    )
-    summary.fencing_token = lease.fencing_token
-    heartbeat = Heartbeat(engine, lease, run_id).start()
-    deadline = time.monotonic() + limits.deadline_s
-    try:
-        crash_point("after_lease_acquire")
-        hold_point("after_lease_acquire")
-        if spec.uses_checkpoint:
-            ctx.cursor = _load_cursor(engine, spec, ctx.scope)
-            summary.checkpoint_before = _cursor_text(ctx.cursor)
-        with engine.connect() as conn:
-            summary.eligible_count = count_eligible(conn, spec, ctx)
-        with ctx.stop.deferred():
-            runs.set_eligible(engine, run_id, summary.eligible_count, lease.fencing_token)
-        _batches(engine, spec, ctx, limits, lease, heartbeat, deadline, summary, events, metrics)
-    except LeaseLost as exc:
-        summary.status, summary.status_reason, summary.error_code = (
-            "failed",
-            "lease_lost",
-            "lease_lost",
-        )
-        summary.error_text = str(exc)
-        events.emit("job.lock.lost", logging.ERROR, **{"lock.name": f"{spec.name}:{ctx.scope.key}"})
-    except Exception as exc:  # any failure ends the run as failed, with a safe one-line reason
-        _failed(summary, exc)
-        if summary.error_code != UNAVAILABLE and not _still_held(engine, lease):
-            summary.error_code = summary.status_reason = "lease_lost"
-    finally:  # on a signal too: the lease goes back before the run is recorded as ended
-        heartbeat.stop()
-        with ctx.stop.deferred():
-            _release(engine, lease, ctx.stop, events)
-    if summary.status == "running":
-        summary.status = _final_status(summary)
-
-
-def _release(engine: Engine, lease: Lease, stop: StopSignals, events: EventContext) -> None:
-    """Give the lease back, riding out a database restart for a bounded time; if the
-    database stays away, the lease expires by itself (its TTL)."""
-    limit = min(db_retry_s(), stop.remaining_s()) if stop.requested else db_retry_s()
-    try:
-        retry_while_unavailable(
-            lambda: lease.release(engine), limit_s=limit, what="giving the lease back"
-        )
-    except DBAPIError:
-        return  # it expires by itself
-    events.emit("job.lock.released", **{"lock.name": f"{lease.job_name}:{lease.scope}"})
-
-
-def _batches(
-    engine: Engine,
-    spec: JobSpec,
-    ctx: BatchContext,
-    limits: Limits,
-    lease: Lease,
-    heartbeat: Heartbeat,
-    deadline: float,
-    summary: RunSummary,
-    events: EventContext,
-    metrics: JobMetrics,
-) -> None:
-    batch_ms: list[float] = []
-    try:
-        with engine.connect() as conn:  # one connection for all of the run's batches
-            _batch_loop(
-                conn,
-                spec,
-                ctx,
-                limits,
-                lease,
-                heartbeat,
-                deadline,
-                summary,
-                events,
-                metrics,
-                batch_ms,
+    def _release(self) -> None:
+        """Give the lease back, riding out a database restart for a bounded time; if the
+        database stays away, the lease expires by itself (its TTL)."""
+        try:
+            retry_while_unavailable(
+                lambda: self.lease.release(self.engine),
+                limit_s=self._db_patience(),
+                what="giving the lease back",
             )
-    finally:
-        if batch_ms:
-            ordered = sorted(batch_ms)
-            summary.batch_ms_p50 = round(ordered[len(ordered) // 2], 2)
-            summary.batch_ms_p99 = round(
-                ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 2
-            )
-            summary.batch_ms_max = round(ordered[-1], 2)
+        except DBAPIError:
+            return  # it expires by itself
+        self.events.emit("job.lock.released", **{"lock.name": self._lock_name()})
 
+    def _still_held(self) -> bool:
+        try:
+            return self.lease.still_held(self.engine)
+        except DBAPIError:
+            return False
 
-def _batch_loop(
-    conn: Connection,
-    spec: JobSpec,
-    ctx: BatchContext,
-    limits: Limits,
-    lease: Lease,
-    heartbeat: Heartbeat,
-    deadline: float,
-    summary: RunSummary,
-    events: EventContext,
-    metrics: JobMetrics,
-    batch_ms: list[float],
-) -> None:
-    run_id, started = ctx.job_run_id, time.monotonic()
-    while True:
-        if heartbeat.lost.is_set():
+    def _db_patience(self) -> float:
+        """How long a write rides out a database restart: ``QO_OPS_DB_RETRY_S``, within what
+        is left of the stop grace once a stop was asked."""
+        if self.stop.requested:
+            return min(db_retry_s(), self.stop.remaining_s())
+        return db_retry_s()
+
+    # ------------------------------------------------------------------ the batches
+    def _batches(self) -> None:
+        """The batch loop on one connection; the batch times go on the summary."""
+        try:
+            with self.engine.connect() as conn:  # one connection for all of the run's batches
+                self._batch_loop(conn)
+        finally:
+            if self.batch_ms:
+                ordered, summary = sorted(self.batch_ms), self.summary
+                summary.batch_ms_p50 = round(ordered[len(ordered) // 2], 2)
+                summary.batch_ms_p99 = round(
+                    ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 2
+                )
+                summary.batch_ms_max = round(ordered[-1], 2)
+
+    def _batch_loop(self, conn: Connection) -> None:
+        """Batch after batch, until the work is done or the run must stop."""
+        self.batches_started = time.monotonic()
+        while (room := self._room()) > 0:
+            number = self.summary.batches + 1
+            with (
+                self.stop.deferred(),  # a signal waits for the batch (and its calls) to be recorded
+                span(
+                    "batch", **{"batch.number": number, "items.processed": 0, "items.failed": 0}
+                ) as batch_span,
+            ):
+                outcome = self._batch(conn, room)
+                if isinstance(outcome, BatchOutcome):
+                    self._account(outcome)
+                    batch_span.set_attribute("items.processed", outcome.processed)  # never ids
+                    batch_span.set_attribute("items.failed", outcome.failed)
+                    self._move_on(outcome)
+                    self._emit_batch(outcome)
+            if outcome is _Step.AGAIN:
+                continue
+            if outcome is _Step.DONE or self._halted(outcome):
+                return
+            if self.limits.throttle_ms:  # a stop signal wakes it: the loop head ends the run
+                self.stop.event.wait(self.limits.throttle_ms / 1000.0)
+
+    def _room(self) -> int:
+        """How many more items this run may take; 0 when it must end now (a stop, its
+        deadline, its item limit: the summary says which)."""
+        summary = self.summary
+        if self.heartbeat.lost.is_set():
             raise LeaseLost("heartbeat found the lease taken over or expired")
-        if ctx.stop.requested:  # SIGTERM/SIGINT: every batch before this one is recorded
+        if self.stop.requested:  # SIGTERM/SIGINT: every batch before this one is recorded
             summary.status, summary.status_reason = "cancelled", TERMINATED
-            return
-        if time.monotonic() >= deadline:
+            return 0
+        if time.monotonic() >= self.deadline:
             summary.status, summary.status_reason = "timeout", "deadline reached"
-            return
-        room = limits.max_items - summary.processed_count
+            return 0
+        room = self.limits.max_items - summary.counts.processed
         if room <= 0:
             summary.status_reason = "max items reached"
-            return
-        with (
-            ctx.stop.deferred(),  # a signal waits for the batch (and its calls) to be recorded
-            span(
-                "batch",
-                **{"batch.number": summary.batches + 1, "items.processed": 0, "items.failed": 0},
-            ) as batch_span,
+        return max(room, 0)
+
+    @contextmanager
+    def _transaction(self, conn: Connection) -> Iterator[str | None]:
+        """One batch's transaction on the run's connection, under the lease's guard; yields
+        why the run must stop (a cancel asked, the job suspended), or None."""
+        with conn.begin():
+            conn.execute(_IDLE_TIMEOUT, {"ms": f"{int(self.lease.ttl_s * 1000)}ms"})
+            yield self.lease.guard(conn, self.run_id)
+
+    def _batch(self, conn: Connection, room: int) -> BatchOutcome | _Step:
+        """One batch: guard, select, transition, checkpoint and counters in one transaction
+        (for a job with an external phase, then its calls and a second transaction)."""
+        started = time.perf_counter()
+        with self._transaction(conn) as must_stop:
+            if must_stop:  # at a batch boundary: the batches before it are all committed
+                self.summary.status, self.summary.status_reason = "cancelled", must_stop
+                return _Step.DONE
+            items = select_batch(conn, self.spec, self.ctx, min(self.limits.batch_size, room))
+            if not items and self.ctx.position is not None:
+                self.ctx.position = None
+                return _Step.AGAIN  # one last pass from the start: rows others held are due too
+            if not items:
+                self._rescan_next_time(conn)
+                return _Step.DONE
+            crash_point("after_batch_select")
+            outcome = self.spec.transition(conn, self.ctx, items)
+            outcome.processed = len(items)
+            crash_point("before_commit")
+            if self.spec.external is None:
+                self._commit_effects(conn, outcome)
+        crash_point("after_commit")
+        outcome = self._external_phase(conn, outcome)
+        self.batch_ms.append((time.perf_counter() - started) * 1000)
+        return outcome
+
+    def _external_phase(self, conn: Connection, claimed: BatchOutcome) -> BatchOutcome:
+        """A job whose side effect leaves the database calls the other system with no
+        transaction open and no rows locked, then records the results in a second guarded
+        transaction; any other job's outcome is already recorded."""
+        external, record = self.spec.external, self.spec.record
+        if external is None or record is None:
+            return claimed
+        results = external(self.ctx, claimed.work)
+        crash_point("after_external_call")
+        with self._transaction(conn):
+            outcome = record(conn, self.ctx, results)
+            outcome.processed = claimed.processed  # the claim knows what was selected
+            outcome.cursor = outcome.cursor or claimed.cursor  # and the position
+            self._commit_effects(conn, outcome)
+        return outcome
+
+    def _commit_effects(self, conn: Connection, outcome: BatchOutcome) -> None:
+        """The rest of a batch's transaction: checkpoint and run counters."""
+        if self.spec.uses_checkpoint and outcome.cursor is not None and self.ctx.mode == "execute":
+            with span("checkpoint.update", **{"job.name": self.spec.name}):
+                checkpoint.save(conn, self.spec.name, self.scope.key, self.run_id, outcome.cursor)
+            outcome.tally[CHECKPOINT_UPDATES] = outcome.tally.get(CHECKPOINT_UPDATES, 0) + 1
+        runs.add_counts(conn, self.run_id, outcome, outcome.tally)
+
+    def _rescan_next_time(self, conn: Connection) -> None:
+        """A job that re-checks its whole scope each run forgets its finished cursor."""
+        spec = self.spec
+        rescan = spec.uses_checkpoint and spec.rescan_when_complete
+        if (
+            rescan
+            and self.ctx.mode == "execute"
+            and checkpoint.forget(conn, spec.name, self.scope.key)
         ):
-            batch_started = time.perf_counter()
-            with _batch_transaction(conn, lease, run_id) as must_stop:
-                if must_stop:  # at a batch boundary: the batches before it are all committed
-                    summary.status, summary.status_reason = "cancelled", must_stop
-                    return
-                items = select_batch(conn, spec, ctx, min(limits.batch_size, room))
-                if not items and ctx.position is not None:
-                    ctx.position = None
-                    continue  # one last pass from the start: rows others held locked are due too
-                if not items:
-                    rescan = spec.uses_checkpoint and spec.rescan_when_complete
-                    if rescan and ctx.mode == "execute" and _forget_cursor(conn, spec, ctx.scope):
-                        runs.add_counts(conn, run_id, tally={CHECKPOINT_RESETS: 1})
-                        summary.tally[CHECKPOINT_RESETS] = 1
-                    return
-                crash_point("after_batch_select")
-                outcome = spec.transition(conn, ctx, items)
-                crash_point("before_commit")
-                if spec.external is None:
-                    _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
-            crash_point("after_commit")
-            if spec.external is not None and spec.record is not None:
-                results = spec.external(ctx, outcome.work)  # no transaction open, no rows locked
-                crash_point("after_external_call")
-                with _batch_transaction(conn, lease, run_id):
-                    claimed, outcome = outcome, spec.record(conn, ctx, results)
-                    outcome.cursor = (
-                        outcome.cursor or claimed.cursor
-                    )  # the claim knows the position
-                    _commit_effects(conn, spec, ctx, run_id, outcome, len(items))
-            batch_ms.append((time.perf_counter() - batch_started) * 1000)
-            _account(summary, outcome, len(items), spec, metrics)
-            batch_span.set_attribute("items.processed", len(items))  # counts, never ids
-            batch_span.set_attribute("items.failed", outcome.failed)
-            if outcome.position is not None:
-                ctx.position = outcome.position
-            if spec.uses_checkpoint and outcome.cursor is not None:
-                ctx.cursor = outcome.cursor
-                events.emit(
-                    "job.checkpoint.updated",
-                    **{"checkpoint.updated": True, "batch_number": summary.batches},
-                )
-            for item_id, error_class in outcome.failed_items:
-                events.emit(
-                    "job.item.failed",
-                    logging.WARNING,
-                    **{"item.id": item_id, "error.type": error_class},
-                )
-            for name, fields in outcome.notes:  # e.g. downstream.breaker.open
-                events.emit(
-                    name, logging.WARNING if name.endswith("open") else logging.INFO, **fields
-                )
-            elapsed = time.monotonic() - started
-            events.progress(
-                **{
-                    "batch_number": summary.batches,
-                    "items.processed": summary.processed_count,
-                    "items.succeeded": summary.mutated_count,
-                    "items.failed": summary.failed_count,
-                    "elapsed_ms": int(elapsed * 1000),
-                    "throughput_per_second": round(summary.processed_count / elapsed, 1)
-                    if elapsed
-                    else None,
-                }
+            runs.add_counts(conn, self.run_id, Counts(), {CHECKPOINT_RESETS: 1})
+            self.summary.tally[CHECKPOINT_RESETS] = 1
+
+    def _account(self, outcome: BatchOutcome) -> None:
+        """A recorded batch's counters, into the summary and the metrics."""
+        summary = self.summary
+        summary.batches += 1
+        summary.counts += outcome
+        for key, value in outcome.tally.items():
+            summary.tally[key] = summary.tally.get(key, 0) + value
+        self.metrics.count_batch(self.spec.name, outcome)
+
+    def _move_on(self, outcome: BatchOutcome) -> None:
+        """Where the next batch starts: the outcome's position, and a checkpointed job's
+        cursor."""
+        if outcome.position is not None:
+            self.ctx.position = outcome.position
+        if self.spec.uses_checkpoint and outcome.cursor is not None:
+            self.ctx.cursor = outcome.cursor
+            self.events.emit(
+                "job.checkpoint.updated",
+                **{"checkpoint.updated": True, "batch_number": self.summary.batches},
             )
-        if outcome.halt is not None:  # e.g. the downstream's breaker opened
-            code, reason = outcome.halt
-            if code is not None:
-                summary.status, summary.error_code = "failed", code
-            summary.status_reason = reason
-            return
-        if limits.throttle_ms and ctx.stop.event.wait(limits.throttle_ms / 1000.0):
-            continue  # woken by a stop signal: the loop head ends the run as cancelled
 
-
-def _commit_effects(
-    conn: Connection,
-    spec: JobSpec,
-    ctx: BatchContext,
-    run_id: uuid.UUID,
-    outcome: BatchOutcome,
-    selected: int,
-) -> None:
-    """The rest of a batch's transaction: checkpoint and run counters."""
-    if spec.uses_checkpoint and outcome.cursor is not None and ctx.mode == "execute":
-        with span("checkpoint.update", **{"job.name": spec.name}):
-            _save_cursor(conn, spec, ctx.scope, run_id, outcome.cursor)
-        outcome.tally[CHECKPOINT_UPDATES] = outcome.tally.get(CHECKPOINT_UPDATES, 0) + 1
-    runs.add_counts(
-        conn,
-        run_id,
-        processed_count=selected,
-        succeeded_count=outcome.succeeded,
-        failed_count=outcome.failed,
-        skipped_count=outcome.skipped,
-        retry_scheduled_count=outcome.retry_scheduled,
-        deadlettered_count=outcome.deadlettered,
-        duplicates_prevented_count=outcome.duplicates_prevented,
-        tally=outcome.tally,
-    )
-
-
-def _forget_cursor(conn: Connection, spec: JobSpec, scope: Scope) -> bool:
-    """Delete the scope's checkpoint; whether there was one."""
-    gone = conn.execute(
-        sa.delete(job_checkpoint).where(
-            job_checkpoint.c.job_name == spec.name, job_checkpoint.c.scope == scope.key
+    def _emit_batch(self, outcome: BatchOutcome) -> None:
+        """A recorded batch's events: its failed items, its notes, the run's progress."""
+        events, summary = self.events, self.summary
+        for item_id, error_class in outcome.failed_items:
+            failed = {"item.id": item_id, "error.type": error_class}
+            events.emit("job.item.failed", logging.WARNING, **failed)
+        for name, fields in outcome.notes:  # e.g. downstream.breaker.open
+            events.emit(name, logging.WARNING if name.endswith("open") else logging.INFO, **fields)
+        elapsed = time.monotonic() - self.batches_started
+        events.progress(
+            **{
+                "batch_number": summary.batches,
+                **summary.counts.event_fields(PROGRESS_COUNTS),
+                "elapsed_ms": int(elapsed * 1000),
+                "throughput_per_second": round(summary.counts.processed / elapsed, 1)
+                if elapsed
+                else None,
+            }
         )
-    )
-    return bool(gone.rowcount)
 
+    def _halted(self, outcome: BatchOutcome) -> bool:
+        """Whether the outcome stops the run (e.g. the downstream's breaker opened)."""
+        if outcome.halt is None:
+            return False
+        code, reason = outcome.halt
+        if code is not None:
+            self.summary.status, self.summary.error_code = "failed", code
+        self.summary.status_reason = reason
+        return True
 
-def _account(
-    summary: RunSummary, outcome: BatchOutcome, selected: int, spec: JobSpec, metrics: JobMetrics
-) -> None:
-    summary.batches += 1
-    summary.processed_count += selected
-    summary.mutated_count += outcome.succeeded
-    summary.failed_count += outcome.failed
-    summary.skipped_count += outcome.skipped
-    summary.retry_scheduled_count += outcome.retry_scheduled
-    summary.deadlettered_count += outcome.deadlettered
-    summary.duplicates_prevented += outcome.duplicates_prevented
-    for key, value in outcome.tally.items():
-        summary.tally[key] = summary.tally.get(key, 0) + value
-    metrics.items_processed.labels(spec.name).inc(selected)
-    for _, error_class in outcome.failed_items:
-        metrics.items_failed.labels(spec.name, error_class).inc()
-    if outcome.failed and not outcome.failed_items:
-        metrics.items_failed.labels(spec.name, "unknown").inc(outcome.failed)
-    metrics.retry_scheduled.labels(spec.name).inc(outcome.retry_scheduled)
-    metrics.deadletter.labels(spec.name).inc(outcome.deadlettered)
-    metrics.duplicates_prevented.labels(spec.name).inc(outcome.duplicates_prevented)
+    # ------------------------------------------------------------------ the end
+    def _check_outcome(self) -> None:
+        """The business outcome checks, the job's lag, and what the run left behind."""
+        summary = self.summary
+        try:
+            hold_point("before_finalize")  # the outcome-check phase, as far as a signal knows
+            with self.engine.connect() as conn:
+                summary.checks = self.spec.check(conn, self.ctx)
+                lag = self.spec.lag(conn, self.ctx) if self.spec.lag else None
+                summary.oldest_due_age_s = lag
+                add_report(conn, self.spec, self.ctx, self.summary)
+            self.metrics.lag.labels(self.spec.name).set(lag or 0.0)
+        except Terminated:
+            summary.checks = []
+            self._stopped_by_signal(" during outcome checks")
+            raise
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            summary.checks = []  # the work is recorded; its checks wait for the next run
+            summary.status_reason = (
+                summary.status_reason or "outcome checks skipped: database unavailable"
+            )
+        except BaseException:
+            summary.status_reason = summary.status_reason or "interrupted during outcome checks"
+            raise
 
+    def _final_status(self) -> str:
+        """How the batches ended, by their counters."""
+        counts = self.summary.counts
+        if counts.processed == 0:
+            return "no_work"
+        if counts.failed == 0:
+            return "success"
+        if counts.succeeded > 0:
+            return "partial_success"
+        self.summary.error_code = self.summary.error_code or "items_failed"
+        return "failed"
 
-def _final_status(summary: RunSummary) -> str:
-    if summary.processed_count == 0:
-        return "no_work"
-    if summary.failed_count == 0:
-        return "success"
-    if summary.mutated_count > 0:
-        return "partial_success"
-    summary.error_code = summary.error_code or "items_failed"
-    return "failed"
+    def _stopped_by_signal(self, where: str) -> None:
+        """A run stopped by SIGTERM/SIGINT: ``cancelled``/``terminated``, unless its work was
+        already over (then it keeps that status, and the reason says what was cut short)."""
+        summary = self.summary
+        if summary.status == "running":
+            summary.status, summary.status_reason = "cancelled", TERMINATED
+        else:
+            summary.status_reason = summary.status_reason or f"{TERMINATED}{where}"
 
+    def _failed(self, exc: BaseException) -> None:
+        """A run that ends on an error: ``failed``, with its class and a safe one-line text."""
+        summary = self.summary
+        summary.status = "failed"
+        summary.error_code = UNAVAILABLE if is_unavailable(exc) else _error_class(exc)
+        summary.status_reason = summary.error_code
+        summary.error_text = one_line(
+            f"{type(exc).__name__}: {getattr(exc, 'orig', exc)}", runs.ERROR_TEXT_LIMIT
+        )
+        log.debug("run failed", exc_info=True)
 
-def _still_held(engine: Engine, lease: Lease) -> bool:
-    try:
-        return lease.still_held(engine)
-    except DBAPIError:
-        return False
+    def _interrupted(self) -> None:
+        """A run its caller interrupted: ``cancelled`` unless its work was already over."""
+        if self.summary.status == "running":
+            self.summary.status = "cancelled"
+        self.summary.status_reason = self.summary.status_reason or "interrupted"
+
+    def _end(self, root: Span, ended_by: BaseException | None) -> None:
+        """The run ends, here only, whatever ended it: its status, its duration, its final
+        record, its metrics, job.finished and the root span's attributes."""
+        if isinstance(ended_by, Terminated):
+            self._stopped_by_signal("")
+        elif isinstance(ended_by, Exception):  # a failure outside the batches
+            self._failed(ended_by)
+        elif ended_by is not None:  # interrupted by the caller: the batches' outcome stays
+            self._interrupted()
+        summary = self.summary
+        summary.duration_ms = int((time.monotonic() - self.started) * 1000)  # checks included
+        with self.stop.deferred():
+            self._write_record()
+        self.metrics.count_run(self.spec.name, summary, time.monotonic() - self.started)
+        self.events.emit(
+            "job.finished",
+            logging.INFO if summary.status in ENDED_WELL else logging.WARNING,
+            **{
+                "job.status": summary.status,
+                "job.status_reason": summary.status_reason,
+                "duration_ms": summary.duration_ms,
+                "items.eligible": summary.eligible_count,
+                **summary.counts.event_fields(),
+                "tally": summary.tally or None,
+                "error.class": summary.error_code,
+                "checks.failed": [c.name for c in summary.checks if not c.passed],
+                **({"stop.signal": self.stop.signal_name} if self.stop.requested else {}),
+            },
+        )
+        root.set_attribute("job.status", summary.status)
+        root.set_attribute("items.processed", summary.counts.processed)
+        root.set_attribute("items.failed", summary.counts.failed)
+
+    def _write_record(self) -> None:
+        """Write the run's final record, riding out a database restart for a bounded time (the
+        stop grace, when stopping); if the database never comes back, the reaper ends it."""
+        limit = self._db_patience()
+        try:
+            retry_while_unavailable(
+                lambda: runs.finish_run(self.engine, self.summary),
+                limit_s=limit,
+                what="finishing the run record",
+            )
+        except DBAPIError as exc:
+            if not is_unavailable(exc):
+                raise
+            raise DatabaseUnavailable(
+                f"the database did not come back within {limit:.0f} s: run {self.run_id} ended "
+                f"{self.summary.status} but its record says running until the reaper ends it "
+                f"(qo-ops reap)",
+                exit_code=1,
+            ) from None
 
 
 def _error_class(exc: BaseException) -> str:
@@ -937,16 +645,3 @@ def _error_class(exc: BaseException) -> str:
     if isinstance(exc, DBAPIError):
         return "database_error"
     return "internal_error"
-
-
-def _record_metrics(
-    metrics: JobMetrics, spec: JobSpec, summary: RunSummary, seconds: float
-) -> None:
-    metrics.completed.labels(spec.name, summary.status).inc()
-    metrics.duration.labels(spec.name, summary.status).observe(seconds)
-    if summary.status == "skipped":
-        metrics.skipped.labels(spec.name).inc()
-    if summary.status == "failed":
-        metrics.failed.labels(spec.name, summary.error_code or "unknown").inc()
-    if summary.status in ("success", "no_work"):
-        metrics.last_success.labels(spec.name).set(time.time())

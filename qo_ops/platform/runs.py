@@ -16,7 +16,8 @@ from sqlalchemy.engine import Connection, Engine
 
 from qo_ops.db.schema import job_audit, job_run
 from qo_ops.errors import BadInput, one_line
-from qo_ops.platform.spec import RunOptions, Scope, tenant_of
+from qo_ops.platform.counts import Counts
+from qo_ops.platform.spec import RunOptions, RunSummary, Scope, tenant_of
 
 FINAL_STATUSES = (
     "success",
@@ -101,12 +102,12 @@ def create_run(
 
 
 def add_counts(
-    conn: Connection, run_id: uuid.UUID, *, tally: dict[str, int] | None = None, **deltas: int
+    conn: Connection, run_id: uuid.UUID, counts: Counts, tally: dict[str, int] | None = None
 ) -> None:
-    """Add to a run's counters and to its tally (key by key), in one statement inside the
-    caller's (batch) transaction."""
+    """Add a batch's counters (``counts``) to its run's and its ``tally`` to the run's (key
+    by key), in one statement inside the caller's (batch) transaction."""
     changes: dict[str, Any] = {
-        name: job_run.c[name] + value for name, value in deltas.items() if value
+        column: job_run.c[column] + value for column, value in counts.columns().items() if value
     }
     if tally:
         sums = [
@@ -140,31 +141,24 @@ def set_eligible(
         )
 
 
-def finish_run(
-    engine: Engine,
-    run_id: uuid.UUID,
-    status: str,
-    reason: str | None = None,
-    error_code: str | None = None,
-    error_text: str | None = None,
-    lock_wait_ms: int | None = None,
-    fencing_token: int | None = None,
-) -> None:
-    """Write the final status; only a ``running`` row is finished (never twice). The lease
-    the run took (its fencing token) and how long taking it took go on the record too."""
-    assert status in FINAL_STATUSES, status
+def finish_run(engine: Engine, summary: RunSummary) -> None:
+    """Write the run's final status as ``summary`` says; only a ``running`` row is finished
+    (never twice). The lease the run took (its fencing token) and how long taking it took
+    go on the record too."""
+    assert summary.status in FINAL_STATUSES, summary.status
+    error_text = summary.error_text
     with engine.begin() as conn:
         conn.execute(
             sa.update(job_run)
-            .where(job_run.c.id == run_id, job_run.c.status == "running")
+            .where(job_run.c.id == uuid.UUID(summary.job_run_id), job_run.c.status == "running")
             .values(
-                status=status,
-                status_reason=reason,
+                status=summary.status,
+                status_reason=summary.status_reason,
                 finished_at=sa.func.clock_timestamp(),
-                last_error_code=error_code,
+                last_error_code=summary.error_code,
                 last_error_text=one_line(error_text, ERROR_TEXT_LIMIT) if error_text else None,
-                lock_wait_ms=lock_wait_ms,
-                fencing_token=sa.func.coalesce(job_run.c.fencing_token, fencing_token),
+                lock_wait_ms=summary.lock_wait_ms,
+                fencing_token=sa.func.coalesce(job_run.c.fencing_token, summary.fencing_token),
             )
         )
 
@@ -261,15 +255,6 @@ def finish_unstarted(
         .returning(job_run.c.id)
     ).first()
     return done is not None
-
-
-def cancel_requested(conn: Connection, run_id: uuid.UUID) -> bool:
-    """Whether someone asked this run to stop."""
-    return bool(
-        conn.execute(
-            sa.select(job_run.c.cancel_requested_at.is_not(None)).where(job_run.c.id == run_id)
-        ).scalar()
-    )
 
 
 def request_cancel(

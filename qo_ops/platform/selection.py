@@ -1,4 +1,5 @@
-"""Small pieces the jobs' selections share."""
+"""A job's selection as the runner uses it (counted, and taken a batch at a time), and
+small pieces the jobs' selections share."""
 
 from __future__ import annotations
 
@@ -6,6 +7,22 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
+
+from qo_ops.platform.spec import BatchContext, JobSpec
+
+
+def count_eligible(conn: Connection, spec: JobSpec, ctx: BatchContext) -> int:
+    """How many items the run's selection matches now (the dry-run estimate)."""
+    selection = spec.eligible(ctx).order_by(None).subquery()
+    return int(conn.execute(sa.select(sa.func.count()).select_from(selection)).scalar() or 0)
+
+
+def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int) -> list[Any]:
+    """The next ``limit`` items, locked for this transaction (skipping ones others hold)."""
+    query = spec.eligible(ctx).limit(limit)
+    if spec.compete_with_skip_locked:
+        query = query.with_for_update(skip_locked=True, of=spec.lock_of)
+    return list(conn.execute(query).scalars().all())
 
 
 def after_position(

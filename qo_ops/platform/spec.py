@@ -1,5 +1,5 @@
 """What a job is: its declaration (``JobSpec``), the scope it runs on, the options of one run,
-and the summary a run returns. Plain data; no Dagster, no I/O."""
+and the summary a run returns (``RunSummary``). Plain data; no Dagster, no I/O."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.errors import BadInput
+from qo_ops.platform.counts import Counts
 from qo_ops.platform.signals import Reconciliation
 from qo_ops.platform.stopping import DEFAULT_STOP_GRACE_S, StopSignals
 
@@ -334,16 +335,12 @@ def run_settings(ctx: BatchContext, read: Callable[[], T]) -> T:
 
 
 @dataclass
-class BatchOutcome:
-    """What one transition did; counters add up into the run record."""
+class BatchOutcome(Counts):
+    """What one transition did: its :class:`Counts` (a job sets ``succeeded``, ``failed`` …;
+    the runner sets ``processed`` to the items it selected), which add up into the run
+    record, and what the runner does next."""
 
-    succeeded: int = 0
-    failed: int = 0
-    skipped: int = 0
-    retry_scheduled: int = 0
-    deadlettered: int = 0
     events_written: int = 0
-    duplicates_prevented: int = 0
     cursor: dict[str, Any] | None = None  # the checkpoint after this batch, for cursor jobs
     # where the next selection may start within this run (kept in memory, never persisted):
     # lets a state-based sweep skip the index entries its earlier batches left dead
@@ -410,6 +407,49 @@ class ReportRow:
     name: str
     count: int
     detail: str = ""
+
+
+@dataclass
+class RunSummary:
+    """What a run did, as printed by the CLI and returned to Dagster and the API."""
+
+    job_run_id: str
+    job_name: str
+    status: str
+    mode: str
+    scope: str
+    trigger: str
+    requester: str | None
+    eligible_count: int = 0
+    counts: Counts = field(default_factory=Counts)  # the batches' counters, added up
+    batches: int = 0
+    duration_ms: int = 0
+    batch_ms_p50: float | None = None  # batch transaction times (guard to commit)
+    batch_ms_p99: float | None = None
+    batch_ms_max: float | None = None
+    status_reason: str | None = None
+    error_code: str | None = None
+    error_text: str | None = None
+    sample_ids: list[str] = field(default_factory=list)
+    tally: dict[str, int] = field(default_factory=dict)
+    checks: list[OutcomeCheck] = field(default_factory=list)
+    fencing_token: int | None = None  # of the lease the run held
+    lock_wait_ms: int | None = None  # how long taking (or being refused) the lease took
+    checkpoint_before: str | None = None  # the cursor as JSON text (checkpointed jobs)
+    checkpoint_after: str | None = None
+    backlog: int | None = None  # items still eligible when the run ended
+    oldest_due_age_s: float | None = None  # age of the oldest of them (the job's lag)
+    checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
+    dead_letters: int | None = None  # items dead-lettered now, all tenants (capped count)
+    report: list[dict[str, Any]] = field(default_factory=list)  # ReportRow dicts
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; the counters flat where ``counts`` stands, named as the job_run
+        row names them (``processed_count``, ``succeeded_count`` …)."""
+        flat: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            flat |= self.counts.columns() if key == "counts" else {key: value}
+        return flat
 
 
 @dataclass(frozen=True)

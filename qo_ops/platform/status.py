@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from qo_ops.db.schema import downstream_breaker
-from qo_ops.platform.runner import count_eligible
+from qo_ops.platform.selection import count_eligible
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope
 
 

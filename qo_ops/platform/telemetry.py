@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qo_ops.errors import redact
 from qo_ops.platform.resource import process_resource
+from qo_ops.platform.spec import BatchOutcome, RunSummary
 from qo_ops.platform.tracing import trace_id
 
 EVENT_LOGGER = "qo_ops.events"
@@ -241,6 +242,30 @@ class JobMetrics:
             ["job_name"],
             registry=r,
         )
+
+    def count_batch(self, job_name: str, outcome: BatchOutcome) -> None:
+        """A recorded batch: its items, its failures by class, retries, dead letters and
+        duplicates prevented."""
+        self.items_processed.labels(job_name).inc(outcome.processed)
+        for _, error_class in outcome.failed_items:
+            self.items_failed.labels(job_name, error_class).inc()
+        if outcome.failed and not outcome.failed_items:
+            self.items_failed.labels(job_name, "unknown").inc(outcome.failed)
+        self.retry_scheduled.labels(job_name).inc(outcome.retry_scheduled)
+        self.deadletter.labels(job_name).inc(outcome.deadlettered)
+        self.duplicates_prevented.labels(job_name).inc(outcome.duplicates_prevented)
+
+    def count_run(self, job_name: str, summary: RunSummary, seconds: float) -> None:
+        """A finished run: by status and duration; skipped, failed by class, last success."""
+        status = summary.status
+        self.completed.labels(job_name, status).inc()
+        self.duration.labels(job_name, status).observe(seconds)
+        if status == "skipped":
+            self.skipped.labels(job_name).inc()
+        if status == "failed":
+            self.failed.labels(job_name, summary.error_code or "unknown").inc()
+        if status in ("success", "no_work"):
+            self.last_success.labels(job_name).set(time.time())
 
 
 METRICS = JobMetrics()

@@ -114,7 +114,7 @@ def test_execute_partition_records_passing_checks(defs, instance, loaded, job_na
     # every eligible item handled; planted poison deliveries make delivery_retry a partial success
     assert summary["status"] in ("success", "partial_success")
     assert summary["processed_count"] == summary["eligible_count"] > 0
-    assert summary["mutated_count"] > 0
+    assert summary["succeeded_count"] > 0
     evaluations = result.get_asset_check_evaluations()
     declared = [e for e in evaluations if e.check_name != RECENT_SUCCESS_CHECK]
     assert {e.check_name for e in declared} == {c.name for c in CATALOG[job_name].checks}
@@ -224,7 +224,7 @@ def test_a_partition_range_run_leases_each_tenant_in_turn(defs, instance, loaded
     assert result.success
     runs = _summary(result, "quote_expiration")["runs"]
     assert [r["scope"] for r in runs] == ["tenant-001", "tenant-002"]
-    assert all(r["status"] == "success" and r["mutated_count"] > 0 for r in runs)
+    assert all(r["status"] == "success" and r["succeeded_count"] > 0 for r in runs)
     with loaded.engine.connect() as conn:
         rows = conn.execute(
             sa.text(

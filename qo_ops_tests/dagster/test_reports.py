@@ -9,17 +9,18 @@ import uuid
 import dagster as dg
 import pytest
 
+from qo_ops.dagster_defs.partitions import MODE_TAG, scope_from_partition_key
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.overdue import backlog_scope, database_now
-from qo_ops.platform.partition_keys import MODE_TAG, scope_from_partition_key
-from qo_ops.platform.runner import REPORT_SAMPLE, count_eligible
+from qo_ops.platform.report import REPORT_SAMPLE
+from qo_ops.platform.selection import count_eligible
 from qo_ops.platform.spec import BatchContext
 from qo_ops_tests.dagster.test_jobs import SPECS, _run, _summary, work_partition
 
 # what a job's own report rows add up to, on an execute run over a partition with work
 JOB_ROWS = {
-    "temp_file_cleanup": ("deleted", "mutated_count"),
-    "audit_archive": ("archived", "mutated_count"),
+    "temp_file_cleanup": ("deleted", "succeeded_count"),
+    "audit_archive": ("archived", "succeeded_count"),
     "order_reconciliation": ("mismatch", None),
     "delivery_retry": ("outcome", "processed_count"),
     "notification_publish": ("outcome", "processed_count"),
@@ -107,7 +108,7 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
     assert instance.get_run_by_id(result.run_id).tags[MODE_TAG] == "execute"
     items = {r["name"]: r["count"] for r in rows if r["kind"] == "items"}
     assert items["processed"] == summary["processed_count"]
-    assert items["changed"] == summary["mutated_count"] > 0
+    assert items["changed"] == summary["succeeded_count"] > 0
     checks = {r["name"]: r["detail"] for r in rows if r["kind"] == "check"}
     assert checks == {c.name: "passed" for c in spec.checks}
     assert metadata["fencing_token"].value >= 1

@@ -149,7 +149,7 @@ def test_dry_run_writes_nothing_and_counts_exactly_what_execute_then_closes(load
     dry = run(db.engine, mode="dry_run")
 
     assert data_digest(db.engine) == before
-    assert (dry.status, dry.eligible_count, dry.processed_count) == ("success", len(eligible), 0)
+    assert (dry.status, dry.eligible_count, dry.counts.processed) == ("success", len(eligible), 0)
     assert dry.sample_ids == [str(i) for i in eligible[:10]]
     checks = checks_of(dry)
     assert not checks["no_idle_open_checkouts"].passed
@@ -160,7 +160,7 @@ def test_dry_run_writes_nothing_and_counts_exactly_what_execute_then_closes(load
 
     states = session_states(db.engine, eligible)
     closed = {i for i, (status, _, _) in states.items() if status == "ABANDONED"}
-    assert executed.mutated_count == dry.eligible_count == len(closed) == len(eligible)
+    assert executed.counts.succeeded == dry.eligible_count == len(closed) == len(eligible)
 
 
 # ------------------------------------------------------------------------- execute
@@ -180,9 +180,11 @@ def test_execute_abandons_every_idle_session_with_one_event_each_and_nothing_els
     summary = run(db.engine, batch_size=9)
 
     assert summary.status == "success"
-    assert summary.eligible_count == summary.processed_count == summary.mutated_count
-    assert summary.mutated_count == len(eligible)
-    assert summary.failed_count == summary.skipped_count == summary.duplicates_prevented == 0
+    assert summary.eligible_count == summary.counts.processed == summary.counts.succeeded
+    assert summary.counts.succeeded == len(eligible)
+    assert (
+        summary.counts.failed == summary.counts.skipped == summary.counts.duplicates_prevented == 0
+    )
     assert summary.batches == -(-len(eligible) // 9)
     assert_all_checks_passed(summary)
 
@@ -217,12 +219,12 @@ def test_execute_abandons_every_idle_session_with_one_event_each_and_nothing_els
 
 def test_a_second_execute_is_no_work_and_changes_nothing(loaded):
     db, eligible = loaded
-    assert run(db.engine).mutated_count == len(eligible)
+    assert run(db.engine).counts.succeeded == len(eligible)
     before = data_digest(db.engine)
 
     again = run(db.engine)
 
-    assert (again.status, again.eligible_count, again.mutated_count) == ("no_work", 0, 0)
+    assert (again.status, again.eligible_count, again.counts.succeeded) == ("no_work", 0, 0)
     assert data_digest(db.engine) == before
     assert_all_checks_passed(again)
 
@@ -238,14 +240,14 @@ def test_sessions_locked_elsewhere_are_skipped_and_closed_by_the_next_run(loaded
         first = run(db.engine, batch_size=5)
         other.rollback()
 
-    assert (first.status, first.mutated_count) == ("success", len(eligible) - len(held))
+    assert (first.status, first.counts.succeeded) == ("success", len(eligible) - len(held))
     assert eligible_ids(db.engine) == held
     idle = checks_of(first)["no_idle_open_checkouts"]
     assert (idle.passed, idle.metadata["idle_open_checkouts"]) == (False, len(held))
 
     second = run(db.engine)
 
-    assert (second.status, second.mutated_count) == ("success", len(held))
+    assert (second.status, second.counts.succeeded) == ("success", len(held))
     assert set(events_per_session(db.engine, eligible).values()) == {1}
     assert_all_checks_passed(second)
 
@@ -302,7 +304,7 @@ def test_the_idle_timeout_comes_from_the_environment(db, monkeypatch):
     dry = run(db.engine, mode="dry_run")
     executed = run(db.engine)
 
-    assert dry.eligible_count == executed.mutated_count == len(by_72h)
+    assert dry.eligible_count == executed.counts.succeeded == len(by_72h)
     assert {s for s, _, _ in session_states(db.engine, by_72h).values()} == {"ABANDONED"}
     rest = [i for i in by_default if i not in by_72h]
     assert {s for s, _, _ in session_states(db.engine, rest).values()} == {"OPEN"}
@@ -311,7 +313,7 @@ def test_the_idle_timeout_comes_from_the_environment(db, monkeypatch):
 
     monkeypatch.delenv(IDLE_HOURS_ENV)
     assert run(db.engine, mode="dry_run").eligible_count == len(rest)
-    assert run(db.engine).mutated_count == len(rest)
+    assert run(db.engine).counts.succeeded == len(rest)
     assert set(events_per_session(db.engine, by_default).values()) == {1}
 
 
@@ -337,7 +339,7 @@ def test_does_real_work_on_the_dagster_test_data(db):
     executed = run(db.engine)
 
     assert dry.eligible_count == len(eligible) > 0
-    assert (executed.status, executed.mutated_count) == ("success", len(eligible))
+    assert (executed.status, executed.counts.succeeded) == ("success", len(eligible))
     assert_all_checks_passed(executed)
 
 
@@ -353,7 +355,7 @@ def test_cli_execute_abandons_the_idle_checkouts(loaded, cli):
     assert result.code == 0, result.stderr
     summary = json.loads(result.stdout)
     assert (summary["mode"], summary["status"]) == ("execute", "success")
-    assert summary["eligible_count"] == summary["mutated_count"] == len(eligible)
+    assert summary["eligible_count"] == summary["succeeded_count"] == len(eligible)
     assert [(c["name"], c["passed"]) for c in summary["checks"]] == [(n, True) for n in CHECKS]
     assert eligible_ids(db.engine) == []
     assert set(events_per_session(db.engine, eligible).values()) == {1}

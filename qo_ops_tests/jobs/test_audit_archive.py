@@ -170,7 +170,7 @@ def test_dry_run_writes_nothing_and_counts_exactly_what_execute_archives(seeded,
     assert [int(i) for i in dry.sample_ids] == _day_ids(db.engine)[:10]  # in archive order
 
     done = _execute(db.engine, batch_size=500)
-    assert (done.status, done.mutated_count, done.processed_count) == (
+    assert (done.status, done.counts.succeeded, done.counts.processed) == (
         "success",
         ROWS_ON_DAY,
         ROWS_ON_DAY,
@@ -223,7 +223,7 @@ def test_execute_writes_verified_archives_and_deletes_exactly_their_rows(seeded,
     assert _day_ids(db.engine, TENANT, DAY - timedelta(days=1)) == prev_day
 
     again = _execute(db.engine)
-    assert (again.status, again.mutated_count) == ("no_work", 0)
+    assert (again.status, again.counts.succeeded) == ("no_work", 0)
     assert all(c.passed for c in again.checks)
     assert len(_manifests(db.engine)) == 3
 
@@ -308,7 +308,7 @@ def test_values_that_csv_must_quote_round_trip_exactly(seeded, home):
             )
     original = _audit_digest(db.engine)
     done = _execute(db.engine)
-    assert (done.status, done.mutated_count) == ("success", ROWS_ON_DAY + len(AWKWARD_TEXT))
+    assert (done.status, done.counts.succeeded) == ("success", ROWS_ON_DAY + len(AWKWARD_TEXT))
     assert _day_ids(db.engine) == [] and _statuses(db.engine) == {"VERIFIED": 1}
     archived = pq.read_table(home / _manifests(db.engine)[0].file_path).to_pylist()
     assert sorted(r["actor_ref"] for r in archived if r["entity_type"] != "quote") == sorted(
@@ -333,14 +333,14 @@ def test_a_corrupted_file_fails_verification_and_nothing_is_deleted(seeded, home
     failed = _execute(db.engine, batch_size=500)
     assert (failed.status, failed.error_code) == ("failed", "archive_verification_failed")
     assert "sha256 differs" in (failed.error_text or "")
-    assert (failed.mutated_count, failed.failed_count, failed.batches) == (0, 500, 1)
+    assert (failed.counts.succeeded, failed.counts.failed, failed.batches) == (0, 500, 1)
     assert _statuses(db.engine) == {"FAILED": 1}
     assert _audit_digest(db.engine) == original  # nothing deleted
     assert all(_checks(failed).values())  # FAILED archives are not counted
 
     monkeypatch.setattr(steps, "write_file", real_write)
     healed = _execute(db.engine, batch_size=500)
-    assert healed.status == "success" and healed.mutated_count == ROWS_ON_DAY
+    assert healed.status == "success" and healed.counts.succeeded == ROWS_ON_DAY
     assert _statuses(db.engine) == {"FAILED": 1, "VERIFIED": 3}
     assert len(_files(home)) == 4  # the failed file stays as evidence
     assert all(_checks(healed).values())
@@ -449,7 +449,7 @@ def test_a_window_of_several_days_archives_one_file_set_per_day(seeded, home):
     dry = run_job(SPEC, scope, RunOptions(mode="dry_run"), engine=db.engine)
     assert dry.eligible_count == ROWS_ON_DAY + 3
     done = _execute(db.engine, scope, batch_size=1000)
-    assert done.status == "success" and done.mutated_count == ROWS_ON_DAY + 3
+    assert done.status == "success" and done.counts.succeeded == ROWS_ON_DAY + 3
     days = sorted({m.window_start.date() for m in _manifests(db.engine)})
     assert days == [DAY - timedelta(days=1), DAY, DAY + timedelta(days=1)]
     assert {p.parent.name for p in _files(home)} == {d.isoformat() for d in days}
@@ -561,7 +561,7 @@ def test_a_file_of_another_live_run_is_kept_however_old_it_looks(seeded, home):
     _set_mtime(db.engine, -2 * 3600, old_orphan, theirs)
     done = _execute(db.engine, Scope(TENANT, first, second + timedelta(days=1)), batch_size=5000)
     assert done.status == "success", done.error_text
-    assert done.mutated_count == ROWS_ON_DAY + 2  # both days archived (the 2nd has 2 edge rows)
+    assert done.counts.succeeded == ROWS_ON_DAY + 2  # both days archived (the 2nd has 2 edge rows)
     assert done.tally["orphan_files_removed"] == 1
     assert not old_orphan.exists()
     assert just_written.exists() and theirs.exists()
@@ -601,14 +601,18 @@ def test_does_real_work_on_the_dagster_test_data(db, home, monkeypatch):
     day, eligible = _first_day_with_work(db.engine, date(2025, 6, 1), 300)
     assert day < date(2026, 1, 1)  # with the default 365 days: the days of 2025 only
     done = _execute(db.engine, Scope(TENANT, day, day + timedelta(days=1)))
-    assert (done.status, done.mutated_count, done.eligible_count) == ("success", eligible, eligible)
+    assert (done.status, done.counts.succeeded, done.eligible_count) == (
+        "success",
+        eligible,
+        eligible,
+    )
     assert all(_checks(done).values())
 
     # with a shorter retention the days of 2026 (the Dagster partitions) have work too
     monkeypatch.setenv(audit_archive.RETENTION_ENV, "90")
     day, eligible = _first_day_with_work(db.engine, date(2026, 1, 1), 90)
     done = _execute(db.engine, Scope(TENANT, day, day + timedelta(days=1)))
-    assert (done.status, done.mutated_count) == ("success", eligible)
+    assert (done.status, done.counts.succeeded) == ("success", eligible)
     assert all(_checks(done).values())
 
 
@@ -785,7 +789,7 @@ def _crash_then_rerun(db, home: Path, launcher: str, point: str) -> None:
     assert code == 0, (out[-800:], err[-800:])
     rerun = json.loads(out.strip().splitlines()[-1])
     assert rerun["status"] == ("no_work" if deleted == ROWS_ON_DAY else "success")
-    assert rerun["mutated_count"] == ROWS_ON_DAY - deleted
+    assert rerun["succeeded_count"] == ROWS_ON_DAY - deleted
     if statuses.get("WRITTEN"):
         assert rerun["tally"].get("archives_adopted") == 1  # re-verified, not written again
     if point == "archive_after_file_written":
@@ -823,7 +827,7 @@ def test_a_stale_written_archive_of_another_shape_is_replaced(seeded, home):
     assert code == 0, err[-800:]
     rerun = json.loads(out.strip().splitlines()[-1])
     assert rerun["tally"]["archives_replaced"] == 1 and rerun["tally"]["archives_written"] == 5
-    assert rerun["mutated_count"] == ROWS_ON_DAY
+    assert rerun["succeeded_count"] == ROWS_ON_DAY
     _assert_exact(db, home, original_ids, original_digest)
 
 
@@ -844,7 +848,7 @@ def test_cli_dry_run_then_execute(seeded, home):
     assert not (home / "archive").exists()
     done = run_cli([*base, "--mode", "execute", "--reason", "retention"], env)
     assert done.code == 0, done.stderr[-800:]
-    assert "status=success" in done.stdout and "mutated_count=1234" in done.stdout
+    assert "status=success" in done.stdout and "succeeded_count=1234" in done.stdout
     assert "check.archive_accounts_for_every_record=passed" in done.stdout
     assert "check.archives_verify=passed" in done.stdout
 

@@ -109,7 +109,7 @@ def test_dry_run_writes_nothing_and_counts_exactly_what_execute_then_rewrites(lo
     dry = run(db.engine, mode="dry_run")
 
     assert data_digest(db.engine) == before_data
-    assert (dry.status, dry.eligible_count, dry.processed_count) == ("success", len(eligible), 0)
+    assert (dry.status, dry.eligible_count, dry.counts.processed) == ("success", len(eligible), 0)
     assert dry.sample_ids == [str(i) for i in eligible[:10]]
     assert check_of(dry).passed is False  # the dry-run reports the cache as it is
 
@@ -118,7 +118,7 @@ def test_dry_run_writes_nothing_and_counts_exactly_what_execute_then_rewrites(lo
     after_cache = cache_rows(db.engine)
     changed = {i for i in after_cache if after_cache[i] != before_cache.get(i)}
     assert changed == set(eligible)
-    assert executed.mutated_count == dry.eligible_count == len(changed)
+    assert executed.counts.succeeded == dry.eligible_count == len(changed)
 
 
 # ------------------------------------------------------------------------- execute
@@ -136,9 +136,9 @@ def test_execute_rewrites_exactly_the_stale_entries_of_its_tenant(loaded):
     summary = run(db.engine, batch_size=4)
 
     assert summary.status == "success"
-    assert summary.eligible_count == summary.processed_count == summary.mutated_count
-    assert summary.mutated_count == len(eligible)
-    assert summary.failed_count == summary.skipped_count == 0
+    assert summary.eligible_count == summary.counts.processed == summary.counts.succeeded
+    assert summary.counts.succeeded == len(eligible)
+    assert summary.counts.failed == summary.counts.skipped == 0
     assert summary.batches == -(-len(eligible) // 4)
     assert summary.tally == {
         "cache_entry_created": len(missing),
@@ -182,12 +182,12 @@ def test_execute_rewrites_exactly_the_stale_entries_of_its_tenant(loaded):
 
 def test_a_second_execute_is_no_work_and_changes_nothing(loaded):
     db, eligible = loaded
-    assert run(db.engine).mutated_count == len(eligible)
+    assert run(db.engine).counts.succeeded == len(eligible)
     before = data_digest(db.engine)
 
     again = run(db.engine)
 
-    assert (again.status, again.eligible_count, again.mutated_count) == ("no_work", 0, 0)
+    assert (again.status, again.eligible_count, again.counts.succeeded) == ("no_work", 0, 0)
     assert data_digest(db.engine) == before
     assert check_of(again).passed
 
@@ -231,7 +231,7 @@ def test_an_item_changed_later_is_picked_up_by_the_next_run(loaded):
 
     summary = run(db.engine)
 
-    assert (summary.status, summary.mutated_count) == ("success", 1)
+    assert (summary.status, summary.counts.succeeded) == ("success", 1)
     payload = scalar(
         db.engine, "SELECT payload FROM catalog_cache WHERE catalog_item_id = :id", id=changed.id
     )
@@ -283,5 +283,5 @@ def test_does_real_work_on_the_dagster_test_data(db):
     executed = run(db.engine)
 
     assert dry.eligible_count == len(eligible) > 0
-    assert (executed.status, executed.mutated_count) == ("success", len(eligible))
+    assert (executed.status, executed.counts.succeeded) == ("success", len(eligible))
     assert all(c.passed for c in executed.checks), [c.metadata for c in executed.checks]

@@ -115,7 +115,7 @@ def test_deliveries_under_faults_are_delivered_exactly_once(
         )
 
     runs = drain(delivery_retry.SPEC, db, nothing_due, batch_size=50)
-    assert any(r.retry_scheduled_count > 0 for r in runs)  # the faults really bit
+    assert any(r.counts.retry_scheduled > 0 for r in runs)  # the faults really bit
     rows = q(
         db.engine,
         "SELECT business_key, status, last_error_code, payload->>'fault' AS fault FROM delivery_attempt_item",
@@ -145,7 +145,7 @@ def test_deliveries_under_faults_are_delivered_exactly_once(
         == (stats["duplicates_suppressed"])
     )
     assert effects["side_effect.submit_delivery.duplicate_prevented"] == sum(
-        r.duplicates_prevented for r in runs
+        r.counts.duplicates_prevented for r in runs
     )
     assert effects["side_effect.submit_delivery.success"] + effects[
         "side_effect.submit_delivery.duplicate_prevented"
@@ -212,7 +212,7 @@ def test_backoff_of_items_that_fail_while_the_downstream_is_up(
             "every item to be due again",
         )
         down = execute(delivery_retry.SPEC, db, batch_size=100)
-        assert (down.status, down.error_code, down.failed_count) == (
+        assert (down.status, down.error_code, down.counts.failed) == (
             "failed",
             "items_failed",
             items,
@@ -244,8 +244,8 @@ def test_backoff_of_items_that_fail_while_the_downstream_is_up(
         "due",
     )
     back = execute(delivery_retry.SPEC, db, batch_size=100)
-    assert back.mutated_count + back.deadlettered_count == items
-    assert server.client.stats()["deliveries_distinct"] == back.mutated_count
+    assert back.counts.succeeded + back.counts.deadlettered == items
+    assert server.client.stats()["deliveries_distinct"] == back.counts.succeeded
 
 
 def test_killed_after_sending_then_rerun_delivers_once(db, downstream, fast_retries):
@@ -347,7 +347,7 @@ def test_notifications_under_faults_arrive_once_and_never_early(
         )
 
     runs = drain(notification_publish.SPEC, db, none_due, batch_size=40)
-    assert any(r.retry_scheduled_count > 0 for r in runs)
+    assert any(r.counts.retry_scheduled > 0 for r in runs)
     stats = server.client.stats()
     received = set(stats["notifications_by_event"])
     assert received == due  # every due event, and nothing else (no delayed one early)
@@ -480,7 +480,7 @@ def test_reconciliation_reports_repairs_and_explains_every_mismatch(
     # the re-submitted order is delivered (same idempotency key), then nothing is left to repair
     drain(delivery_retry.SPEC, db, lambda: order(planted["missing_downstream"]).delivery != "READY")
     again = execute(order_reconciliation.SPEC, db, scope)
-    assert again.mutated_count == 0
+    assert again.counts.succeeded == 0
     # only the order the downstream has and we do not is flagged again (it is no order of
     # ours to repair: each run tells a person once more)
     assert {k: v for k, v in again.tally.items() if not k.startswith("checkpoint.")} == {
@@ -502,13 +502,13 @@ def test_reconciliation_with_the_downstream_down_loses_nothing(db, downstream, m
     scope, _ = _plant_reconciliation(db, downstream)
     downstream.client.set_faults(error_rate=1.0)
     down = execute(order_reconciliation.SPEC, db, scope)
-    assert down.status == "failed" and down.failed_count == down.processed_count > 0
+    assert down.status == "failed" and down.counts.failed == down.counts.processed > 0
     assert scalar(db.engine, "SELECT count(*) FROM reconciliation_result") == 0
     # it went through the window, so the next run checks the whole window again
     assert scalar(db.engine, "SELECT count(*) FROM job_checkpoint") == 0
     downstream.client.set_faults(error_rate=0.0)
     back = execute(order_reconciliation.SPEC, db, scope)
-    assert back.tally.get("missing_downstream") == 1 and back.failed_count == 0
+    assert back.tally.get("missing_downstream") == 1 and back.counts.failed == 0
 
 
 def test_poison_events_are_dead_lettered_not_published(
@@ -522,7 +522,7 @@ def test_poison_events_are_dead_lettered_not_published(
     server = downstream_factory(poison_rate=1.0)
     monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", server.url)
     run = execute(notification_publish.SPEC, db)
-    assert (run.status, run.deadlettered_count, run.failed_count) == ("failed", due, due)
+    assert (run.status, run.counts.deadlettered, run.counts.failed) == ("failed", due, due)
     rows = q(
         db.engine,
         "SELECT last_error_code, publish_attempts FROM outbox_event WHERE dead_lettered_at IS NOT NULL",

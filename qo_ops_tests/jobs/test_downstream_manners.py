@@ -244,7 +244,7 @@ def test_our_rate_limit_is_respected(db, downstream_factory, monkeypatch):
     started = time.monotonic()
     run = execute(delivery_retry.SPEC, db, batch_size=50, concurrency=16)
     elapsed = time.monotonic() - started
-    assert run.status == "success" and run.mutated_count == 60
+    assert run.status == "success" and run.counts.succeeded == 60
     # a burst of 4 (a tenth of a second's worth), then 40 a second: never above 44 a second
     assert (60 - 4) / elapsed <= 40 * 1.1, f"{60 / elapsed:.1f} calls a second"
     assert run.tally["downstream.rate_limit_wait_ms"] > 0
@@ -259,7 +259,7 @@ def test_the_retry_budget_bounds_a_runs_retries(db, downstream_factory, monkeypa
     monkeypatch.setenv("QO_OPS_RETRY_BUDGET", "7")
     run = execute(delivery_retry.SPEC, db, batch_size=50, concurrency=4)
     assert run.status_reason == "retry budget used up (7 retries)"
-    assert (run.tally["downstream.retries"], run.mutated_count) == (7, 7)
+    assert (run.tally["downstream.retries"], run.counts.succeeded) == (7, 7)
     assert requests_seen(server) == 7
     assert run.tally["downstream.retry_budget_refused"] == 50 - 7
     assert scalar(db.engine, NOT_DELIVERED) == items - 7
@@ -282,7 +282,7 @@ def test_the_downstreams_rate_limit_and_retry_after_are_honoured(
     server = downstream_factory(rate_limit=20)
     monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", server.url)
     first = execute(delivery_retry.SPEC, db, batch_size=items, concurrency=8)
-    assert first.status == "success" and first.failed_count == 0, first
+    assert first.status == "success" and first.counts.failed == 0, first
     limited = server.client.stats(detail=False)["rate_limited"]
     assert limited > 0 and first.tally["downstream.rate_limit_pauses"] == limited
     assert first.tally["downstream.rate_limit_wait_ms"] > 0  # the run slowed down
@@ -292,7 +292,7 @@ def test_the_downstreams_rate_limit_and_retry_after_are_honoured(
         "extract(epoch FROM next_attempt_at - last_error_at) AS wait_s "
         "FROM delivery_attempt_item WHERE status = 'READY'",
     ).all()
-    assert len(waiting) == items - first.mutated_count > 0
+    assert len(waiting) == items - first.counts.succeeded > 0
     assert {(r.attempt_count, r.last_error_code) for r in waiting} == {(0, "http_429")}
     assert min(float(r.wait_s) for r in waiting) >= 1.0 - 0.01  # Retry-After: 1
     for _ in range(30):
@@ -311,7 +311,7 @@ def test_the_downstreams_rate_limit_and_retry_after_are_honoured(
             "the rate-limited items to be due",
         )
         again = execute(delivery_retry.SPEC, db, batch_size=items, concurrency=8)
-        assert again.failed_count == 0
+        assert again.counts.failed == 0
     assert scalar(db.engine, NOT_DELIVERED) == 0
     assert scalar(db.engine, "SELECT max(attempt_count) FROM delivery_attempt_item") == 1
     stats = server.client.stats()

@@ -191,7 +191,7 @@ def test_three_runs_over_an_unchanged_window_resubmit_each_missing_order_once(wo
     for again in runs[1:]:  # nothing new: the earlier re-submission stands
         assert f"{RESUBMITTED}.success" not in again.tally, again.tally
         assert again.tally[f"{RESUBMITTED}.duplicate_prevented"] == len(missing)
-        assert again.mutated_count == 0
+        assert again.counts.succeeded == 0
         for number in missing.values():
             found = result(db, again, number)
             assert (found.action, found.outcome) == ("resubmit", "pending")
@@ -335,7 +335,7 @@ def test_a_poison_item_resubmitted_once_ends_in_review_not_in_a_loop(world):
     flagged = reconcile(db)
     assert result(db, flagged, number).outcome == "dead_letter_flagged"
     assert needs_review(db, poisoned)
-    assert deliver(db).processed_count == 0  # nothing due: no second attempt at it
+    assert deliver(db).counts.processed == 0  # nothing due: no second attempt at it
     reconcile(db)
     assert item(db, poisoned) == dead
     assert resubmit_events(db)[poisoned] == [f"order:{poisoned}:resubmit:1"]

@@ -194,7 +194,7 @@ def test_dry_run_counts_the_whole_window_and_writes_nothing(loaded):
     )
     assert summary.status == "success"
     assert summary.eligible_count == n  # every quote of the window, right or not
-    assert summary.processed_count == 0 and summary.mutated_count == 0
+    assert summary.counts.processed == 0 and summary.counts.succeeded == 0
     first_ten = [str(nth_quote_key(db.engine, i)[1]) for i in range(1, 11)]
     assert summary.sample_ids == first_ten  # in (created_at, id) order
     assert business_digest(db.engine) == before
@@ -213,9 +213,9 @@ def test_execute_recalculates_the_window_only_and_a_second_run_is_no_work(loaded
     outside = outside_digest(db.engine)
     summary = execute(db.engine)
     assert summary.status == "success", summary
-    assert summary.eligible_count == summary.processed_count == n
-    assert summary.mutated_count == todo  # only what was missing or wrong was written
-    assert summary.skipped_count == n - todo  # already right: left as it was
+    assert summary.eligible_count == summary.counts.processed == n
+    assert summary.counts.succeeded == todo  # only what was missing or wrong was written
+    assert summary.counts.skipped == n - todo  # already right: left as it was
     assert summary.batches == math.ceil(n / SPEC.defaults.batch_size)  # the default batch size
     assert check_of(summary).passed
     assert not_current(db.engine) == 0
@@ -235,7 +235,7 @@ def test_execute_recalculates_the_window_only_and_a_second_run_is_no_work(loaded
     before = business_digest(db.engine)
     again = execute(db.engine)
     assert again.status == "no_work"  # the checkpoint says the window is done
-    assert (again.eligible_count, again.processed_count, again.mutated_count) == (0, 0, 0)
+    assert (again.eligible_count, again.counts.processed, again.counts.succeeded) == (0, 0, 0)
     assert check_of(again).passed
     assert business_digest(db.engine) == before
 
@@ -259,7 +259,7 @@ def test_the_current_price_factor_is_applied_and_old_versions_are_left_alone(loa
     assert n > 0 and not_current(db.engine, scope) == n
     summary = execute(db.engine, scope, batch_size=40)
     assert summary.status == "success" and check_of(summary).passed
-    assert summary.mutated_count == n  # every total changes with the factor
+    assert summary.counts.succeeded == n  # every total changes with the factor
     assert not_current(db.engine, scope) == 0
     assert (
         scalar(
@@ -281,7 +281,7 @@ def test_without_a_current_price_book_the_run_fails_and_writes_nothing(loaded):
     summary = execute(db.engine)
     assert (summary.status, summary.error_code) == ("failed", "no_current_price_book")
     assert "no current price book" in (summary.error_text or "")
-    assert summary.processed_count == 0
+    assert summary.counts.processed == 0
     assert business_digest(db.engine) == before
     assert checkpoint(db.engine) is None
     assert not check_of(summary).passed
@@ -317,7 +317,7 @@ def test_an_interrupted_backfill_resumes_from_its_checkpoint_and_matches_an_unin
     db, n, todo = loaded
     first = execute(db.engine, batch_size=100, max_items=700)
     assert (first.status, first.status_reason) == ("success", "max items reached")
-    assert (first.processed_count, first.batches) == (700, 7)
+    assert (first.counts.processed, first.batches) == (700, 7)
     created, qid = nth_quote_key(db.engine, 700)
     assert checkpoint(db.engine) == {"created_at": created.isoformat(), "id": qid}
     assert not check_of(first).passed
@@ -326,16 +326,16 @@ def test_an_interrupted_backfill_resumes_from_its_checkpoint_and_matches_an_unin
     second = execute(db.engine, batch_size=100, throttle_ms=300, deadline_s=1.0)
     assert second.status == "timeout"
     assert second.eligible_count == n - 700  # it started after the checkpoint
-    assert 0 < second.processed_count < n - 700
+    assert 0 < second.counts.processed < n - 700
 
     third = execute(db.engine, batch_size=100)
     assert third.status == "success" and check_of(third).passed
-    assert third.eligible_count == third.processed_count == n - 700 - second.processed_count
+    assert third.eligible_count == third.counts.processed == n - 700 - second.counts.processed
 
     runs = [first, second, third]
-    assert sum(r.processed_count for r in runs) == n  # no quote was selected twice
-    assert sum(r.mutated_count + r.skipped_count for r in runs) == n
-    assert sum(r.mutated_count for r in runs) == todo  # nothing recomputed twice
+    assert sum(r.counts.processed for r in runs) == n  # no quote was selected twice
+    assert sum(r.counts.succeeded + r.counts.skipped for r in runs) == n
+    assert sum(r.counts.succeeded for r in runs) == todo  # nothing recomputed twice
     recorded = scalar(
         db.engine,
         "SELECT sum(processed_count) || '/' || sum(succeeded_count + skipped_count) "
@@ -348,7 +348,7 @@ def test_an_interrupted_backfill_resumes_from_its_checkpoint_and_matches_an_unin
     with contextmanager(_test_database)(pg_server, template_database) as other:
         load(other.engine)  # the same data, backfilled in one go
         uninterrupted = execute(other.engine, batch_size=100)
-        assert uninterrupted.processed_count == n and uninterrupted.mutated_count == todo
+        assert uninterrupted.counts.processed == n and uninterrupted.counts.succeeded == todo
         assert snapshot_values_digest(other.engine) == snapshot_values_digest(db.engine)
 
 
@@ -366,14 +366,14 @@ def test_the_cursor_resumes_inside_a_run_of_equal_created_at(loaded):
     n, todo = quotes_in_window(db.engine, scope), not_current(db.engine, scope)
     assert n > 100 and todo > 0
     first = execute(db.engine, scope, batch_size=40, max_items=80)
-    assert first.processed_count == 80
+    assert first.counts.processed == 80
     assert checkpoint(db.engine, scope) == {
         "created_at": "2026-02-03T12:00:00.123456+00:00",
         "id": nth_quote_key(db.engine, 80, scope)[1],
     }
     rest = execute(db.engine, scope, batch_size=40)
-    assert rest.eligible_count == rest.processed_count == n - 80  # ties broken by id
-    assert first.mutated_count + rest.mutated_count == todo
+    assert rest.eligible_count == rest.counts.processed == n - 80  # ties broken by id
+    assert first.counts.succeeded + rest.counts.succeeded == todo
     assert not_current(db.engine, scope) == 0 and check_of(rest).passed
 
 
@@ -386,7 +386,7 @@ def test_throttle_bounds_the_write_rate(loaded):
     n = quotes_in_window(db.engine, scope)
     assert n > 100
     summary = execute(db.engine, scope, batch_size=50, throttle_ms=200)
-    assert summary.status == "success" and summary.processed_count == n
+    assert summary.status == "success" and summary.counts.processed == n
     assert summary.batches == math.ceil(n / 50)
     floor_s = (summary.batches - 1) * 0.2  # a pause of 200 ms between consecutive batches
     recorded_s = float(
@@ -415,8 +415,8 @@ def test_the_dagster_test_data_has_a_day_with_work_that_executes_cleanly(db):
             pytest.fail("no day with work")
     summary = execute(db.engine, scope, batch_size=25)
     assert summary.status == "success"
-    assert summary.processed_count == summary.eligible_count > 0
-    assert summary.mutated_count > 0
+    assert summary.counts.processed == summary.eligible_count > 0
+    assert summary.counts.succeeded > 0
     assert check_of(summary).passed
 
 

@@ -186,7 +186,7 @@ def assert_rerun_finishes(engine: sa.Engine, eligible: list[int], done: int) -> 
     events_before = scalar(engine, "SELECT count(*) FROM outbox_event")
     summary = run(engine, reason="resume")
     assert summary.status == "success"
-    assert summary.processed_count == summary.mutated_count == len(eligible) - done
+    assert summary.counts.processed == summary.counts.succeeded == len(eligible) - done
     assert eligible_ids(engine) == []
     assert expired_among(engine, eligible) == set(eligible)
     assert set(events_per_quote(engine, eligible).values()) == {1}
@@ -220,7 +220,7 @@ def test_dry_run_writes_nothing_and_counts_what_execute_then_mutates(loaded):
     assert count_runs(db.engine) == runs_before + 1
     assert dry.status == "success"
     assert dry.eligible_count == len(eligible)
-    assert dry.processed_count == dry.mutated_count == 0
+    assert dry.counts.processed == dry.counts.succeeded == 0
     assert dry.sample_ids == [str(i) for i in eligible[:10]]  # exactly what execute would take
     row = run_row(db.engine, dry.job_run_id)
     assert (row.mode, row.status, row.eligible_count, row.processed_count) == (
@@ -234,7 +234,7 @@ def test_dry_run_writes_nothing_and_counts_what_execute_then_mutates(loaded):
     executed = run(db.engine)
 
     assert executed.status == "success"
-    assert executed.mutated_count == dry.eligible_count == len(eligible)
+    assert executed.counts.succeeded == dry.eligible_count == len(eligible)
     assert run_row(db.engine, executed.job_run_id).succeeded_count == dry.eligible_count
 
 
@@ -275,9 +275,9 @@ def test_execute_expires_every_eligible_quote_with_one_event_each_and_nothing_el
     summary = run(db.engine, batch_size=97)
 
     assert summary.status == "success"
-    assert summary.eligible_count == summary.processed_count == summary.mutated_count
-    assert summary.mutated_count == len(eligible)
-    assert summary.failed_count == summary.skipped_count == 0
+    assert summary.eligible_count == summary.counts.processed == summary.counts.succeeded
+    assert summary.counts.succeeded == len(eligible)
+    assert summary.counts.failed == summary.counts.skipped == 0
     assert summary.batches == -(-len(eligible) // 97)
     assert_all_checks_passed(summary)
 
@@ -330,13 +330,13 @@ def test_execute_expires_every_eligible_quote_with_one_event_each_and_nothing_el
 def test_a_second_execute_is_no_work_and_changes_no_data(loaded):
     db, eligible = loaded
     first = run(db.engine)
-    assert first.status == "success" and first.mutated_count == len(eligible)
+    assert first.status == "success" and first.counts.succeeded == len(eligible)
     before = data_digest(db.engine)
 
     second = run(db.engine)
 
     assert second.status == "no_work"
-    assert second.eligible_count == second.processed_count == second.mutated_count == 0
+    assert second.eligible_count == second.counts.processed == second.counts.succeeded == 0
     assert data_digest(db.engine) == before
     assert run_row(db.engine, second.job_run_id).status == "no_work"
     assert_all_checks_passed(second)
@@ -347,7 +347,7 @@ def test_max_items_is_respected_and_the_rest_stays_active(loaded):
 
     summary = run(db.engine, max_items=7, batch_size=3)
 
-    assert summary.processed_count == summary.mutated_count == 7
+    assert summary.counts.processed == summary.counts.succeeded == 7
     assert summary.batches == 3  # 3 + 3 + 1: the last batch shrinks to the room left
     row = run_row(db.engine, summary.job_run_id)
     assert row.processed_count == row.succeeded_count == 7
@@ -373,7 +373,7 @@ def test_deadline_stops_mid_run_as_timeout_keeping_progress_and_a_rerun_finishes
     row = run_row(db.engine, summary.job_run_id)
     assert (row.status, row.status_reason) == ("timeout", "deadline reached")
     done = assert_stopped_with_progress_kept(db.engine, summary.job_run_id, eligible)
-    assert summary.processed_count == done
+    assert summary.counts.processed == done
     assert_rerun_finishes(db.engine, eligible, done)
 
 
@@ -447,7 +447,7 @@ def test_cancel_request_stops_the_run_as_cancelled_keeping_progress(loaded):
     assert (row.status, row.status_reason) == ("cancelled", "cancel requested")
     assert row.cancel_requested_at is not None
     done = assert_stopped_with_progress_kept(db.engine, run_id, eligible)
-    assert summary.processed_count == done
+    assert summary.counts.processed == done
 
     audit = rows(
         db.engine, "SELECT * FROM job_audit WHERE action = 'cancel' AND job_run_id = :id", id=run_id
@@ -597,7 +597,7 @@ def test_nothing_eligible_is_no_work_with_exit_0(db, cli):
 
 def test_no_work_after_everything_is_done_via_cli(loaded, cli):
     db, eligible = loaded
-    assert run(db.engine).mutated_count == len(eligible)
+    assert run(db.engine).counts.succeeded == len(eligible)
 
     result = cli("run", JOB, "--tenant", TENANT, "--mode", "execute", "--reason", "again")
 
@@ -808,4 +808,4 @@ def test_a_new_run_reaps_orphans_of_its_job_first(loaded):
     summary = run(db.engine)
 
     _assert_orphaned(db.engine, stale)
-    assert summary.status == "success" and summary.mutated_count == len(eligible)
+    assert summary.status == "success" and summary.counts.succeeded == len(eligible)

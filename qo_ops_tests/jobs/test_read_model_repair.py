@@ -58,13 +58,13 @@ def test_repairs_exactly_the_drift_of_its_window_and_is_idempotent(db):
     done = run_job(
         SPEC, WINDOW, RunOptions(mode="execute", reason="test", batch_size=7), engine=db.engine
     )
-    assert (done.status, done.mutated_count) == ("success", drifted)
+    assert (done.status, done.counts.succeeded) == ("success", drifted)
     assert _drift(db.engine, "tenant-001") == 0
     assert _drift(db.engine, "tenant-002") == other_tenant  # another tenant's drift is not ours
     assert all(c.passed for c in done.checks)
 
     again = run_job(SPEC, WINDOW, RunOptions(mode="execute", reason="test"), engine=db.engine)
-    assert (again.status, again.mutated_count) == ("no_work", 0)
+    assert (again.status, again.counts.succeeded) == ("no_work", 0)
 
 
 def test_only_the_window_is_repaired(db):
@@ -81,7 +81,7 @@ def test_only_the_window_is_repaired(db):
     assert in_day > 0
     total = _drift(db.engine, "tenant-001")
     result = run_job(SPEC, day, RunOptions(mode="execute", reason="test"), engine=db.engine)
-    assert result.mutated_count == in_day
+    assert result.counts.succeeded == in_day
     assert _drift(db.engine, "tenant-001") == total - in_day
 
 
@@ -101,11 +101,11 @@ def test_a_run_stopped_midway_resumes_and_its_check_sees_what_is_left(db):
             RunOptions(mode="execute", reason="test", batch_size=3, max_items=6),
             engine=db.engine,
         )
-    assert part.mutated_count == 6 and part.batches == 2
+    assert part.counts.succeeded == 6 and part.batches == 2
     check = part.checks[0]
     assert not check.passed and check.metadata["drifted_rows"] == drifted - 6
     rest = run_job(
         SPEC, WINDOW, RunOptions(mode="execute", reason="test", batch_size=4), engine=db.engine
     )
-    assert (rest.status, rest.mutated_count) == ("success", drifted - 6)
+    assert (rest.status, rest.counts.succeeded) == ("success", drifted - 6)
     assert _drift(db.engine, "tenant-001") == 0 and all(c.passed for c in rest.checks)

@@ -105,7 +105,7 @@ def test_a_second_run_over_the_same_scope_changes_nothing(
 
     first = execute(spec, db.engine, scope)
     assert first.status in ("success", "partial_success"), first  # poison items fail
-    assert first.processed_count > 0, (
+    assert first.counts.processed > 0, (
         f"{job_name}: no work in {scope.key}; the rerun proves nothing"
     )
 
@@ -115,7 +115,7 @@ def test_a_second_run_over_the_same_scope_changes_nothing(
     second = execute(spec, db.engine, scope)
     assert second.status in ("success", "no_work"), second
     assert business_state(db.engine, uuid.UUID(second.job_run_id)) == before
-    assert second.mutated_count == 0, second
+    assert second.counts.succeeded == 0, second
     assert new_successes(second) == {}, second.tally
     now = downstream.client.stats(detail=False)
     for counter in ("deliveries_distinct", "notifications_distinct"):

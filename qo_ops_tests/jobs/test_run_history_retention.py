@@ -249,7 +249,7 @@ def test_execute_prunes_only_history_past_the_period_and_only_grows_the_audit(db
     summary = execute(db.engine)
 
     assert summary.status == "success", summary.as_dict()
-    assert summary.mutated_count == 6 and summary.skipped_count == 0
+    assert summary.counts.succeeded == 6 and summary.counts.skipped == 0
     assert summary.tally == {"runs_deleted": 5, "checkpoints_deleted": 1}
     assert all(c.passed for c in summary.checks), summary.checks
     assert run_ids(db.engine) == runs_before - expected["runs"] | {uuid.UUID(summary.job_run_id)}
@@ -274,7 +274,7 @@ def test_execute_prunes_only_history_past_the_period_and_only_grows_the_audit(db
         conn.execute(sa.text("DELETE FROM job_audit"))
 
     again = execute(db.engine)
-    assert again.status == "no_work" and again.mutated_count == 0
+    assert again.status == "no_work" and again.counts.succeeded == 0
     assert len(prune_audits(db.engine)) == 1  # no batch, no prune row
     assert all(c.passed for c in again.checks)
 

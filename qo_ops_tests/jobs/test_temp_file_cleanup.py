@@ -235,7 +235,9 @@ def test_dry_run_counts_exactly_what_execute_deletes_row_object_and_tombstone(lo
     done = run(db.engine, scope, batch_size=3)
 
     assert done.status == "success", (done.error_code, done.error_text)
-    assert done.eligible_count == done.processed_count == done.mutated_count == dry.eligible_count
+    assert (
+        done.eligible_count == done.counts.processed == done.counts.succeeded == dry.eligible_count
+    )
     assert done.batches == -(-len(expected) // 3)
     assert done.tally == {
         "objects_removed": len(expected),
@@ -251,7 +253,7 @@ def test_dry_run_counts_exactly_what_execute_deletes_row_object_and_tombstone(lo
     assert {s.reason for s in stones.values()} == {"retention: terminal and older than 7 days"}
 
     again = run(db.engine, scope)
-    assert (again.status, again.processed_count) == ("no_work", 0)
+    assert (again.status, again.counts.processed) == ("no_work", 0)
     assert_consistent(db.engine, home, stored, set(expected), {done.job_run_id})
 
 
@@ -278,7 +280,7 @@ def test_retention_is_read_from_the_environment_when_the_run_starts(loaded, monk
 
     done = run(db.engine, scope)
 
-    assert done.mutated_count == len(longer)
+    assert done.counts.succeeded == len(longer)
     assert_consistent(db.engine, home, stored, set(longer), {done.job_run_id})
 
 
@@ -333,7 +335,7 @@ def test_held_files_past_retention_survive_execute_and_the_override(loaded, monk
     monkeypatch.setenv(tfc.RETENTION_ENV, "0")  # an anomaly, overridden: still no held file
     monkeypatch.setenv(tfc.OVERRIDE_ENV, "1")
     overridden = run(db.engine, window(*WHOLE), reason="INC-1: disk full, approved by SRE")
-    assert overridden.status == "success" and overridden.mutated_count > 0
+    assert overridden.status == "success" and overridden.counts.succeeded > 0
     assert failed_checks(overridden) == []
 
     assert held <= file_ids(db.engine)
@@ -362,7 +364,7 @@ def test_a_hold_put_on_between_decision_and_removal_is_respected(loaded):
     )
 
     assert done.status == "success"
-    assert (done.mutated_count, done.skipped_count) == (len(expected) - 1, 1)
+    assert (done.counts.succeeded, done.counts.skipped) == (len(expected) - 1, 1)
     assert failed_checks(done) == []
     assert victim in file_ids(db.engine) and victim not in tombstones(db.engine)
     assert tree(home)[stored[victim].storage_path] == stored[victim].sha256
@@ -388,7 +390,7 @@ def test_a_planted_anomaly_stops_the_run_before_anything_is_deleted(loaded, monk
 
     assert (stopped.status, stopped.error_code) == ("failed", "anomaly_threshold")
     assert "nothing deleted" in (stopped.error_text or "")
-    assert stopped.processed_count == stopped.mutated_count == 0
+    assert stopped.counts.processed == stopped.counts.succeeded == 0
     assert business_digest(db.engine) == before and tree(home) == objects_before
     row = rows(db.engine, "SELECT * FROM job_run WHERE id = :id", id=uuid.UUID(stopped.job_run_id))
     assert (row[0].status, row[0].last_error_code) == ("failed", "anomaly_threshold")
@@ -410,7 +412,7 @@ def test_the_report_has_the_gate_and_each_day_deleted(loaded):
     for r in done.report:
         by_kind.setdefault(r["kind"], []).append(r)
     assert [(g["name"], g["count"]) for g in by_kind["anomaly_gate"]] == [("passed", len(expected))]
-    assert sum(r["count"] for r in by_kind["deleted"]) == done.mutated_count == len(expected)
+    assert sum(r["count"] for r in by_kind["deleted"]) == done.counts.succeeded == len(expected)
     assert sum(r["count"] for r in by_kind["bytes_deleted"]) == sum(
         stored[i].size for i in expected
     )
@@ -446,7 +448,7 @@ def test_the_override_needs_a_reason_and_is_audited(loaded, monkeypatch):
 
     done = run(db.engine, scope, reason="INC-7: reclaim storage", correlation_id="INC-7")
 
-    assert done.status == "success" and done.mutated_count == len(everything)
+    assert done.status == "success" and done.counts.succeeded == len(everything)
     assert_consistent(db.engine, home, stored, set(everything), {done.job_run_id})
     audit = rows(
         db.engine,
@@ -562,7 +564,7 @@ def test_sigkill_then_rerun_converges(loaded, point, objects_gone, intents):
     rerun = rerun_until_leased(db.engine, scope)
 
     assert rerun.status == "success", (rerun.error_code, rerun.error_text)
-    assert rerun.mutated_count == len(expected)
+    assert rerun.counts.succeeded == len(expected)
     assert rerun.tally["objects_already_gone"] == objects_gone
     # the dead run's deletions are not repeated, and counted so
     assert rerun.tally.get("side_effect.object_delete.duplicate_prevented", 0) == objects_gone
@@ -605,7 +607,7 @@ def test_an_object_store_error_rolls_the_batch_back_and_a_rerun_converges(loaded
     monkeypatch.setattr(objects, "_remove_object", real_remove)
     rerun = run(db.engine, scope, reason="retry after storage error")
 
-    assert rerun.status == "success" and rerun.mutated_count == len(expected)
+    assert rerun.status == "success" and rerun.counts.succeeded == len(expected)
     assert_consistent(db.engine, home, stored, set(expected), {rerun.job_run_id})
 
 
@@ -624,7 +626,7 @@ def test_a_path_leaving_the_object_store_is_never_touched(loaded, tmp_path):
     done = run(db.engine, scope)
 
     assert done.status == "partial_success"
-    assert (done.mutated_count, done.failed_count) == (len(expected) - 1, 1)
+    assert (done.counts.succeeded, done.counts.failed) == (len(expected) - 1, 1)
     assert done.tally["unsafe_storage_path"] == 1
     assert outside.read_text() == "not an object"
     assert expected[0] in file_ids(db.engine) and expected[0] not in tombstones(db.engine)
@@ -651,7 +653,10 @@ def test_a_symlinked_directory_in_the_store_is_never_followed(loaded, tmp_path):
 
     done = run(db.engine, scope)
 
-    assert (done.failed_count, done.mutated_count) == (len(siblings), len(expected) - len(siblings))
+    assert (done.counts.failed, done.counts.succeeded) == (
+        len(siblings),
+        len(expected) - len(siblings),
+    )
     assert done.tally["unsafe_storage_path"] == len(siblings) >= 1
     assert (outside / Path(victim).name).read_text() == "precious, outside the store"
     assert set(siblings) <= file_ids(db.engine)  # their rows stay, with no tombstone
@@ -755,9 +760,9 @@ def test_a_demo_cleanup_removes_an_object_for_every_row_it_deletes(db, home):
     done = run(db.engine, scope)
 
     assert done.status == "success", (done.error_code, done.error_text)
-    assert done.mutated_count == len(expected) > 0
-    assert done.tally["objects_removed"] == done.mutated_count
-    assert done.tally["objects_already_gone"] == 0 and done.duplicates_prevented == 0
+    assert done.counts.succeeded == len(expected) > 0
+    assert done.tally["objects_removed"] == done.counts.succeeded
+    assert done.tally["objects_already_gone"] == 0 and done.counts.duplicates_prevented == 0
     assert done.tally["side_effect.object_delete.success"] == len(expected)
     assert "side_effect.object_delete.duplicate_prevented" not in done.tally
     assert failed_checks(done) == []
@@ -790,7 +795,7 @@ def test_a_day_of_the_dagster_demo_data_is_cleaned_without_an_anomaly(db, home):
     done = run(db.engine, scope, batch_size=25)
 
     assert done.status == "success", (done.error_code, done.error_text)
-    assert done.mutated_count == dry.eligible_count
+    assert done.counts.succeeded == dry.eligible_count
     assert failed_checks(done) == []
     assert done.tally == {
         "objects_removed": 0,
@@ -858,7 +863,7 @@ def test_cli_dry_run_then_execute(loaded):
     )
     assert done.code == 0, done.stderr
     summary = json.loads(done.stdout)
-    assert (summary["status"], summary["mutated_count"]) == ("success", len(expected))
+    assert (summary["status"], summary["succeeded_count"]) == ("success", len(expected))
     assert_consistent(db.engine, home, stored, set(expected), {summary["job_run_id"]})
 
 
@@ -900,5 +905,5 @@ def test_cli_killed_after_the_object_delete_then_rerun_converges(loaded):
         time.sleep(0.2)
     assert again.code == 0, again.stderr
     summary = json.loads(again.stdout)
-    assert (summary["status"], summary["mutated_count"]) == ("success", len(expected))
+    assert (summary["status"], summary["succeeded_count"]) == ("success", len(expected))
     assert_consistent(db.engine, home, stored, set(expected), {summary["job_run_id"]})

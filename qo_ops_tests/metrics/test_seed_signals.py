@@ -165,7 +165,7 @@ def test_locks_reruns_and_item_retries_follow_real_runs(db, downstream_factory, 
     deliveries = run_job(
         delivery_retry.SPEC, Scope("tenant-001"), _options("schedule", None), engine=db.engine
     )
-    assert deliveries.retry_scheduled_count > 0, deliveries
+    assert deliveries.counts.retry_scheduled > 0, deliveries
 
     collector = JobCollector(db.engine, CATALOG.values())
     total = finished_runs(db, expire.name) + finished_runs(db, delivery_retry.SPEC.name)
@@ -196,7 +196,7 @@ def test_locks_reruns_and_item_retries_follow_real_runs(db, downstream_factory, 
         db, "delivery_retry", "retry.item.dependency_error"
     )
     retried = sum(value(samples, "job_retries_total", **d, reason=r) for r in ITEM_REASONS)
-    assert retried == deliveries.retry_scheduled_count > 0
+    assert retried == deliveries.counts.retry_scheduled > 0
     exhausted = _tally_sum(db, "delivery_retry", "retry_exhausted.item")
     assert value(samples, "job_retry_exhausted_total", **d) == exhausted
     held.release(db.engine)
@@ -225,7 +225,7 @@ def test_reconciliation_family_follows_the_results_it_recorded(db, downstream, m
         runs = [dry.status, first.status].count(status)
         assert value(samples, "reconciliation_runs_total", **job, status=status) == runs
     assert value(samples, "reconciliation_items_scanned_total", **job) == (
-        dry.processed_count + first.processed_count
+        dry.counts.processed + first.counts.processed
     )
     # mismatches: what both runs found, by type (the dry run counts what it would repair)
     for kind in RECONCILIATION["reconciliation_mismatches_total"][1]:

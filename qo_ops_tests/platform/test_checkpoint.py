@@ -80,7 +80,7 @@ def test_rerun_resumes_from_the_checkpoint_and_never_repeats_a_batch(db):
         ),
         engine=db.engine,
     )
-    assert (first.status, first.processed_count, first.batches) == ("success", 250, 5)
+    assert (first.status, first.counts.processed, first.batches) == ("success", 250, 5)
     with db.engine.connect() as conn:
         cursor = conn.execute(
             sa.text(
@@ -101,7 +101,7 @@ def test_rerun_resumes_from_the_checkpoint_and_never_repeats_a_batch(db):
         RunOptions(mode="execute", trigger="backfill", reason="INC-1 backfill", batch_size=60),
         engine=db.engine,
     )
-    assert second.processed_count == 250  # only what was left
+    assert second.counts.processed == 250  # only what was left
     assert _versions(db.engine) == {2: 500}  # every quote bumped exactly once
     third = run_job(
         BUMP,
@@ -136,7 +136,7 @@ def test_a_failed_batch_leaves_the_checkpoint_where_the_last_commit_was(db):
         engine=db.engine,
     )
     assert (failed.status, failed.error_code) == ("failed", "internal_error")
-    assert failed.processed_count == 100  # two batches committed, the third rolled back
+    assert failed.counts.processed == 100  # two batches committed, the third rolled back
     with db.engine.connect() as conn:
         last = conn.execute(sa.text("SELECT cursor->>'last_id' FROM job_checkpoint")).scalar()
         hundredth = conn.execute(
@@ -150,4 +150,4 @@ def test_a_failed_batch_leaves_the_checkpoint_where_the_last_commit_was(db):
         RunOptions(mode="execute", trigger="backfill", reason="INC-1 backfill"),
         engine=db.engine,
     )
-    assert resumed.processed_count == 200 and _versions(db.engine) == {2: 300}
+    assert resumed.counts.processed == 200 and _versions(db.engine) == {2: 300}

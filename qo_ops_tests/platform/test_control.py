@@ -177,8 +177,8 @@ def test_suspending_a_running_job_stops_it_at_the_next_batch_boundary(loaded):
     summary = result["summary"]
 
     assert (summary.status, summary.status_reason) == ("cancelled", "suspended")
-    assert 20 <= summary.processed_count < summary.eligible_count
-    assert summary.processed_count % 10 == 0  # whole batches only
+    assert 20 <= summary.counts.processed < summary.eligible_count
+    assert summary.counts.processed % 10 == 0  # whole batches only
     expired, events, still_due = _quote_figures(engine)
     with engine.connect() as conn:
         row = conn.execute(
@@ -186,13 +186,13 @@ def test_suspending_a_running_job_stops_it_at_the_next_batch_boundary(loaded):
             {"id": uuid.UUID(summary.job_run_id)},
         ).one()
     expired, events = expired - expired_before, events - events_before
-    assert expired == events == summary.mutated_count == summary.processed_count
-    assert still_due == summary.eligible_count - summary.processed_count
+    assert expired == events == summary.counts.succeeded == summary.counts.processed
+    assert still_due == summary.eligible_count - summary.counts.processed
     assert tuple(row) == ("cancelled", "suspended")
 
     resume(engine, ControlChange(JOB, "tenant-001", actor="dave", reason="go on"), known_jobs=KNOWN)
     rest = _execute(engine)
-    assert rest.status == "success" and rest.processed_count == still_due
+    assert rest.status == "success" and rest.counts.processed == still_due
 
 
 def test_cli_suspend_status_run_resume(loaded, cli):

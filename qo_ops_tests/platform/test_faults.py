@@ -245,7 +245,7 @@ def test_frozen_holder_writes_nothing_after_another_run_takes_over(loaded):
     assert (row.status, row.last_error_code) == ("failed", "lease_lost")
     # nothing written by the holder after it resumed: counts are what they were at takeover
     assert expired(db.engine) == after_takeover
-    assert row.processed_count + second.processed_count == eligible
+    assert row.processed_count + second.counts.processed == eligible
     assert frozen_expired < after_takeover  # the holder was frozen mid-way, not at the end
     assert_outcome_intact(db.engine)
 
@@ -288,7 +288,7 @@ def test_eight_concurrent_runs_of_one_scope_exactly_one_executes(loaded, busy_en
     statuses = sorted(r.status for r in results)
     assert statuses == ["skipped"] * 7 + ["success"], statuses
     winner = next(r for r in results if r.status == "success")
-    assert winner.mutated_count == eligible
+    assert winner.counts.succeeded == eligible
     assert all(r.status_reason == "lease-not-acquired" for r in results if r.status == "skipped")
     assert_outcome_intact(db.engine)
 

@@ -180,7 +180,7 @@ def test_progress_interval_zero_reports_every_batch(demo, events):
     progress = [e for e in events if e.get("event.name") == "job.progress"]
     assert len(progress) == summary.batches
     assert [e["batch_number"] for e in progress] == list(range(1, summary.batches + 1))
-    assert progress[-1]["items.processed"] == summary.processed_count
+    assert progress[-1]["items.processed"] == summary.counts.processed
 
 
 # ------------------------------------------------------------------------- metrics
@@ -201,18 +201,18 @@ def test_metrics_of_a_partial_then_a_full_run(demo):
         engine=demo.engine,
         metrics=metrics,
     )
-    assert partial.processed_count == 40
+    assert partial.counts.processed == 40
     assert sample(metrics, "job_lag_seconds") > 0  # quotes are still overdue
 
     full = run_job(SPEC, Scope(TENANT), execute(batch_size=20), engine=demo.engine, metrics=metrics)
     assert full.status == "success"
-    assert full.processed_count == backlog - 40
+    assert full.counts.processed == backlog - 40
 
     assert sample(metrics, "job_started_total") == 2
     assert sample(metrics, "job_completed_total", status="success") == 2
     assert sample(metrics, "job_items_processed_total") == backlog
     assert sample(metrics, "job_items_processed_total") == (
-        partial.processed_count + full.processed_count
+        partial.counts.processed + full.counts.processed
     )
     assert (sample(metrics, "job_last_success_timestamp_seconds") or 0) > 0
     assert sample(metrics, "job_lag_seconds") == 0

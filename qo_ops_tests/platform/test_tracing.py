@@ -66,7 +66,7 @@ def test_a_run_is_one_trace_of_lease_batches_and_downstream_calls(
     caplog.set_level(logging.INFO, logger="qo_ops.events")
 
     summary = _execute(db.engine, "delivery_retry", Scope(TENANT), batch_size=10)
-    assert summary.processed_count > 10  # several batches
+    assert summary.counts.processed > 10  # several batches
 
     finished = spans.get_finished_spans()
     roots = [s for s in finished if s.parent is None]
@@ -75,20 +75,20 @@ def test_a_run_is_one_trace_of_lease_batches_and_downstream_calls(
     assert SEED_ATTRIBUTES | {"items.failed"} <= set(root.attributes)
     assert root.attributes["job.run_id"] == summary.job_run_id
     assert root.attributes["job.status"] == summary.status
-    assert root.attributes["items.processed"] == summary.processed_count
+    assert root.attributes["items.processed"] == summary.counts.processed
     assert {s.context.trace_id for s in finished} == {root.context.trace_id}
 
     by_id = {s.context.span_id: s for s in finished}
     children = [s for s in finished if s.parent and s.parent.span_id == root.context.span_id]
     assert {s.name for s in children} >= {"lease.acquire", "batch"}
     batches = [s for s in children if s.name == "batch"]
-    assert sum(s.attributes["items.processed"] for s in batches) == summary.processed_count
+    assert sum(s.attributes["items.processed"] for s in batches) == summary.counts.processed
     calls = [
         s
         for s in finished
         if s.attributes.get("http.request.method") or s.attributes.get("http.method")
     ]
-    assert len(calls) >= summary.processed_count  # one span per downstream request at least
+    assert len(calls) >= summary.counts.processed  # one span per downstream request at least
     assert all(by_id[c.parent.span_id].name == "batch" for c in calls)  # calls inside batches
     for s in batches:  # counts only: no item id anywhere on a batch span
         assert not {str(v) for v in s.attributes.values()} & item_ids

@@ -1,0 +1,71 @@
+"""A run's counters, named once: how many items it processed and how each one ended.
+
+A batch's :class:`Counts` add into its run's with ``+=``; the names each reader gives a
+counter (the job_run column, the event field, the report row) are derived here, so that a
+counter added to :class:`Counts` reaches the record, the events and the report at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Self
+
+
+@dataclass
+class Counts:
+    """How many items were processed, and how they ended."""
+
+    processed: int = 0  # items selected (the runner counts them, not the job)
+    succeeded: int = 0  # changed as the job means to (the report's "changed")
+    failed: int = 0
+    skipped: int = 0  # left as they were (already right, or not this run's to change)
+    retry_scheduled: int = 0  # failed for now: tried again later
+    deadlettered: int = 0  # failed for good: out of attempts
+    duplicates_prevented: int = 0  # a side effect not repeated, because it was done before
+
+    def __iadd__(self, other: Counts) -> Self:
+        for name in COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        return self
+
+    def columns(self) -> dict[str, int]:
+        """The counters as the job_run row names them: ``processed_count`` …
+        ``duplicates_prevented_count`` (and so the run summary's JSON)."""
+        return {COLUMNS[name]: getattr(self, name) for name in COUNTERS}
+
+    def event_fields(self, names: tuple[str, ...] | None = None) -> dict[str, int]:
+        """The counters ``names`` (default: all) as the run's events name them
+        (``items.processed`` …, ``duplicates.prevented``)."""
+        return {EVENT_FIELDS[name]: getattr(self, name) for name in names or COUNTERS}
+
+    def report_items(self) -> dict[str, int]:
+        """The report's ``items`` rows: processed, changed, failed and skipped always; the
+        retries, dead letters and duplicates prevented when there are any."""
+        return {
+            REPORT_NAMES[name]: getattr(self, name)
+            for name in COUNTERS
+            if name in REPORTED_ALWAYS or getattr(self, name)
+        }
+
+
+COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Counts))
+COLUMNS = {name: f"{name}_count" for name in COUNTERS}
+EVENT_FIELDS = {
+    "processed": "items.processed",
+    "succeeded": "items.succeeded",
+    "failed": "items.failed",
+    "skipped": "items.skipped",
+    "retry_scheduled": "retry.scheduled",
+    "deadlettered": "items.deadlettered",
+    "duplicates_prevented": "duplicates.prevented",
+}
+REPORT_NAMES = {
+    "processed": "processed",
+    "succeeded": "changed",
+    "failed": "failed",
+    "skipped": "skipped",
+    "retry_scheduled": "retry_scheduled",
+    "deadlettered": "dead_lettered",
+    "duplicates_prevented": "duplicates_prevented",
+}
+REPORTED_ALWAYS = ("processed", "succeeded", "failed", "skipped")

@@ -1,0 +1,73 @@
+"""One set of counters (``Counts``), named once: the job_run columns, the event fields, the
+report rows and the run summary's JSON all derive from it."""
+
+from __future__ import annotations
+
+from qo_ops.db.schema import job_run
+from qo_ops.platform.counts import COLUMNS, COUNTERS, Counts
+from qo_ops.platform.spec import BatchOutcome, RunSummary
+
+
+def test_every_counter_is_a_job_run_column_and_every_counted_column_a_counter():
+    counted = {c.name for c in job_run.columns if c.name.endswith("_count")}
+    assert set(COLUMNS.values()) == counted - {"eligible_count"}  # counted before the batches
+    assert COLUMNS["succeeded"] == "succeeded_count"  # one name in code, one in the record
+
+
+def test_the_event_fields_keep_their_names():
+    fields = Counts(1, 2, 3, 4, 5, 6, 7).event_fields()  # job.finished, as logs know them
+    assert " ".join(f"{k}={v}" for k, v in fields.items()) == (
+        "items.processed=1 items.succeeded=2 items.failed=3 items.skipped=4 "
+        "retry.scheduled=5 items.deadlettered=6 duplicates.prevented=7"
+    )
+    progress = Counts(processed=3, failed=1).event_fields(("processed", "failed"))
+    assert progress == {"items.processed": 3, "items.failed": 1}
+
+
+def test_a_batch_outcome_adds_into_the_run_counter_by_counter():
+    run = Counts(processed=2, succeeded=1, failed=1)
+    same = run
+    run += BatchOutcome(processed=5, succeeded=3, skipped=2, events_written=9, tally={"x": 1})
+    run += Counts(retry_scheduled=1, deadlettered=2, duplicates_prevented=3)
+    assert run is same
+    assert run == Counts(
+        processed=7,
+        succeeded=4,
+        failed=1,
+        skipped=2,
+        retry_scheduled=1,
+        deadlettered=2,
+        duplicates_prevented=3,
+    )
+
+
+def test_the_report_shows_four_counters_always_and_the_others_when_there_are_any():
+    assert list(Counts(processed=4, succeeded=4).report_items().items()) == [
+        ("processed", 4),
+        ("changed", 4),
+        ("failed", 0),
+        ("skipped", 0),
+    ]
+    items = Counts(processed=4, failed=4, deadlettered=4, duplicates_prevented=1).report_items()
+    assert list(items) == [
+        "processed",
+        "changed",
+        "failed",
+        "skipped",
+        "dead_lettered",
+        "duplicates_prevented",
+    ]
+
+
+def test_the_summary_json_names_the_counters_as_the_run_record_does_where_counts_stood():
+    summary = RunSummary("id", "job", "success", "execute", "tenant-001", "manual", None)
+    summary.eligible_count, summary.batches = 9, 2
+    summary.counts += Counts(processed=9, succeeded=8, failed=1, duplicates_prevented=2)
+    data = summary.as_dict()
+    keys = list(data)
+    assert "counts" not in data and "mutated_count" not in data
+    at = keys.index("eligible_count")
+    assert keys[at + 1 : at + 1 + len(COUNTERS)] == list(COLUMNS.values())
+    assert keys[at + 1 + len(COUNTERS)] == "batches"
+    assert (data["succeeded_count"], data["failed_count"]) == (8, 1)
+    assert data["duplicates_prevented_count"] == 2
