@@ -33,6 +33,8 @@ _SAVED = sa.select(
     job_checkpoint.c.scope == sa.bindparam("scope"),
 )
 
+# A checkpoint row as _SAVE writes it.
+# Twice: never run alone: _SAVE below is this insert with its conflict rule.
 _insert = postgresql.insert(job_checkpoint).values(
     job_name=sa.bindparam("job"),
     scope=sa.bindparam("scope"),
