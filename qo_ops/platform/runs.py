@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from qo_ops.db.schema import job_audit, job_run
 from qo_ops.errors import BadInput, one_line
-from qo_ops.platform.counts import Counts
+from qo_ops.platform.counts import COLUMNS, Counts
 from qo_ops.platform.spec import RunOptions, RunSummary, Scope, tenant_of
 
 FINAL_STATUSES = (
@@ -28,15 +28,8 @@ FINAL_STATUSES = (
     "skipped",
     "no_work",
 )
-COUNTERS = (
-    "eligible_count",
-    "processed_count",
-    "succeeded_count",
-    "failed_count",
-    "skipped_count",
-    "retry_scheduled_count",
-    "deadlettered_count",
-)
+# A run's figures as its row holds them: what it found eligible, then the Counts' columns.
+COUNTERS = ("eligible_count", *COLUMNS.values())
 UNSTARTED_STATUSES = ("awaiting_approval", "accepted")  # created by the API, not yet adopted
 ACTIVE_STATUSES = (*UNSTARTED_STATUSES, "running")
 ERROR_TEXT_LIMIT = 500
