@@ -115,7 +115,8 @@ class Lease:
         row = conn.execute(_GUARD, {**self._params(), "run_id": run_id}).first()
         if row is None:
             raise LeaseLost(f"lease on {self.job_name}/{self.scope} is no longer held")
-        return row.stop
+        stop: str | None = row.stop
+        return stop
 
     def heartbeat(self, engine: Engine) -> bool:
         """Extend the lease; False when it has been lost (expired or taken over)."""

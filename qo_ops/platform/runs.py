@@ -81,7 +81,7 @@ def create_run(
                     f"job run {options.job_run_id} is not an accepted run of {job_name} "
                     "(unknown, awaiting approval, already started or finished)"
                 )
-            return adopted
+            return uuid.UUID(str(adopted))
         run_id = uuid.uuid4()
         conn.execute(
             sa.insert(job_run).values(
@@ -294,7 +294,8 @@ def request_cancel(
                 client_address=client_address,
             ),
         )
-        return row.status
+        status: str = row.status
+        return status
 
 
 @dataclass(frozen=True)
@@ -391,4 +392,4 @@ def running_run_by_prefix(engine: Engine, prefix: str) -> uuid.UUID:
         raise BadInput(f"no running run has an id starting {prefix!r}: give the whole run id")
     if len(found) > 1:
         raise BadInput(f"several running runs have ids starting {prefix!r}: give more of it")
-    return found[0]
+    return uuid.UUID(str(found[0]))
