@@ -9,9 +9,9 @@ import uuid
 import dagster as dg
 import pytest
 
-from qo_ops.dagster_defs.partitions import MODE_TAG, scope_from_partition_key
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.overdue import backlog_scope, database_now
+from qo_ops.platform.partition_keys import MODE_TAG, scope_from_partition_key
 from qo_ops.platform.report import REPORT_SAMPLE
 from qo_ops.platform.selection import count_eligible
 from qo_ops.platform.spec import BatchContext
