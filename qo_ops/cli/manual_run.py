@@ -14,6 +14,7 @@ import typer
 
 from qo_ops.cli_support import JsonOpt, RequesterOpt, emit_json, ready_engine, resolve_requester
 from qo_ops.errors import BadInput
+from qo_ops.platform.counts import COLUMNS, REPORTED_ALWAYS
 from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.spec import RunOptions, Scope
 
@@ -26,18 +27,10 @@ EXIT_BY_STATUS = {
     "timeout": 5,
     "cancelled": 6,
 }
+# The key=value lines of a run's summary: who and what, then the counters every report shows.
 SUMMARY_KEYS = (
-    "job_run_id",
-    "job_name",
-    "status",
-    "mode",
-    "scope",
-    "requester",
-    "eligible_count",
-    "processed_count",
-    "succeeded_count",
-    "failed_count",
-    "skipped_count",
+    *("job_run_id", "job_name", "status", "mode", "scope", "requester", "eligible_count"),
+    *(COLUMNS[name] for name in REPORTED_ALWAYS),
     "duration_ms",
 )
 
