@@ -14,24 +14,16 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
 
-from qo_ops.db.schema import job_audit, job_run
+from qo_ops.db.schema import JOB_RUN_STATUSES, job_audit, job_run
 from qo_ops.errors import BadInput, one_line
 from qo_ops.platform.counts import COLUMNS, Counts
 from qo_ops.platform.spec import RunOptions, RunSummary, Scope, tenant_of
 
-FINAL_STATUSES = (
-    "success",
-    "partial_success",
-    "failed",
-    "timeout",
-    "cancelled",
-    "skipped",
-    "no_work",
-)
 # A run's figures as its row holds them: what it found eligible, then the Counts' columns.
 COUNTERS = ("eligible_count", *COLUMNS.values())
 UNSTARTED_STATUSES = ("awaiting_approval", "accepted")  # created by the API, not yet adopted
 ACTIVE_STATUSES = (*UNSTARTED_STATUSES, "running")
+FINAL_STATUSES = tuple(s for s in JOB_RUN_STATUSES if s not in ACTIVE_STATUSES)
 ERROR_TEXT_LIMIT = 500
 
 
