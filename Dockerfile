@@ -23,10 +23,14 @@ COPY qo_ops ./qo_ops
 # Every version is pinned by constraints.txt (-c); no [dev] extra: no test or lint tools.
 # dagster-k8s: run workers load the instance, whose run launcher is the K8sRunLauncher.
 # dumb-init: the image's PID 1 (a static binary in a wheel, pinned like everything else).
-# The installer itself does not go to the runtime stage.
+# The installer itself does not go to the runtime stage, nor do the test suites and C headers
+# that pandas, numpy and pyarrow ship inside their wheels (~65 MB nothing imports).
 RUN /opt/qo-ops/bin/pip install --no-cache-dir --no-build-isolation -c constraints.txt \
         . dagster-k8s dumb-init \
-    && /opt/qo-ops/bin/pip uninstall --yes pip setuptools wheel
+    && /opt/qo-ops/bin/pip uninstall --yes pip setuptools wheel \
+    && site=/opt/qo-ops/lib/python3.11/site-packages \
+    && rm -rf "$site"/pandas/tests "$site"/numpy/tests "$site"/numpy/*/tests \
+        "$site"/pyarrow/tests "$site"/pyarrow/include
 
 FROM ${PYTHON_IMAGE}
 # A fixed numeric user, so Kubernetes can check runAsNonRoot without reading /etc/passwd.

@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: bench-full bench-more demo ui ui-readonly test bench lint fmt clean
+.PHONY: bench-full bench-more demo image ui ui-readonly test bench lint fmt clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ ui-readonly: $(STAMP)
 ## test: the whole suite on a real PostgreSQL (embedded, or QO_OPS_TEST_DATABASE_URL)
 test: $(STAMP)
 	$(BIN)/pytest
+
+## image: the container image, built without a Docker daemon where needed (deploy/image/build.sh)
+# IMAGE=registry.example.com/qo-ops:TAG names it; PYTHON_IMAGE=… picks the base (docs/deploy.md)
+image:
+	deploy/image/build.sh $(IMAGE)
 
 ## bench: measured speed, compared with a baseline in the same run
 bench: $(STAMP)

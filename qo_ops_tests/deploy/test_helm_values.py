@@ -30,6 +30,7 @@ from qo_ops_tests.deploy.files import (
     REPO,
     chart_code_server_command,
     chart_code_server_probe,
+    chart_instance,
     k8s_registry,
     load_yaml,
     of_kind,
@@ -81,86 +82,6 @@ def test_the_contract_catches_misspelt_and_mistyped_values():
 
 
 # ------------------------------------------------------------------------- the instance
-
-
-def chart_instance(chart_values: dict[str, Any]) -> dict[str, Any]:
-    """The dagster.yaml the chart renders from ``chart_values`` (its templates
-    configmap-instance.yaml and helpers/instance/*.tpl), for what qo-ops sets."""
-    pg = chart_values["postgresql"]
-    assert not pg["enabled"], "Dagster's storage is the external PostgreSQL"
-    postgres = {
-        "postgres_db": {
-            "username": pg["postgresqlUsername"],
-            "password": {"env": "DAGSTER_PG_PASSWORD"},
-            "hostname": pg["postgresqlHost"],
-            "db_name": pg["postgresqlDatabase"],
-            "port": pg["service"]["port"],
-            "params": pg.get("postgresqlParams", {}),
-        }
-    }
-    launcher = chart_values["runLauncher"]["config"]["k8sRunLauncher"]
-    instance: dict[str, Any] = {
-        "scheduler": {"module": "dagster._core.scheduler", "class": "DagsterDaemonScheduler"},
-        "schedule_storage": {
-            "module": "dagster_postgres.schedule_storage",
-            "class": "PostgresScheduleStorage",
-            "config": postgres,
-        },
-        "run_storage": {
-            "module": "dagster_postgres.run_storage",
-            "class": "PostgresRunStorage",
-            "config": postgres,
-        },
-        "event_log_storage": {
-            "module": "dagster_postgres.event_log",
-            "class": "PostgresEventLogStorage",
-            "config": postgres,
-        },
-        "run_launcher": {
-            "module": "dagster_k8s",
-            "class": chart_values["runLauncher"]["type"],
-            "config": {
-                "load_incluster_config": launcher["loadInclusterConfig"],
-                "image_pull_policy": launcher["imagePullPolicy"],
-                "volumes": launcher["volumes"],
-                "volume_mounts": launcher["volumeMounts"],
-            },
-        },
-        "telemetry": {"enabled": chart_values["telemetry"]["enabled"]},
-    }
-    daemon = chart_values["dagsterDaemon"]
-    if daemon["enabled"] and daemon["runCoordinator"]["enabled"]:
-        queued = daemon["runCoordinator"]["config"]["queuedRunCoordinator"]
-        instance["run_coordinator"] = {
-            "module": "dagster._core.run_coordinator",
-            "class": daemon["runCoordinator"]["type"],
-            "config": {
-                "max_concurrent_runs": queued["maxConcurrentRuns"],
-                "tag_concurrency_limits": queued["tagConcurrencyLimits"],
-                "dequeue_interval_seconds": queued["dequeueIntervalSeconds"],
-            },
-        }
-    logs = chart_values["pythonLogs"]
-    instance["python_logs"] = {
-        "python_log_level": logs["pythonLogLevel"],
-        "managed_python_loggers": logs["managedPythonLoggers"],
-    }
-    monitoring = daemon["runMonitoring"]
-    if daemon["enabled"] and monitoring["enabled"]:  # the keys the chart renders
-        instance["run_monitoring"] = {
-            "enabled": True,
-            "start_timeout_seconds": monitoring["startTimeoutSeconds"],
-            "poll_interval_seconds": monitoring["pollIntervalSeconds"],
-            "free_slots_after_run_end_seconds": monitoring["freeSlotsAfterRunEndSeconds"],
-        }
-    retries = daemon["runRetries"]
-    if daemon["enabled"] and retries["enabled"]:
-        instance["run_retries"] = {"enabled": True, "max_retries": retries["maxRetries"]}
-    for key, section in chart_values.get("additionalInstanceConfig", {}).items():
-        # the chart appends it verbatim: a key it already rendered would appear twice
-        assert key not in instance, f"additionalInstanceConfig.{key} doubles the chart's own"
-        instance[key] = section
-    return instance
 
 
 def instance_differences(local: dict[str, Any], chart: dict[str, Any]) -> list[str]:
