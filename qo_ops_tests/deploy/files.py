@@ -7,6 +7,7 @@ that run the suite. What can be checked without them is checked by the tests bes
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
+from qo_ops.dagster_defs.k8s import K8S_CONFIG_TAG
 from qo_ops.platform.resource import DEPLOYMENT_ATTRIBUTES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -314,6 +316,76 @@ def chart_instance(chart_values: dict[str, Any]) -> dict[str, Any]:
         assert key not in instance, f"additionalInstanceConfig.{key} doubles the chart's own"
         instance[key] = section
     return instance
+
+
+def deep_merge(onto: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(onto)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def run_pod(
+    run_tags: dict[str, str], chart_values: dict[str, Any] | None = None, job_name: str = "job"
+) -> dict[str, Any]:
+    """The run worker pod dagster-k8s's K8sRunLauncher builds for a run with ``run_tags``,
+    from the pieces values.yaml gives it: the launcher's config, the code location's
+    container context (includeConfigInLaunchedRuns) and the run's dagster-k8s/config tag,
+    merged in that order (dagster_k8s.container_context, DEEP merge). The container's env:
+    dagster-k8s's own variables, then the container context's ``env`` and the merged
+    ``container_config.env`` (dagster_k8s.job.construct_dagster_k8s_job); its name is
+    ``container_config.name``, "dagster" by default. No instance volume: the run worker gets
+    its instance in its ``execute_run`` argument (``instance_config_map`` mounts nothing in
+    dagster-k8s 0.29). test_k8s_run_launcher.py compares this with the Job the real
+    launcher creates."""
+    chart_values = chart_values or values()
+    launcher = chart_values["runLauncher"]["config"]["k8sRunLauncher"]
+    deployment = chart_values["dagster-user-deployments"]["deployments"][0]
+    tag = json.loads(run_tags[K8S_CONFIG_TAG])
+    container_config = deep_merge(
+        launcher.get("runK8sConfig", {}).get("containerConfig", {}), tag["container_config"]
+    )
+    resources = deep_merge(
+        deep_merge(launcher.get("resources") or {}, deployment.get("resources") or {}),
+        container_config["resources"],
+    )
+    home = chart_values["global"]["dagsterHome"]
+    config_maps = [*launcher["envConfigMaps"], *deployment["envConfigMaps"]]
+    container = {
+        "name": container_config.get("name", "dagster"),
+        "image": f"{deployment['image']['repository']}:{deployment['image']['tag']}",
+        "imagePullPolicy": launcher["imagePullPolicy"],
+        "args": ["dagster", "api", "execute_run", "{}"],
+        "env": [
+            {"name": "DAGSTER_RUN_JOB_NAME", "value": job_name},
+            {"name": "DAGSTER_HOME", "value": home},
+            {
+                "name": "DAGSTER_PG_PASSWORD",
+                "valueFrom": {
+                    "secretKeyRef": {
+                        "name": chart_values["global"]["postgresqlSecretName"],
+                        "key": "postgresql-password",
+                    }
+                },
+            },
+            *deployment["env"],
+            *container_config.get("env", []),
+        ],
+        "envFrom": [{"configMapRef": {"name": c["name"]}} for c in config_maps],
+        "resources": resources,
+        "securityContext": launcher["securityContext"],
+        "volumeMounts": [*launcher["volumeMounts"], *deployment.get("volumeMounts", [])],
+    }
+    spec = {
+        **launcher["runK8sConfig"]["podSpecConfig"],
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [*launcher["volumes"], *deployment.get("volumes", [])],
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "dagster-run"}, "spec": spec}
 
 
 def chart_fullname() -> str:

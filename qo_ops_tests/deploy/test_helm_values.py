@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ import yaml
 from dagster._core.instance.config import dagster_instance_config
 from jsonschema import Draft202012Validator
 
-from qo_ops.dagster_defs.k8s import K8S_CONFIG_TAG
 from qo_ops.definitions import build_definitions
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops_tests.deploy.files import (
@@ -36,6 +34,7 @@ from qo_ops_tests.deploy.files import (
     of_kind,
     resource_env_errors,
     run_help,
+    run_pod,
     user_deployment,
     validate_k8s,
     values,
@@ -214,82 +213,6 @@ def test_the_archive_volume_is_shared_by_every_run():
 
 
 # ------------------------------------------------------------------------- the run pods
-
-
-def _deep_merge(onto: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    merged = copy.deepcopy(onto)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
-def run_pod(run_tags: dict[str, str], chart_values: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run worker pod dagster-k8s's K8sRunLauncher builds for a run with ``run_tags``,
-    from the pieces values.yaml gives it: the launcher's config, the code location's
-    container context (includeConfigInLaunchedRuns) and the run's dagster-k8s/config tag,
-    merged in that order (dagster_k8s.container_context, DEEP merge). The container's env is
-    dagster-k8s's order (dagster_k8s.job.construct_dagster_k8s_job): its own variables, the
-    container context's ``env``, then the merged ``container_config.env``; its name is
-    ``container_config.name``, "dagster" by default."""
-    chart_values = chart_values or values()
-    launcher = chart_values["runLauncher"]["config"]["k8sRunLauncher"]
-    deployment = chart_values["dagster-user-deployments"]["deployments"][0]
-    tag = json.loads(run_tags[K8S_CONFIG_TAG])
-    container_config = _deep_merge(
-        launcher.get("runK8sConfig", {}).get("containerConfig", {}), tag["container_config"]
-    )
-    resources = _deep_merge(
-        _deep_merge(launcher.get("resources") or {}, deployment.get("resources") or {}),
-        container_config["resources"],
-    )
-    home = chart_values["global"]["dagsterHome"]
-    config_maps = [*launcher["envConfigMaps"], *deployment["envConfigMaps"]]
-    container = {
-        "name": container_config.get("name", "dagster"),
-        "image": f"{deployment['image']['repository']}:{deployment['image']['tag']}",
-        "imagePullPolicy": launcher["imagePullPolicy"],
-        "args": ["dagster", "api", "execute_run", "{}"],
-        "env": [
-            {"name": "DAGSTER_HOME", "value": home},
-            {
-                "name": "DAGSTER_PG_PASSWORD",
-                "valueFrom": {
-                    "secretKeyRef": {
-                        "name": chart_values["global"]["postgresqlSecretName"],
-                        "key": "postgresql-password",
-                    }
-                },
-            },
-            *deployment["env"],
-            *container_config.get("env", []),
-        ],
-        "envFrom": [{"configMapRef": {"name": c["name"]}} for c in config_maps],
-        "resources": resources,
-        "securityContext": launcher["securityContext"],
-        "volumeMounts": [
-            *launcher["volumeMounts"],
-            *deployment.get("volumeMounts", []),
-            {
-                "name": "dagster-instance",
-                "mountPath": f"{home}/dagster.yaml",
-                "subPath": "dagster.yaml",
-            },
-        ],
-    }
-    spec = {
-        **launcher["runK8sConfig"]["podSpecConfig"],
-        "restartPolicy": "Never",
-        "containers": [container],
-        "volumes": [
-            *launcher["volumes"],
-            *deployment.get("volumes", []),
-            {"name": "dagster-instance", "configMap": {"name": "dagster-instance"}},
-        ],
-    }
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "dagster-run"}, "spec": spec}
 
 
 @pytest.fixture(scope="module")

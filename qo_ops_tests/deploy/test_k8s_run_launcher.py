@@ -52,6 +52,7 @@ from qo_ops_tests.deploy.files import (
     chart_code_server_command,
     chart_instance,
     load_yaml,
+    run_pod,
     values,
 )
 
@@ -74,6 +75,7 @@ class Cluster:
     instance: dg.DagsterInstance
     app: sa.Engine  # the qo-ops database, as its owner
     image: Image
+    chart_values: dict[str, Any]
 
     def get(self, path: str) -> dict[str, Any] | None:
         reply = httpx.get(f"{self.api}/{path}", timeout=10)
@@ -424,6 +426,7 @@ def cluster(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                     instance,
                     engine,
                     image,
+                    chart_values,
                 )
                 engine.dispose()
         finally:
@@ -439,6 +442,10 @@ def cluster(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 # ----------------------------------------------------------------------------- the tests
+
+
+def _by_name(env: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {variable["name"]: variable for variable in env}
 
 
 def _job_run(cluster: Cluster, run_id: str) -> str | None:
@@ -458,6 +465,9 @@ def test_a_queued_run_becomes_a_kubernetes_job_and_succeeds_and_the_next_of_its_
         lambda: cluster.job(first), 180, "the daemon to launch the first run", cluster.kubelet
     )
 
+    import pathlib
+
+    pathlib.Path("/tmp/job.json").write_text(json.dumps(job, indent=1))  # DEBUG
     # the Job: the code location's image and command, the catalog's resources, the run's labels
     spec = job["spec"]["template"]["spec"]
     (container,) = spec["containers"]
@@ -473,12 +483,16 @@ def test_a_queued_run_becomes_a_kubernetes_job_and_succeeds_and_the_next_of_its_
     )
     assert spec["securityContext"]["runAsUser"] == 10001 and spec["securityContext"]["runAsNonRoot"]
     assert spec["serviceAccountName"] == "dagster"
-    assert {"name": "qo-ops-home", "persistentVolumeClaim": {"claimName": "qo-ops-home"}} in spec[
-        "volumes"
-    ]
-    env_from = {source["configMapRef"]["name"] for source in container["envFrom"]}
-    assert "qo-ops-settings" in env_from  # the code location's settings, inherited
-    assert "QO_OPS_DATABASE_URL" in {e["name"] for e in container["env"]}  # its runner login
+    # and the rest is the pod the offline checks (test_helm_values.py's run_pod) predict
+    run = cluster.instance.get_run_by_id(first)
+    assert run is not None
+    expected = run_pod(dict(run.tags), cluster.chart_values, job_name=JOB)["spec"]
+    (want,) = expected["containers"]
+    assert _by_name(container["env"]) == _by_name(want["env"])
+    for key in ("name", "envFrom", "resources", "securityContext", "volumeMounts"):
+        assert container[key] == want[key], key
+    for key in ("securityContext", "volumes", "restartPolicy"):
+        assert spec[key] == expected[key], key
 
     # a second run of the same job and tenant waits while the first is in progress
     second = cluster.launch(TENANTS[0], {**execute, "reason": "k8s launch test, second"})
