@@ -107,7 +107,13 @@ def start_embedded_server(pgdata: Path) -> URL:
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
-        from pgserver.postgres_server import get_server
+        try:
+            from pgserver.postgres_server import get_server
+        except ImportError:  # the container image leaves it out: a pod never needs it
+            raise DatabaseUnavailable(
+                f"{DATABASE_URL_ENV} is not set, and this installation has no embedded "
+                "PostgreSQL (the pgserver package): set it to your server's URL"
+            ) from None
 
         try:
             server = get_server(pgdata, cleanup_mode=None)

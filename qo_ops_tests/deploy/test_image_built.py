@@ -18,6 +18,8 @@ from qo_ops_tests.deploy.files import dockerfile
 
 PRUNED = ("pandas/tests", "numpy/_core/tests", "pyarrow/tests", "pyarrow/include")
 DEV_ONLY = ("pytest", "ruff", "mypy", "hypothesis", "kmock", "playwright", "kubernetes_validate")
+# and pgserver: the embedded PostgreSQL, which a pod must never start in place of its database
+LEFT_OUT = (*DEV_ONLY, "pgserver")
 
 
 def _inspect(image: Image) -> dict:
@@ -50,7 +52,7 @@ def test_the_code_location_imports_inside_it_as_its_own_user(image: Image):
 def test_it_carries_no_build_tools_no_dev_extras_and_no_bundled_test_suites(image: Image):
     probe = (
         "import importlib.util as u, pathlib, shutil, sys\n"
-        f"print([m for m in {DEV_ONLY!r} if u.find_spec(m)])\n"
+        f"print([m for m in {LEFT_OUT!r} if u.find_spec(m)])\n"
         "print([t for t in ('gcc', 'cc', 'make', 'pip', 'pip3') if shutil.which(t)])\n"
         "site = pathlib.Path(sys.prefix, 'lib', 'python3.11', 'site-packages')\n"
         f"print([p for p in {PRUNED!r} if (site / p).exists()])\n"
@@ -61,6 +63,15 @@ def test_it_carries_no_build_tools_no_dev_extras_and_no_bundled_test_suites(imag
     dev, tools, unpruned, present = done.stdout.splitlines()
     assert (dev, tools, unpruned) == ("[]", "[]", "[]")
     assert present == "True"  # the prune took the tests, not the packages
+
+
+def test_without_a_database_url_it_stops_with_one_line_instead_of_an_embedded_server(image):
+    done = image.run("qo-ops", "db", "upgrade")  # no QO_OPS_DATABASE_URL, no pgserver inside
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "qo-ops: error: QO_OPS_DATABASE_URL is not set, and this installation has no embedded "
+        "PostgreSQL (the pgserver package): set it to your server's URL"
+    ]
 
 
 def test_its_default_command_passes_its_own_health_check(image: Image):
