@@ -46,7 +46,7 @@ ui-readonly: $(STAMP)
 
 ## test: the whole suite on a real PostgreSQL (embedded, or QO_OPS_TEST_DATABASE_URL)
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=25
 
 ## image: the container image, built without a Docker daemon where needed (deploy/image/build.sh)
 # IMAGE=registry.example.com/qo-ops:TAG names it; PYTHON_IMAGE=… picks the base (docs/deploy.md)

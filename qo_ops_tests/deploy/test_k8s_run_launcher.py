@@ -296,13 +296,14 @@ def cluster(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     with tcp_postgres(work) as server:
         app, storage, runner = _databases(server, suffix)
         emulator_port = free_port()
-        emulator = subprocess.Popen(
-            [sys.executable, "-m", "qo_ops_tests.deploy.cluster.emulator", str(emulator_port)],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        emulator_log = work / "emulator.log"  # a file, not a pipe nobody would drain
+        with emulator_log.open("w") as log:
+            emulator = subprocess.Popen(
+                [sys.executable, "-m", "qo_ops_tests.deploy.cluster.emulator", str(emulator_port)],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         api = f"http://127.0.0.1:{emulator_port}"
         kubelet = Kubelet(
             api,
@@ -313,7 +314,13 @@ def cluster(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         )
         (work / "qo-ops-home").mkdir()
         try:
-            assert emulator.stdout is not None and emulator.stdout.readline().strip() == "ready"
+            wait_until(
+                lambda: "ready" in emulator_log.read_text() or emulator.poll() is not None,
+                60,
+                "the Kubernetes API emulator",
+                kubelet,
+            )
+            assert emulator.poll() is None, emulator_log.read_text()[-3000:]
             chart_values = site_values(server.port or 5432, storage)
             code_port, web_port = free_port(), free_port()
             home = chart_values["global"]["dagsterHome"]

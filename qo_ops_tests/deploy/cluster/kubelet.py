@@ -93,6 +93,22 @@ class Kubelet:
     def pod_of(self, job: str) -> str | None:
         return next((p.name for p in self._pods.values() if p.job == job), None)
 
+    def report(self, lines: int = 15) -> str:
+        """Every pod's state and the end of its output: what a timed-out test prints."""
+        parts = []
+        for pod in self._pods.values():
+            code = None if pod.process is None else pod.process.poll()
+            state = (
+                "pending"
+                if pod.process is None
+                else "running"
+                if code is None
+                else f"exited {code}"
+            )
+            tail = self.log_of(pod.name).splitlines()[-lines:]
+            parts.append(f"--- pod {pod.name} ({state})\n" + "\n".join(tail))
+        return "\n".join([f"kubelet errors: {self.errors}", *parts])
+
     def log_of(self, job_or_pod: str) -> str:
         pod = next((p for p in self._pods.values() if job_or_pod in (p.job, p.name)), None)
         if pod is None or pod.log is None or not pod.log.exists():
@@ -374,12 +390,11 @@ def _field(pod: dict[str, Any], path: str) -> str:
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, kubelet: Kubelet) -> Any:
-    """``condition()`` once truthy; on timeout an AssertionError that says what the kubelet
-    saw go wrong."""
+    """``condition()`` once truthy; on timeout an AssertionError with what every pod said."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = condition()
         if value:
             return value
         time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; kubelet errors: {kubelet.errors}")
+    raise AssertionError(f"timed out waiting for {what}\n{kubelet.report()}")
