@@ -18,8 +18,9 @@ from qo_ops_tests.deploy.files import dockerfile
 
 PRUNED = ("pandas/tests", "numpy/_core/tests", "pyarrow/tests", "pyarrow/include")
 DEV_ONLY = ("pytest", "ruff", "mypy", "hypothesis", "kmock", "playwright", "kubernetes_validate")
-# and pgserver: the embedded PostgreSQL, which a pod must never start in place of its database
-LEFT_OUT = (*DEV_ONLY, "pgserver")
+# pgserver: the embedded PostgreSQL, which a pod must never start in place of its database;
+# qo_ops_tests: the tests, with the emulator and kubelet scaffolding, never shipped
+LEFT_OUT = (*DEV_ONLY, "pgserver", "qo_ops_tests")
 
 
 def _inspect(image: Image) -> dict:
