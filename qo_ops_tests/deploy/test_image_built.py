@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from qo_ops_tests.deploy.cluster.containers import PODMAN_RUN, Image, remove_containers
+from qo_ops_tests.deploy.cluster.containers import PODMAN_ALONE, Image, remove_containers
 from qo_ops_tests.deploy.files import dockerfile
 
 PRUNED = ("pandas/tests", "numpy/_core/tests", "pyarrow/tests", "pyarrow/include")
@@ -77,8 +77,11 @@ def test_without_a_database_url_it_stops_with_one_line_instead_of_an_embedded_se
 
 def test_its_default_command_passes_its_own_health_check(image: Image):
     name = f"qo-ops-test-code-{uuid.uuid4().hex[:8]}"
-    # the default command as it stands: dumb-init, then `dagster api grpc … -p 3030`
-    subprocess.run([*PODMAN_RUN, "-d", "--name", name, image.name], check=True, capture_output=True)
+    # the default command as it stands: dumb-init, then `dagster api grpc … -p 3030`, on the
+    # container's own loopback (the health check runs inside it too), so no host port is used
+    subprocess.run(
+        [*PODMAN_ALONE, "-d", "--name", name, image.name], check=True, capture_output=True
+    )
     probe = ["podman", "exec", name, *_inspect(image)["Healthcheck"]["Test"][1:]]
     try:
         end = time.monotonic() + 120

@@ -22,7 +22,7 @@ from qo_ops_tests.deploy.files import REPO, truthy_env
 BUILD = REPO / "deploy" / "image" / "build.sh"
 TOOLS = ("buildah", "podman", "runc")
 INSTALL = "apt-get install buildah podman runc mmdebstrap (.ci/run installs them)"
-PODMAN_RUN = [
+PODMAN = [
     "podman",
     "run",
     "--runtime",
@@ -32,9 +32,9 @@ PODMAN_RUN = [
     "--ulimit",
     "nproc=4096:4096",
     "--no-healthcheck",
-    "--network",
-    "host",
 ]
+PODMAN_RUN = [*PODMAN, "--network", "host"]  # as a pod reaches cluster services
+PODMAN_ALONE = [*PODMAN, "--network", "none"]  # its own loopback only: no port of the host
 
 
 def require_builder() -> None:
