@@ -480,7 +480,8 @@ def test_a_queued_run_becomes_a_kubernetes_job_and_succeeds_and_the_next_of_its_
     (container,) = spec["containers"]
     assert container["image"] == cluster.image.name
     assert container["args"][:3] == ["dagster", "api", "execute_run"]
-    assert json.loads(container["args"][3])["__class__"] == "ExecuteRunArgs"
+    execute_args = json.loads(container["args"][3])
+    assert (execute_args["__class__"], execute_args["pipeline_run_id"]) == ("ExecuteRunArgs", first)
     assert container["resources"] == run_pod_resources(CATALOG[JOB]), "the catalog's run pod"
     labels = job["metadata"]["labels"]
     assert (labels["dagster/run-id"], labels["dagster/job"], labels["dagster/code-location"]) == (
@@ -493,6 +494,7 @@ def test_a_queued_run_becomes_a_kubernetes_job_and_succeeds_and_the_next_of_its_
     # and the rest is the pod the offline checks (test_helm_values.py's run_pod) predict
     run = cluster.instance.get_run_by_id(first)
     assert run is not None
+    assert run.tags["dagster/image"] == cluster.image.name  # the launcher tagged the run
     expected = run_pod(dict(run.tags), cluster.chart_values, job_name=JOB)["spec"]
     (want,) = expected["containers"]
     assert _by_name(container["env"]) == _by_name(want["env"])
