@@ -11,6 +11,7 @@ emulator, PostgreSQL and the code location on 127.0.0.1 as a pod reaches cluster
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -22,15 +23,25 @@ from qo_ops_tests.deploy.files import REPO, truthy_env
 BUILD = REPO / "deploy" / "image" / "build.sh"
 TOOLS = ("buildah", "podman", "runc")
 INSTALL = "apt-get install buildah podman runc mmdebstrap (.ci/run installs them)"
+
+
+def _ulimit(kind: int, wanted: int = 4096) -> str:
+    """podman's default limits exceed what this sandbox may set (``setrlimit … Operation not
+    permitted``): ask for ``wanted``, or the hard limit this process has when it is lower."""
+    hard = resource.getrlimit(kind)[1]
+    value = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    return f"{value}:{value}"
+
+
 PODMAN = [
     "podman",
     "run",
     "--runtime",
     "runc",
     "--ulimit",
-    "nofile=4096:4096",
+    f"nofile={_ulimit(resource.RLIMIT_NOFILE)}",
     "--ulimit",
-    "nproc=4096:4096",
+    f"nproc={_ulimit(resource.RLIMIT_NPROC)}",
     "--no-healthcheck",
 ]
 PODMAN_RUN = [*PODMAN, "--network", "host"]  # as a pod reaches cluster services
