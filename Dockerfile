@@ -24,8 +24,8 @@ COPY qo_ops ./qo_ops
 # dagster-k8s: run workers load the instance, whose run launcher is the K8sRunLauncher.
 # dumb-init: the image's PID 1 (a static binary in a wheel, pinned like everything else).
 # The installer itself does not go to the runtime stage, nor do the test suites and C headers
-# that pandas, numpy and pyarrow ship inside their wheels (~65 MB nothing imports), nor
-# pgserver, the embedded PostgreSQL (34 MB): a pod whose QO_OPS_DATABASE_URL is missing then
+# that pandas, numpy and pyarrow ship inside their wheels (71 MB nothing imports), nor
+# pgserver, the embedded PostgreSQL (32 MB): a pod whose QO_OPS_DATABASE_URL is missing then
 # stops with one line instead of starting an empty database of its own.
 RUN /opt/qo-ops/bin/pip install --no-cache-dir --no-build-isolation -c constraints.txt \
         . dagster-k8s dumb-init \

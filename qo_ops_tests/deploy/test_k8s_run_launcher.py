@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -466,52 +465,61 @@ def test_a_queued_run_becomes_a_kubernetes_job_and_succeeds_and_the_next_of_its_
     cluster,
 ):
     execute = {"mode": "execute", "reason": "k8s launch test", "batch_size": 50}
-    cluster.kubelet.hold()  # the first run's pod stays Pending: the run is in progress, not started
-    first = cluster.launch(TENANTS[0], execute)
-    job = wait_until(
-        lambda: cluster.job(first), 180, "the daemon to launch the first run", cluster.kubelet
-    )
+    # while held, the first run's pod stays Pending: the run is in progress, not started
+    with cluster.kubelet.holding():
+        first = cluster.launch(TENANTS[0], execute)
+        job = wait_until(
+            lambda: cluster.job(first), 180, "the daemon to launch the first run", cluster.kubelet
+        )
 
-    import pathlib
+        # the Job: the code location's image and command, the catalog's resources, the run's labels
+        spec = job["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        assert container["image"] == cluster.image.name
+        assert container["args"][:3] == ["dagster", "api", "execute_run"]
+        execute_args = json.loads(container["args"][3])
+        assert (execute_args["__class__"], execute_args["pipeline_run_id"]) == (
+            "ExecuteRunArgs",
+            first,
+        )
+        assert container["resources"] == run_pod_resources(CATALOG[JOB]), "the catalog's run pod"
+        labels = job["metadata"]["labels"]
+        assert (
+            labels["dagster/run-id"],
+            labels["dagster/job"],
+            labels["dagster/code-location"],
+        ) == (
+            first,
+            JOB,
+            LOCATION,
+        )
+        assert (
+            spec["securityContext"]["runAsUser"] == 10001
+            and spec["securityContext"]["runAsNonRoot"]
+        )
+        assert spec["serviceAccountName"] == "dagster"
+        # and the rest is the pod the offline checks (test_helm_values.py's run_pod) predict
+        run = cluster.instance.get_run_by_id(first)
+        assert run is not None
+        assert run.tags["dagster/image"] == cluster.image.name  # the launcher tagged the run
+        expected = run_pod(dict(run.tags), cluster.chart_values, job_name=JOB)["spec"]
+        (want,) = expected["containers"]
+        assert _by_name(container["env"]) == _by_name(want["env"])
+        for key in ("name", "envFrom", "resources", "securityContext", "volumeMounts"):
+            assert container[key] == want[key], key
+        for key in ("securityContext", "volumes", "restartPolicy"):
+            assert spec[key] == expected[key], key
 
-    pathlib.Path("/tmp/job.json").write_text(json.dumps(job, indent=1))  # DEBUG
-    # the Job: the code location's image and command, the catalog's resources, the run's labels
-    spec = job["spec"]["template"]["spec"]
-    (container,) = spec["containers"]
-    assert container["image"] == cluster.image.name
-    assert container["args"][:3] == ["dagster", "api", "execute_run"]
-    execute_args = json.loads(container["args"][3])
-    assert (execute_args["__class__"], execute_args["pipeline_run_id"]) == ("ExecuteRunArgs", first)
-    assert container["resources"] == run_pod_resources(CATALOG[JOB]), "the catalog's run pod"
-    labels = job["metadata"]["labels"]
-    assert (labels["dagster/run-id"], labels["dagster/job"], labels["dagster/code-location"]) == (
-        first,
-        JOB,
-        LOCATION,
-    )
-    assert spec["securityContext"]["runAsUser"] == 10001 and spec["securityContext"]["runAsNonRoot"]
-    assert spec["serviceAccountName"] == "dagster"
-    # and the rest is the pod the offline checks (test_helm_values.py's run_pod) predict
-    run = cluster.instance.get_run_by_id(first)
-    assert run is not None
-    assert run.tags["dagster/image"] == cluster.image.name  # the launcher tagged the run
-    expected = run_pod(dict(run.tags), cluster.chart_values, job_name=JOB)["spec"]
-    (want,) = expected["containers"]
-    assert _by_name(container["env"]) == _by_name(want["env"])
-    for key in ("name", "envFrom", "resources", "securityContext", "volumeMounts"):
-        assert container[key] == want[key], key
-    for key in ("securityContext", "volumes", "restartPolicy"):
-        assert spec[key] == expected[key], key
-
-    # a second run of the same job and tenant waits while the first is in progress
-    second = cluster.launch(TENANTS[0], {**execute, "reason": "k8s launch test, second"})
-    for _ in range(4):  # two daemon dequeue intervals each
-        time.sleep(2)
+        # a second run of the same job and tenant waits while the first is in progress
+        second = cluster.launch(TENANTS[0], {**execute, "reason": "k8s launch test, second"})
+        # a run of another tenant, queued after it, is launched: the daemon has gone through the
+        # queue since the second run joined it, and left that one where it was
+        other = cluster.launch(TENANTS[1], {"mode": "dry_run"})
+        wait_until(lambda: cluster.job(other), 180, "the other tenant's run", cluster.kubelet)
         assert cluster.status(second) == dg.DagsterRunStatus.QUEUED
         assert cluster.job(second) is None
-    assert cluster.status(first) == dg.DagsterRunStatus.STARTING
+        assert cluster.status(first) == dg.DagsterRunStatus.STARTING
 
-    cluster.kubelet.release()
     assert cluster.wait_finished(first) == dg.DagsterRunStatus.SUCCESS, cluster.explain(first)
     wait_until(  # the pod exits after the run has ended; then its Job has succeeded
         lambda: cluster.job(first)["status"].get("succeeded") == 1,
@@ -522,6 +530,7 @@ def test_a_queued_run_becomes_a_kubernetes_job_and_succeeds_and_the_next_of_its_
     assert _job_run(cluster, first) == "success"
     assert cluster.wait_finished(second) == dg.DagsterRunStatus.SUCCESS, cluster.explain(second)
     assert _job_run(cluster, second) == "no_work"  # the first had done the work
+    assert cluster.wait_finished(other) == dg.DagsterRunStatus.SUCCESS, cluster.explain(other)
     first_end = cluster.instance.get_run_record_by_id(first).end_time
     assert cluster.instance.get_run_record_by_id(second).start_time >= first_end
     with cluster.app.connect() as conn:  # the work itself: every past-due quote expired

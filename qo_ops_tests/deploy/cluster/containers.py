@@ -65,13 +65,11 @@ def require_builder() -> None:
 class Image:
     name: str
     size_bytes: int
-    build_output: str
 
-    def run(self, *args: str, timeout: float = 120, **options: str) -> subprocess.CompletedProcess:
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         """``podman run --rm`` of this image with ``args`` (after its ENTRYPOINT, the init)."""
-        flags = [f"--{key.replace('_', '-')}={value}" for key, value in options.items()]
         return subprocess.run(
-            [*PODMAN_RUN, "--rm", *flags, self.name, *args],
+            [*PODMAN_RUN, "--rm", self.name, *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -91,7 +89,7 @@ def build_image(name: str) -> Image:
         text=True,
         check=True,
     )
-    return Image(name, int(size.stdout.strip()), output)
+    return Image(name, int(size.stdout.strip()))
 
 
 def remove_containers(prefix: str) -> None:

@@ -14,8 +14,8 @@ A pod deleted while its container runs is killed at once (SIGKILL: the emulator 
 graceful deletion, so this is ``kubectl delete pod --grace-period=0 --force``, or a lost
 node) and its Job counts it failed, as the Job controller does.
 
-``hold()`` leaves new Jobs' pods Pending (scheduled nowhere) until ``release()``. What it does not
-do: scheduling, resource limits (recorded in the Job, not enforced), network policies,
+``holding()`` leaves new Jobs' pods Pending (scheduled nowhere) inside its block.
+What it does not do: scheduling, resource limits (recorded in the Job, not enforced), network policies,
 image pulls (the image is local), restarts.
 """
 
@@ -28,7 +28,8 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -83,34 +84,36 @@ class Kubelet:
         if self._client is not None:
             self._client.close()
 
-    def hold(self) -> None:
-        """New Jobs' pods stay Pending until ``release()``."""
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """New Jobs' pods stay Pending inside the block; they start once it is left."""
         self._held.set()
+        try:
+            yield
+        finally:
+            self._held.clear()
 
-    def release(self) -> None:
-        self._held.clear()
+    # The test's thread reads what the kubelet's thread adds to: it reads copies.
 
     def pod_of(self, job: str) -> str | None:
-        return next((p.name for p in self._pods.values() if p.job == job), None)
+        return next((p.name for p in list(self._pods.values()) if p.job == job), None)
 
     def report(self, lines: int = 15) -> str:
         """Every pod's state and the end of its output: what a timed-out test prints."""
         parts = []
-        for pod in self._pods.values():
-            code = None if pod.process is None else pod.process.poll()
-            state = (
-                "pending"
-                if pod.process is None
-                else "running"
-                if code is None
-                else f"exited {code}"
-            )
+        for pod in list(self._pods.values()):
+            if pod.process is None:
+                state = "pending"
+            else:
+                code = pod.process.poll()
+                state = "running" if code is None else f"exited {code}"
             tail = self.log_of(pod.name).splitlines()[-lines:]
             parts.append(f"--- pod {pod.name} ({state})\n" + "\n".join(tail))
-        return "\n".join([f"kubelet errors: {self.errors}", *parts])
+        return "\n".join([f"kubelet errors: {list(self.errors)}", *parts])
 
     def log_of(self, job_or_pod: str) -> str:
-        pod = next((p for p in self._pods.values() if job_or_pod in (p.job, p.name)), None)
+        pods = list(self._pods.values())
+        pod = next((p for p in pods if job_or_pod in (p.job, p.name)), None)
         if pod is None or pod.log is None or not pod.log.exists():
             return ""
         return pod.log.read_text(errors="replace")
