@@ -8,7 +8,8 @@ generate_series into a template database, VACUUM ANALYZE; every measurement runs
 ``CREATE DATABASE … TEMPLATE`` clone (same bytes for the job and its baseline), after
 ``settle()``, and is verified afterwards (the state the job promises, counted in the
 database and on disk). Job and baseline runs alternate; figures are medians over
-``profile.repeats`` runs.
+``profile.repeats`` runs with their min and max; a ratio is the median of the repeats'
+job/baseline pairs (each pair back to back), with the lowest and highest pair.
 
 * The job: ``qo-ops run JOB --tenant T [--from D --to D] --mode execute --reason … --json``
   in its own process (``measure_command``: wall time and peak RSS), default batch size. Its
@@ -53,7 +54,7 @@ from bench.common import (
     settle,
     stopwatch,
 )
-from bench.suite import Profile, Row, Section, median
+from bench.suite import Profile, Row, Section, Spread, median, pairwise_ratios
 from qo_ops.jobs import audit_archive as archive_job
 from qo_ops.jobs import temp_file_cleanup as cleanup_job
 from qo_ops.jobs.audit_archive import steps as archive_steps
@@ -745,7 +746,7 @@ def _cases(n: int) -> list[Case]:
         ),
         Case(
             "read_model_repair",
-            0.5,
+            0.7,
             _read_model_load,
             read_model_baseline,
             verify_read_model,
@@ -754,7 +755,7 @@ def _cases(n: int) -> list[Case]:
         ),
         Case(
             "temp_file_cleanup",
-            0.5,
+            0.7,
             _temp_file_load,
             cleanup_baseline,
             verify_cleanup,
@@ -1044,27 +1045,36 @@ def run(profile: Profile) -> Section:
     rows: list[Row] = []
     for case in cases:
         r = results[case.job]
-        job_rate = median([x["rows_per_s"] for x in r["job"]])
-        wall_rate = median([x["rows_per_s_wall"] for x in r["job"]])
-        limit_rate = median([x["rows_per_s"] for x in r["baseline"]])
-        ratio = job_rate / limit_rate
+        job = Spread.of([x["rows_per_s"] for x in r["job"]])
+        wall = Spread.of([x["rows_per_s_wall"] for x in r["job"]])
+        limit = Spread.of([x["rows_per_s"] for x in r["baseline"]])
+        # repeat i's job and baseline ran back to back on clones of one template
+        ratio = pairwise_ratios(
+            [x["rows_per_s"] for x in r["job"]], [x["rows_per_s"] for x in r["baseline"]]
+        )
+        ratio_wall = pairwise_ratios(
+            [x["rows_per_s_wall"] for x in r["job"]], [x["rows_per_s"] for x in r["baseline"]]
+        )
         r["summary"] = {
-            "job_rows_per_s": job_rate,
-            "job_rows_per_s_wall": wall_rate,
-            "limit_rows_per_s": limit_rate,
-            "ratio": ratio,
-            "ratio_wall": wall_rate / limit_rate,
+            "job_rows_per_s": job.mid,
+            "job_rows_per_s_wall": wall.mid,
+            "limit_rows_per_s": limit.mid,
+            "ratio": ratio.mid,
+            "ratio_min": ratio.low,
+            "ratio_max": ratio.high,
+            "ratio_wall": ratio_wall.mid,
         }
         rows.append(
             Row(
                 what=f"throughput: {case.job}",
                 size=f"{case.rows:,} rows, batch {r['job'][0]['batch_size']:,}",
-                figure=_rate(job_rate),
-                limit=f"{_rate(limit_rate)} ({case.limit_label})",
-                ratio=ratio,
+                figure=job.show(_rate),
+                limit=f"{limit.show(_rate)} ({case.limit_label})",
+                ratio=ratio.mid,
                 goal=f">= {case.goal}",
-                met=ratio >= case.goal,
-                note=f"ratio by CLI wall time {wall_rate / limit_rate:.2f}",
+                met=ratio.mid >= case.goal,
+                note=f"ratio by CLI wall time {ratio_wall.show(lambda v: f'{v:.2f}')}",
+                ratio_range=ratio.range,
             )
         )
 
@@ -1090,7 +1100,7 @@ def run(profile: Profile) -> Section:
     for case in cases:
         jobs = results[case.job]["job"]
         p50 = median([x["batch_ms_p50"] for x in jobs])
-        p99 = median([x["batch_ms_p99"] for x in jobs])
+        p99 = Spread.of([x["batch_ms_p99"] for x in jobs])
         worst = max(x["batch_ms_max"] for x in jobs)
         batches = int(median([x["batches"] for x in jobs]))
         external = get_spec(case.job).external is not None
@@ -1098,13 +1108,14 @@ def run(profile: Profile) -> Section:
             Row(
                 what=f"batch transaction: {case.job}",
                 size=f"{batches:,} batch(es) of ≤ {jobs[0]['batch_size']:,}",
-                figure=f"p50 {p50:,.0f} / p99 {p99:,.0f} / max {worst:,.0f} ms",
+                figure=f"p50 {p50:,.0f} / p99 {p99.show(lambda v: f'{v:,.0f}')} / "
+                f"max {worst:,.0f} ms",
                 limit="2 transactions + file phase (upper bound)"
                 if external
                 else "max ≈ longest lock hold",
                 ratio=None,
                 goal=f"p99 < {GOAL_P99_MS:.0f} ms",
-                met=p99 < GOAL_P99_MS,
+                met=p99.mid < GOAL_P99_MS,
             )
         )
 
@@ -1154,8 +1165,10 @@ def _notes(
         "each row's note). Limit: the same end state reached set-based in ONE transaction, "
         "timed from connect to commit. Each measurement on its own CREATE DATABASE … TEMPLATE "
         "clone of a generate_series load (VACUUM ANALYZE'd), after CHECKPOINT and no "
-        "autovacuum running; job and baseline runs alternate; medians of "
-        f"{profile.repeats} run(s). Every run is verified afterwards (job: status success, "
+        "autovacuum running; job and baseline runs alternate (repeat i: job then baseline, "
+        "or baseline then job); figures are medians of "
+        f"{profile.repeats} run(s) with (min–max), the ratio the median of each repeat's "
+        "job/baseline pair with its lowest and highest. Every run is verified afterwards (job: status success, "
         "processed = mutated = rows, all checks passed; both: the end state counted in the "
         "database and on disk) or the suite stops.",
         *[f"Limit of {c.job}: {BASELINE_NOTES[c.job]}." for c in cases],

@@ -121,6 +121,9 @@ class Row:
     goal: str  # e.g. ">= 0.7"
     met: bool | None
     note: str = ""
+    # the lowest and highest ratio of the runs whose median is ``ratio`` (pair by pair where
+    # the figure and its limit were measured in alternation), so a swing reads as noise
+    ratio_range: tuple[float, float] | None = None
 
 
 @dataclass
@@ -133,6 +136,39 @@ class Section:
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Min, median and max of one figure's repeats: the median is the figure, min and max say
+    how much of a difference between two runs is noise."""
+
+    low: float
+    mid: float
+    high: float
+    runs: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        return cls(float(min(values)), median(values), float(max(values)), len(values))
+
+    @property
+    def range(self) -> tuple[float, float] | None:
+        """(min, max), or None for a single run (nothing to compare it with)."""
+        return (self.low, self.high) if self.runs > 1 else None
+
+    def show(self, fmt: Callable[[float], str]) -> str:
+        """``fmt(median)``, then ``(fmt(min)–fmt(max))`` when there was more than one run."""
+        if self.runs < 2:
+            return fmt(self.mid)
+        return f"{fmt(self.mid)} ({fmt(self.low)}–{fmt(self.high)})"
+
+
+def pairwise_ratios(figures: list[float], limits: list[float]) -> Spread:
+    """The ratio figure/limit of each repeat (each pair measured back to back, in alternating
+    order), as a spread: a drift of the machine's speed between repeats hits both sides of a
+    pair alike."""
+    return Spread.of([f / lim for f, lim in zip(figures, limits, strict=True)])
 
 
 def repeat(times: int, measure: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
@@ -181,6 +217,8 @@ def table_rows(section: Section) -> list[str]:
     lines = []
     for r in section.rows:
         ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+        if r.ratio is not None and r.ratio_range is not None:
+            ratio += f" ({r.ratio_range[0]:.2f}–{r.ratio_range[1]:.2f})"
         met = "" if r.met is None else ("yes" if r.met else "**no**")
         lines.append(
             f"| {section.title} | {r.what} | {r.size} | {r.figure} | {r.limit} | {ratio} | "
@@ -207,7 +245,10 @@ def write_benchmarks_md(profile: Profile, sections: list[Section], took_s: float
         "",
         "Written by `python -m bench.suite` (`make bench`). Every figure is a median of "
         f"{profile.repeats} run(s), beside its limit measured in the same run on the same "
-        "machine; the ratio is the figure.",
+        "machine; the ratio is the figure. Where a row shows a range in brackets, it is the "
+        "lowest and highest of those runs (for a ratio: of each run's figure over the limit "
+        "measured beside it, in alternating order), so that a swing between two suite runs "
+        "within that range reads as noise, not as a regression.",
         "",
         f"- profile: **{profile.name}** ({json.dumps(asdict(profile))})",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; Python "
