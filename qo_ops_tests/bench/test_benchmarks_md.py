@@ -4,7 +4,15 @@ it was measured."""
 
 from __future__ import annotations
 
-from bench.suite import PROFILES, Row, Section, update_benchmarks_md
+from bench.suite import (
+    PROFILES,
+    Row,
+    Section,
+    Spread,
+    pairwise_ratios,
+    table_rows,
+    update_benchmarks_md,
+)
 
 BEFORE = """# Benchmarks
 
@@ -90,3 +98,17 @@ def test_one_section_replaces_its_rows_and_notes_and_nothing_else(tmp_path):
         return "\n".join(x for x in t.splitlines() if not x.startswith("- re-measured: "))
 
     assert without_remeasured(again).replace("70.0 s", "75.0 s") == without_remeasured(text)
+
+
+def test_a_figure_shows_its_spread_and_a_ratio_its_pairs_range():
+    job = Spread.of([900.0, 1_000.0, 1_100.0])
+    ratio = pairwise_ratios([900.0, 1_000.0, 1_100.0], [1_500.0, 1_400.0, 1_500.0])
+    assert (ratio.low, ratio.high) == (0.6, 1_100.0 / 1_500.0)
+    assert round(ratio.mid, 4) == round(1_000.0 / 1_400.0, 4)  # the median pair, not med/med
+    row = Row("throughput", "3", job.show(lambda v: f"{v:,.0f}"), "l", ratio.mid, ">= 0.7",
+              ratio.mid >= 0.7, ratio_range=ratio.range)  # fmt: skip
+    line = table_rows(Section("Jobs", [row]))[0]
+    assert "| 1,000 (900–1,100) |" in line
+    assert "| 0.71 (0.60–0.73) | >= 0.7 | yes |" in line
+    single = Spread.of([1_000.0])
+    assert single.show(lambda v: f"{v:,.0f}") == "1,000" and single.range is None
