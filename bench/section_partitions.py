@@ -48,7 +48,7 @@ from bench.common import (
     settle,
     stopwatch,
 )
-from bench.suite import Profile, Row, Section, median
+from bench.suite import Profile, Row, Section, Spread, median, pairwise_ratios
 
 TITLE = "Parallel partitions"
 PREFIX = "qo_ops_bench_part"
@@ -323,13 +323,21 @@ def run(profile: Profile) -> Section:
     for n in ns:
         runs = results[n]
         durations = [d for r in runs for d in r["duration_ms"].values()]
+        # repeat i measured every n in turn: its n=1 run is the pair of its n run
+        scaling = (
+            pairwise_ratios([r["rows_per_s"] for r in runs], [r["rows_per_s"] for r in results[1]])
+            if base is not None and n > 1
+            else None
+        )
         rows.append(
             Row(
                 what=f"{n} tenant(s) at once: aggregate rows/s",
                 size=f"{n} x {per_tenant:,}",
-                figure=f"{rate[n]:,.0f} rows/s",
+                figure=Spread.of([r["rows_per_s"] for r in runs]).show(lambda v: f"{v:,.0f}")
+                + " rows/s",
                 limit="baseline" if n == 1 else f"{rate[1]:,.0f} rows/s at n=1" if base else "",
-                ratio=None if base is None or n == 1 else rate[n] / base,
+                ratio=None if scaling is None else scaling.mid,
+                ratio_range=None if scaling is None else scaling.range,
                 goal="information (2 cores: ~2x at most)",
                 met=None,
                 note=f"wall {median([r['wall_s'] for r in runs]):.1f} s; job duration_ms median "
@@ -387,7 +395,8 @@ def run(profile: Profile) -> Section:
         "expired ACTIVE quotes (tenants interleaved on the heap), n `qo-ops run "
         "quote_expiration --mode execute` processes started at once (tenant-001..n); "
         "rows/s = n x rows / wall time from the first start to the last exit, process "
-        f"start-up included; medians of {profile.repeats} run(s), the n values interleaved.",
+        f"start-up included; medians (min–max) of {profile.repeats} run(s), the n values "
+        "interleaved; the ratio to n=1 is the median of each repeat's pair.",
         "Lock waits: every ~100 ms, the backends of the run's database with wait_event_type = "
         "'Lock' (pg_stat_activity) and the ungranted pg_locks rows; each process connects with "
         "application_name = its tenant, and each ungranted lock is attributed, in the same "
