@@ -101,4 +101,4 @@ def test_the_schema_check_needs_the_revision_alembic_knows_as_head() -> None:
     """``require_current`` compares with ``HEAD_REVISION`` to spare every command Alembic:
     a new migration must move it."""
     script = ScriptDirectory(str(migrate.MIGRATIONS_DIR))
-    assert migrate.HEAD_REVISION == script.get_current_head(), "move migrate.HEAD_REVISION"
+    assert script.get_current_head() == migrate.HEAD_REVISION, "move migrate.HEAD_REVISION"
