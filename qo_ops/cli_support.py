@@ -6,6 +6,12 @@ them; who asks; the engine a command works on.
 Used by ``qo-ops`` (``qo_ops.cli``) and its sub-commands in other packages (``qo_ops.api.cli``,
 ``qo_ops.downstream.cli``, which also runs as a module). It imports nothing of them: a
 sub-command that runs alone does not load the whole command line.
+
+A command line answers at once: this module, and every module that declares commands,
+imports at module level only Typer, the standard library and light modules of qo_ops (such
+as ``qo_ops.errors``); what a command works with (SQLAlchemy, the catalog, the runner,
+Alembic, FastAPI…) it imports inside its function, when it runs. ``qo-ops --help`` and each
+command thus load only what they use (qo_ops_tests/test_cli_imports.py checks).
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from sqlalchemy.exc import SQLAlchemyError
 from typer._click import exceptions as click_exceptions  # typer vendors click
 
 from qo_ops.errors import EXIT_BAD_INPUT, QoOpsError, one_line
@@ -84,22 +89,27 @@ def run_typer_app(app: typer.Typer, argv: list[str] | None, prog: str) -> int:
     except QoOpsError as exc:
         typer.echo(f"{prog}: error: {exc}", err=True)
         return exc.exit_code
-    except SQLAlchemyError as exc:
-        if debug:
-            raise
-        orig = getattr(exc, "orig", None) or exc
-        first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-        typer.echo(f"{prog}: database error: {one_line(first)}", err=True)
-        return EXIT_FAILED
     except Exception as exc:  # the last line of defence: still one line, still no secrets
         if debug:
             raise
+        if _is_database_error(exc):
+            orig = getattr(exc, "orig", None) or exc
+            first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+            typer.echo(f"{prog}: database error: {one_line(first)}", err=True)
+            return EXIT_FAILED
         typer.echo(
             f"{prog}: internal error: {type(exc).__name__}: {one_line(str(exc))} "
             "(QO_OPS_DEBUG=1 shows the traceback)",
             err=True,
         )
         return EXIT_INTERNAL
+
+
+def _is_database_error(exc: Exception) -> bool:
+    """Whether ``exc`` is SQLAlchemy's. Not imported for this: a command that never
+    loaded SQLAlchemy cannot have raised its errors."""
+    loaded = sys.modules.get("sqlalchemy.exc")
+    return loaded is not None and isinstance(exc, loaded.SQLAlchemyError)
 
 
 # ------------------------------------------------------------------------- input

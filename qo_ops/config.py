@@ -16,6 +16,7 @@ from qo_ops.errors import ConfigError
 DATABASE_URL_ENV = "QO_OPS_DATABASE_URL"
 HOME_ENV = "QO_OPS_HOME"
 DEFAULT_HOME = ".qo_ops"
+OTLP_ENV = "QO_OPS_OTLP_ENDPOINT"  # traces go there (qo_ops.platform.tracing); unset: no tracing
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,13 @@ Here the app is put together; the commands live in the modules beside this one, 
 each: ``manual_run`` (``qo-ops run``), ``runs`` (status, runs, downstream-status, cancel,
 reap), ``control`` (suspend, resume, requeue), ``db`` (db …, info), ``demo`` (demo-data,
 demo-dagster), ``dev``, ``archive``; ``api``, ``metrics`` and ``downstream`` come from their
-packages. What they share is ``qo_ops.cli_support``.
+packages. What they share is ``qo_ops.cli_support``, which also says why each command
+imports what it works with inside its function: ``qo-ops --help`` loads none of it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -22,10 +24,10 @@ from qo_ops.api.cli import api_app
 from qo_ops.cli import control, db, demo, dev, manual_run, runs
 from qo_ops.cli.archive import archive_app
 from qo_ops.cli_support import plain_app, run_typer_app
+from qo_ops.config import OTLP_ENV
 from qo_ops.downstream.cli import downstream_app
 from qo_ops.errors import QoOpsError
 from qo_ops.metrics.cli import metrics_command
-from qo_ops.platform.tracing import configure_from_env
 
 COMMANDS: dict[str, Callable[..., None]] = {  # --help lists them in this order
     "metrics": metrics_command,
@@ -71,11 +73,14 @@ app = _build_app()
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and turn every failure into one line on stderr and an exit code."""
     warnings.filterwarnings("ignore", message=".*is currently in beta")  # Dagster's own API notes
-    try:
-        configure_from_env()  # traces over OTLP when QO_OPS_OTLP_ENDPOINT is set
-    except QoOpsError as exc:
-        typer.echo(f"qo-ops: error: {exc}", err=True)
-        return exc.exit_code
+    if os.environ.get(OTLP_ENV, "").strip():  # unset: tracing is off, OpenTelemetry not loaded
+        from qo_ops.platform.tracing import configure_from_env
+
+        try:
+            configure_from_env()  # traces over OTLP
+        except QoOpsError as exc:
+            typer.echo(f"qo-ops: error: {exc}", err=True)
+            return exc.exit_code
     return run_typer_app(app, argv, "qo-ops")
 
 

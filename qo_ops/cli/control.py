@@ -11,7 +11,8 @@ import typer
 
 from qo_ops.cli_support import JsonOpt, RequesterOpt, emit_json, ready_engine, resolve_requester
 from qo_ops.errors import BadInput
-from qo_ops.platform.spec import Scope
+
+# The catalog, the platform and SQLAlchemy are imported inside each command (qo_ops.cli_support).
 
 
 def _control_scope(job: str, tenant: str | None) -> str:
@@ -104,6 +105,7 @@ def requeue_command(
 ) -> None:
     """Put dead-lettered delivery items back to READY (audited)."""
     from qo_ops.platform.retry import requeue_dead_letters
+    from qo_ops.platform.spec import Scope
 
     if job.replace("-", "_") != "delivery_retry":
         raise BadInput(f"only delivery_retry keeps dead letters to requeue, not {job!r}")

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import sqlalchemy as sa
 import typer
 
 from qo_ops.cli_support import JsonOpt, emit_json, print_table
-from qo_ops.db import migrate
-from qo_ops.db.engine import DatabaseTarget, ensure_database, get_engine, resolve_target
-from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 from qo_ops.errors import BadInput, QoOpsError
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+# SQLAlchemy, the engine and Alembic are imported inside each command (qo_ops.cli_support).
 
 db_app = typer.Typer(help="Create, upgrade or downgrade the qo-ops schema.", no_args_is_help=True)
 
@@ -22,6 +23,11 @@ def db_upgrade(
     revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
 ) -> None:
     """Migrate the schema up (idempotent: a no-op when already at the target)."""
+    import sqlalchemy as sa
+
+    from qo_ops.db import migrate
+    from qo_ops.db.engine import ensure_database, get_engine, resolve_target
+
     target = resolve_target()
     engine = get_engine(target)
     if not target.embedded:  # Dagster's storage wants a database of its own beside ours
@@ -51,6 +57,9 @@ def db_downgrade(
     """Migrate the schema down. Destroys data, so it needs --yes."""
     if not yes:
         raise BadInput("downgrade drops tables and their data: repeat with --yes to confirm")
+    from qo_ops.db import migrate
+    from qo_ops.db.engine import get_engine
+
     engine = get_engine()
     before = migrate.current_revision(engine)
     migrate.downgrade(engine, revision)
@@ -62,11 +71,17 @@ def db_downgrade(
 @db_app.command("env")
 def db_env() -> None:
     """Print shell exports for Dagster's storage URL (eval "$(qo-ops db env)")."""
+    from qo_ops.db.engine import resolve_target
+
     target = resolve_target()
     typer.echo(f"export QO_OPS_DAGSTER_STORAGE_URL='{target.dagster_storage_url()}'")
 
 
 def _row_counts(engine: sa.Engine) -> dict[str, int]:
+    import sqlalchemy as sa
+
+    from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
+
     with engine.connect() as conn:
         return {
             t.name: int(conn.scalar(sa.select(sa.func.count()).select_from(t)) or 0)
@@ -76,7 +91,10 @@ def _row_counts(engine: sa.Engine) -> dict[str, int]:
 
 def info_command(as_json: JsonOpt = False) -> None:
     """Where the database is, its schema version, and row counts per table."""
-    target: DatabaseTarget = resolve_target()
+    from qo_ops.db import migrate
+    from qo_ops.db.engine import get_engine, resolve_target
+
+    target = resolve_target()
     engine = get_engine(target)
     current, head = migrate.current_revision(engine), migrate.head_revision()
     counts = _row_counts(engine) if current == head else {}

@@ -11,15 +11,20 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import sqlalchemy as sa
 import typer
 
 from qo_ops.cli_support import SHORT_ID, JsonOpt, emit_json, print_table, ready_engine
-from qo_ops.db.engine import resolve_target
 from qo_ops.errors import BadInput, ConfigError, one_line
-from qo_ops.platform.spec import JobSpec, Scope
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from qo_ops.platform.spec import JobSpec
+
+# Dagster, the catalog, the platform and SQLAlchemy are imported inside each command
+# (qo_ops.cli_support).
 
 DEMO_TENANTS, DEMO_QUOTES, DEMO_SEED = 3, 2000, 1  # `make demo` and `make ui` load these
 DEMO_EVENTS_LOG = "logs/demo-dagster.jsonl"  # under QO_OPS_HOME, rewritten by each demo
@@ -105,7 +110,7 @@ def _latest_day_with_work(
 ) -> date:
     """The most recent day (back from ``last``) on which ``spec`` has something to do."""
     from qo_ops.platform.runner import count_eligible
-    from qo_ops.platform.spec import BatchContext
+    from qo_ops.platform.spec import BatchContext, Scope
 
     with engine.connect() as conn:
         for back in range(days):
@@ -232,9 +237,11 @@ def demo_dagster_command(
 
     from qo_ops.config import load_settings
     from qo_ops.dagster_defs.instance import prepare_dagster_home
+    from qo_ops.db.engine import resolve_target
     from qo_ops.definitions import build_definitions
     from qo_ops.jobs.catalog import CATALOG
     from qo_ops.platform.partition_keys import partition_key_for
+    from qo_ops.platform.spec import Scope
 
     Scope(tenant)
     target = resolve_target()

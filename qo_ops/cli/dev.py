@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
-import sqlalchemy as sa
 import typer
 
 from qo_ops.cli.demo import demo_data_command
 from qo_ops.cli_support import ready_engine
-from qo_ops.db.engine import resolve_target
 from qo_ops.errors import BadInput
 
-COUNT_TENANTS = sa.text("SELECT count(*) FROM tenant")
+# Dagster, the engine and SQLAlchemy are imported inside the command (qo_ops.cli_support).
+
+COUNT_TENANTS = "SELECT count(*) FROM tenant"
 
 
 def dev_command(
@@ -36,7 +36,10 @@ def dev_command(
     The UI has no authentication (Dagster OSS): it listens on 127.0.0.1 only.
     """
 
+    import sqlalchemy as sa
+
     from qo_ops.dagster_defs.instance import REPO, prepare_dagster_home
+    from qo_ops.db.engine import resolve_target
 
     if not 1024 <= port <= 65535:
         raise BadInput("--port must be between 1024 and 65535")
@@ -52,7 +55,7 @@ def dev_command(
         demo_data_command(reset=True)  # what `qo-ops demo-data --reset` loads and says
     else:
         with engine.connect() as conn:
-            tenants = int(conn.scalar(COUNT_TENANTS) or 0)
+            tenants = int(conn.scalar(sa.text(COUNT_TENANTS)) or 0)
         typer.echo(
             f"keeping the data in {target.display()} as it is: {tenants:,} tenant(s)"
             + ("" if tenants else "; the UI has nothing to run (`make ui` loads demo data)")

@@ -8,15 +8,18 @@ import logging
 import sys
 import uuid
 from datetime import date
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from qo_ops.cli_support import JsonOpt, RequesterOpt, emit_json, ready_engine, resolve_requester
 from qo_ops.errors import BadInput
 from qo_ops.platform.counts import COLUMNS, REPORTED_ALWAYS
-from qo_ops.platform.manners import DownstreamCalls
-from qo_ops.platform.spec import RunOptions, Scope
+
+if TYPE_CHECKING:
+    from qo_ops.platform.spec import Scope
+
+# The catalog, the runner and SQLAlchemy are imported inside the command (qo_ops.cli_support).
 
 EXIT_BY_STATUS = {
     "success": 0,
@@ -43,6 +46,8 @@ def _parse_date(value: str, option: str) -> date:
 
 
 def _scope(tenant: str, day: str | None, start: str | None, end: str | None) -> Scope:
+    from qo_ops.platform.spec import Scope
+
     if day and (start or end):
         raise BadInput("give either --date or --from/--to, not both")
     if day:
@@ -106,7 +111,9 @@ def run_command(
 ) -> None:
     """Run a job by hand over one tenant (and window) and print its summary."""
     from qo_ops.jobs.catalog import get_spec
+    from qo_ops.platform.manners import DownstreamCalls
     from qo_ops.platform.runner import run_job
+    from qo_ops.platform.spec import RunOptions
     from qo_ops.platform.telemetry import EVENT_LOGGER, configure_event_logging
 
     spec = get_spec(job)

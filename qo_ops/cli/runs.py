@@ -24,11 +24,12 @@ from qo_ops.cli_support import (
     when_text,
 )
 from qo_ops.errors import BadInput, one_line
-from qo_ops.platform.manners import DownstreamCalls
-from qo_ops.platform.spec import Scope
 
 if TYPE_CHECKING:
+    from qo_ops.platform.manners import DownstreamCalls
     from qo_ops.platform.runs import RunRow
+
+# The catalog, the platform and SQLAlchemy are imported inside each command (qo_ops.cli_support).
 
 NOTE_FIELD_LIMIT = 100  # characters of one field of a note
 SHORT_RUN_ID = re.compile(rf"[0-9a-f][0-9a-f-]{{{SHORT_ID - 1},34}}")  # a UUID's beginning
@@ -119,7 +120,9 @@ def runs_command(
     """The run history of a job, newest first: ids in short (`qo-ops cancel` takes a running
     run's), why each ended as it did and the reason it was asked for; --json has every field."""
     from qo_ops.jobs.catalog import get_spec
+    from qo_ops.platform.manners import DownstreamCalls
     from qo_ops.platform.runs import list_runs
+    from qo_ops.platform.spec import Scope
 
     spec = get_spec(job)
     if not 1 <= limit <= 1000:

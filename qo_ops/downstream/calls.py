@@ -9,7 +9,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import httpx
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
@@ -85,6 +84,8 @@ def call_settings(environ: Mapping[str, str] | None = None) -> CallSettings:
 def origin(url: str) -> str:
     """The downstream's name for the breaker and metrics: scheme://host:port (no credentials,
     no path)."""
+    import httpx  # only to parse the URL: slow to import, and a job that calls nobody needs none
+
     parsed = httpx.URL(url)
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     return f"{parsed.scheme}://{parsed.host}:{port}"

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-import httpx
-
 from qo_ops.downstream.transport import ConnectionPool, NoAnswer
 from qo_ops.errors import ConfigError, one_line
 from qo_ops.platform.breaker import CircuitBreaker
@@ -437,6 +435,8 @@ def downstream_url(environ: Mapping[str, str] | None = None) -> str:
             f"{DOWNSTREAM_URL_ENV} is not set: give the downstream's base URL, "
             "e.g. http://127.0.0.1:8089 (`qo-ops downstream` runs a simulator)"
         )
+    import httpx  # only to parse the URL: slow to import, and a job that calls nobody needs none
+
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, ValueError):

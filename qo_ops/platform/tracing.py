@@ -25,10 +25,9 @@ from urllib.parse import urlsplit
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
+from qo_ops.config import OTLP_ENV
 from qo_ops.errors import ConfigError
 from qo_ops.platform.resource import process_resource
-
-OTLP_ENV = "QO_OPS_OTLP_ENDPOINT"
 
 _provider: Any = None  # an SDK TracerProvider once configured; None: tracing off
 T = TypeVar("T")

@@ -79,6 +79,8 @@ report, lag) and ``restore``; ``SPEC`` below declares the job from them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from qo_ops.db.schema import audit_record
 from qo_ops.jobs.audit_archive.batch import Chunk, FileResult, Work
 from qo_ops.jobs.audit_archive.checks import check_archive, overdue_seconds, report_archive
@@ -88,7 +90,7 @@ from qo_ops.jobs.audit_archive.errors import (
     ArchiveError,
     ArchiveVerificationFailed,
 )
-from qo_ops.jobs.audit_archive.format import ARCHIVE_SCHEMA, COLUMNS, read_rows
+from qo_ops.jobs.audit_archive.format import COLUMNS, archive_schema, read_rows
 from qo_ops.jobs.audit_archive.restore import RestoreResult, restore_day
 from qo_ops.jobs.audit_archive.settings import (
     JOB_NAME,
@@ -154,7 +156,6 @@ SPEC = JobSpec(
 
 __all__ = [
     "ARCHIVE_CRASH_POINTS",
-    "ARCHIVE_SCHEMA",
     "COLUMNS",
     "JOB_NAME",
     "RETENTION_ENV",
@@ -168,6 +169,7 @@ __all__ = [
     "FileResult",
     "RestoreResult",
     "Work",
+    "archive_schema",
     "archive_settings",
     "read_rows",
     "relative_path",
@@ -176,3 +178,11 @@ __all__ = [
     "retention_days",
     "sha256_of",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``ARCHIVE_SCHEMA``, the former constant: ``archive_schema()`` (built on first use, so
+    that the catalog does not load pyarrow)."""
+    if name == "ARCHIVE_SCHEMA":
+        return archive_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

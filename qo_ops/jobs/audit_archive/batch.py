@@ -6,9 +6,12 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from datetime import date, datetime
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
 from sqlalchemy.engine import Engine
+
+if TYPE_CHECKING:  # pyarrow is imported where a table is built: the catalog does not load it
+    import pyarrow as pa
 
 
 @dataclass

@@ -7,33 +7,51 @@ from __future__ import annotations
 import hashlib
 import io
 from collections.abc import Sequence
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import audit_record
 
+if TYPE_CHECKING:  # pyarrow is imported where a table is built: the catalog does not load it
+    import pyarrow as pa
+
 # The file's columns: every column of audit_record, ``details`` as JSON text.
-ARCHIVE_SCHEMA = pa.schema(
-    [
-        pa.field("id", pa.int64(), nullable=False),
-        pa.field("tenant_id", pa.string(), nullable=False),
-        pa.field("occurred_at", pa.timestamp("us", tz="UTC"), nullable=False),
-        pa.field("actor_ref", pa.string(), nullable=False),
-        pa.field("action", pa.string(), nullable=False),
-        pa.field("entity_type", pa.string(), nullable=False),
-        pa.field("entity_id", pa.string(), nullable=False),
-        pa.field("details", pa.string(), nullable=False),
-    ]
+COLUMNS = (
+    *("id", "tenant_id", "occurred_at", "actor_ref", "action", "entity_type", "entity_id"),
+    "details",
 )
-COLUMNS = tuple(ARCHIVE_SCHEMA.names)
 assert tuple(c.name for c in audit_record.columns) == COLUMNS, "archive columns drifted"
-_COPY_SCHEMA = ARCHIVE_SCHEMA.append(pa.field("day", pa.string()))  # what COPY_BATCH yields
+
+
+@cache
+def archive_schema() -> pa.Schema:
+    """The file's Arrow schema (``COLUMNS``), built on first use."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            pa.field("id", pa.int64(), nullable=False),
+            pa.field("tenant_id", pa.string(), nullable=False),
+            pa.field("occurred_at", pa.timestamp("us", tz="UTC"), nullable=False),
+            pa.field("actor_ref", pa.string(), nullable=False),
+            pa.field("action", pa.string(), nullable=False),
+            pa.field("entity_type", pa.string(), nullable=False),
+            pa.field("entity_id", pa.string(), nullable=False),
+            pa.field("details", pa.string(), nullable=False),
+        ]
+    )
+
+
+@cache
+def _copy_schema() -> pa.Schema:
+    """What COPY_BATCH yields: ``archive_schema()`` and the UTC day."""
+    import pyarrow as pa
+
+    return archive_schema().append(pa.field("day", pa.string()))
+
 
 # Which rows an archive takes. The copy into the file (COPY_BATCH) and the delete from the
 # source (steps._DELETE_ARCHIVED) share this one predicate, and that they share it is the
@@ -59,9 +77,11 @@ COPY_BATCH = sa.text(
 
 
 def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table:
-    """The tenant's records among ``ids`` as an Arrow table of ``ARCHIVE_SCHEMA`` and a
+    """The tenant's records among ``ids`` as an Arrow table of ``archive_schema()`` and a
     trailing ``day`` column (ISO date, UTC), sorted by day, then id: ``COPY_BATCH`` in the
     caller's transaction."""
+    import pyarrow.csv as pacsv
+
     # PostgreSQL's COPY takes no bind parameters: psycopg's copy() merges them into the text
     # client-side, as literals it quotes itself. This is the package's one statement run that
     # way; compiled here from SQLAlchemy's :name to psycopg's %(name)s.
@@ -76,32 +96,37 @@ def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table
     buffer.seek(0)
     table = pacsv.read_csv(
         buffer,
-        read_options=pacsv.ReadOptions(column_names=_COPY_SCHEMA.names),
+        read_options=pacsv.ReadOptions(column_names=_copy_schema().names),
         parse_options=pacsv.ParseOptions(newlines_in_values=True),
         convert_options=pacsv.ConvertOptions(
-            column_types={f.name: f.type for f in _COPY_SCHEMA},
+            column_types={f.name: f.type for f in _copy_schema()},
             strings_can_be_null=False,
             quoted_strings_can_be_null=False,
         ),
     )
-    table = table.cast(_COPY_SCHEMA)  # NOT NULL as in the table (none can be)
+    table = table.cast(_copy_schema())  # NOT NULL as in the table (none can be)
     return table.sort_by([("day", "ascending"), ("id", "ascending")]).combine_chunks()
 
 
 def parquet_bytes(table: pa.Table, metadata: dict[str, str]) -> bytes:
-    """The archive file for ``table`` (``ARCHIVE_SCHEMA`` columns), as bytes."""
-    schema = ARCHIVE_SCHEMA.with_metadata({f"qo_ops.{k}": v for k, v in metadata.items()})
+    """The archive file for ``table`` (``archive_schema()`` columns), as bytes."""
+    import pyarrow.parquet as pq
+
+    schema = archive_schema().with_metadata({f"qo_ops.{k}": v for k, v in metadata.items()})
     buffer = io.BytesIO()
     pq.write_table(table.select(list(COLUMNS)).cast(schema), buffer, compression="zstd")
     return buffer.getvalue()
 
 
 def read_table(data: bytes) -> pa.Table:
-    """An archive file's bytes as a table of ``ARCHIVE_SCHEMA`` (raises if unreadable)."""
+    """An archive file's bytes as a table of ``archive_schema()`` (raises if unreadable)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     table = pq.read_table(pa.BufferReader(data))
     if tuple(table.column_names) != COLUMNS:
         raise ValueError(f"unexpected columns {table.column_names}")
-    return table.cast(ARCHIVE_SCHEMA).combine_chunks()
+    return table.cast(archive_schema()).combine_chunks()
 
 
 def read_rows(data: bytes) -> list[tuple[Any, ...]]:
@@ -148,12 +173,18 @@ _TEXT_COLUMNS = ("tenant_id", "actor_ref", "action", "entity_type", "entity_id",
 
 def _joined_sha256(pieces: pa.Array) -> str:
     """sha256 of the concatenation of a string array's values."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     whole = pa.ListArray.from_arrays(pa.array([0, len(pieces)], pa.int32()), pieces)
     return hashlib.sha256(pc.binary_join(whole, "")[0].as_buffer()).hexdigest()
 
 
 def table_digests(table: pa.Table) -> tuple[str, str]:
     """(ids digest, rows digest) of an archive table, as ``SOURCE_DIGEST`` computes them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     ids = pc.cast(table.column("id"), pa.string()).combine_chunks()
     id_list = pa.ListArray.from_arrays(pa.array([0, len(ids)], pa.int32()), ids)
     ids_sha = hashlib.sha256(pc.binary_join(id_list, ",")[0].as_buffer()).hexdigest()

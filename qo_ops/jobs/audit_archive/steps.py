@@ -13,7 +13,6 @@ from datetime import UTC, date, datetime, timedelta
 from datetime import time as dtime
 from typing import Any
 
-import pyarrow.compute as pc
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
@@ -137,6 +136,8 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
     if "archive_baseline" not in ctx.state:
         ctx.state["archive_baseline"] = _baseline(conn, ctx.scope)
     cutoff = conn.execute(sa.select(retention_cutoff(ctx))).scalar_one()  # this txn's now()
+    import pyarrow.compute as pc  # pyarrow only when archiving: the catalog does not load it
+
     table = copy_batch(conn, [int(i) for i in ids], ctx.scope.tenant_id)
     chunks = []
     offset = 0
@@ -267,6 +268,8 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
         return FileResult(chunk, False, f"unreadable: {type(exc).__name__}")
     if hashlib.sha256(data).hexdigest() != sha:
         return FileResult(chunk, False, "sha256 differs from the manifest")
+    import pyarrow.compute as pc  # pyarrow only when archiving: the catalog does not load it
+
     try:
         table = read_table(data)
     except Exception as exc:  # any parse error is a failed verification
