@@ -812,7 +812,7 @@ def _cases(n: int) -> list[Case]:
         ),
         Case(
             "temp_file_cleanup",
-            0.5,
+            0.7,  # issue 24: every job >= 0.7 of its limit
             _temp_file_load,
             cleanup_baseline,
             verify_cleanup,
