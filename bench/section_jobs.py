@@ -449,6 +449,64 @@ def cleanup_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
     return removed
 
 
+# the second, honest limit: the intents first (the checksum durable before any byte goes) ...
+CLEANUP_INTENTS_SQL = sa.text(
+    """
+    INSERT INTO temp_file_tombstone (temp_file_id, tenant_id, storage_path, size_bytes, sha256,
+                                     file_status, file_created_at, legal_hold, job_run_id,
+                                     reason, selected_at)
+    SELECT f.id, f.tenant_id, f.storage_path, f.size_bytes, h.sha256, f.status, f.created_at,
+           f.legal_hold, CAST(:run AS uuid), 'bench baseline', clock_timestamp()
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:shas AS text[])) AS h(id, sha256)
+      JOIN temp_file f ON f.id = h.id
+    """
+)
+
+# ... then, in a second transaction, the rows deleted and their intents completed at once
+CLEANUP_COMPLETE_SQL = sa.text(
+    f"""
+    WITH gone AS (
+        DELETE FROM temp_file WHERE {_CLEANUP_WHERE}
+        RETURNING id, storage_path, size_bytes, status, created_at, legal_hold
+    )
+    UPDATE temp_file_tombstone t
+       SET storage_path = g.storage_path, size_bytes = g.size_bytes, file_status = g.status,
+           file_created_at = g.created_at, legal_hold = g.legal_hold,
+           deleted_at = clock_timestamp()
+      FROM gone g
+     WHERE t.temp_file_id = g.id
+    RETURNING t.storage_path
+    """
+)
+
+
+def cleanup_two_step_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
+    """The job's two transactions, set-based over the whole window: lock and list the
+    eligible rows, hash their objects, write every intent tombstone, COMMIT; then delete the
+    rows and complete their tombstones in one statement, unlink the objects, COMMIT."""
+    assert w is not None
+    root = home / OBJECTS_DIR
+    params = {"tenant": TENANT, "start": w.start, "end": w.end}
+    run = str(uuid.uuid4())
+    engine = engine_for(url)
+    with engine.begin() as conn:
+        files = conn.execute(CLEANUP_SELECT_SQL, params).all()
+        ids, shas = [], []
+        for f in files:
+            ids.append(f.id)
+            shas.append(hashlib.sha256((root / f.storage_path).read_bytes()).hexdigest())
+        conn.execute(CLEANUP_INTENTS_SQL, {"ids": ids, "shas": shas, "run": run})
+    with engine.begin() as conn:
+        removed = 0
+        for path in conn.execute(CLEANUP_COMPLETE_SQL, params).scalars():
+            (root / path).unlink()
+            removed += 1
+    engine.dispose()
+    if removed != n:
+        raise SystemExit(f"temp_file_cleanup two-step baseline: {removed} removed, expected {n}")
+    return removed
+
+
 # every eligible record of the window as CSV straight from the server (COPY), parsed by
 # pyarrow's C++ reader into the archive's schema
 AUDIT_COPY_SQL = f"""
@@ -1026,6 +1084,12 @@ BASELINE_NOTES = {
     "RETURNING feeding the INSERT of the completed tombstones, unlink of exactly the deleted "
     "rows' objects, COMMIT — the job's end state without its per-batch intent tombstones, "
     "path-safety checks or second transaction",
+    "temp_file_cleanup (two-step)": "cleanup_two_step_baseline, the work the job must do that "
+    "the limit above does not: the same hashes, but every intent tombstone written and "
+    "COMMITTED before any unlink (the checksum durable before any byte goes), then in a second "
+    "transaction one DELETE … RETURNING feeding the UPDATE that completes the intents, unlink, "
+    "COMMIT — set-based over the whole window, without the job's batches, path-safety checks "
+    "or outcome checks",
     "audit_archive": "one transaction: COPY (SELECT the window's eligible records) TO STDOUT "
     "as CSV, parsed by pyarrow's C++ reader into the archive schema, one zstd Parquet file per "
     "day written with the job's own durable write (tmp, fsync, rename, fsync dir), one "

@@ -524,6 +524,7 @@ def rerun_until_leased(engine: sa.Engine, scope: Scope) -> RunSummary:
     [
         ("before_commit", 0, 0),  # step 1 written, not committed
         ("after_commit", 0, 4),  # step 1 committed: intents, nothing removed
+        ("before_object_delete", 0, 4),  # step 2: rows deleted, nothing unlinked, no commit
         ("after_object_delete", 4, 4),  # step 2: objects unlinked, rows' delete not committed
     ],
 )
@@ -681,6 +682,47 @@ def test_storing_an_object_never_writes_through_a_symlink(tmp_path):
     assert (outside / "x.bin").read_bytes() == b"keep" and sorted(outside.iterdir()) == [
         outside / "x.bin"
     ]
+
+
+def test_counting_stored_objects_by_listing_agrees_with_exists_path_by_path(tmp_path, monkeypatch):
+    """count_stored (the deleted_objects_gone check) lists a directory with many paths to
+    look for instead of a stat per path: it must count exactly what exists() finds, paths
+    leaving the store or going through a symlinked directory as nothing stored, a path given
+    twice twice — whether it lists or stats (a big directory)."""
+    root, outside = tmp_path / "objects", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x000.bin").write_bytes(b"not an object")
+    names = [f"x{i:03d}.bin" for i in range(80)]
+    with objects.ObjectStore(root) as store:
+        for name in names[::3]:
+            store.put(f"tmp/many/{name}", b"left")
+        store.put("top.bin", b"left")
+        store.put("tmp/few/x001.bin", b"left")
+    (root / "tmp" / "link").symlink_to(outside, target_is_directory=True)
+    (root / "tmp" / "many" / "x001.bin").symlink_to(outside / "x000.bin")  # a link is stored
+    paths = [f"tmp/many/{n}" for n in names] + ["tmp/many/x000.bin"]  # one path twice
+    paths += [f"tmp/link/{n}" for n in names] + [f"tmp/gone/{n}" for n in names]
+    paths += ["top.bin", "tmp/few/x001.bin", "tmp/few/x002.bin", "/top.bin", "../top.bin"]
+    paths += [f"tmp//many/{n}" for n in names] + ["tmp/many/", "tmp/many/."] * 20
+    with objects.ObjectStore(root) as store:
+        expected = sum(1 for p in paths if store.exists(p))
+    assert expected == len(names[::3]) + 1 + 1 + 2  # in tmp/many (+ a link), x000 again, top, few
+
+    listings: list[int] = []
+    real_listdir = objects.os.listdir
+
+    def listdir(fd: int) -> list[str]:
+        listings.append(fd)
+        return real_listdir(fd)
+
+    monkeypatch.setattr(objects.os, "listdir", listdir)
+    with objects.ObjectStore(root) as store:
+        assert store.count_stored(iter(paths)) == expected
+    assert len(listings) == 1  # tmp/many only: the others are unsafe, gone or few
+    monkeypatch.setattr(objects, "_LIST_BYTES_PER_PATH", 0)  # every directory too big to list
+    with objects.ObjectStore(root) as store:
+        assert store.count_stored(paths) == expected
+    assert len(listings) == 1
 
 
 def test_a_directory_swapped_for_a_symlink_between_the_steps_stops_the_batch(
