@@ -742,6 +742,7 @@ AFTER_CRASH = {
     "after_batch_select": (0, {}, 0),
     "before_commit": (0, {}, 0),
     "after_commit": (0, {}, 0),
+    "archive_before_file_rename": (1, {}, 0),  # the .tmp file
     "archive_after_file_written": (1, {}, 0),
     "archive_after_manifest_written": (1, {"WRITTEN": 1}, 0),
     "after_external_call": (1, {"WRITTEN": 1}, 0),
@@ -779,6 +780,8 @@ def _crash_then_rerun(db, home: Path, launcher: str, point: str) -> None:
 
     files, statuses, deleted = AFTER_CRASH[point]
     assert len(_files(home)) == files
+    if point == "archive_before_file_rename":
+        assert [p.suffix for p in _files(home)] == [".tmp"]  # the killed run's, not yet renamed
     assert _statuses(db.engine) == statuses
     assert len(_day_ids(db.engine)) == ROWS_ON_DAY - deleted
     if deleted == 0:
@@ -792,7 +795,7 @@ def _crash_then_rerun(db, home: Path, launcher: str, point: str) -> None:
     assert rerun["succeeded_count"] == ROWS_ON_DAY - deleted
     if statuses.get("WRITTEN"):
         assert rerun["tally"].get("archives_adopted") == 1  # re-verified, not written again
-    if point == "archive_after_file_written":
+    if point in ("archive_before_file_rename", "archive_after_file_written"):
         assert rerun["tally"].get("orphan_files_removed") == 1
     with db.engine.connect() as conn:
         killed = conn.execute(

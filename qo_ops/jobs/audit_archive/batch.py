@@ -6,9 +6,12 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from datetime import date, datetime
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
 from sqlalchemy.engine import Engine
+
+if TYPE_CHECKING:  # pyarrow is loaded where tables are made, never on import
+    import pyarrow as pa
 
 
 @dataclass
