@@ -56,7 +56,7 @@ from bench.common import (
 from bench.suite import Profile, Row, Section, median
 from qo_ops.jobs import audit_archive as archive_job
 from qo_ops.jobs import temp_file_cleanup as cleanup_job
-from qo_ops.jobs.audit_archive import steps as archive_steps
+from qo_ops.jobs.audit_archive import format as archive_format
 from qo_ops.jobs.audit_archive import storage as archive_storage
 from qo_ops.jobs.catalog import get_spec
 from qo_ops.platform.objects import OBJECTS_DIR
@@ -484,7 +484,7 @@ def audit_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
     assert w is not None
     params = {"tenant": TENANT, "start": w.start, "end": w.end}
     names = [*archive_job.COLUMNS, "day"]
-    types = {f.name: f.type for f in archive_job.ARCHIVE_SCHEMA} | {"day": pa.string()}
+    types = {f.name: f.type for f in archive_job.archive_schema()} | {"day": pa.string()}
     engine = engine_for(url)
     raw = engine.raw_connection()
     try:
@@ -506,7 +506,7 @@ def audit_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
             written = 0
             for day in pc.unique(table.column("day")).to_pylist():
                 part = table.filter(pc.equal(table.column("day"), day)).drop_columns(["day"])
-                part = part.cast(archive_job.ARCHIVE_SCHEMA)
+                part = part.cast(archive_job.archive_schema())
                 manifest_id = uuid.uuid4()
                 rel = archive_job.relative_path(TENANT, date.fromisoformat(day), manifest_id)
                 sink = io.BytesIO()
@@ -539,6 +539,80 @@ def audit_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
     if written != n or deleted != n:
         raise SystemExit(f"audit_archive baseline: {written} archived, {deleted} deleted, {n}")
     return deleted
+
+
+def audit_verified_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
+    """The second, honest limit of audit_archive: what ``audit_baseline`` does, plus the
+    verification the job must do before it may delete — each day's file read back (sha256 of
+    its bytes, parsed, the rows' digest in Arrow) and its records deleted by the job's own
+    ``DELETE_DIGESTED``, whose digest of the deleted rows must equal the file's. One
+    transaction; the deletes are kept only if every digest matches."""
+    assert w is not None
+    params = {"tenant": TENANT, "start": w.start, "end": w.end}
+    names = [*archive_job.COLUMNS, "day"]
+    types = {f.name: f.type for f in archive_job.archive_schema()} | {"day": pa.string()}
+    engine = engine_for(url)
+    deleted = 0
+    with engine.begin() as conn:
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        buffer = io.BytesIO()
+        with raw.cursor() as cur, cur.copy(AUDIT_COPY_SQL, params) as copy:
+            for chunk in copy:
+                buffer.write(chunk)
+        table = pacsv.read_csv(
+            io.BytesIO(buffer.getvalue()),
+            read_options=pacsv.ReadOptions(column_names=names),
+            convert_options=pacsv.ConvertOptions(
+                column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False
+            ),
+        )
+        del buffer
+        for day in pc.unique(table.column("day")).to_pylist():
+            part = table.filter(pc.equal(table.column("day"), day)).drop_columns(["day"])
+            part = part.cast(archive_job.archive_schema())
+            manifest_id = uuid.uuid4()
+            rel = archive_job.relative_path(TENANT, date.fromisoformat(day), manifest_id)
+            sink = io.BytesIO()
+            pq.write_table(part, sink, compression="zstd")
+            sha = hashlib.sha256(sink.getvalue()).hexdigest()
+            archive_storage.write_file(home / rel, sink.getvalue())
+            del sink, part
+            data = (home / rel).read_bytes()  # read back: its bytes, its rows
+            if hashlib.sha256(data).hexdigest() != sha:
+                raise SystemExit(f"audit_archive verified baseline: {rel} changed")
+            back = archive_format.read_table(data)
+            ids_digest, rows_digest = archive_format.table_digests(back)
+            ws = datetime.combine(date.fromisoformat(day), datetime.min.time(), UTC)
+            lo, hi = pc.min(back.column("id")).as_py(), pc.max(back.column("id")).as_py()
+            gone = conn.execute(
+                archive_format.DELETE_DIGESTED,
+                {"t": TENANT, "lo": lo, "hi": hi, "ws": ws, "we": ws + timedelta(days=1)},
+            ).one()
+            if (gone.n, gone.ids, gone.rows) != (back.num_rows, ids_digest, rows_digest):
+                raise SystemExit(f"audit_archive verified baseline: {rel} differs from source")
+            conn.exec_driver_sql(
+                AUDIT_MANIFEST_SQL,
+                {
+                    "id": manifest_id, "tenant": TENANT, "ws": ws, "we": ws + timedelta(days=1),
+                    "path": rel, "rows": back.num_rows, "lo": lo, "hi": hi, "sha": sha,
+                },
+            )  # fmt: skip
+            deleted += gone.n
+    engine.dispose()
+    if deleted != n:
+        raise SystemExit(f"audit_archive verified baseline: {deleted} archived, expected {n}")
+    return deleted
+
+
+# Limits that do work the one-statement limit leaves out, so the job has a fair second
+# figure beside it: the job, its function, and what the limit column says.
+SECOND_LIMITS: dict[str, tuple[Callable[[URL, int, Window | None, Path], int], str]] = {
+    "audit_archive": (
+        audit_verified_baseline,
+        "… + read back, digests compared, DELETE … RETURNING digest",
+    ),
+}
 
 
 # ------------------------------------------------------------------------------ verification
@@ -928,7 +1002,8 @@ def _transition_sql(job: str, ids: list[int], ctx: BatchContext) -> tuple[sa.Tex
         params |= {"run": str(ctx.job_run_id), "reason": "bench explain"}
         return cleanup_job._DELETE_ROWS, params | {"days": CLEANUP_RETENTION_DAYS}
     assert job == "audit_archive"
-    return archive_steps._DELETE_ARCHIVED, {"ids": ids, "t": TENANT}
+    params = {"t": TENANT, "lo": min(ids), "hi": max(ids), "ws": start, "we": end}
+    return archive_format.DELETE_DIGESTED, params
 
 
 def _plan(rows: Any) -> list[str]:
@@ -1030,7 +1105,11 @@ BASELINE_NOTES = {
     "day written with the job's own durable write (tmp, fsync, rename, fsync dir), one "
     "VERIFIED manifest row per file, one DELETE of the records, COMMIT. This is the physical "
     "limit of moving the rows from the table into durable Parquet files; it does not read "
-    "the files back or compare row digests, which the job does before it may delete",
+    "the files back or compare row digests, which the job does before it may delete. Its "
+    "second limit (audit_verified_baseline) does: the same COPY and files, then per day the "
+    "file read back (sha256 of its bytes, parsed, the rows' digest in Arrow) and the "
+    "records deleted by the job's own DELETE_DIGESTED, whose digest of the deleted rows "
+    "must equal the file's, one VERIFIED manifest per file, one transaction",
 }
 
 
