@@ -368,6 +368,32 @@ def test_source_rows_changed_before_the_delete_fail_verification(seeded, home, m
     assert len(_day_ids(db.engine)) == before
 
 
+def test_a_source_row_gone_before_the_delete_rolls_the_whole_delete_back(
+    seeded, home, monkeypatch
+):
+    """The delete digests the rows it removed; one missing makes the ids differ, and the
+    savepoint takes back the rows it did delete: nothing of the chunk leaves the source."""
+    db = seeded
+    real_verify = steps.verify_file
+    vanished: list[int] = []
+
+    def verify_then_delete_a_source_row(chunk, sha):
+        result = real_verify(chunk, sha)
+        with db.engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM audit_record WHERE id = :id"), {"id": chunk.max_id})
+        vanished.append(chunk.max_id)
+        return result
+
+    monkeypatch.setattr(steps, "verify_file", verify_then_delete_a_source_row)
+    before = _day_ids(db.engine)
+    failed = _execute(db.engine, batch_size=500)
+    assert (failed.status, failed.error_code) == ("failed", "archive_verification_failed")
+    assert "source ids differ" in (failed.error_text or "")
+    assert (failed.counts.succeeded, failed.counts.failed) == (0, 500)
+    assert _statuses(db.engine) == {"FAILED": 1}
+    assert _day_ids(db.engine) == [i for i in before if i not in vanished]  # 499 came back
+
+
 def test_a_file_changed_between_verification_and_delete_is_caught(seeded, home, monkeypatch):
     """The delete transaction hashes the file once more: what is deleted is what verified."""
     db = seeded

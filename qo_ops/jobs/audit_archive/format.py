@@ -26,6 +26,13 @@ COLUMNS = (
 assert tuple(c.name for c in audit_record.columns) == COLUMNS, "archive columns drifted"
 
 
+def load_arrow() -> None:
+    """Import the parts of pyarrow this package uses (once per process; then free)."""
+    import pyarrow.compute
+    import pyarrow.csv
+    import pyarrow.parquet  # noqa: F401
+
+
 @cache
 def archive_schema() -> pa.Schema:
     """The file's Arrow schema (``COLUMNS``, each NOT NULL as in the table)."""

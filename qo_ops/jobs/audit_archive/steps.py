@@ -27,6 +27,7 @@ from qo_ops.jobs.audit_archive.errors import (
 from qo_ops.jobs.audit_archive.format import (
     DELETE_DIGESTED,
     copy_batch,
+    load_arrow,
     parquet_bytes,
     read_table,
     table_digests,
@@ -79,6 +80,8 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
     what is left of the window (the day bounds only let the index bound the scan)."""
     if ctx.state.pop("_archive_deleted", False):  # the previous batch's delete committed
         crash_point("archive_after_delete_commit")
+    if ctx.mode == "execute":  # counted before the first batch: Arrow loads here, not in a
+        load_arrow()  # batch that holds row locks (a dry run never loads it)
     start, end = ctx.scope.window_bounds()
     first_day, after_day = _days_of(start, end)
     return (
