@@ -896,3 +896,18 @@ def test_cli_archive_restore(seeded, home):
     assert _audit_digest(db.engine) == original
     bad = run_cli(["archive", "restore", "--tenant", TENANT, "--date", "yesterday"], env)
     assert bad.code == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_importing_the_job_or_the_catalog_does_not_load_pyarrow():
+    """The package loads Arrow only where it makes or reads a table (a CLI that only lists,
+    counts or dry-runs never pays for it)."""
+    code = (
+        "import sys\n"
+        "import qo_ops.jobs.audit_archive, qo_ops.jobs.catalog\n"
+        "from qo_ops.jobs.audit_archive import steps, format, restore, checks, storage\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pyarrow'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert proc.stdout.strip() == "[]", proc.stdout[-500:]

@@ -4,7 +4,7 @@ with a checksum manifest, verified, and only then deleted from ``audit_record``.
 The window is the UTC day the records *occurred* on; eligible are the tenant's records of
 the window older than the retention (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365 days).
 Each archive file holds one tenant-day chunk of at most ``batch_size`` records (default
-10,000: one file per batch, and a batch short enough that its locks are held briefly),
+5,000: one file per batch, and a batch short enough that its locks are held briefly),
 ordered by id, under ``QO_OPS_HOME/archive/<tenant>/<day>/<manifest id>.parquet``; its
 columns are those of ``audit_record``, ``details`` as the JSON text PostgreSQL stores.
 

@@ -27,10 +27,15 @@ assert tuple(c.name for c in audit_record.columns) == COLUMNS, "archive columns 
 
 
 def load_arrow() -> None:
-    """Import the parts of pyarrow this package uses (once per process; then free)."""
+    """Import the parts of pyarrow this package uses, and what pyarrow itself imports on its
+    first conversion of a Python value (pandas, when installed: seconds on a busy host), so
+    that no batch pays for it while it holds row locks. Once per process; then free."""
+    import pyarrow as pa
     import pyarrow.compute
     import pyarrow.csv
     import pyarrow.parquet  # noqa: F401
+
+    pa.scalar(0)  # pyarrow's first Python value: it looks for pandas here
 
 
 @cache
