@@ -368,9 +368,7 @@ def test_source_rows_changed_before_the_delete_fail_verification(seeded, home, m
     assert len(_day_ids(db.engine)) == before
 
 
-def test_a_source_row_gone_before_the_delete_rolls_the_whole_delete_back(
-    seeded, home, monkeypatch
-):
+def test_a_source_row_gone_before_the_delete_rolls_the_whole_delete_back(seeded, home, monkeypatch):
     """The delete digests the rows it removed; one missing makes the ids differ, and the
     savepoint takes back the rows it did delete: nothing of the chunk leaves the source."""
     db = seeded
