@@ -1,7 +1,8 @@
 """The job's batch, in the runner's steps: **eligible** (records past retention), **transition**
 (select: copy the locked records out, cut them into per-day chunks), **external** (write
-each file and its WRITTEN manifest, read it back, sweep orphans) and **record** (compare the
-locked source rows with the file; VERIFIED and deleted, or FAILED, in one transaction).
+each file and its WRITTEN manifest, read it back, sweep orphans) and **record** (delete the
+source rows and compare what was deleted with the file: VERIFIED and deleted, or rolled back
+and FAILED, in one transaction).
 The package's docstring tells the states a chunk goes through."""
 
 from __future__ import annotations
