@@ -67,7 +67,7 @@ EXPECTED_INDEXES = {
     "delivery_attempt_item": {"ix_delivery_attempt_item_due", "ix_delivery_attempt_item_dead"},
     "checkout_session": {"ix_checkout_session_open_idle"},
     "temp_file": {"ix_temp_file_cleanup"},
-    "audit_record": {"ix_audit_record_tenant_occurred"},
+    "audit_record": {"ix_audit_record_tenant_occurred", "ix_audit_record_tenant_day_id"},
     "outbox_event": {"ix_outbox_event_unpublished", "ix_outbox_event_aggregate"},
     "customer_order": {"ix_customer_order_tenant_submitted", "ix_customer_order_tenant_id"},
     "job_run": {"ix_job_run_history", "ix_job_run_running"},

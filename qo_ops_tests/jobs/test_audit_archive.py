@@ -368,6 +368,30 @@ def test_source_rows_changed_before_the_delete_fail_verification(seeded, home, m
     assert len(_day_ids(db.engine)) == before
 
 
+def test_a_source_row_gone_before_the_delete_rolls_the_whole_delete_back(seeded, home, monkeypatch):
+    """The delete digests the rows it removed; one missing makes the ids differ, and the
+    savepoint takes back the rows it did delete: nothing of the chunk leaves the source."""
+    db = seeded
+    real_verify = steps.verify_file
+    vanished: list[int] = []
+
+    def verify_then_delete_a_source_row(chunk, sha):
+        result = real_verify(chunk, sha)
+        with db.engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM audit_record WHERE id = :id"), {"id": chunk.max_id})
+        vanished.append(chunk.max_id)
+        return result
+
+    monkeypatch.setattr(steps, "verify_file", verify_then_delete_a_source_row)
+    before = _day_ids(db.engine)
+    failed = _execute(db.engine, batch_size=500)
+    assert (failed.status, failed.error_code) == ("failed", "archive_verification_failed")
+    assert "source ids differ" in (failed.error_text or "")
+    assert (failed.counts.succeeded, failed.counts.failed) == (0, 500)
+    assert _statuses(db.engine) == {"FAILED": 1}
+    assert _day_ids(db.engine) == [i for i in before if i not in vanished]  # 499 came back
+
+
 def test_a_file_changed_between_verification_and_delete_is_caught(seeded, home, monkeypatch):
     """The delete transaction hashes the file once more: what is deleted is what verified."""
     db = seeded
@@ -742,6 +766,7 @@ AFTER_CRASH = {
     "after_batch_select": (0, {}, 0),
     "before_commit": (0, {}, 0),
     "after_commit": (0, {}, 0),
+    "archive_before_file_rename": (1, {}, 0),  # the .tmp file
     "archive_after_file_written": (1, {}, 0),
     "archive_after_manifest_written": (1, {"WRITTEN": 1}, 0),
     "after_external_call": (1, {"WRITTEN": 1}, 0),
@@ -779,6 +804,8 @@ def _crash_then_rerun(db, home: Path, launcher: str, point: str) -> None:
 
     files, statuses, deleted = AFTER_CRASH[point]
     assert len(_files(home)) == files
+    if point == "archive_before_file_rename":
+        assert [p.suffix for p in _files(home)] == [".tmp"]  # the killed run's, not yet renamed
     assert _statuses(db.engine) == statuses
     assert len(_day_ids(db.engine)) == ROWS_ON_DAY - deleted
     if deleted == 0:
@@ -792,7 +819,7 @@ def _crash_then_rerun(db, home: Path, launcher: str, point: str) -> None:
     assert rerun["succeeded_count"] == ROWS_ON_DAY - deleted
     if statuses.get("WRITTEN"):
         assert rerun["tally"].get("archives_adopted") == 1  # re-verified, not written again
-    if point == "archive_after_file_written":
+    if point in ("archive_before_file_rename", "archive_after_file_written"):
         assert rerun["tally"].get("orphan_files_removed") == 1
     with db.engine.connect() as conn:
         killed = conn.execute(
@@ -867,3 +894,18 @@ def test_cli_archive_restore(seeded, home):
     assert _audit_digest(db.engine) == original
     bad = run_cli(["archive", "restore", "--tenant", TENANT, "--date", "yesterday"], env)
     assert bad.code == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_importing_the_job_or_the_catalog_does_not_load_pyarrow():
+    """The package loads Arrow only where it makes or reads a table (a CLI that only lists,
+    counts or dry-runs never pays for it)."""
+    code = (
+        "import sys\n"
+        "import qo_ops.jobs.audit_archive, qo_ops.jobs.catalog\n"
+        "from qo_ops.jobs.audit_archive import steps, format, restore, checks, storage\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pyarrow'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert proc.stdout.strip() == "[]", proc.stdout[-500:]

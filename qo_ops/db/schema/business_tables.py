@@ -266,6 +266,13 @@ audit_record = sa.Table(
     sa.Column("details", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     # audit_archive: records of a tenant past retention, by time then id
     sa.Index("ix_audit_record_tenant_occurred", "tenant_id", "occurred_at", "id"),
+    # audit_archive's batches: a tenant's records by UTC day, then id (no sort per batch)
+    sa.Index(
+        "ix_audit_record_tenant_day_id",
+        "tenant_id",
+        sa.text("CAST(timezone('UTC', occurred_at) AS date)"),
+        "id",
+    ),
 )
 
 audit_archive_manifest = sa.Table(

@@ -4,14 +4,16 @@ with a checksum manifest, verified, and only then deleted from ``audit_record``.
 The window is the UTC day the records *occurred* on; eligible are the tenant's records of
 the window older than the retention (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365 days).
 Each archive file holds one tenant-day chunk of at most ``batch_size`` records (default
-50,000), ordered by id, under ``QO_OPS_HOME/archive/<tenant>/<day>/<manifest id>.parquet``;
-its columns are those of ``audit_record``, ``details`` as the JSON text PostgreSQL stores.
+5,000: one file per batch, and a batch short enough that its locks are held briefly),
+ordered by id, under ``QO_OPS_HOME/archive/<tenant>/<day>/<manifest id>.parquet``; its
+columns are those of ``audit_record``, ``details`` as the JSON text PostgreSQL stores.
 
-One batch of the runner is one chunk (or one per day when a window spans several days):
+One batch of the runner is one chunk (or one per day when a batch spans several days):
 
-1. **select** (batch transaction 1, guarded by the lease): the next eligible ids of the
-   day in id order, locked, and their rows copied out (``COPY … TO STDOUT`` as CSV, parsed
-   by Arrow into the archive's columns). A chunk is therefore "every eligible
+1. **select** (batch transaction 1, guarded by the lease): the next eligible ids, by UTC day
+   then id (read off the index ``ix_audit_record_tenant_day_id``, no sort), locked; their
+   id range is copied out (``COPY … TO STDOUT`` as CSV, parsed by Arrow into the archive's
+   columns) and exactly the selected ids of it kept. A chunk is therefore "every eligible
    record of (tenant, day) with an id in [min, max]", which is what its manifest states.
    A WRITTEN manifest left by an earlier run for exactly this chunk is adopted instead of
    writing a new file; one that overlaps the chunk differently is retired (row deleted
@@ -20,17 +22,19 @@ One batch of the runner is one chunk (or one per day when a window spans several
    fsync the directory; insert the manifest ``WRITTEN`` (its own committed transaction,
    fenced: only while this run's lease is current); read the file back and verify it:
    sha256 of its bytes equals the manifest's, it parses, its row count, id range, tenant
-   and window match. Orphan files (no manifest row, older than the lease TTL by the
-   database's clock) in the day's directory are removed, unless another run holds a lease
-   over that day (:func:`storage.sweep_orphans`).
-3. **record** (batch transaction 2, guarded): lock the source rows of the manifest's
-   tenant, id range and window; they must be exactly the file's rows: PostgreSQL digests
-   the locked rows' own values (``format.SOURCE_DIGEST``) and Arrow the rows read back from
-   the file (:func:`format.table_digests`), each on its own — ids, then every value. Then,
-   in this one transaction, the manifest becomes ``VERIFIED`` (``verified_at``) —
-   conditionally, ``WHERE status = 'WRITTEN'`` — and exactly those rows are deleted, by the
-   predicate they were copied by (``format.ARCHIVE_ROWS``). Any mismatch marks the manifest ``FAILED`` instead and deletes nothing;
-   the run then stops with error code ``archive_verification_failed``.
+   and window match, and Arrow digests its rows (:func:`format.table_digests`: ids, then
+   every value). Orphan files (no manifest row, older than the lease TTL by the database's
+   clock) in the day's directory are removed, once per day and run, unless another run
+   holds a lease over that day (:func:`storage.sweep_orphans`).
+3. **record** (batch transaction 2, guarded): the file is hashed once more (still the bytes
+   that verified); then, under a savepoint of this transaction, the manifest becomes
+   ``VERIFIED`` (``verified_at``) — conditionally, ``WHERE status = 'WRITTEN'`` — and the
+   source rows of its tenant, id range and window are deleted by the predicate they were
+   copied by (``format.ARCHIVE_ROWS``), PostgreSQL digesting the deleted rows from its own
+   values (``format.DELETE_DIGESTED``, ``DELETE … RETURNING``). They must be exactly the
+   file's rows — count, ids, every value — or the savepoint is rolled back: nothing
+   deleted, and the manifest is marked ``FAILED`` instead; the run then stops with error
+   code ``archive_verification_failed``. The two digests are computed each on its own side.
 
 States of one chunk, and where a crash (SIGKILL) anywhere leaves it::
 
@@ -42,10 +46,11 @@ States of one chunk, and where a crash (SIGKILL) anywhere leaves it::
 
 A record is therefore always in exactly one of two places: the source table, or the file of
 a VERIFIED manifest (S3) — never neither (rows are deleted only in the transaction that
-makes the manifest VERIFIED, after the rows locked by that very transaction were compared
-with a file whose bytes match the manifest's checksum), never both (the same transaction
-deletes them, and a second archive of the same rows could only be VERIFIED if those rows
-were still in the source). WRITTEN and FAILED manifests never count as archived.
+makes the manifest VERIFIED, and that transaction keeps the delete only when the deleted
+rows equal, value for value, a file whose bytes match the manifest's checksum), never both
+(the same transaction deletes them, and a second archive of the same rows could only be
+VERIFIED if those rows were still in the source). WRITTEN and FAILED manifests never count
+as archived.
 
 ``restore`` (``qo-ops archive restore``) takes S3 back to S2 in one transaction: the rows of
 every VERIFIED archive of the tenant-day are inserted with their ids (``ON CONFLICT (id) DO
@@ -63,11 +68,15 @@ can do is leave a manifest FAILED or retired — never lose or double-count a re
 
 Test-only fault injection, like the runner's: with ``QO_OPS_CRASH_AT`` set to one of
 ``ARCHIVE_CRASH_POINTS`` the process kills itself with SIGKILL at that point.
-``archive_after_file_written`` (file renamed into place, no manifest),
-``archive_after_manifest_written`` (WRITTEN committed, not verified),
-``archive_before_delete_commit`` (delete + VERIFIED issued, not committed),
-``archive_after_delete_commit`` (committed; fires as the next batch starts). The runner's own
-``after_external_call`` is the point "verified, nothing deleted yet".
+``archive_before_file_rename`` (S0: the .tmp file written and fsync'd, not renamed),
+``archive_after_file_written`` (S1: file renamed into place, no manifest),
+``archive_after_manifest_written`` (S2: WRITTEN committed, not verified),
+``archive_before_delete_commit`` (S2: delete + VERIFIED issued, not committed),
+``archive_after_delete_commit`` (S3: committed; fires as the next batch starts). The
+runner's own ``after_external_call`` is the point "verified, nothing deleted yet" (S2), and
+its points before that (``after_batch_select``, ``before_commit``, ``after_commit``) leave
+S0. SF is reached by a failed verification, not by a crash (a crash before its commit
+leaves S2); the tests plant one.
 
 The package, one purpose a module: ``settings`` (the retention and the archive directory,
 checked before a run writes anything), ``errors``, ``format`` (COPY out of PostgreSQL,
@@ -78,8 +87,6 @@ report, lag) and ``restore``; ``SPEC`` below declares the job from them.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from qo_ops.db.schema import audit_record
 from qo_ops.jobs.audit_archive.batch import Chunk, FileResult, Work
@@ -141,7 +148,7 @@ SPEC = JobSpec(
     defaults=Limits(batch_size=MAX_ROWS_PER_FILE),
     change="archived to a verified Parquet file, then deleted",
     healthy="No audit record past retention left in the source, and every VERIFIED archive still matches its checksum.",
-    # measured: 414 MiB peak RSS archiving 50,000-record chunks (CLI); a run worker adds Dagster
+    # measured: 224-244 MiB peak RSS archiving 5,000-record chunks (CLI); a run worker adds Dagster
     run_resources=RunResources(cpu_request="500m", memory_request="1Gi", memory_limit="2Gi"),
     destructive=True,
     validate_settings=archive_settings,  # retention and a writable archive directory
@@ -178,11 +185,3 @@ __all__ = [
     "retention_days",
     "sha256_of",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``ARCHIVE_SCHEMA``, the former constant: ``archive_schema()`` (built on first use, so
-    that the catalog does not load pyarrow)."""
-    if name == "ARCHIVE_SCHEMA":
-        return archive_schema()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.engine import Engine
 
-if TYPE_CHECKING:  # pyarrow is imported where a table is built: the catalog does not load it
+if TYPE_CHECKING:  # pyarrow is loaded where tables are made, never on import
     import pyarrow as pa
 
 

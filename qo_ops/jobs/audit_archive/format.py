@@ -14,54 +14,53 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import audit_record
+from qo_ops.jobs.audit_archive.errors import ArchiveError
 
-if TYPE_CHECKING:  # pyarrow is imported where a table is built: the catalog does not load it
+if TYPE_CHECKING:  # pyarrow is loaded by the functions that use it, never on import
     import pyarrow as pa
 
 # The file's columns: every column of audit_record, ``details`` as JSON text.
 COLUMNS = (
-    *("id", "tenant_id", "occurred_at", "actor_ref", "action", "entity_type", "entity_id"),
-    "details",
-)
+    "id", "tenant_id", "occurred_at", "actor_ref", "action", "entity_type", "entity_id", "details",
+)  # fmt: skip
 assert tuple(c.name for c in audit_record.columns) == COLUMNS, "archive columns drifted"
+
+
+def load_arrow() -> None:
+    """Import the parts of pyarrow this package uses, and what pyarrow itself imports on its
+    first conversion of a Python value (pandas, when installed: seconds on a busy host), so
+    that no batch pays for it while it holds row locks. Once per process; then free."""
+    import pyarrow as pa
+    import pyarrow.compute
+    import pyarrow.csv
+    import pyarrow.parquet  # noqa: F401
+
+    pa.scalar(0)  # pyarrow's first Python value: it looks for pandas here
 
 
 @cache
 def archive_schema() -> pa.Schema:
-    """The file's Arrow schema (``COLUMNS``), built on first use."""
+    """The file's Arrow schema (``COLUMNS``, each NOT NULL as in the table)."""
     import pyarrow as pa
 
-    return pa.schema(
-        [
-            pa.field("id", pa.int64(), nullable=False),
-            pa.field("tenant_id", pa.string(), nullable=False),
-            pa.field("occurred_at", pa.timestamp("us", tz="UTC"), nullable=False),
-            pa.field("actor_ref", pa.string(), nullable=False),
-            pa.field("action", pa.string(), nullable=False),
-            pa.field("entity_type", pa.string(), nullable=False),
-            pa.field("entity_id", pa.string(), nullable=False),
-            pa.field("details", pa.string(), nullable=False),
-        ]
-    )
-
-
-@cache
-def _copy_schema() -> pa.Schema:
-    """What COPY_BATCH yields: ``archive_schema()`` and the UTC day."""
-    import pyarrow as pa
-
-    return archive_schema().append(pa.field("day", pa.string()))
+    text = pa.string()
+    types = (pa.int64(), text, pa.timestamp("us", tz="UTC"), text, text, text, text, text)
+    return pa.schema([pa.field(n, t, nullable=False) for n, t in zip(COLUMNS, types, strict=True)])
 
 
 # Which rows an archive takes. The copy into the file (COPY_BATCH) and the delete from the
-# source (steps._DELETE_ARCHIVED) share this one predicate, and that they share it is the
-# safety: a delete can reach only rows of the tenant that the copy could have put in a file.
-ARCHIVE_ROWS = "id = ANY(CAST(:ids AS bigint[])) AND tenant_id = :t"
+# source (DELETE_DIGESTED) share this one predicate, and that they share it is the safety: a
+# delete can reach only rows of the tenant that the copy could have put in a file. The id
+# range lets the primary key serve both; the copy keeps exactly the selected ids of it
+# (copy_batch), and the delete stands only if it took exactly the file's rows.
+ARCHIVE_ROWS = "tenant_id = :t AND id BETWEEN :lo AND :hi"
 
-# The selected rows as the archive holds them, copied out as CSV straight into Arrow columns
-# (no Python object per value): occurred_at as ISO 8601 UTC with microseconds, which Arrow
-# parses exactly; details as jsonb's own text form, which casts back exactly; then the UTC
-# day. In index order: sorted by day in Arrow (copy_batch), not by a server sort that spills.
+# The selected rows' id range as the archive holds it, copied out as CSV straight into Arrow
+# columns (no Python object per value): occurred_at as ISO 8601 UTC with microseconds, which
+# Arrow parses exactly; details as jsonb's own text form, which casts back exactly; then the
+# UTC day. By the id range (COPY takes no bind parameters, and a literal of every id costs
+# the server a parse and a plan per batch); copy_batch keeps the selected ids of it. In id
+# order: sorted by day in Arrow (copy_batch), not by a server sort that spills.
 COPY_BATCH = sa.text(
     f"""
     COPY (SELECT id, tenant_id,
@@ -80,13 +79,16 @@ def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table
     """The tenant's records among ``ids`` as an Arrow table of ``archive_schema()`` and a
     trailing ``day`` column (ISO date, UTC), sorted by day, then id: ``COPY_BATCH`` in the
     caller's transaction."""
-    import pyarrow.csv as pacsv
-
     # PostgreSQL's COPY takes no bind parameters: psycopg's copy() merges them into the text
     # client-side, as literals it quotes itself. This is the package's one statement run that
     # way; compiled here from SQLAlchemy's :name to psycopg's %(name)s.
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pacsv
+
+    copy_schema = archive_schema().append(pa.field("day", pa.string()))  # what COPY_BATCH yields
     compiled = COPY_BATCH.compile(dialect=conn.dialect)
-    params = compiled.construct_params({"ids": list(ids), "t": tenant_id})
+    params = compiled.construct_params({"lo": min(ids), "hi": max(ids), "t": tenant_id})
     raw = conn.connection.driver_connection
     assert raw is not None
     buffer = io.BytesIO()
@@ -96,15 +98,20 @@ def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table
     buffer.seek(0)
     table = pacsv.read_csv(
         buffer,
-        read_options=pacsv.ReadOptions(column_names=_copy_schema().names),
+        read_options=pacsv.ReadOptions(column_names=copy_schema.names),
         parse_options=pacsv.ParseOptions(newlines_in_values=True),
         convert_options=pacsv.ConvertOptions(
-            column_types={f.name: f.type for f in _copy_schema()},
+            column_types={f.name: f.type for f in copy_schema},
             strings_can_be_null=False,
             quoted_strings_can_be_null=False,
         ),
     )
-    table = table.cast(_copy_schema())  # NOT NULL as in the table (none can be)
+    table = table.cast(copy_schema)  # NOT NULL as in the table (none can be)
+    selected = pa.array(ids, pa.int64())
+    # rows of the range that were not selected (another run's, or not eligible) stay out
+    table = table.filter(pc.is_in(table.column("id"), value_set=selected))
+    if table.num_rows != len(selected):  # locked by this transaction: none can be missing
+        raise ArchiveError(f"copied {table.num_rows} of {len(selected)} selected records")
     return table.sort_by([("day", "ascending"), ("id", "ascending")]).combine_chunks()
 
 
@@ -137,19 +144,23 @@ def read_rows(data: bytes) -> list[tuple[Any, ...]]:
 
 # ------------------------------------------------------------------------ the rows' digest
 
-# The manifest's source rows, locked (nobody changes them until the delete commits), digested
-# from PostgreSQL's own values exactly as table_digests() digests a file's rows: their count;
-# sha256 of the ids joined by ","; sha256 of one line per row in id order — id|epoch µs|then
-# each text column as <bytes>:<text>, "|" between fields, "\n" after each: length-prefixed,
-# so no two different rows give the same line.
-SOURCE_DIGEST = sa.text(
-    """
-    WITH locked AS (
-        SELECT * FROM audit_record
-         WHERE tenant_id = :t AND id BETWEEN :lo AND :hi
-           AND occurred_at >= :ws AND occurred_at < :we
-         ORDER BY id
-           FOR UPDATE
+# The manifest's source rows leave the table, and PostgreSQL digests the rows it deleted
+# from its own values exactly as table_digests() digests a file's rows: their count; sha256
+# of the ids joined by ","; sha256 of one line per row in id order — id|epoch µs|then each
+# text column as <bytes>:<text>, "|" between fields, "\n" after each: length-prefixed, so no
+# two different rows give the same line. Run under a savepoint (steps.delete_verified): the
+# delete stands only if the digests equal the file's, else the savepoint is rolled back —
+# nothing of it is ever committed unless the deleted rows are, value for value, the file's.
+# Which rows: ARCHIVE_ROWS within the manifest's window, what the copy could have taken.
+# Twice: once committed the rows are gone, and the manifest is VERIFIED, which no run
+# can make it again (steps._MARK_VERIFIED): a second run never gets here for it.
+DELETE_DIGESTED = sa.text(
+    f"""
+    WITH gone AS (
+        DELETE FROM audit_record
+         WHERE {ARCHIVE_ROWS} AND occurred_at >= :ws AND occurred_at < :we
+        RETURNING id, occurred_at, tenant_id, actor_ref, action, entity_type, entity_id,
+                  details::text AS details  -- jsonb's text once per row, not twice
     )
     SELECT count(*) AS n,
            encode(sha256(convert_to(coalesce(string_agg(id::text, ',' ORDER BY id), ''),
@@ -162,12 +173,12 @@ SOURCE_DIGEST = sa.text(
                       || '|' || octet_length(action) || ':' || action
                       || '|' || octet_length(entity_type) || ':' || entity_type
                       || '|' || octet_length(entity_id) || ':' || entity_id
-                      || '|' || octet_length(details::text) || ':' || details::text
+                      || '|' || octet_length(details) || ':' || details
                       || E'\\n', '' ORDER BY id), ''), 'UTF8')), 'hex') AS rows
-      FROM locked
+      FROM gone
     """
 )
-# The text columns of a line, in SOURCE_DIGEST's order.
+# The text columns of a line, in DELETE_DIGESTED's order.
 _TEXT_COLUMNS = ("tenant_id", "actor_ref", "action", "entity_type", "entity_id", "details")
 
 
@@ -181,7 +192,7 @@ def _joined_sha256(pieces: pa.Array) -> str:
 
 
 def table_digests(table: pa.Table) -> tuple[str, str]:
-    """(ids digest, rows digest) of an archive table, as ``SOURCE_DIGEST`` computes them."""
+    """(ids digest, rows digest) of an archive table, as ``DELETE_DIGESTED`` computes them."""
     import pyarrow as pa
     import pyarrow.compute as pc
 

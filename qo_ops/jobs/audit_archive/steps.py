@@ -1,7 +1,8 @@
 """The job's batch, in the runner's steps: **eligible** (records past retention), **transition**
 (select: copy the locked records out, cut them into per-day chunks), **external** (write
-each file and its WRITTEN manifest, read it back, sweep orphans) and **record** (compare the
-locked source rows with the file; VERIFIED and deleted, or FAILED, in one transaction).
+each file and its WRITTEN manifest, read it back, sweep orphans) and **record** (delete the
+source rows and compare what was deleted with the file: VERIFIED and deleted, or rolled back
+and FAILED, in one transaction).
 The package's docstring tells the states a chunk goes through."""
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from qo_ops.jobs.audit_archive.errors import (
     ArchiveVerificationFailed,
 )
 from qo_ops.jobs.audit_archive.format import (
-    ARCHIVE_ROWS,
-    SOURCE_DIGEST,
+    DELETE_DIGESTED,
     copy_batch,
+    load_arrow,
     parquet_bytes,
     read_table,
     table_digests,
@@ -47,6 +48,7 @@ from qo_ops.platform.spec import BatchContext, BatchOutcome, Scope
 SIDE_EFFECT = "archive_file"  # writing one archive file (job_side_effects_total)
 
 ARCHIVE_CRASH_POINTS = (
+    "archive_before_file_rename",
     "archive_after_file_written",
     "archive_after_manifest_written",
     "archive_before_delete_commit",
@@ -63,23 +65,38 @@ def _day_bounds(day: date) -> tuple[datetime, datetime]:
 
 
 def _day_expr() -> sa.ColumnElement[Any]:
+    """A record's UTC day, as the index ix_audit_record_tenant_day_id has it."""
     return sa.cast(sa.func.timezone("UTC", audit_record.c.occurred_at), sa.Date)
 
 
+def _days_of(start: datetime, end: datetime) -> tuple[date, date]:
+    """The UTC days [first, after) that the window [start, end) touches."""
+    first, last = start.astimezone(UTC), (end - timedelta(microseconds=1)).astimezone(UTC)
+    return first.date(), last.date() + timedelta(days=1)
+
+
 def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
-    """The tenant's records of the window past retention, by day, then id."""
+    """The tenant's records of the window past retention, by UTC day, then id: the order of
+    ix_audit_record_tenant_day_id, so a batch reads its rows off the index, never sorting
+    what is left of the window (the day bounds only let the index bound the scan)."""
     if ctx.state.pop("_archive_deleted", False):  # the previous batch's delete committed
         crash_point("archive_after_delete_commit")
+    if ctx.mode == "execute":  # counted before the first batch: Arrow loads here, not in a
+        load_arrow()  # batch that holds row locks (a dry run never loads it)
     start, end = ctx.scope.window_bounds()
-    query = sa.select(audit_record.c.id).where(
-        audit_record.c.tenant_id == ctx.scope.tenant_id,
-        audit_record.c.occurred_at >= start,
-        audit_record.c.occurred_at < end,
-        audit_record.c.occurred_at < retention_cutoff(ctx),
+    first_day, after_day = _days_of(start, end)
+    return (
+        sa.select(audit_record.c.id)
+        .where(
+            audit_record.c.tenant_id == ctx.scope.tenant_id,
+            _day_expr() >= first_day,
+            _day_expr() < after_day,
+            audit_record.c.occurred_at >= start,
+            audit_record.c.occurred_at < end,
+            audit_record.c.occurred_at < retention_cutoff(ctx),
+        )
+        .order_by(_day_expr(), audit_record.c.id)
     )
-    if end - start > timedelta(days=1):
-        return query.order_by(_day_expr(), audit_record.c.id)
-    return query.order_by(audit_record.c.id)
 
 
 # ------------------------------------------------------------------------ transition (select)
@@ -131,13 +148,13 @@ _FENCING_TOKEN = sa.text("SELECT fencing_token FROM job_run WHERE id = :id")
 
 def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Read the selected (locked) records and cut them into per-day chunks."""
+    import pyarrow.compute as pc
+
     if ctx.state.get("archive_failure"):  # a file failed verification: stop, as a job's own stop
         raise ArchiveVerificationFailed(ctx.state["archive_failure"])
     if "archive_baseline" not in ctx.state:
         ctx.state["archive_baseline"] = _baseline(conn, ctx.scope)
     cutoff = conn.execute(sa.select(retention_cutoff(ctx))).scalar_one()  # this txn's now()
-    import pyarrow.compute as pc  # pyarrow only when archiving: the catalog does not load it
-
     table = copy_batch(conn, [int(i) for i in ids], ctx.scope.tenant_id)
     chunks = []
     offset = 0
@@ -261,6 +278,8 @@ def _insert_written(work: Work, chunk: Chunk, sha: str) -> None:
 
 def verify_file(chunk: Chunk, sha: str) -> FileResult:
     """Read the file back: checksum, format, row count, id range, tenant, window."""
+    import pyarrow.compute as pc
+
     path = resolve_path(chunk.file_path)
     try:
         data = path.read_bytes()
@@ -268,8 +287,6 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
         return FileResult(chunk, False, f"unreadable: {type(exc).__name__}")
     if hashlib.sha256(data).hexdigest() != sha:
         return FileResult(chunk, False, "sha256 differs from the manifest")
-    import pyarrow.compute as pc  # pyarrow only when archiving: the catalog does not load it
-
     try:
         table = read_table(data)
     except Exception as exc:  # any parse error is a failed verification
@@ -328,7 +345,10 @@ def write_and_verify(ctx: BatchContext, work_items: list[Any]) -> list[Any]:
                 crash_point("archive_after_manifest_written")
             assert chunk.sha256 is not None
             result = verify_file(chunk, chunk.sha256)
-            result.orphans_removed = sweep_orphans(work, chunk)
+            swept = ctx.state.setdefault("_archive_swept_days", set())
+            if chunk.day not in swept:  # orphans are earlier runs': once per day and run
+                result.orphans_removed = sweep_orphans(work, chunk)
+                swept.add(chunk.day)
             results.append(result)
     return results
 
@@ -346,20 +366,48 @@ _MARK_VERIFIED = sa.text(
     """
 )
 
-# The file's rows leave the source: by the predicate they were copied by (format.ARCHIVE_ROWS).
-# Twice: it runs only in the transaction that made the manifest VERIFIED, which no second run
-# can do again; and it must delete all the locked rows or the batch aborts (count checked).
-_DELETE_ARCHIVED = sa.text(f"DELETE FROM audit_record WHERE {ARCHIVE_ROWS}")
-
 # Twice: a manifest already FAILED (or VERIFIED by another run) is not WRITTEN: no change.
 _MARK_FAILED = sa.text(
     "UPDATE audit_archive_manifest SET status = 'FAILED' WHERE id = :id AND status = 'WRITTEN'"
 )
 
 
+def _delete_if_equal(conn: Connection, result: FileResult) -> str | None:
+    """Under a savepoint: the manifest VERIFIED and its source rows deleted, kept only if
+    the deleted rows are exactly the file's (count, ids, every value); otherwise rolled back.
+    Returns why not (None when done; "taken over" when the manifest is no longer WRITTEN)."""
+    chunk = result.chunk
+    assert result.digests is not None
+    savepoint = conn.begin_nested()
+    if conn.execute(_MARK_VERIFIED, {"id": chunk.manifest_id}).first() is None:
+        savepoint.rollback()  # resolved by someone else meanwhile: not ours to delete
+        return "taken over"
+    gone = conn.execute(
+        DELETE_DIGESTED,
+        {
+            "t": chunk.tenant_id,
+            "lo": chunk.min_id,
+            "hi": chunk.max_id,
+            "ws": chunk.window_start,
+            "we": chunk.window_end,
+        },
+    ).one()
+    reason = None
+    if (gone.n, gone.ids) != (chunk.row_count, result.digests[0]):
+        reason = "source ids differ from the file's"
+    elif gone.rows != result.digests[1]:  # every value, exactly
+        reason = "source rows differ from the file's"
+    if reason is None:
+        savepoint.commit()  # stands with the batch's commit
+    else:
+        savepoint.rollback()  # nothing deleted, the manifest WRITTEN again
+    return reason
+
+
 def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
     """In one transaction per batch: verified chunks → manifest VERIFIED + source rows
-    deleted; anything else → manifest FAILED, nothing deleted."""
+    deleted (kept only if the deleted rows equal the file's); anything else → manifest
+    FAILED, nothing deleted."""
     outcome = BatchOutcome(tally={})
 
     def tally(key: str, n: int = 1) -> None:
@@ -374,36 +422,19 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
         tally("archives_adopted" if chunk.adopted else "archives_written")
         if chunk.adopted:  # an earlier attempt wrote this file and did not get to delete
             outcome.side_effect(SIDE_EFFECT, "duplicate_prevented")
+        if result.ok and sha256_or_none(resolve_path(chunk.file_path)) != chunk.sha256:
+            # the file is still the bytes that were verified, right before the delete
+            result.ok, result.reason = False, "file changed after verification"
         if result.ok:
-            source = conn.execute(  # locked: nobody changes them until this commits
-                SOURCE_DIGEST,
-                {
-                    "t": chunk.tenant_id,
-                    "lo": chunk.min_id,
-                    "hi": chunk.max_id,
-                    "ws": chunk.window_start,
-                    "we": chunk.window_end,
-                },
-            ).one()
-            assert result.digests is not None
-            if (source.n, source.ids) != (len(result.ids), result.digests[0]):
-                result.ok, result.reason = False, "source ids differ from the file's"
-            elif source.rows != result.digests[1]:  # every value, exactly
-                result.ok, result.reason = False, "source rows differ from the file's"
-            elif sha256_or_none(resolve_path(chunk.file_path)) != chunk.sha256:
-                # the file is still the bytes that were verified, right before the delete
-                result.ok, result.reason = False, "file changed after verification"
-        ids = result.ids  # exactly the locked rows that equal the file's, when ok
-        if result.ok:
-            verified = conn.execute(_MARK_VERIFIED, {"id": chunk.manifest_id}).first()
-            if verified is None:  # resolved by someone else meanwhile: not ours to delete
+            why_not = _delete_if_equal(conn, result)
+            if why_not == "taken over":
                 outcome.skipped += chunk.row_count
                 tally("archives_taken_over")
                 continue
-            deleted = conn.execute(_DELETE_ARCHIVED, {"ids": ids, "t": chunk.tenant_id}).rowcount
-            if deleted != len(ids) or deleted != chunk.row_count:  # never half, never none
-                raise ArchiveError(f"archive {chunk.manifest_id}: locked source rows vanished")
-            outcome.succeeded += deleted
+            if why_not is not None:
+                result.ok, result.reason = False, why_not
+        if result.ok:
+            outcome.succeeded += chunk.row_count
             tally("archives_verified")
             if not chunk.adopted:
                 outcome.side_effect(SIDE_EFFECT, "success")

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from qo_ops.config import load_settings
 from qo_ops.jobs.audit_archive.batch import Chunk, Work
 from qo_ops.jobs.audit_archive.settings import ARCHIVE_DIR
+from qo_ops.platform.faults import crash_point
 
 
 def archive_home() -> Path:
@@ -50,6 +51,7 @@ def write_file(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    crash_point("archive_before_file_rename")  # test-only: S0, a .tmp file and nothing else
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     for directory in created:  # new directory entries are durable too
