@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import quote
+from qo_ops.platform.selection import id_array
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -119,7 +120,7 @@ def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -
     row = conn.execute(
         RECALCULATE_BATCH,
         {
-            "ids": [int(i) for i in ids],
+            "ids": id_array(ids),
             "tenant": ctx.scope.tenant_id,
             "run": ctx.job_run_id,
             "last": int(ids[-1]),
