@@ -19,7 +19,12 @@ from sqlalchemy.engine import Connection
 from qo_ops.config import whole_number
 from qo_ops.db.schema import checkout_session
 from qo_ops.platform.outbox import transitions_with_events
-from qo_ops.platform.selection import after_position, seconds_or_none
+from qo_ops.platform.selection import (
+    after_position,
+    id_array,
+    seconds_or_none,
+    without_parallel_workers,
+)
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -132,7 +137,7 @@ def close_checkout_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]
     row = conn.execute(
         CLOSE_CHECKOUT_BATCH,
         {
-            "ids": list(ids),
+            "ids": id_array(ids),
             "tenant": ctx.scope.tenant_id,
             "hours": _run_idle_hours(ctx),
             "last_id": ids[-1],
@@ -183,6 +188,7 @@ def check_abandoned_checkouts(conn: Connection, ctx: BatchContext) -> list[Outco
     hours = _run_idle_hours(ctx)
     params = {"tenant": ctx.scope.tenant_id, "hours": hours}
     idle = conn.execute(IDLE_PAST_GRACE, {**params, "grace_min": GRACE_MINUTES}).scalar()
+    without_parallel_workers(conn)  # the events counted once, not once per worker
     events = conn.execute(
         EVENT_CHECK, {"tenant": ctx.scope.tenant_id, "min_idle": MIN_IDLE_HOURS}
     ).one()

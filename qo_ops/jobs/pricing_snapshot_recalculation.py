@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import quote
+from qo_ops.platform.selection import id_array
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -119,7 +120,7 @@ def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -
     row = conn.execute(
         RECALCULATE_BATCH,
         {
-            "ids": [int(i) for i in ids],
+            "ids": id_array(ids),
             "tenant": ctx.scope.tenant_id,
             "run": ctx.job_run_id,
             "last": int(ids[-1]),
@@ -139,18 +140,19 @@ def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -
 
 
 # One grouped pass over the window's quotes and their lines, joined to their snapshot at the
-# current price-book version.
+# current price-book version. The price factor is one value for the whole pass (a scalar
+# subquery: NULL without a current book), not a join repeated for each line.
 VERIFY_WINDOW = sa.text(
     """
     WITH pb AS (
         SELECT version, price_factor FROM price_book WHERE tenant_id = :tenant AND is_current
     ), expected AS (
         SELECT q.id,
-               round(coalesce(sum(l.quantity * l.unit_price), 0) * max(pb.price_factor), 2) AS total_amount,
+               round(coalesce(sum(l.quantity * l.unit_price), 0) * (SELECT price_factor FROM pb), 2)
+                   AS total_amount,
                count(l.id)::int AS line_count
           FROM quote q
           LEFT JOIN quote_line l ON l.quote_id = q.id
-          LEFT JOIN pb ON true
          WHERE q.tenant_id = :tenant AND q.created_at >= :start AND q.created_at < :end
          GROUP BY q.id
     )

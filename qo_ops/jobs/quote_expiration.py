@@ -15,7 +15,12 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import quote
 from qo_ops.platform.outbox import transitions_with_events
-from qo_ops.platform.selection import after_position, seconds_or_none
+from qo_ops.platform.selection import (
+    after_position,
+    id_array,
+    seconds_or_none,
+    without_parallel_workers,
+)
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -87,7 +92,8 @@ EXPIRE_QUOTE_BATCH = sa.text(
 def expire_quote_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Expire the selected quotes and append their QuoteExpired events."""
     row = conn.execute(
-        EXPIRE_QUOTE_BATCH, {"ids": list(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]}
+        EXPIRE_QUOTE_BATCH,
+        {"ids": id_array(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]},
     ).one()
     outcome = transitions_with_events(
         SIDE_EFFECT, selected=len(ids), changed=row.expired, events=row.events
@@ -125,6 +131,7 @@ def check_quote_expiration(conn: Connection, ctx: BatchContext) -> list[OutcomeC
     """No ACTIVE quote past expiry (beyond grace); every EXPIRED quote has one event."""
     tenant = {"tenant": ctx.scope.tenant_id}
     overdue = conn.execute(OVERDUE_ACTIVE_QUOTES, {**tenant, "grace_min": GRACE_MINUTES}).scalar()
+    without_parallel_workers(conn)  # the events counted once, not once per worker
     bad_events = conn.execute(EXPIRED_QUOTE_EVENTS, tenant).one()
     return [
         OutcomeCheck(

@@ -13,13 +13,13 @@ the runner ends with one pass from the start.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import customer_order, order_read_model
-from qo_ops.platform.selection import after_position
+from qo_ops.platform.selection import after_position, id_array
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -29,15 +29,17 @@ from qo_ops.platform.spec import (
     OutcomeCheck,
 )
 
-# Drift: the row is missing, or any column derived from the order differs.
-_DRIFT = sa.or_(
-    order_read_model.c.order_id.is_(None),
-    order_read_model.c.status != customer_order.c.status,
-    order_read_model.c.total_amount != customer_order.c.total_amount,
-    order_read_model.c.line_count != customer_order.c.line_count,
-    order_read_model.c.order_number != customer_order.c.order_number,
-    order_read_model.c.source_version != customer_order.c.version,
-)
+# Drift by kind: the row is missing, or a column derived from the order differs.
+_DRIFT_KINDS: dict[str, sa.ColumnElement[bool]] = {
+    "missing": order_read_model.c.order_id.is_(None),
+    "status": order_read_model.c.status != customer_order.c.status,
+    "total_amount": order_read_model.c.total_amount != customer_order.c.total_amount,
+    "line_count": order_read_model.c.line_count != customer_order.c.line_count,
+    "order_number": order_read_model.c.order_number != customer_order.c.order_number,
+    "source_version": order_read_model.c.source_version != customer_order.c.version,
+}
+# Drift: any of them. The selection and the outcome check share it.
+_DRIFT = sa.or_(*_DRIFT_KINDS.values())
 
 
 def drifted_orders(ctx: BatchContext) -> sa.Select[Any]:
@@ -53,21 +55,25 @@ def drifted_orders(ctx: BatchContext) -> sa.Select[Any]:
 
 def _drifted_in_window(ctx: BatchContext) -> sa.Select[Any]:
     """Every drifted order of the window, by (submitted_at, id), whatever the position."""
-    start, end = ctx.scope.window_bounds()
     return (
-        sa.select(customer_order.c.id)
-        .select_from(
-            customer_order.outerjoin(
-                order_read_model, order_read_model.c.order_id == customer_order.c.id
-            )
-        )
-        .where(
-            customer_order.c.tenant_id == ctx.scope.tenant_id,
-            customer_order.c.submitted_at >= start,
-            customer_order.c.submitted_at < end,
-            _DRIFT,
-        )
+        _orders_of_window(sa.select(customer_order.c.id), ctx)
+        .where(_DRIFT)
         .order_by(customer_order.c.submitted_at, customer_order.c.id)
+    )
+
+
+def _orders_of_window(query: sa.Select[Any], ctx: BatchContext) -> sa.Select[Any]:
+    """``query`` over the tenant's orders submitted in the window, each beside its read-model
+    row (if any)."""
+    start, end = ctx.scope.window_bounds()
+    return query.select_from(
+        customer_order.outerjoin(
+            order_read_model, order_read_model.c.order_id == customer_order.c.id
+        )
+    ).where(
+        customer_order.c.tenant_id == ctx.scope.tenant_id,
+        customer_order.c.submitted_at >= start,
+        customer_order.c.submitted_at < end,
     )
 
 
@@ -106,7 +112,7 @@ def repair_read_model_batch(
     """Recompute the selected orders' read-model rows."""
     row = conn.execute(
         REPAIR_READ_MODEL_BATCH,
-        {"ids": list(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]},
+        {"ids": id_array(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]},
     ).one()
     return BatchOutcome(
         succeeded=row.repaired,
@@ -115,35 +121,26 @@ def repair_read_model_batch(
     )
 
 
-# The window's drift by kind: a missing row, or a field that differs from its order.
-DRIFT_BY_KIND = sa.text(
-    """
-    SELECT count(*) FILTER (WHERE r.order_id IS NULL) AS missing,
-           count(*) FILTER (WHERE r.status <> o.status) AS status,
-           count(*) FILTER (WHERE r.total_amount <> o.total_amount) AS total_amount,
-           count(*) FILTER (WHERE r.line_count <> o.line_count) AS line_count,
-           count(*) FILTER (WHERE r.order_number <> o.order_number) AS order_number,
-           count(*) FILTER (WHERE r.source_version <> o.version) AS source_version
-      FROM customer_order o LEFT JOIN order_read_model r ON r.order_id = o.id
-     WHERE o.tenant_id = :t AND o.submitted_at >= :start AND o.submitted_at < :end
-    """
-)
+def drift_of_window(ctx: BatchContext) -> sa.Select[Any]:
+    """The window's drifted orders, all of them (the selection's own predicate, whatever the
+    position) and by kind, counted in one pass over the window."""
+    counts: list[sa.ColumnElement[int]] = [sa.func.count().filter(_DRIFT).label("drifted")]
+    counts += [sa.func.count().filter(expr).label(kind) for kind, expr in _DRIFT_KINDS.items()]
+    return _orders_of_window(cast(sa.Select[Any], sa.select(*counts)), ctx)
 
 
 def check_read_model(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """The read model equals its source for every order of the scope; drift counted by kind
-    (so a dry-run's summary says what execute would repair, and why)."""
-    start, end = ctx.scope.window_bounds()
-    row = conn.execute(DRIFT_BY_KIND, {"t": ctx.scope.tenant_id, "start": start, "end": end}).one()
-    drifted_now = _drifted_in_window(ctx).order_by(None).subquery()  # never after a position
-    count = sa.select(sa.func.count()).select_from(drifted_now)
-    drifted = conn.execute(count).scalar_one()
+    (so a dry-run's summary says what execute would repair, and why). The count of drifted
+    orders is the selection's from its start: the run's backlog too."""
+    row = conn.execute(drift_of_window(ctx)).one()
     return [
         OutcomeCheck(
             "read_model_matches_source",
-            drifted == 0,
+            row.drifted == 0,
             "every order of the window has a read-model row equal to its source",
-            {"drifted_rows": drifted, **{f"drift_{k}": v for k, v in row._mapping.items()}},
+            {"drifted_rows": row.drifted, **{f"drift_{k}": row._mapping[k] for k in _DRIFT_KINDS}},
+            backlog=row.drifted,
         )
     ]
 

@@ -56,6 +56,10 @@ _HEARTBEAT = sa.text(
 # run's cancel flag, saving the batch a round trip.
 # Why the run must stop now, if it must: a cancel asked on its job_run row, or a
 # suspension of its job for its tenant or for every scope (the kill switch, job_control).
+# And, in the same round trip, SET LOCAL idle_in_transaction_session_timeout to the lease's
+# TTL (:idle_ms, bound: SET takes no parameters), before the transaction can first be idle:
+# a holder frozen mid-transaction is cut off by the server, releasing its locks. No row (the
+# lease is lost) sets nothing, and the transaction is rolled back.
 _GUARD = sa.text(
     """
     SELECT CASE
@@ -64,7 +68,8 @@ _GUARD = sa.text(
              WHEN EXISTS (SELECT 1 FROM job_control c WHERE c.job_name = :job
                              AND c.tenant_id IN ('', split_part(:scope, '/', 1)))
                THEN 'suspended'
-           END AS stop
+           END AS stop,
+           set_config('idle_in_transaction_session_timeout', :idle_ms, true) AS idle_timeout
       FROM job_lease
      WHERE job_name = :job AND scope = :scope AND lease_token = :token
        AND fencing_token = :fence AND expires_at > clock_timestamp()
@@ -108,11 +113,13 @@ class Lease:
         }
 
     def guard(self, conn: Connection, run_id: uuid.UUID | None = None) -> str | None:
-        """Raise :class:`LeaseLost` unless this lease is still ours, and hold it until commit.
+        """Raise :class:`LeaseLost` unless this lease is still ours, and hold it until commit;
+        the transaction's ``idle_in_transaction_session_timeout`` becomes the lease's TTL.
 
         Returns why run ``run_id`` must stop ("cancel requested", "suspended"), or None.
         """
-        row = conn.execute(_GUARD, {**self._params(), "run_id": run_id}).first()
+        idle_ms = f"{int(self.ttl_s * 1000)}ms"
+        row = conn.execute(_GUARD, {**self._params(), "run_id": run_id, "idle_ms": idle_ms}).first()
         if row is None:
             raise LeaseLost(f"lease on {self.job_name}/{self.scope} is no longer held")
         stop: str | None = row.stop

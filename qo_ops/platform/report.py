@@ -25,15 +25,24 @@ def add_report(conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunS
             summary.checkpoint_after = checkpoint.as_text(saved.cursor)
             summary.checkpoint_age_s = saved.age_s
     elif not spec.dry_run_scans:  # a selection of what is due: what is still due is backlog
-        fresh = BatchContext(
-            spec.name, ctx.scope, ctx.mode, ctx.job_run_id, limits=ctx.limits, settings=ctx.settings
-        )
-        summary.backlog = (
-            summary.eligible_count if ctx.mode == "dry_run" else count_eligible(conn, spec, fresh)
-        )
+        summary.backlog = _backlog(conn, spec, ctx, summary)
     if spec.dead_letters is not None:
         summary.dead_letters = spec.dead_letters(conn)
     summary.report = [asdict(row) for row in build_report(conn, spec, ctx, summary)]
+
+
+def _backlog(conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunSummary) -> int:
+    """What the selection still matches: a dry run's count, a check's count of the same
+    selection (``OutcomeCheck.backlog``), or counted now."""
+    if ctx.mode == "dry_run":
+        return summary.eligible_count
+    counted = [c.backlog for c in summary.checks if c.backlog is not None]
+    if counted:
+        return counted[0]
+    fresh = BatchContext(
+        spec.name, ctx.scope, ctx.mode, ctx.job_run_id, limits=ctx.limits, settings=ctx.settings
+    )
+    return count_eligible(conn, spec, fresh)
 
 
 def build_report(

@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from enum import Enum
 from typing import Any
 
-import sqlalchemy as sa
 from opentelemetry.trace import Span
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
@@ -89,11 +88,6 @@ def run_job(
     this returns (or re-raises a foreign interrupt, e.g. Dagster's)."""
     with StopSignals(stop_grace_s()) as stop:  # a signal before the record: nothing written
         return JobRun(engine, RunRequest(spec, scope, options), stop, metrics).run()
-
-
-# A holder frozen mid-transaction is cut off by the server, releasing its locks: SET LOCAL
-# idle_in_transaction_session_timeout, with the value bound (SET takes no parameters).
-_IDLE_TIMEOUT = sa.text("SELECT set_config('idle_in_transaction_session_timeout', :ms, true)")
 
 
 class _Step(Enum):
@@ -400,10 +394,10 @@ class JobRun:
 
     @contextmanager
     def _transaction(self, conn: Connection) -> Iterator[str | None]:
-        """One batch's transaction on the run's connection, under the lease's guard; yields
-        why the run must stop (a cancel asked, the job suspended), or None."""
+        """One batch's transaction on the run's connection, under the lease's guard (which
+        also cuts the transaction off if it idles past the lease's TTL); yields why the run
+        must stop (a cancel asked, the job suspended), or None."""
         with conn.begin():
-            conn.execute(_IDLE_TIMEOUT, {"ms": f"{int(self.lease.ttl_s * 1000)}ms"})
             yield self.lease.guard(conn, self.run_id)
 
     def _batch(self, conn: Connection, room: int) -> BatchOutcome | _Step:

@@ -396,6 +396,10 @@ class OutcomeCheck:
     passed: bool
     description: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    # A check that counted exactly what the job's selection matches now (from its start, no
+    # position) says so here: the run's report takes it as the backlog instead of counting
+    # the same rows again (a full pass over the scope for a repair job).
+    backlog: int | None = None
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,7 @@ def test_a_run_stopped_midway_resumes_and_its_check_sees_what_is_left(db):
     assert part.counts.succeeded == 6 and part.batches == 2
     check = part.checks[0]
     assert not check.passed and check.metadata["drifted_rows"] == drifted - 6
+    assert part.backlog == drifted - 6  # the check's count of the selection is the backlog
     rest = run_job(
         SPEC, WINDOW, RunOptions(mode="execute", reason="test", batch_size=4), engine=db.engine
     )

@@ -3,9 +3,12 @@ report rows and the run summary's JSON all derive from it."""
 
 from __future__ import annotations
 
+import sqlalchemy as sa
+
 from qo_ops.db.schema import job_run
+from qo_ops.platform import runs
 from qo_ops.platform.counts import COLUMNS, COUNTERS, Counts
-from qo_ops.platform.spec import BatchOutcome, RunSummary
+from qo_ops.platform.spec import BatchOutcome, RunOptions, RunSummary, Scope
 
 
 def test_every_counter_is_a_job_run_column_and_every_counted_column_a_counter():
@@ -71,3 +74,19 @@ def test_the_summary_json_names_the_counters_as_the_run_record_does_where_counts
     assert keys[at + 1 + len(COUNTERS)] == "batches"
     assert (data["succeeded_count"], data["failed_count"]) == (8, 1)
     assert data["duplicates_prevented_count"] == 2
+
+
+def test_the_run_record_adds_each_batch_counter_by_counter_and_its_tally_key_by_key(db):
+    run_id = runs.create_run(
+        db.engine, "quote_expiration", Scope("tenant-001"), RunOptions(mode="execute"), "t", {}
+    )
+    with db.engine.begin() as conn:
+        runs.add_counts(conn, run_id, Counts(processed=3, succeeded=2, skipped=1), {"a": 2, "b": 1})
+        runs.add_counts(conn, run_id, Counts(processed=2, failed=2), {"a": 1, "c": 5})
+        runs.add_counts(conn, run_id, Counts(duplicates_prevented=4))  # no tally: kept
+    with db.engine.connect() as conn:
+        row = conn.execute(sa.select(job_run).where(job_run.c.id == run_id)).one()
+    assert {c: row._mapping[c] for c in COLUMNS.values()} == Counts(
+        processed=5, succeeded=2, failed=2, skipped=1, duplicates_prevented=4
+    ).columns()
+    assert row.tally == {"a": 3, "b": 1, "c": 5}

@@ -21,8 +21,9 @@ import sqlalchemy as sa
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.quote_expiration import SPEC
 from qo_ops.platform.faults import CRASH_ENV, CRASH_POINTS
+from qo_ops.platform.lease import acquire
 from qo_ops.platform.runner import RunSummary, run_job, select_batch
-from qo_ops.platform.spec import BatchContext, RunOptions, Scope
+from qo_ops.platform.spec import BatchContext, OutcomeCheck, RunOptions, Scope
 from qo_ops_tests.conftest import QO_OPS_BIN, base_env, run_cli
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)  # in the past: every ACTIVE quote is overdue now
@@ -358,3 +359,33 @@ def test_an_interrupt_during_the_outcome_checks_still_finishes_the_run_record(lo
     assert row.status_reason == "interrupted during outcome checks"
     assert row.processed_count == before and overdue(db.engine) == 0
     assert scalar(db.engine, "SELECT count(*) FROM job_lease WHERE expires_at > now()") == 0
+
+
+def test_a_batch_transaction_left_idle_past_the_lease_ttl_is_cut_off_by_the_server(db):
+    """The lease's guard, the first statement of every batch transaction, also sets that
+    transaction's idle timeout to the lease's TTL: a holder frozen mid-batch loses its
+    connection (and with it the locks it holds) instead of holding the lease's row forever."""
+    lease = acquire(db.engine, SPEC.name, TENANT, "frozen-holder", 1.0, uuid.uuid4())
+    assert lease is not None
+    with db.engine.connect() as conn:
+        conn.begin()
+        assert lease.guard(conn) is None
+        assert conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar() == "1s"
+        time.sleep(1.5)  # idle inside the transaction, past the TTL
+        with pytest.raises(sa.exc.DBAPIError):
+            conn.exec_driver_sql("SELECT 1")
+
+
+def test_a_check_that_counted_the_selection_gives_the_report_its_backlog(loaded):
+    """A check that says it counted the job's selection (``OutcomeCheck.backlog``) is the
+    report's backlog: the platform does not count the same rows again."""
+    import dataclasses
+
+    def counted(conn, ctx):
+        return [OutcomeCheck("counted", True, "counted the selection", backlog=42)]
+
+    db, before = loaded
+    spec = dataclasses.replace(SPEC, check=counted)
+    done = run_job(spec, Scope(TENANT), RunOptions(mode="execute", reason="t"), engine=db.engine)
+    assert done.counts.processed == before and overdue(db.engine) == 0
+    assert done.backlog == 42  # counted again, it would be 0
