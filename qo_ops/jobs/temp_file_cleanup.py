@@ -82,7 +82,7 @@ from qo_ops.errors import ConfigError
 from qo_ops.platform.faults import crash_point
 from qo_ops.platform.objects import ObjectStore, ObjectStoreError, objects_root
 from qo_ops.platform.runs import AuditEntry, append_audit
-from qo_ops.platform.selection import after_position, seconds_or_none
+from qo_ops.platform.selection import after_position, id_array, seconds_or_none
 from qo_ops.platform.spec import (
     BatchContext,
     BatchOutcome,
@@ -336,11 +336,14 @@ _WRITE_INTENTS = sa.text(
 )
 
 
-def _array(values: Sequence[int | str | None]) -> str:
-    """A list of ids or hex digests as one PostgreSQL array literal, bound as one text value
-    (``CAST(:ids AS bigint[])``): psycopg would dump a list element by element in Python,
-    several milliseconds for a batch's 500 digests. Neither ever needs quoting."""
-    return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
+def _digest_array(digests: Sequence[str | None]) -> str:
+    """The batch's hex digests (NULL for an object already gone) as one array value bound for
+    ``CAST(:shas AS text[])``, as :func:`~qo_ops.platform.selection.id_array` does for ids;
+    a digest is hex, so nothing in it needs quoting (checked)."""
+    for d in digests:
+        if d is not None and not all(c in "0123456789abcdef" for c in d):
+            raise ValueError("a checksum is not a lowercase hex digest")
+    return "{" + ",".join("NULL" if d is None else d for d in digests) + "}"
 
 
 def _reason(ctx: BatchContext) -> str:
@@ -359,7 +362,7 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
     if ctx.state.get(_GATE_KEY) is None:
         _anomaly_gate(conn, ctx)
         ctx.state.setdefault(_GATE_KEY, "passed")
-    files = conn.execute(_BATCH_FILES, {"ids": _array(ids), "tenant": ctx.scope.tenant_id}).all()
+    files = conn.execute(_BATCH_FILES, {"ids": id_array(ids), "tenant": ctx.scope.tenant_id}).all()
     work: list[dict[str, Any]] = []
     hashed_ids: list[int] = []
     hashes: list[str | None] = []
@@ -381,8 +384,8 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
         conn.execute(
             _WRITE_INTENTS,
             {
-                "ids": _array(hashed_ids),
-                "shas": _array(hashes),
+                "ids": id_array(hashed_ids),
+                "shas": _digest_array(hashes),
                 "run": str(ctx.job_run_id),
                 "reason": _reason(ctx),
                 "tenant": ctx.scope.tenant_id,
@@ -449,7 +452,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
         conn.execute(
             _DELETE_ROWS,
             {
-                "ids": _array(list(safe)),
+                "ids": id_array(list(safe)),
                 "tenant": ctx.scope.tenant_id,
                 "start": start,
                 "end": end,
@@ -469,7 +472,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
     with ObjectStore(settings.objects_root) as store:
         intact = [i for i in kept if store.exists(safe[i])]
         if intact:
-            conn.execute(_FORGET_INTENTS, {"ids": _array(intact)})
+            conn.execute(_FORGET_INTENTS, {"ids": id_array(intact)})
         crash_point(CRASH_BEFORE_OBJECT_DELETE)
         for row in sorted(gone, key=lambda r: r.temp_file_id):
             # safe in step 1; a directory swapped for a symlink since raises, rolling back
