@@ -80,7 +80,7 @@ from qo_ops.config import whole_number
 from qo_ops.db.schema import job_run, temp_file
 from qo_ops.errors import ConfigError
 from qo_ops.platform.faults import crash_point
-from qo_ops.platform.objects import ObjectStore, ObjectStoreError, objects_root
+from qo_ops.platform.objects import ObjectStore, ObjectStoreError, digest_array, objects_root
 from qo_ops.platform.runs import AuditEntry, append_audit
 from qo_ops.platform.selection import after_position, id_array, seconds_or_none
 from qo_ops.platform.spec import (
@@ -336,16 +336,6 @@ _WRITE_INTENTS = sa.text(
 )
 
 
-def _digest_array(digests: Sequence[str | None]) -> str:
-    """The batch's hex digests (NULL for an object already gone) as one array value bound for
-    ``CAST(:shas AS text[])``, as :func:`~qo_ops.platform.selection.id_array` does for ids;
-    a digest is hex, so nothing in it needs quoting (checked)."""
-    for d in digests:
-        if d is not None and not all(c in "0123456789abcdef" for c in d):
-            raise ValueError("a checksum is not a lowercase hex digest")
-    return "{" + ",".join("NULL" if d is None else d for d in digests) + "}"
-
-
 def _reason(ctx: BatchContext) -> str:
     days = run_settings(ctx).retention_days
     reason = f"retention: terminal and older than {days} days"
@@ -385,7 +375,7 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
             _WRITE_INTENTS,
             {
                 "ids": id_array(hashed_ids),
-                "shas": _digest_array(hashes),
+                "shas": digest_array(hashes),
                 "run": str(ctx.job_run_id),
                 "reason": _reason(ctx),
                 "tenant": ctx.scope.tenant_id,
@@ -609,13 +599,8 @@ def _objects_preview(conn: Connection, ctx: BatchContext, eligible: int) -> Repo
     """A dry run's look at the eligible files' objects: how many execute would unlink, how
     many are already gone (only their rows would go), how many it would refuse (unsafe)."""
     paths = conn.execute(sa.select(temp_file.c.storage_path).where(*_eligible_where(ctx)))
-    stored = unsafe = 0
     with ObjectStore(run_settings(ctx).objects_root) as store:
-        for path in paths.scalars():
-            if store.locate(path) is None:
-                unsafe += 1
-            elif store.exists(path):
-                stored += 1
+        stored, unsafe = store.census(paths.scalars())
     detail = f"of the {eligible} eligible files; {eligible - stored - unsafe} already gone"
     return ReportRow(
         "objects", "stored", stored, detail + (f", {unsafe} unsafe_storage_path" if unsafe else "")

@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from qo_ops.config import load_settings
@@ -130,6 +130,17 @@ class ObjectStore:
             return False
         return True
 
+    def census(self, storage_paths: Iterable[str]) -> tuple[int, int]:
+        """(stored, unsafe): how many of ``storage_paths`` have anything stored at them, and
+        how many the store refuses (paths that would leave it)."""
+        stored = unsafe = 0
+        for path in storage_paths:
+            if self.locate(path) is None:
+                unsafe += 1
+            elif self.exists(path):
+                stored += 1
+        return stored, unsafe
+
     def count_stored(self, storage_paths: Iterable[str]) -> int:
         """How many of ``storage_paths`` (each counted as often as given) have anything
         stored at them, as :meth:`exists` answers for each path; a path that would leave the
@@ -229,6 +240,16 @@ _LIST_BYTES_PER_PATH = 256
 
 
 _READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: no mmap/munmap per read
+
+
+def digest_array(digests: Sequence[str | None]) -> str:
+    """Digests from :meth:`ObjectStore.sha256` (None: the object was gone) as one array value
+    bound for ``CAST(:shas AS text[])``, as ``selection.id_array`` does for ids (psycopg dumps
+    a list element by element); a digest is lowercase hex, nothing to quote (checked)."""
+    for d in digests:
+        if d is not None and not all(c in "0123456789abcdef" for c in d):
+            raise ValueError("a checksum is not a lowercase hex digest")
+    return "{" + ",".join("NULL" if d is None else d for d in digests) + "}"
 
 
 def _digest(fd: int, size: int) -> str:

@@ -949,3 +949,23 @@ def test_cli_killed_after_the_object_delete_then_rerun_converges(loaded):
     summary = json.loads(again.stdout)
     assert (summary["status"], summary["succeeded_count"]) == ("success", len(expected))
     assert_consistent(db.engine, home, stored, set(expected), {summary["job_run_id"]})
+
+
+def test_a_batchs_digests_go_as_one_array_value_and_nothing_but_hex_goes_in():
+    """The intents' checksums are bound as one array literal: a digest (or NULL for an object
+    already gone) round-trips through PostgreSQL unchanged, and a value that is not a hex
+    digest is refused before it could change the literal's shape."""
+    sha = hashlib.sha256(b"x").hexdigest()
+    literal = objects.digest_array([sha, None])
+    assert literal == "{" + sha + ",NULL}"
+    for bad in ['a","b', "ABC", "1,2", "{}"]:
+        with pytest.raises(ValueError):
+            objects.digest_array([bad])
+
+
+def test_census_counts_stored_and_unsafe_paths(tmp_path):
+    """A dry run's preview of the objects execute would unlink: stored, unsafe, gone."""
+    root = tmp_path / "objects"
+    with objects.ObjectStore(root) as store:
+        store.put("t/a.bin", b"a")
+        assert store.census(["t/a.bin", "t/gone.bin", "../escape.bin", "/abs.bin"]) == (1, 2)
