@@ -1211,6 +1211,36 @@ BASELINE_NOTES = {
 }
 
 
+def _throughput(
+    case: Case, r: dict[str, Any], limit: str, label: str
+) -> tuple[Row, dict[str, float]]:
+    """The job's rate beside one of its limits (``r[limit]``'s runs): the row and its summary.
+    Repeat i's job and limits ran back to back on clones of one template, so the ratio is
+    taken pair by pair."""
+    job_rates = [x["rows_per_s"] for x in r["job"]]
+    limit_rates = [x["rows_per_s"] for x in r[limit]]
+    job, lim = Spread.of(job_rates), Spread.of(limit_rates)
+    ratio = pairwise_ratios(job_rates, limit_rates)
+    row = Row(
+        what=f"throughput: {case.job}",
+        size=f"{case.rows:,} rows, batch {r['job'][0]['batch_size']:,}",
+        figure=job.show(_rate),
+        limit=f"{lim.show(_rate)} ({label})",
+        ratio=ratio.mid,
+        goal=f">= {case.goal}",
+        met=ratio.mid >= case.goal,
+        ratio_range=ratio.range,
+    )
+    summary = {
+        "job_rows_per_s": job.mid,
+        "limit_rows_per_s": lim.mid,
+        "ratio": ratio.mid,
+        "ratio_min": ratio.low,
+        "ratio_max": ratio.high,
+    }
+    return row, summary
+
+
 def run(profile: Profile) -> Section:
     cases = _cases(profile.rows)
     results: dict[str, dict[str, Any]] = {}
@@ -1221,62 +1251,19 @@ def run(profile: Profile) -> Section:
     rows: list[Row] = []
     for case in cases:
         r = results[case.job]
-        job = Spread.of([x["rows_per_s"] for x in r["job"]])
+        row, r["summary"] = _throughput(case, r, "baseline", case.limit_label)
         wall = Spread.of([x["rows_per_s_wall"] for x in r["job"]])
-        limit = Spread.of([x["rows_per_s"] for x in r["baseline"]])
-        # repeat i's job and baseline ran back to back on clones of one template
-        ratio = pairwise_ratios(
-            [x["rows_per_s"] for x in r["job"]], [x["rows_per_s"] for x in r["baseline"]]
-        )
         ratio_wall = pairwise_ratios(
             [x["rows_per_s_wall"] for x in r["job"]], [x["rows_per_s"] for x in r["baseline"]]
         )
-        r["summary"] = {
-            "job_rows_per_s": job.mid,
-            "job_rows_per_s_wall": wall.mid,
-            "limit_rows_per_s": limit.mid,
-            "ratio": ratio.mid,
-            "ratio_min": ratio.low,
-            "ratio_max": ratio.high,
-            "ratio_wall": ratio_wall.mid,
-        }
-        rows.append(
-            Row(
-                what=f"throughput: {case.job}",
-                size=f"{case.rows:,} rows, batch {r['job'][0]['batch_size']:,}",
-                figure=job.show(_rate),
-                limit=f"{limit.show(_rate)} ({case.limit_label})",
-                ratio=ratio.mid,
-                goal=f">= {case.goal}",
-                met=ratio.mid >= case.goal,
-                note=f"ratio by CLI wall time {ratio_wall.show(lambda v: f'{v:.2f}')}",
-                ratio_range=ratio.range,
-            )
-        )
+        r["summary"] |= {"job_rows_per_s_wall": wall.mid, "ratio_wall": ratio_wall.mid}
+        row.note = f"ratio by CLI wall time {ratio_wall.show(lambda v: f'{v:.2f}')}"
+        rows.append(row)
         second = SECOND_LIMITS.get(case.job)
         if second is not None:
-            limit2 = Spread.of([x["rows_per_s"] for x in r["second"]])
-            ratio2 = pairwise_ratios(
-                [x["rows_per_s"] for x in r["job"]], [x["rows_per_s"] for x in r["second"]]
-            )
-            r["summary"] |= {
-                "second_limit_rows_per_s": limit2.mid,
-                "ratio_second": ratio2.mid,
-                "ratio_second_min": ratio2.low,
-                "ratio_second_max": ratio2.high,
-            }
-            rows.append(
-                Row(
-                    what=f"throughput: {case.job}, second limit (the work it must do too)",
-                    size=f"{case.rows:,} rows, batch {r['job'][0]['batch_size']:,}",
-                    figure=job.show(_rate),
-                    limit=f"{limit2.show(_rate)} ({second.label})",
-                    ratio=ratio2.mid,
-                    goal=f">= {case.goal}",
-                    met=ratio2.mid >= case.goal,
-                    ratio_range=ratio2.range,
-                )
-            )
+            row, r["summary"]["second"] = _throughput(case, r, "second", second.label)
+            row.what += ", second limit (the work it must do too)"
+            rows.append(row)
 
     print(f"   peak RSS at {', '.join(f'{m:,}' for m in profile.memory_sizes)}", flush=True)
     quote_runs = results["quote_expiration"]
