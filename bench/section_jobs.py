@@ -536,32 +536,37 @@ VALUES (%(id)s, %(tenant)s, %(ws)s, %(we)s, %(path)s, %(rows)s, %(lo)s, %(hi)s, 
 """
 
 
+def _copy_window(conn: Any, params: dict[str, Any]) -> pa.Table:
+    """The window's eligible records, COPYed out as CSV on ``conn`` (psycopg) and parsed by
+    Arrow's C++ reader into the archive schema plus their UTC ``day``: both limits start so."""
+    names = [*archive_job.COLUMNS, "day"]
+    types = {f.name: f.type for f in archive_job.archive_schema()} | {"day": pa.string()}
+    buffer = io.BytesIO()
+    with conn.cursor() as cur, cur.copy(AUDIT_COPY_SQL, params) as copy:
+        for chunk in copy:
+            buffer.write(chunk)
+    return pacsv.read_csv(
+        io.BytesIO(buffer.getvalue()),
+        read_options=pacsv.ReadOptions(column_names=names),
+        convert_options=pacsv.ConvertOptions(
+            column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False
+        ),
+    )
+
+
 def audit_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
     """COPY the window's eligible records out, write one Parquet file per day (the archive's
     schema, zstd, fsync'd), insert their manifests VERIFIED and delete the records: one
     transaction."""
     assert w is not None
     params = {"tenant": TENANT, "start": w.start, "end": w.end}
-    names = [*archive_job.COLUMNS, "day"]
-    types = {f.name: f.type for f in archive_job.archive_schema()} | {"day": pa.string()}
     engine = engine_for(url)
     raw = engine.raw_connection()
     try:
         conn = raw.driver_connection
         assert conn is not None
         with conn.cursor() as cur:
-            buffer = io.BytesIO()
-            with cur.copy(AUDIT_COPY_SQL, params) as copy:
-                for chunk in copy:
-                    buffer.write(chunk)
-            table = pacsv.read_csv(
-                io.BytesIO(buffer.getvalue()),
-                read_options=pacsv.ReadOptions(column_names=names),
-                convert_options=pacsv.ConvertOptions(
-                    column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False
-                ),
-            )
-            del buffer
+            table = _copy_window(conn, params)
             written = 0
             for day in pc.unique(table.column("day")).to_pylist():
                 part = table.filter(pc.equal(table.column("day"), day)).drop_columns(["day"])
@@ -608,25 +613,12 @@ def audit_verified_baseline(url: URL, n: int, w: Window | None, home: Path) -> i
     transaction; the deletes are kept only if every digest matches."""
     assert w is not None
     params = {"tenant": TENANT, "start": w.start, "end": w.end}
-    names = [*archive_job.COLUMNS, "day"]
-    types = {f.name: f.type for f in archive_job.archive_schema()} | {"day": pa.string()}
     engine = engine_for(url)
     deleted = 0
     with engine.begin() as conn:
         raw = conn.connection.driver_connection
         assert raw is not None
-        buffer = io.BytesIO()
-        with raw.cursor() as cur, cur.copy(AUDIT_COPY_SQL, params) as copy:
-            for chunk in copy:
-                buffer.write(chunk)
-        table = pacsv.read_csv(
-            io.BytesIO(buffer.getvalue()),
-            read_options=pacsv.ReadOptions(column_names=names),
-            convert_options=pacsv.ConvertOptions(
-                column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False
-            ),
-        )
-        del buffer
+        table = _copy_window(raw, params)
         for day in pc.unique(table.column("day")).to_pylist():
             part = table.filter(pc.equal(table.column("day"), day)).drop_columns(["day"])
             part = part.cast(archive_job.archive_schema())
