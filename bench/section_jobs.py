@@ -423,6 +423,16 @@ CLEANUP_DELETE_SQL = sa.text(
 )
 
 
+def _lock_and_hash(conn: Any, params: dict[str, Any], root: Path) -> tuple[list[int], list[str]]:
+    """The eligible rows locked and listed, and the sha256 of each one's object: both
+    limits of temp_file_cleanup start so."""
+    ids, shas = [], []
+    for f in conn.execute(CLEANUP_SELECT_SQL, params).all():
+        ids.append(f.id)
+        shas.append(hashlib.sha256((root / f.storage_path).read_bytes()).hexdigest())
+    return ids, shas
+
+
 def cleanup_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
     """Lock and list the eligible rows, hash their objects, delete the rows and write their
     tombstones in one statement, unlink the objects, commit."""
@@ -431,11 +441,7 @@ def cleanup_baseline(url: URL, n: int, w: Window | None, home: Path) -> int:
     params = {"tenant": TENANT, "start": w.start, "end": w.end}
     engine = engine_for(url)
     with engine.begin() as conn:
-        files = conn.execute(CLEANUP_SELECT_SQL, params).all()
-        ids, shas = [], []
-        for f in files:
-            ids.append(f.id)
-            shas.append(hashlib.sha256((root / f.storage_path).read_bytes()).hexdigest())
+        ids, shas = _lock_and_hash(conn, params, root)
         gone = conn.execute(
             CLEANUP_DELETE_SQL, {**params, "ids": ids, "shas": shas, "run": str(uuid.uuid4())}
         ).scalars()
@@ -490,11 +496,7 @@ def cleanup_two_step_baseline(url: URL, n: int, w: Window | None, home: Path) ->
     run = str(uuid.uuid4())
     engine = engine_for(url)
     with engine.begin() as conn:
-        files = conn.execute(CLEANUP_SELECT_SQL, params).all()
-        ids, shas = [], []
-        for f in files:
-            ids.append(f.id)
-            shas.append(hashlib.sha256((root / f.storage_path).read_bytes()).hexdigest())
+        ids, shas = _lock_and_hash(conn, params, root)
         conn.execute(CLEANUP_INTENTS_SQL, {"ids": ids, "shas": shas, "run": run})
     with engine.begin() as conn:
         removed = 0
