@@ -4,8 +4,11 @@ a real database, and reads ``sys.modules`` as the process exits (never a timing)
 
 What they must not load: pyarrow and pandas (the audit archive's), Dagster (the platform
 never imports it; the CLI only for ``dev`` and ``demo-dagster``) and Alembic (only the
-``db`` commands migrate; every other command checks the schema revision without it).
-``--help`` loads no database library at all.
+``db`` commands migrate; every other command checks the schema revision without it) and
+pydantic (the API's; Typer from 0.29 on validates every parameter through it, which is why
+``pyproject.toml`` keeps Typer below 0.29).
+``--help`` loads no database library at all, and a run of one job loads that job's module
+and no other job's (the catalog imports a job when its spec is first used).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from qo_ops_tests.conftest import base_env
 if TYPE_CHECKING:
     from qo_ops_tests.conftest import TestDatabase
 
-NEVER = ("pyarrow", "pandas", "dagster", "alembic")
+NEVER = ("pyarrow", "pandas", "dagster", "alembic", "pydantic")
 NOT_FOR_HELP = (*NEVER, "sqlalchemy", "psycopg", "httpx", "opentelemetry")
 
 # The console script's own call (qo_ops.cli.run), with sys.modules written to a file at exit.
@@ -53,6 +56,15 @@ def _loaded_by(
 ) -> tuple[subprocess.CompletedProcess[str], set[str]]:
     """Run ``qo-ops ARGS`` in a fresh interpreter; its result and the top-level packages it
     had loaded when it exited."""
+    proc, modules = _modules_of(tmp_path, env, *args)
+    return proc, {name.split(".")[0] for name in modules}
+
+
+def _modules_of(
+    tmp_path: Path, env: dict[str, str], *args: str
+) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Run ``qo-ops ARGS`` in a fresh interpreter; its result and every module it had loaded
+    when it exited."""
     out = tmp_path / "modules.json"
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, str(out), *args],
@@ -62,8 +74,7 @@ def _loaded_by(
         timeout=300,
         stdin=subprocess.DEVNULL,
     )
-    modules = json.loads(out.read_text(encoding="utf-8"))
-    return proc, {name.split(".")[0] for name in modules}
+    return proc, set(json.loads(out.read_text(encoding="utf-8")))
 
 
 def test_help_loads_no_database_library_nor_any_heavy_one(tmp_path: Path) -> None:
@@ -95,6 +106,17 @@ def test_a_dry_run_loads_none_of_pyarrow_pandas_dagster_alembic(
     assert (summary["status"], summary["mode"]) == ("success", "dry_run")
     assert summary["eligible_count"] > 0  # it counted real work
     assert sorted(loaded.intersection(NEVER)) == []
+
+
+def test_a_run_of_one_job_loads_no_other_jobs_module(tmp_path: Path, demo: TestDatabase) -> None:
+    proc, modules = _modules_of(
+        tmp_path,
+        base_env(QO_OPS_DATABASE_URL=demo.env_url),
+        *("run", "quote_expiration", "--tenant", "tenant-001", "--mode", "dry-run", "--json"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    jobs = {m.split(".")[2] for m in modules if m.startswith("qo_ops.jobs.")}
+    assert jobs == {"catalog", "quote_expiration"}
 
 
 def test_the_schema_check_needs_the_revision_alembic_knows_as_head() -> None:

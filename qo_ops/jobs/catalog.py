@@ -1,46 +1,66 @@
 """The job catalog: every operational job, declared once. Dagster jobs, schedules, sensors,
-checks, CLI commands, API routes and metrics are derived from this list."""
+checks, CLI commands, API routes and metrics are derived from this list.
+
+A job is the module ``qo_ops.jobs.<name>`` with its ``SPEC``; ``JOBS`` names them in their
+declared order. ``CATALOG`` maps each name to its spec and imports a job's module when its
+spec is first asked for, so a command about one job (``qo-ops run quote_expiration``) loads
+that job alone, not the other ten and what they import (an HTTP client, Arrow); iterating
+the catalog loads them all.
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator, Mapping
+
 from qo_ops.errors import BadInput
-from qo_ops.jobs import (
-    abandoned_checkout_close,
-    audit_archive,
-    catalog_cache_refresh,
-    delivery_retry,
-    notification_publish,
-    order_reconciliation,
-    pricing_snapshot_recalculation,
-    quote_expiration,
-    read_model_repair,
-    run_history_retention,
-    temp_file_cleanup,
-)
 from qo_ops.platform.spec import JobSpec
 
-CATALOG: dict[str, JobSpec] = {
-    spec.name: spec
-    for spec in (
-        quote_expiration.SPEC,
-        delivery_retry.SPEC,
-        notification_publish.SPEC,
-        order_reconciliation.SPEC,
-        read_model_repair.SPEC,
-        pricing_snapshot_recalculation.SPEC,
-        audit_archive.SPEC,
-        temp_file_cleanup.SPEC,
-        catalog_cache_refresh.SPEC,
-        abandoned_checkout_close.SPEC,
-        run_history_retention.SPEC,
-    )
-}
+JOBS: tuple[str, ...] = (
+    "quote_expiration",
+    "delivery_retry",
+    "notification_publish",
+    "order_reconciliation",
+    "read_model_repair",
+    "pricing_snapshot_recalculation",
+    "audit_archive",
+    "temp_file_cleanup",
+    "catalog_cache_refresh",
+    "abandoned_checkout_close",
+    "run_history_retention",
+)
+
+
+class Catalog(Mapping[str, JobSpec]):
+    """Job name → its ``SPEC``, in ``JOBS`` order, each module imported on first use."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._names = names
+
+    def __getitem__(self, name: str) -> JobSpec:
+        if name not in self._names:
+            raise KeyError(name)
+        spec = importlib.import_module(f"qo_ops.jobs.{name}").SPEC
+        if not isinstance(spec, JobSpec) or spec.name != name:
+            raise TypeError(f"qo_ops.jobs.{name}.SPEC must be the JobSpec named {name!r}")
+        return spec
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+
+CATALOG: Mapping[str, JobSpec] = Catalog(JOBS)
 
 
 def get_spec(name: str) -> JobSpec:
     """The spec of job ``name``; a one-line error naming the known jobs otherwise."""
     normalized = name.strip().replace("-", "_")
-    spec = CATALOG.get(normalized)
-    if spec is None:
+    if normalized not in CATALOG:
         raise BadInput(f"unknown job {name!r}; known jobs: {', '.join(sorted(CATALOG))}")
-    return spec
+    return CATALOG[normalized]
