@@ -54,7 +54,8 @@ def test_every_jobs_runs_carry_its_catalog_resources(run_tags):
 
 def test_the_heavy_jobs_ask_for_more_than_the_default(run_tags):
     default = RunResources()
-    archive = CATALOG["audit_archive"].run_resources  # a Parquet chunk (batch_size records) in memory
+    # audit_archive holds a Parquet chunk (batch_size records) in memory
+    archive = CATALOG["audit_archive"].run_resources
     assert memory_bytes(archive.memory_limit) > memory_bytes(default.memory_limit)
     assert memory_bytes(archive.memory_request) > memory_bytes(default.memory_request)
     cleanup = CATALOG["temp_file_cleanup"].run_resources  # hashes every object it deletes
