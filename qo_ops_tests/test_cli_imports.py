@@ -6,7 +6,7 @@ What they must not load: pyarrow and pandas (the audit archive's), Dagster (the 
 never imports it; the CLI only for ``dev`` and ``demo-dagster``) and Alembic (only the
 ``db`` commands migrate; every other command checks the schema revision without it) and
 pydantic (the API's; Typer from 0.29 on validates every parameter through it, which is why
-``pyproject.toml`` keeps Typer below 0.29).
+``pyproject.toml`` keeps Typer below 0.29); OpenTelemetry too, unless tracing is configured.
 ``--help`` loads no database library at all, and a run of one job loads that job's module
 and no other job's (the catalog imports a job when its spec is first used).
 """
@@ -30,8 +30,8 @@ from qo_ops_tests.conftest import base_env
 if TYPE_CHECKING:
     from qo_ops_tests.conftest import TestDatabase
 
-NEVER = ("pyarrow", "pandas", "dagster", "alembic", "pydantic")
-NOT_FOR_HELP = (*NEVER, "sqlalchemy", "psycopg", "httpx", "opentelemetry")
+NEVER = ("pyarrow", "pandas", "dagster", "alembic", "pydantic", "opentelemetry")
+NOT_FOR_HELP = (*NEVER, "sqlalchemy", "psycopg", "httpx")
 
 # The console script's own call (qo_ops.cli.run), with sys.modules written to a file at exit.
 PROBE = """

@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from enum import Enum
 from typing import Any
 
-from opentelemetry.trace import Span
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -54,7 +53,7 @@ from qo_ops.platform.spec import (
 )
 from qo_ops.platform.stopping import TERMINATED, StopSignals, Terminated, stop_grace_s
 from qo_ops.platform.telemetry import METRICS, EventContext, JobMetrics
-from qo_ops.platform.tracing import span
+from qo_ops.platform.tracing import SpanLike, span
 
 # count_eligible and select_batch live in selection.py; callers import them from here too
 __all__ = ["JobRun", "RunSummary", "count_eligible", "owner_identity", "run_job", "select_batch"]
@@ -578,7 +577,7 @@ class JobRun:
             self.summary.status = "cancelled"
         self.summary.status_reason = self.summary.status_reason or "interrupted"
 
-    def _end(self, root: Span, ended_by: BaseException | None) -> None:
+    def _end(self, root: SpanLike, ended_by: BaseException | None) -> None:
         """The run ends, here only, whatever ended it: its status, its duration, its final
         record, its metrics, job.finished and the root span's attributes."""
         if isinstance(ended_by, Terminated):

@@ -12,6 +12,8 @@ exports spans over OTLP/HTTP; unset, tracing is off and every span is a no-op. E
 resource is the process's (:func:`trace_resource`): the attributes its log events carry
 (:mod:`qo_ops.platform.resource`) and the SDK's ``telemetry.sdk.*``. Tests install their own
 provider with :func:`use_provider` (an in-memory exporter, through :func:`build_provider`).
+While tracing is off nothing here imports OpenTelemetry: a span is :data:`OFF`, which takes
+attributes and keeps none, and a run's events carry no trace id.
 """
 
 from __future__ import annotations
@@ -19,18 +21,34 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit
-
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
 
 from qo_ops.config import OTLP_ENV
 from qo_ops.errors import ConfigError
 from qo_ops.platform.resource import process_resource
 
+if TYPE_CHECKING:
+    from opentelemetry import trace
+
 _provider: Any = None  # an SDK TracerProvider once configured; None: tracing off
 T = TypeVar("T")
+
+
+class SpanLike(Protocol):
+    """What the platform does with a span: set its attributes."""
+
+    def set_attribute(self, key: str, value: Any) -> None: ...
+
+
+class _Off:
+    """The span while tracing is off: it takes attributes and keeps none."""
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+
+OFF: SpanLike = _Off()
 
 
 def use_provider(provider: Any) -> None:
@@ -82,6 +100,8 @@ def build_provider(processor: Any) -> Any:
 
 def tracer() -> trace.Tracer:
     """The qo-ops tracer (a no-op one while tracing is off)."""
+    from opentelemetry import trace
+
     if _provider is None:
         return trace.NoOpTracer()
     found: trace.Tracer = _provider.get_tracer("qo_ops")
@@ -89,8 +109,12 @@ def tracer() -> trace.Tracer:
 
 
 @contextmanager
-def span(name: str, **attributes: Any) -> Iterator[trace.Span]:
-    """A span named ``name``, child of the current one, with ``attributes`` (None dropped)."""
+def span(name: str, **attributes: Any) -> Iterator[SpanLike]:
+    """A span named ``name``, child of the current one, with ``attributes`` (None dropped);
+    :data:`OFF` while tracing is off."""
+    if _provider is None:
+        yield OFF
+        return
     with tracer().start_as_current_span(
         name, attributes={k: v for k, v in attributes.items() if v is not None}
     ) as current:
@@ -99,12 +123,21 @@ def span(name: str, **attributes: Any) -> Iterator[trace.Span]:
 
 def trace_id() -> str | None:
     """The current trace's id (32 hex digits), or None when not tracing."""
+    if _provider is None:
+        return None
+    from opentelemetry import trace
+
     ctx = trace.get_current_span().get_span_context()
     return format(ctx.trace_id, "032x") if ctx.is_valid else None
 
 
 def in_current_context(call: Callable[[T], Any]) -> Callable[[T], Any]:
-    """``call`` wrapped to run in the caller's trace context (for worker threads)."""
+    """``call`` wrapped to run in the caller's trace context (for worker threads); ``call``
+    itself while tracing is off."""
+    if _provider is None:
+        return call
+    from opentelemetry import context as otel_context
+
     captured = otel_context.get_current()
 
     def run(item: T) -> Any:
@@ -125,6 +158,8 @@ class ClientCall:
 
     def set_answer(self, status: int) -> None:
         """The answer's status; 4xx and 5xx mark the span as an error (a client span)."""
+        from opentelemetry import trace
+
         self.span.set_attribute("http.response.status_code", status)
         if status >= 400:
             self.span.set_attribute("error.type", str(status))
@@ -150,6 +185,8 @@ def client_span(
 
 @contextmanager
 def _client_span(name: str, method: str, url: str, headers: dict[str, str]) -> Iterator[ClientCall]:
+    from opentelemetry import propagate, trace
+
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     host = parts.hostname or ""
