@@ -31,6 +31,7 @@ from qo_ops.jobs.audit_archive.format import (
     load_arrow,
     parquet_bytes,
     read_table,
+    same_text,
     table_digests,
 )
 from qo_ops.jobs.audit_archive.settings import retention_cutoff
@@ -158,11 +159,11 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
     table = copy_batch(conn, [int(i) for i in ids], ctx.scope.tenant_id)
     chunks = []
     offset = 0
-    for day_text in pc.unique(table.column("day")).to_pylist():  # in order: sorted by day
-        count = pc.sum(pc.equal(table.column("day"), day_text)).as_py()
+    for day_value in pc.unique(table.column("day")):  # in order: sorted by day
+        count = pc.sum(pc.equal(table.column("day"), day_value)).as_py()
         day_table = table.slice(offset, count).drop_columns(["day"])
         offset += count
-        day = date.fromisoformat(day_text)
+        day = date.fromisoformat(day_value.as_py())
         day_start, day_end = _day_bounds(day)
         day_ids = day_table.column("id")
         lo, hi = day_ids[0].as_py(), day_ids[-1].as_py()
@@ -276,8 +277,17 @@ def _insert_written(work: Work, chunk: Chunk, sha: str) -> None:
         raise LeaseLost(f"lease on {work.job_name}/{work.scope_key} lost before the manifest")
 
 
+def _micros(moment: datetime) -> int:
+    """A zoned moment as µs since the epoch (what an archive's occurred_at holds)."""
+    return (moment - _EPOCH) // timedelta(microseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def verify_file(chunk: Chunk, sha: str) -> FileResult:
     """Read the file back: checksum, format, row count, id range, tenant, window."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     path = resolve_path(chunk.file_path)
@@ -288,7 +298,7 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
     if hashlib.sha256(data).hexdigest() != sha:
         return FileResult(chunk, False, "sha256 differs from the manifest")
     try:
-        table = read_table(data)
+        table = read_table(data, use_threads=False)
     except Exception as exc:  # any parse error is a failed verification
         return FileResult(chunk, False, f"unreadable parquet: {type(exc).__name__}")
     ids = table.column("id")
@@ -300,12 +310,11 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
         problems.append("id range differs from the manifest")
     if n > 1 and not pc.all(pc.greater(ids.slice(1), ids.slice(0, n - 1))).as_py():
         problems.append("ids not strictly ascending")
-    if n and not pc.all(pc.equal(table.column("tenant_id"), chunk.tenant_id)).as_py():
+    if n and not same_text(table.column("tenant_id"), chunk.tenant_id):
         problems.append("rows of another tenant")
-    occurred = table.column("occurred_at")
-    if n and not (
-        pc.min(occurred).as_py() >= chunk.window_start
-        and pc.max(occurred).as_py() < chunk.window_end
+    occurred = pc.min_max(pc.cast(table.column("occurred_at"), pa.int64())).as_py()  # µs, UTC
+    if n and not _micros(chunk.window_start) <= occurred["min"] <= occurred["max"] < _micros(
+        chunk.window_end
     ):
         problems.append("rows outside the manifest window")
     if problems:
