@@ -20,10 +20,11 @@ from qo_ops.jobs.audit_archive.errors import ArchiveError
 if TYPE_CHECKING:  # pyarrow is loaded by the functions that use it, never on import
     import pyarrow as pa
 
-# No Python value is ever converted to Arrow here (pa.array, pa.scalar, a str or int argument
-# to a compute function, as_py() of a zoned timestamp): pyarrow's first such conversion imports
-# pandas when it is installed (0.2-2 s), which this package never needs. Arrays of Python
-# values are built from their bytes instead (_int_array, _text).
+# An archive run converts no Python value to Arrow (pa.array, pa.scalar, a str or int argument
+# to a compute function) and no zoned timestamp to Python (as_py()): pyarrow's first such
+# conversion imports pandas when it is installed (0.2-2 s), which the run never needs. Arrays
+# of Python values are built from their bytes instead (_int_array, _text). Only read_rows,
+# for a restore, makes Python datetimes, and pays for it there.
 
 # The file's columns: every column of audit_record, ``details`` as JSON text.
 COLUMNS = (
