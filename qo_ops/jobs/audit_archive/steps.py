@@ -44,6 +44,7 @@ from qo_ops.jobs.audit_archive.storage import (
 )
 from qo_ops.platform.faults import crash_point
 from qo_ops.platform.lease import LeaseLost
+from qo_ops.platform.selection import after_position
 from qo_ops.platform.spec import BatchContext, BatchOutcome, Scope
 
 SIDE_EFFECT = "archive_file"  # writing one archive file (job_side_effects_total)
@@ -86,7 +87,7 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
         load_arrow()  # batch that holds row locks (a dry run never loads it)
     start, end = ctx.scope.window_bounds()
     first_day, after_day = _days_of(start, end)
-    return (
+    query = (
         sa.select(audit_record.c.id)
         .where(
             audit_record.c.tenant_id == ctx.scope.tenant_id,
@@ -98,6 +99,9 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
         )
         .order_by(_day_expr(), audit_record.c.id)
     )
+    # within a run, after the previous batch's last record: not through the index entries of
+    # every record the run has deleted (the runner makes one last pass from the start)
+    return after_position(query, (_day_expr(), audit_record.c.id), ctx.position, ("day", "id"))
 
 
 # ------------------------------------------------------------------------ transition (select)
@@ -459,6 +463,9 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
                 f"verification: {result.reason}; nothing of it was deleted"
             )
     outcome.tally = {k: v for k, v in outcome.tally.items() if v}
+    if results:  # the next batch starts after this one's last record (by day, then id)
+        last = results[-1].chunk
+        outcome.position = {"day": last.day, "id": last.max_id}
     crash_point("archive_before_delete_commit")
     ctx.state["_archive_deleted"] = outcome.succeeded > 0
     return outcome
