@@ -909,3 +909,46 @@ def test_importing_the_job_or_the_catalog_does_not_load_pyarrow():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert proc.stdout.strip() == "[]", proc.stdout[-500:]
+
+
+# The console script's own call, with sys.modules written to a file at exit.
+_MODULES_PROBE = """
+import atexit, json, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
+sys.argv[0] = "qo-ops"
+from qo_ops.cli import run
+run()
+"""
+
+
+def test_an_execute_run_archives_with_pyarrow_and_never_loads_pandas(seeded, home, tmp_path):
+    """pyarrow imports pandas (when installed) on its first conversion of a Python value:
+    seconds that a run would pay for nothing. An execute run converts none."""
+    out = tmp_path / "modules.json"
+    args = ["run", "audit_archive", "--tenant", TENANT, "--date", DAY.isoformat()]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _MODULES_PROBE,
+            str(out),
+            *args,
+            "--mode",
+            "execute",
+            "--reason",
+            "test",
+            "--json",
+        ],
+        env=base_env(QO_OPS_DATABASE_URL=seeded.env_url, QO_OPS_HOME=str(home)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-800:]
+    summary = json.loads(proc.stdout)
+    assert (summary["status"], summary["succeeded_count"]) == ("success", ROWS_ON_DAY)
+    loaded = {name.split(".")[0] for name in json.loads(out.read_text(encoding="utf-8"))}
+    assert "pyarrow" in loaded  # it did archive
+    assert "pandas" not in loaded

@@ -4,6 +4,7 @@ computes from its own values and Arrow from a file's, each on its own."""
 
 from __future__ import annotations
 
+import array
 import hashlib
 import io
 from collections.abc import Sequence
@@ -19,6 +20,12 @@ from qo_ops.jobs.audit_archive.errors import ArchiveError
 if TYPE_CHECKING:  # pyarrow is loaded by the functions that use it, never on import
     import pyarrow as pa
 
+# An archive run converts no Python value to Arrow (pa.array, pa.scalar, a str or int argument
+# to a compute function) and no zoned timestamp to Python (as_py()): pyarrow's first such
+# conversion imports pandas when it is installed (0.2-2 s), which the run never needs. Arrays
+# of Python values are built from their bytes instead (_int_array, _text). Only read_rows,
+# for a restore, makes Python datetimes, and pays for it there.
+
 # The file's columns: every column of audit_record, ``details`` as JSON text.
 COLUMNS = (
     "id", "tenant_id", "occurred_at", "actor_ref", "action", "entity_type", "entity_id", "details",
@@ -26,16 +33,21 @@ COLUMNS = (
 assert tuple(c.name for c in audit_record.columns) == COLUMNS, "archive columns drifted"
 
 
+@cache
 def load_arrow() -> None:
-    """Import the parts of pyarrow this package uses, and what pyarrow itself imports on its
-    first conversion of a Python value (pandas, when installed: seconds on a busy host), so
-    that no batch pays for it while it holds row locks. Once per process; then free."""
-    import pyarrow as pa
-    import pyarrow.compute
-    import pyarrow.csv
-    import pyarrow.parquet  # noqa: F401
-
-    pa.scalar(0)  # pyarrow's first Python value: it looks for pandas here
+    """Import the parts of pyarrow this package uses and run each of its conversions once on
+    rows enough to start what a batch's tables start (a CSV parsed as COPY writes it, a
+    Parquet file written and read back, both digests): their first call sets up kernels,
+    threads, buffers and codecs (100-300 ms on a busy host), which no batch should pay while
+    it holds row locks. Once per process; then free."""
+    ids = list(range(1, 2_001))
+    csv = "".join(
+        f'{i},t,2000-01-01T00:00:{i % 60:02}.{i:06}Z,a,"b,""c""",e,{i},"{{""n"": {i}}}",2000-01-01\n'
+        for i in ids
+    )
+    table = rows_of_csv(io.BytesIO(csv.encode()), ids)
+    data = parquet_bytes(table.drop_columns(["day"]), {"warm_up": "1"})
+    table_digests(read_table(data, use_threads=False))
 
 
 @cache
@@ -82,11 +94,6 @@ def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table
     # PostgreSQL's COPY takes no bind parameters: psycopg's copy() merges them into the text
     # client-side, as literals it quotes itself. This is the package's one statement run that
     # way; compiled here from SQLAlchemy's :name to psycopg's %(name)s.
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.csv as pacsv
-
-    copy_schema = archive_schema().append(pa.field("day", pa.string()))  # what COPY_BATCH yields
     compiled = COPY_BATCH.compile(dialect=conn.dialect)
     params = compiled.construct_params({"lo": min(ids), "hi": max(ids), "t": tenant_id})
     raw = conn.connection.driver_connection
@@ -96,8 +103,19 @@ def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table
         for block in copy:
             buffer.write(block)
     buffer.seek(0)
+    return rows_of_csv(buffer, ids)
+
+
+def rows_of_csv(csv: io.BytesIO, ids: Sequence[int]) -> pa.Table:
+    """``COPY_BATCH``'s CSV as an Arrow table, only the rows of ``ids`` (all of them must be
+    there), sorted by day, then id."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pacsv
+
+    copy_schema = archive_schema().append(pa.field("day", pa.string()))  # what COPY_BATCH yields
     table = pacsv.read_csv(
-        buffer,
+        csv,
         read_options=pacsv.ReadOptions(column_names=copy_schema.names),
         parse_options=pacsv.ParseOptions(newlines_in_values=True),
         convert_options=pacsv.ConvertOptions(
@@ -107,12 +125,37 @@ def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table
         ),
     )
     table = table.cast(copy_schema)  # NOT NULL as in the table (none can be)
-    selected = pa.array(ids, pa.int64())
+    selected = _int_array(ids, "q")
     # rows of the range that were not selected (another run's, or not eligible) stay out
     table = table.filter(pc.is_in(table.column("id"), value_set=selected))
     if table.num_rows != len(selected):  # locked by this transaction: none can be missing
         raise ArchiveError(f"copied {table.num_rows} of {len(selected)} selected records")
     return table.sort_by([("day", "ascending"), ("id", "ascending")]).combine_chunks()
+
+
+def _int_array(values: Sequence[int], code: str) -> pa.Array:
+    """Python ints as an Arrow int64 (``code`` "q") or int32 ("i") array, from their bytes."""
+    import pyarrow as pa
+
+    packed = array.array(code, values)
+    kind = {8: pa.int64(), 4: pa.int32()}[packed.itemsize]
+    return pa.Array.from_buffers(kind, len(packed), [None, pa.py_buffer(packed)])
+
+
+def _text(value: str) -> pa.Scalar:
+    """A Python string as an Arrow string scalar, from its bytes."""
+    import pyarrow as pa
+
+    data = value.encode()
+    offsets = pa.py_buffer(array.array("i", [0, len(data)]))
+    return pa.Array.from_buffers(pa.string(), 1, [None, offsets, pa.py_buffer(data)])[0]
+
+
+def same_text(column: pa.ChunkedArray, value: str) -> bool:
+    """Whether every value of a string column equals ``value``."""
+    import pyarrow.compute as pc
+
+    return bool(pc.all(pc.equal(column, _text(value))).as_py())
 
 
 def parquet_bytes(table: pa.Table, metadata: dict[str, str]) -> bytes:
@@ -125,12 +168,14 @@ def parquet_bytes(table: pa.Table, metadata: dict[str, str]) -> bytes:
     return buffer.getvalue()
 
 
-def read_table(data: bytes) -> pa.Table:
-    """An archive file's bytes as a table of ``archive_schema()`` (raises if unreadable)."""
+def read_table(data: bytes, *, use_threads: bool = True) -> pa.Table:
+    """An archive file's bytes as a table of ``archive_schema()`` (raises if unreadable).
+    One batch's file reads faster on one thread than the pool's threads start up."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(pa.BufferReader(data))
+    reader = pq.ParquetFile(pa.BufferReader(data))  # pq.read_table loads pyarrow.dataset
+    table = reader.read(use_threads=use_threads)
     if tuple(table.column_names) != COLUMNS:
         raise ValueError(f"unexpected columns {table.column_names}")
     return table.cast(archive_schema()).combine_chunks()
@@ -187,8 +232,8 @@ def _joined_sha256(pieces: pa.Array) -> str:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    whole = pa.ListArray.from_arrays(pa.array([0, len(pieces)], pa.int32()), pieces)
-    return hashlib.sha256(pc.binary_join(whole, "")[0].as_buffer()).hexdigest()
+    whole = pa.ListArray.from_arrays(_int_array([0, len(pieces)], "i"), pieces)
+    return hashlib.sha256(pc.binary_join(whole, _text(""))[0].as_buffer()).hexdigest()
 
 
 def table_digests(table: pa.Table) -> tuple[str, str]:
@@ -197,14 +242,14 @@ def table_digests(table: pa.Table) -> tuple[str, str]:
     import pyarrow.compute as pc
 
     ids = pc.cast(table.column("id"), pa.string()).combine_chunks()
-    id_list = pa.ListArray.from_arrays(pa.array([0, len(ids)], pa.int32()), ids)
-    ids_sha = hashlib.sha256(pc.binary_join(id_list, ",")[0].as_buffer()).hexdigest()
+    id_list = pa.ListArray.from_arrays(_int_array([0, len(ids)], "i"), ids)
+    ids_sha = hashlib.sha256(pc.binary_join(id_list, _text(","))[0].as_buffer()).hexdigest()
     micros = pc.cast(pc.cast(table.column("occurred_at"), pa.int64()), pa.string())
     texts = []
     for name in _TEXT_COLUMNS:
         col = table.column(name)
         length = pc.cast(pc.binary_length(col), pa.string())
-        texts.append(pc.binary_join_element_wise(length, col, ":"))
-    line = pc.binary_join_element_wise(ids, micros, *texts, "|")
-    line = pc.binary_join_element_wise(line, pa.scalar(""), "\n")  # each line ends in \n
+        texts.append(pc.binary_join_element_wise(length, col, _text(":")))
+    line = pc.binary_join_element_wise(ids, micros, *texts, _text("|"))
+    line = pc.binary_join_element_wise(line, _text(""), _text("\n"))  # each line ends in \n
     return ids_sha, _joined_sha256(pa.chunked_array(line).combine_chunks())

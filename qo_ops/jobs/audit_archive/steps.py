@@ -31,6 +31,7 @@ from qo_ops.jobs.audit_archive.format import (
     load_arrow,
     parquet_bytes,
     read_table,
+    same_text,
     table_digests,
 )
 from qo_ops.jobs.audit_archive.settings import retention_cutoff
@@ -43,6 +44,7 @@ from qo_ops.jobs.audit_archive.storage import (
 )
 from qo_ops.platform.faults import crash_point
 from qo_ops.platform.lease import LeaseLost
+from qo_ops.platform.selection import after_position
 from qo_ops.platform.spec import BatchContext, BatchOutcome, Scope
 
 SIDE_EFFECT = "archive_file"  # writing one archive file (job_side_effects_total)
@@ -85,7 +87,7 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
         load_arrow()  # batch that holds row locks (a dry run never loads it)
     start, end = ctx.scope.window_bounds()
     first_day, after_day = _days_of(start, end)
-    return (
+    query = (
         sa.select(audit_record.c.id)
         .where(
             audit_record.c.tenant_id == ctx.scope.tenant_id,
@@ -97,6 +99,9 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
         )
         .order_by(_day_expr(), audit_record.c.id)
     )
+    # within a run, after the previous batch's last record: not through the index entries of
+    # every record the run has deleted (the runner makes one last pass from the start)
+    return after_position(query, (_day_expr(), audit_record.c.id), ctx.position, ("day", "id"))
 
 
 # ------------------------------------------------------------------------ transition (select)
@@ -158,11 +163,11 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
     table = copy_batch(conn, [int(i) for i in ids], ctx.scope.tenant_id)
     chunks = []
     offset = 0
-    for day_text in pc.unique(table.column("day")).to_pylist():  # in order: sorted by day
-        count = pc.sum(pc.equal(table.column("day"), day_text)).as_py()
+    for day_value in pc.unique(table.column("day")):  # in order: sorted by day
+        count = pc.sum(pc.equal(table.column("day"), day_value)).as_py()
         day_table = table.slice(offset, count).drop_columns(["day"])
         offset += count
-        day = date.fromisoformat(day_text)
+        day = date.fromisoformat(day_value.as_py())
         day_start, day_end = _day_bounds(day)
         day_ids = day_table.column("id")
         lo, hi = day_ids[0].as_py(), day_ids[-1].as_py()
@@ -276,8 +281,17 @@ def _insert_written(work: Work, chunk: Chunk, sha: str) -> None:
         raise LeaseLost(f"lease on {work.job_name}/{work.scope_key} lost before the manifest")
 
 
+def _micros(moment: datetime) -> int:
+    """A zoned moment as µs since the epoch (what an archive's occurred_at holds)."""
+    return (moment - _EPOCH) // timedelta(microseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def verify_file(chunk: Chunk, sha: str) -> FileResult:
     """Read the file back: checksum, format, row count, id range, tenant, window."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     path = resolve_path(chunk.file_path)
@@ -288,7 +302,7 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
     if hashlib.sha256(data).hexdigest() != sha:
         return FileResult(chunk, False, "sha256 differs from the manifest")
     try:
-        table = read_table(data)
+        table = read_table(data, use_threads=False)
     except Exception as exc:  # any parse error is a failed verification
         return FileResult(chunk, False, f"unreadable parquet: {type(exc).__name__}")
     ids = table.column("id")
@@ -300,12 +314,11 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
         problems.append("id range differs from the manifest")
     if n > 1 and not pc.all(pc.greater(ids.slice(1), ids.slice(0, n - 1))).as_py():
         problems.append("ids not strictly ascending")
-    if n and not pc.all(pc.equal(table.column("tenant_id"), chunk.tenant_id)).as_py():
+    if n and not same_text(table.column("tenant_id"), chunk.tenant_id):
         problems.append("rows of another tenant")
-    occurred = table.column("occurred_at")
-    if n and not (
-        pc.min(occurred).as_py() >= chunk.window_start
-        and pc.max(occurred).as_py() < chunk.window_end
+    occurred = pc.min_max(pc.cast(table.column("occurred_at"), pa.int64())).as_py()  # µs, UTC
+    if n and not _micros(chunk.window_start) <= occurred["min"] <= occurred["max"] < _micros(
+        chunk.window_end
     ):
         problems.append("rows outside the manifest window")
     if problems:
@@ -450,6 +463,9 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
                 f"verification: {result.reason}; nothing of it was deleted"
             )
     outcome.tally = {k: v for k, v in outcome.tally.items() if v}
+    if results:  # the next batch starts after this one's last record (by day, then id)
+        last = results[-1].chunk
+        outcome.position = {"day": last.day, "id": last.max_id}
     crash_point("archive_before_delete_commit")
     ctx.state["_archive_deleted"] = outcome.succeeded > 0
     return outcome
