@@ -7,7 +7,9 @@ the repair removes a row from it, so a rerun finds exactly what is left.
 Within a run, each batch starts after the last one (``position``: its last order's
 ``(submitted_at, id)``), so it does not walk the orders earlier batches already repaired
 (without it every batch re-reads the window from its start: quadratic in the window's size);
-the runner ends with one pass from the start.
+the runner ends with one pass from the start, taken only if the selection counted from the
+start (held rows included) still matches something: with nothing left, that pass's plan walks
+every order of the window (1.9 s at 1,000,000 orders), the count a cheaper join (0.6–1 s).
 """
 
 from __future__ import annotations
@@ -154,6 +156,7 @@ SPEC = JobSpec(
     transition=repair_read_model_batch,
     check=check_read_model,
     lock_of=customer_order,
+    count_before_last_pass=True,  # the last pass's LIMIT plan walks every order of the window
     outcome_asset="order_read_model",
     checks=(
         CheckSpec("read_model_matches_source", "The read model equals its source for the scope"),

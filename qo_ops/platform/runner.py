@@ -410,7 +410,8 @@ class JobRun:
             items = select_batch(conn, self.spec, self.ctx, min(self.limits.batch_size, room))
             if not items and self.ctx.position is not None:
                 self.ctx.position = None
-                return _Step.AGAIN  # one last pass from the start: rows others held are due too
+                if self._anything_left(conn):
+                    return _Step.AGAIN  # one last pass from the start: rows others held are due too
             if not items:
                 self._rescan_next_time(conn)
                 return _Step.DONE
@@ -424,6 +425,12 @@ class JobRun:
         outcome = self._external_phase(conn, outcome)
         self.batch_ms.append((time.perf_counter() - started) * 1000)
         return outcome
+
+    def _anything_left(self, conn: Connection) -> bool:
+        """Whether the last pass from the start may find anything: always, unless the job
+        counts its selection first (``JobSpec.count_before_last_pass``) and it matches
+        nothing, held rows included."""
+        return not self.spec.count_before_last_pass or count_eligible(conn, self.spec, self.ctx) > 0
 
     def _external_phase(self, conn: Connection, claimed: BatchOutcome) -> BatchOutcome:
         """A job whose side effect leaves the database calls the other system with no

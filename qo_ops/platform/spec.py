@@ -502,6 +502,12 @@ class JobSpec:
     uses_checkpoint: bool = False
     compete_with_skip_locked: bool = True  # lock selected rows FOR UPDATE SKIP LOCKED
     lock_of: sa.Table | None = None  # the table whose rows a joined selection locks
+    # A job whose batches start after a position ends with one pass from the start (rows
+    # others held are due too). With this, that pass is taken only if the selection, counted
+    # from the start (no LIMIT, no locks: it counts held rows too), still matches something:
+    # for a selection whose LIMIT plan walks the whole scope when nothing is left
+    # (read_model_repair: 1.9 s at 1,000,000 orders, the count 0.6–1 s).
+    count_before_last_pass: bool = False
     # Jobs whose side effect leaves the database run in three steps per batch: the
     # transition only claims (its own transaction), ``external`` calls the other system with
     # no transaction open, and ``record`` writes the results (a second guarded transaction).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 
 import sqlalchemy as sa
@@ -110,3 +111,31 @@ def test_a_run_stopped_midway_resumes_and_its_check_sees_what_is_left(db):
     )
     assert (rest.status, rest.counts.succeeded) == ("success", drifted - 6)
     assert _drift(db.engine, "tenant-001") == 0 and all(c.passed for c in rest.checks)
+
+
+def test_a_row_held_during_its_batch_is_repaired_by_the_last_pass(db):
+    """A drifted order another transaction holds is skipped by its batch and falls behind
+    the position; once it is free, the run's last pass from the start repairs it (the pass
+    is taken because the selection, counted from the start, still matches it)."""
+    load_demo_data(db.engine, tenants=1, quotes=1000, seed=4, as_of=AS_OF)
+    drifted = _drift(db.engine, "tenant-001")
+    assert drifted > 10
+    ctx = BatchContext(SPEC.name, WINDOW, "execute", uuid.uuid4())
+    with db.engine.connect() as holder:
+        held = holder.begin()  # the first drifted order, locked until the first batch is done
+        holder.execute(SPEC.eligible(ctx).limit(1).with_for_update(of=SPEC.lock_of)).scalar_one()
+
+        def repair_then_free_the_held_row(conn, batch_ctx, ids):
+            outcome = SPEC.transition(conn, batch_ctx, ids)
+            if held.is_active:
+                held.commit()
+            return outcome
+
+        run = run_job(
+            replace(SPEC, transition=repair_then_free_the_held_row),
+            WINDOW,
+            RunOptions(mode="execute", reason="test", batch_size=3),
+            engine=db.engine,
+        )
+    assert (run.status, run.counts.succeeded) == ("success", drifted)
+    assert _drift(db.engine, "tenant-001") == 0 and all(c.passed for c in run.checks)
