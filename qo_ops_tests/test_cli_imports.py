@@ -2,11 +2,12 @@
 no library they do not use. Each case runs the real command in a fresh interpreter, against
 a real database, and reads ``sys.modules`` as the process exits (never a timing).
 
-What they must not load: pyarrow and pandas (the audit archive's), Dagster (the platform
-never imports it; the CLI only for ``dev`` and ``demo-dagster``) and Alembic (only the
-``db`` commands migrate; every other command checks the schema revision without it) and
-pydantic (the API's; Typer from 0.29 on validates every parameter through it, which is why
-``pyproject.toml`` keeps Typer below 0.29); OpenTelemetry too, unless tracing is configured.
+What they must not load: pyarrow (the audit archive's execute run loads it, and never
+pandas), pandas, Dagster (the platform never imports it; the CLI only for ``dev`` and
+``demo-dagster``), Alembic (only the ``db`` commands migrate; every other command checks the
+schema revision without it), pydantic (the API's; Typer from 0.29 on validates every
+parameter through it, which is why ``pyproject.toml`` keeps Typer below 0.29) and
+OpenTelemetry (unless tracing is configured).
 ``--help`` loads no database library at all, and a run of one job loads that job's module
 and no other job's (the catalog imports a job when its spec is first used).
 """
