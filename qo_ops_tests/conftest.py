@@ -8,6 +8,7 @@ gets its own copy (``CREATE DATABASE … TEMPLATE``), dropped afterwards.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -148,6 +149,34 @@ def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QO_OPS_")}
     env.update(extra)
     return env
+
+
+# The console script's own call (qo_ops.cli.run), with sys.modules written to a file at exit.
+_MODULES_PROBE = """
+import atexit, json, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
+sys.argv[0] = "qo-ops"
+from qo_ops.cli import run
+run()
+"""
+
+
+def modules_loaded_by(
+    tmp_path: Path, env: dict[str, str], *args: str
+) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Run ``qo-ops ARGS`` in a fresh interpreter; its result and every module it had loaded
+    when it exited (what a command imports, read from ``sys.modules``, never timed)."""
+    out = tmp_path / "modules.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", _MODULES_PROBE, str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    return proc, set(json.loads(out.read_text(encoding="utf-8")))
 
 
 @pytest.fixture

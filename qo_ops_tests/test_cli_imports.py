@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,23 +25,13 @@ from alembic.script import ScriptDirectory
 
 from qo_ops.db import migrate
 from qo_ops.demo.data import load_demo_data
-from qo_ops_tests.conftest import base_env
+from qo_ops_tests.conftest import base_env, modules_loaded_by
 
 if TYPE_CHECKING:
     from qo_ops_tests.conftest import TestDatabase
 
 NEVER = ("pyarrow", "pandas", "dagster", "alembic", "pydantic", "opentelemetry")
 NOT_FOR_HELP = (*NEVER, "sqlalchemy", "psycopg", "httpx")
-
-# The console script's own call (qo_ops.cli.run), with sys.modules written to a file at exit.
-PROBE = """
-import atexit, json, sys
-out = sys.argv.pop(1)
-atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
-sys.argv[0] = "qo-ops"
-from qo_ops.cli import run
-run()
-"""
 
 
 @pytest.fixture
@@ -57,25 +46,8 @@ def _loaded_by(
 ) -> tuple[subprocess.CompletedProcess[str], set[str]]:
     """Run ``qo-ops ARGS`` in a fresh interpreter; its result and the top-level packages it
     had loaded when it exited."""
-    proc, modules = _modules_of(tmp_path, env, *args)
+    proc, modules = modules_loaded_by(tmp_path, env, *args)
     return proc, {name.split(".")[0] for name in modules}
-
-
-def _modules_of(
-    tmp_path: Path, env: dict[str, str], *args: str
-) -> tuple[subprocess.CompletedProcess[str], set[str]]:
-    """Run ``qo-ops ARGS`` in a fresh interpreter; its result and every module it had loaded
-    when it exited."""
-    out = tmp_path / "modules.json"
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(out), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    return proc, set(json.loads(out.read_text(encoding="utf-8")))
 
 
 def test_help_loads_no_database_library_nor_any_heavy_one(tmp_path: Path) -> None:
@@ -110,7 +82,7 @@ def test_a_dry_run_loads_none_of_pyarrow_pandas_dagster_alembic(
 
 
 def test_a_run_of_one_job_loads_no_other_jobs_module(tmp_path: Path, demo: TestDatabase) -> None:
-    proc, modules = _modules_of(
+    proc, modules = modules_loaded_by(
         tmp_path,
         base_env(QO_OPS_DATABASE_URL=demo.env_url),
         *("run", "quote_expiration", "--tenant", "tenant-001", "--mode", "dry-run", "--json"),

@@ -39,7 +39,7 @@ from qo_ops.jobs.audit_archive import (
 from qo_ops.platform.faults import CRASH_ENV, CRASH_POINTS
 from qo_ops.platform.runner import count_eligible, run_job
 from qo_ops.platform.spec import BatchContext, RunOptions, Scope
-from qo_ops_tests.conftest import base_env, run_cli
+from qo_ops_tests.conftest import base_env, modules_loaded_by, run_cli
 
 TENANT = "tenant-001"
 DAY = date(2024, 6, 1)  # far past any retention
@@ -911,44 +911,18 @@ def test_importing_the_job_or_the_catalog_does_not_load_pyarrow():
     assert proc.stdout.strip() == "[]", proc.stdout[-500:]
 
 
-# The console script's own call, with sys.modules written to a file at exit.
-_MODULES_PROBE = """
-import atexit, json, sys
-out = sys.argv.pop(1)
-atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
-sys.argv[0] = "qo-ops"
-from qo_ops.cli import run
-run()
-"""
-
-
 def test_an_execute_run_archives_with_pyarrow_and_never_loads_pandas(seeded, home, tmp_path):
     """pyarrow imports pandas (when installed) on its first conversion of a Python value:
     seconds that a run would pay for nothing. An execute run converts none."""
-    out = tmp_path / "modules.json"
-    args = ["run", "audit_archive", "--tenant", TENANT, "--date", DAY.isoformat()]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _MODULES_PROBE,
-            str(out),
-            *args,
-            "--mode",
-            "execute",
-            "--reason",
-            "test",
-            "--json",
-        ],
-        env=base_env(QO_OPS_DATABASE_URL=seeded.env_url, QO_OPS_HOME=str(home)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
+    proc, modules = modules_loaded_by(
+        tmp_path,
+        base_env(QO_OPS_DATABASE_URL=seeded.env_url, QO_OPS_HOME=str(home)),
+        *("run", "audit_archive", "--tenant", TENANT, "--date", DAY.isoformat()),
+        *("--mode", "execute", "--reason", "test", "--json"),
     )
     assert proc.returncode == 0, proc.stderr[-800:]
     summary = json.loads(proc.stdout)
     assert (summary["status"], summary["succeeded_count"]) == ("success", ROWS_ON_DAY)
-    loaded = {name.split(".")[0] for name in json.loads(out.read_text(encoding="utf-8"))}
+    loaded = {name.split(".")[0] for name in modules}
     assert "pyarrow" in loaded  # it did archive
     assert "pandas" not in loaded

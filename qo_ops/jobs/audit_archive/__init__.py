@@ -61,8 +61,8 @@ No checkpoint: deleting a record removes it from the selection, so a rerun's sel
 exactly what is left. Within a run each batch selects after the previous batch's last
 (day, id) (the runner's in-memory position, so the index scan does not walk the entries of
 every record the run has already deleted), and the runner makes one last pass from the
-start for records another run held. A FAILED chunk stays selectable, which is why a run stops at the first
-verification failure instead of retrying the same rows in a loop.
+start for records another run held. A FAILED chunk stays selectable, which is why a run
+stops at the first verification failure instead of retrying the same rows in a loop.
 
 Concurrency: one run per (job, scope) through the lease; runs of *overlapping* scopes (a
 day, and a range containing it) take disjoint rows through ``SKIP LOCKED`` and every
