@@ -690,6 +690,7 @@ def daemon_tick(d: Deployment, names: list[str]) -> list[dict[str, Any]]:
     the start of a minute) evaluates that tick in the code server and submits its runs.
     Returns, per schedule, its tick's runs and its creation and end times (epoch)."""
     from dagster._core.scheduler.instigation import (
+        InstigatorStatus,
         InstigatorType,
         ScheduleInstigatorData,
         TickStatus,
@@ -715,16 +716,33 @@ def daemon_tick(d: Deployment, names: list[str]) -> list[dict[str, Any]]:
         if s.instigator_name in names
     }
     due = {}
+    wanted = {}
     for name, state in states.items():
         data = state.instigator_data
         due[name] = _last_cron_time(data.cron_schedule, now)
-        d.instance.update_instigator_state(
-            state.with_data(ScheduleInstigatorData(data.cron_schedule, due[name].timestamp() - 1))
+        wanted[name] = state.with_status(InstigatorStatus.RUNNING).with_data(
+            ScheduleInstigatorData(data.cron_schedule, due[name].timestamp() - 1)
         )
+        d.instance.update_instigator_state(wanted[name])
     ticks: dict[str, Any] = {}
+
+    def reassert(name: str) -> None:
+        # A daemon iteration that read the schedule states before they were started (a slow
+        # iteration under load) writes its stale copy back when it checkpoints: the schedule
+        # then reads as stopped, or as started now, and never ticks for ``due``. Put ours back.
+        stored = d.instance.get_instigator_state(
+            wanted[name].instigator_origin_id, wanted[name].selector_id
+        )
+        if stored is None or (
+            stored.status != InstigatorStatus.RUNNING
+            or stored.instigator_data.start_timestamp != due[name].timestamp() - 1
+        ):
+            d.instance.update_instigator_state(wanted[name])
 
     def ticked() -> bool:
         for name, state in states.items():
+            if name in ticks:
+                continue
             found = d.instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=1)
             if (
                 found
@@ -737,10 +755,24 @@ def daemon_tick(d: Deployment, names: list[str]) -> list[dict[str, Any]]:
                 )
             ):
                 ticks[name] = found[0]
+            elif not found or found[0].timestamp != due[name].timestamp():
+                reassert(name)
         return len(ticks) == len(names)
 
     try:
         _wait(ticked, 180, f"the daemon's tick of {', '.join(names)}", poll=0.25)
+    except TimeoutError as e:
+        seen = {}
+        for name in names:
+            w = wanted[name]
+            stored = d.instance.get_instigator_state(w.instigator_origin_id, w.selector_id)
+            last = d.instance.get_ticks(w.instigator_origin_id, w.selector_id, limit=1)
+            seen[name] = (
+                stored and stored.status.value,
+                stored and stored.instigator_data.start_timestamp,
+                last and (last[0].timestamp, last[0].status.value),
+            )
+        raise TimeoutError(f"{e}; due {due}; (status, start, last tick) {seen}") from None
     finally:
         for state_id in state_ids.values():
             d.graphql(STOP_SCHEDULE, {"id": state_id})
