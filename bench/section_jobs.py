@@ -668,7 +668,48 @@ class SecondLimit:
     note: str  # what it does, for the section's notes
 
 
+def _then_checks(
+    job: str, baseline: Callable[[URL, int, Window | None, Path], int]
+) -> Callable[[URL, int, Window | None, Path], int]:
+    """``baseline``, then the job's own outcome checks and lag on the state it left: what a
+    run does after its batches, before it may report success (its duration includes them)."""
+
+    def measured(url: URL, n: int, w: Window | None, home: Path) -> int:
+        changed = baseline(url, n, w, home)
+        spec = get_spec(job)
+        scope = Scope(TENANT, w.first, w.last + timedelta(days=1)) if w else Scope(TENANT)
+        ctx = BatchContext(spec.name, scope, "execute", uuid.uuid4())
+        engine = engine_for(url)
+        with engine.connect() as conn:
+            failed = [c.name for c in spec.check(conn, ctx) if not c.passed]
+            if spec.lag is not None:
+                spec.lag(conn, ctx)
+        engine.dispose()
+        if failed:
+            raise SystemExit(f"{job} second limit: outcome checks failed: {failed}")
+        return changed
+
+    return measured
+
+
+_CHECKS_NOTE = (
+    "the one statement above, then the job's own outcome checks and lag (`JobSpec.check`, "
+    "`JobSpec.lag`, the same statements on a new connection, every check required to pass): "
+    "the proof of the outcome a run must give before it reports success, inside the job's "
+    "duration and not in the first limit"
+)
+
 SECOND_LIMITS: dict[str, SecondLimit] = {
+    "pricing_snapshot_recalculation": SecondLimit(
+        _then_checks("pricing_snapshot_recalculation", pricing_baseline),
+        "… + the job's outcome checks",
+        _CHECKS_NOTE,
+    ),
+    "read_model_repair": SecondLimit(
+        _then_checks("read_model_repair", read_model_baseline),
+        "… + the job's outcome checks",
+        _CHECKS_NOTE,
+    ),
     "temp_file_cleanup": SecondLimit(
         cleanup_two_step_baseline,
         "hash + intents COMMITTED, then DELETE/complete + unlink",
