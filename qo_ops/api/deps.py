@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Request
 from sqlalchemy.engine import Engine
 
 from qo_ops.api import service
@@ -114,21 +114,13 @@ def principal(request: Request, api: Api, audit: Auditor) -> Principal:
 Caller = Annotated[Principal, Depends(principal)]
 
 
-# The path's job: its schema lists the catalog's names (an eleventh job appears by itself);
-# a name outside it is a missing resource, answered by ``job_in_path``, not a validation error.
-JobName = Annotated[
-    str,
-    Path(description="A job of the catalog.", json_schema_extra={"enum": list(CATALOG)}),
-]
-
-
-def job_in_path(jobName: JobName) -> JobSpec:
-    """The catalog job the path names; ``404`` for a name the catalog does not know (never
+def job_in_path(jobName: str) -> JobSpec:
+    """The catalog job the path names; ``422`` for a name the catalog does not know (never
     echoing a name that is not one)."""
     spec = CATALOG.get(jobName)
     if spec is None:
         shown = jobName if re.fullmatch(r"[a-z_]{1,64}", jobName) else "(not a job name)"
-        raise ApiError(404, f"unknown job {shown}")
+        raise ApiError(422, f"unknown job {shown}")
     return spec
 
 
@@ -151,8 +143,8 @@ class RunInPath:
         return row
 
 
-def run_in_path(jobName: JobName, runId: uuid.UUID) -> RunInPath:
-    """The job and run id the path names (a job unknown to the catalog: ``404``)."""
+def run_in_path(jobName: str, runId: uuid.UUID) -> RunInPath:
+    """The job and run id the path names (a job unknown to the catalog: ``422``)."""
     return RunInPath(job_in_path(jobName), runId)
 
 

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Query
 
 from qo_ops.api import authz
 from qo_ops.api.deps import Api, Auditor, Caller, Job
-from qo_ops.api.errors import refusals
-from qo_ops.api.models import EXAMPLE_TENANT, jsonable
+from qo_ops.api.errors import ERRORS
+from qo_ops.api.models import jsonable
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform import control
 from qo_ops.platform.spec import TENANT_ID
@@ -19,7 +19,7 @@ from qo_ops.platform.status import job_status
 router = APIRouter()
 
 
-@router.get("/internal/jobs", responses=refusals(), summary="The job catalog")
+@router.get("/internal/jobs", responses=ERRORS, summary="The job catalog")
 def list_jobs() -> dict[str, Any]:
     return {
         "jobs": [
@@ -37,7 +37,7 @@ def list_jobs() -> dict[str, Any]:
 
 @router.get(
     "/internal/jobs/{jobName}/status",
-    responses=refusals(403, 404, 422),
+    responses=ERRORS,
     summary="Per scope: last run, last success, lease holder, backlog, checkpoint age",
 )
 def status(
@@ -45,9 +45,7 @@ def status(
     p: Caller,
     api: Api,
     audit: Auditor,
-    tenant: Annotated[
-        str | None, Query(pattern=TENANT_ID.pattern, examples=[EXAMPLE_TENANT])
-    ] = None,
+    tenant: Annotated[str | None, Query(pattern=TENANT_ID.pattern)] = None,
 ) -> dict[str, Any]:
     wanted = tenant or p.tenant_id
     decision = authz.may_read(p, wanted)
