@@ -104,6 +104,11 @@ class Window:
         return ["--from", self.first.isoformat(), "--to", self.last.isoformat()]
 
 
+def _scope(w: Window | None) -> Scope:
+    """The run's scope: the tenant, over the window for a windowed job."""
+    return Scope(TENANT, w.first, w.last + timedelta(days=1)) if w else Scope(TENANT)
+
+
 def _window(days_ago: int) -> Window:
     first = datetime.now(UTC).date() - timedelta(days=days_ago)
     return Window(first, first + timedelta(days=SPAN_DAYS - 1))
@@ -677,8 +682,7 @@ def _then_checks(
     def measured(url: URL, n: int, w: Window | None, home: Path) -> int:
         changed = baseline(url, n, w, home)
         spec = get_spec(job)
-        scope = Scope(TENANT, w.first, w.last + timedelta(days=1)) if w else Scope(TENANT)
-        ctx = BatchContext(spec.name, scope, "execute", uuid.uuid4())
+        ctx = BatchContext(spec.name, _scope(w), "execute", uuid.uuid4())
         engine = engine_for(url)
         with engine.connect() as conn:
             failed = [c.name for c in spec.check(conn, ctx) if not c.passed]
@@ -1166,7 +1170,7 @@ def explain_batches(case: Case, url: URL, n: int, w: Window | None) -> dict[str,
     walks what earlier batches left behind shows)."""
     spec = get_spec(case.job)
     batch = spec.defaults.batch_size
-    scope = Scope(TENANT, w.first, w.last + timedelta(days=1)) if w else Scope(TENANT)
+    scope = _scope(w)
     limits = Limits(lease_ttl_s=30.0, batch_size=batch)
     ctx = BatchContext(spec.name, scope, "execute", uuid.uuid4(), limits=limits)
     saved = {k: os.environ.get(k) for k in case.env}
