@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: bench-full bench-more demo image ui ui-readonly test bench lint fmt clean
+.PHONY: bench-full bench-more demo fuzz image ui ui-readonly test bench lint fmt clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,8 +45,16 @@ ui-readonly: $(STAMP)
 	BIN=$(BIN) ops/dagster-ui/readonly-webserver.sh $(UI_PORT)
 
 ## test: the whole suite on a real PostgreSQL (embedded, or QO_OPS_TEST_DATABASE_URL)
+# TEST_WORKERS pytest-xdist workers (each its own embedded server), each test file whole on
+# one worker; TEST_WORKERS=0 runs it in one process. One file alone: .venv/bin/pytest FILE
+test: TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/pytest --durations=25
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
+## fuzz: the operator API against its OpenAPI document (schemathesis), with a new random seed
+# each time (printed; QO_OPS_FUZZ_SEED=N replays one); make test runs it with a fixed seed
+fuzz: $(STAMP)
+	QO_OPS_FUZZ_SEED=$${QO_OPS_FUZZ_SEED:-random} $(BIN)/pytest -s -p no:cacheprovider qo_ops_tests/api/test_api_fuzz.py
 
 ## image: the container image, built without a Docker daemon where needed (deploy/image/build.sh)
 # IMAGE=registry.example.com/qo-ops:TAG names it; PYTHON_IMAGE=… picks the base (docs/deploy.md)

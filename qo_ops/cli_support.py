@@ -24,13 +24,13 @@ import signal
 import sys
 import threading
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer._click import exceptions as click_exceptions  # typer vendors click
 
-from qo_ops.errors import EXIT_BAD_INPUT, QoOpsError, one_line
+from qo_ops.errors import EXIT_BAD_INPUT, BadInput, QoOpsError, one_line
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -113,6 +113,14 @@ def _is_database_error(exc: Exception) -> bool:
 
 
 # ------------------------------------------------------------------------- input
+
+
+def parse_day(value: str, option: str) -> date:
+    """A day given as ``--from``/``--to``/``--date`` (``YYYY-MM-DD``); one line otherwise."""
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise BadInput(f"{option} must be a date like 2026-01-31, got {value!r}") from None
 
 
 def resolve_requester(given: str | None) -> str:

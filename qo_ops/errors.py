@@ -39,6 +39,14 @@ def one_line(text: str, limit: int = 300) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
+def first_few(names: list[str], shown: int = 5) -> str:
+    """At most ``shown`` of ``names``, and how many more (``none`` when there are none)."""
+    if not names:
+        return "none"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 class QoOpsError(Exception):
     """An error whose message is safe and useful to show a user as one line."""
 

@@ -35,6 +35,16 @@ QO_OPS_BIN = str(Path(sys.executable).with_name("qo-ops"))
 _counter = itertools.count()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``make test`` (pytest-xdist, ``--dist loadgroup``) each test file runs whole on
+    one worker, so a module's fixture (a Dagster stack, a browser) starts once; a test
+    marked ``xdist_group`` keeps its group (the image tests share one image build)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(REPO).as_posix()))
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[URL]:
     """URL of the test PostgreSQL server (database ``postgres``)."""

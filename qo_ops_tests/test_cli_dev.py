@@ -8,7 +8,9 @@ stopped once it has said where the UI is: what is tested here happens before Dag
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +25,8 @@ import sqlalchemy as sa
 
 from qo_ops.db.digest import database_digest
 from qo_ops.demo.data import load_demo_data
+from qo_ops.downstream.client import DownstreamClient
+from qo_ops.downstream.local import simulator_process
 from qo_ops_tests.conftest import (
     QO_OPS_BIN,
     REPO,
@@ -33,6 +37,8 @@ from qo_ops_tests.conftest import (
 )
 
 UI_LINE = "Dagster UI on http://127.0.0.1:"
+# the queued-run coordinator's "Launched %d runs." (one tick may launch more than one run)
+LAUNCHED = re.compile(r"QueuedRunCoordinatorDaemon - .*INFO.* - Launched [1-9][0-9]* runs")
 
 
 def _digest(db) -> dict[str, str]:
@@ -100,9 +106,19 @@ def _count(db, sql: str) -> int:
         return int(conn.scalar(sa.text(sql)) or 0)
 
 
+def _simulator_url(text: str) -> str:
+    return re.search(r"downstream simulator on (http://127\.0\.0\.1:\d+)", text).group(1)  # type: ignore[union-attr]
+
+
 def test_dev_with_reset_says_so_first_then_serves_fresh_demo_data_on_the_port_asked(demo, tmp_path):
     port = _free_port()
     audit = _count(demo, "SELECT count(*) FROM job_audit")
+    # the local simulator's store still holds an order of an earlier demo
+    with (
+        simulator_process(tmp_path / "home" / "downstream.sqlite3") as old,
+        DownstreamClient(old.url) as client,
+    ):
+        client.put_order("ORD-OF-AN-OLD-DEMO", "tenant-009", "shipped")
     with _dev(demo, tmp_path, "--port", str(port), "--reset-demo-data") as (proc, out):
         text = _until_the_ui_line(proc, out)
         said, loaded, ui = (
@@ -116,6 +132,38 @@ def test_dev_with_reset_says_so_first_then_serves_fresh_demo_data_on_the_port_as
         assert _count(demo, "SELECT count(*) FROM job_run") == 0  # the old history is gone
         assert _count(demo, "SELECT count(*) FROM job_control") == 0  # and the suspension
         assert _count(demo, "SELECT count(*) FROM job_audit") >= audit  # the audit trail stays
+        # the simulator holds the new demo's orders, and only those
+        assert "simulator store" in text[loaded:ui] and "emptied" in text[loaded:ui]
+        with DownstreamClient(_simulator_url(text)) as client:
+            assert client.get_order("ORD-OF-AN-OLD-DEMO") is None
+            assert (
+                client.stats(detail=False)["orders"]
+                == _count(demo, "SELECT count(*) FROM downstream_order")
+                > 0
+            )
+
+
+def test_a_simulator_that_dies_is_restarted_on_its_url_and_said(demo, tmp_path):
+    """qo-ops dev watches the simulator it started: killed, it is started again on the same
+    URL (the one Dagster's processes were given), over the same store, and qo-ops says so."""
+    with _dev(demo, tmp_path, "--port", str(_free_port())) as (proc, out):
+        url = _simulator_url(_until_the_ui_line(proc, out))
+        [first] = [p for p, cmd in _descendants(proc.pid).items() if "qo_ops.downstream.cli" in cmd]
+        with DownstreamClient(url) as client:
+            orders = client.stats(detail=False)["orders"]
+            assert orders > 0  # seeded from the demo
+            os.kill(first, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while "restarted on" not in out.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
+                time.sleep(0.2)
+            said = [line for line in out.read_text().splitlines() if "restarted on" in line]
+            assert said == [f"downstream simulator exited (killed by SIGKILL); restarted on {url}"]
+            [second] = [
+                p for p, cmd in _descendants(proc.pid).items() if "qo_ops.downstream.cli" in cmd
+            ]
+            assert second != first and client.healthy()
+            assert client.stats(detail=False)["orders"] == orders  # the same store
 
 
 def test_dev_without_reset_keeps_the_data_and_says_so(demo, tmp_path):
@@ -219,6 +267,28 @@ def _descendants(pid: int) -> dict[int, str]:
     return found
 
 
+def _group_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _in_groups(groups: set[int]) -> list[int]:
+    """Live processes (not zombies) whose process group is one of ``groups``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            members.append(int(entry.name))
+    return members
+
+
 def _alive(pids) -> list[int]:
     alive = []
     for pid in pids:
@@ -234,8 +304,13 @@ def _alive(pids) -> list[int]:
 @pytest.mark.parametrize("to", ["group", "qo-ops", "sigterm"])
 def test_ctrl_c_stops_dagster_and_everything_it_started(demo, tmp_path, to):
     """Ctrl-C in the terminal (SIGINT to the whole foreground group), or a SIGINT or SIGTERM
-    to the qo-ops process alone (a supervisor), ends `make ui` with no webserver, daemon or
-    code server left behind listening or holding the database."""
+    to the qo-ops process alone (a supervisor), ends `make ui` with no webserver, daemon,
+    code server or run worker left behind listening or holding the database, within 10 s
+    of Dagster's own shutdown steps (qo_ops.cli.dev.STOP_STEPS) plus the simulator's stop.
+
+    The signal comes as a run is launched (the stale-success sensor's, which the demo data
+    always asks for): a code server with a run starting delays its own shutdown, which is
+    what left Dagster's processes behind before its whole process group was stopped."""
     port = _free_port()
     with _dev(demo, tmp_path, "--port", str(port)) as (proc, out):
         _until_the_ui_line(proc, out)
@@ -246,8 +321,14 @@ def test_ctrl_c_stops_dagster_and_everything_it_started(demo, tmp_path, to):
                     break
             assert time.monotonic() < deadline, out.read_text()[-2000:]
             time.sleep(0.5)
+        deadline = time.monotonic() + 120
+        while not LAUNCHED.search(out.read_text()):  # the daemon hands a run to a code server
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
+            time.sleep(0.2)
         family = _descendants(proc.pid)  # dagster dev, its webserver, daemon, code server…
         assert len(family) >= 3, family
+        groups = {g for g in map(_group_of, [proc.pid, *family]) if g is not None}
+        assert len(groups) >= 2  # qo-ops's own and Dagster's (started in a session of its own)
         if to == "group":
             os.killpg(proc.pid, signal.SIGINT)
         else:  # a supervisor stopping qo-ops alone (kill -INT, or SIGTERM as systemd does)
@@ -257,3 +338,49 @@ def test_ctrl_c_stops_dagster_and_everything_it_started(demo, tmp_path, to):
         while _alive(family) and time.monotonic() < deadline:
             time.sleep(0.5)  # children exiting after their parent: polled, not assumed
         assert not _alive(family), {pid: family[pid] for pid in _alive(family)}
+        assert not _in_groups(groups)  # nothing left in qo-ops's group or in Dagster's
+
+
+# A Dagster that ignores Ctrl-C and SIGTERM, and so does the child it started: a process
+# tree that only SIGKILL ends (as a webserver or code server stuck in its own shutdown).
+STUBBORN = (
+    "import signal, subprocess, sys, time\n"
+    "for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)\n"
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_dagster_deaf_to_ctrl_c_is_still_stopped_with_everything_it_started():
+    """qo-ops dev's stop does not wait on Dagster's own shutdown: its whole process group gets
+    SIGINT, then SIGTERM, then SIGKILL (STOP_STEPS), and the stop returns once the group
+    is gone. Here only SIGKILL works (signals ignored, inherited by the child)."""
+    import sys
+    import threading
+
+    from qo_ops.cli.dev import STOP_STEPS, _wait_for_dagster_dev
+
+    assert [sig for sig, _ in STOP_STEPS] == [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
+    dev = subprocess.Popen([sys.executable, "-c", STUBBORN], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_descendants(dev.pid)) < 1:  # its child is up
+            assert time.monotonic() < deadline and dev.poll() is None
+            time.sleep(0.1)
+        family = {dev.pid, *_descendants(dev.pid)}
+        # Ctrl-C reaching qo-ops (this process), while it waits for Dagster; Python's own
+        # SIGINT handler, as in qo-ops (an earlier test in this process may have replaced it)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            code = _wait_for_dagster_dev(dev)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        assert code == -signal.SIGKILL  # neither SIGINT nor SIGTERM ended it
+        deadline = time.monotonic() + 30
+        while _alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the orphaned child is reaped by init: polled, not assumed
+        assert not _alive(family), {pid: "alive" for pid in _alive(family)}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(dev.pid, signal.SIGKILL)

@@ -33,6 +33,7 @@ def create_app(engine: Engine, dagster: DagsterClient, limiter: RateLimiter) -> 
         ),
         docs_url=None,
         redoc_url=None,
+        generate_unique_id_function=lambda route: route.name,  # operationId: the handler's name
     )
     app.state.api = ApiState(engine, dagster, limiter)
     app.middleware("http")(handlers.request_context)

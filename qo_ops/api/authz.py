@@ -8,6 +8,8 @@
   second identity's approval (``requestApproval``); no one approves their own request.
 - ``approver`` alone suspends and resumes jobs (the kill switch); a job-wide suspension
   needs a token that is not limited to one tenant.
+- Recovery actions (requeue, a review decision) are for operators and approvers; a
+  checkpoint reset, which makes work be done again, for approvers (a dry run: operators).
 - A tenant-scoped token touches only its tenant.
 """
 
@@ -89,3 +91,16 @@ def may_control(p: Principal, tenant_id: str | None) -> Decision:
     if tenant_id is not None and (denied := _tenant(p, tenant_id)):
         return denied
     return Decision(True, "suspend/resume allowed for approver")
+
+
+def may_recover(p: Principal, tenant_id: str, *, destructive: bool, dry_run: bool) -> Decision:
+    """A recovery action for ``tenant_id`` (requeue, a review decision, a checkpoint reset):
+    operators and approvers; a ``destructive`` one (a checkpoint reset: the work is done
+    again) needs an approver unless it is a dry run."""
+    if denied := _tenant(p, tenant_id):
+        return denied
+    if not p.roles & WRITERS:
+        return Decision(False, "role viewer may only read")
+    if destructive and not dry_run and "approver" not in p.roles:
+        return Decision(False, "this recovery action is destructive: it needs the approver role")
+    return Decision(True, "recovery allowed")

@@ -11,10 +11,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from sqlalchemy.engine import Engine
 
-from qo_ops.api import service
+from qo_ops.api import authz, service
 from qo_ops.api.dagster import DagsterClient
 from qo_ops.api.errors import ApiError
 from qo_ops.api.ratelimit import RateLimiter
@@ -67,6 +67,15 @@ class Audit:
         self(p.identity, action, f"denied: {why}", **about)
         return ApiError(403, why)
 
+    def readable(self, p: Principal, job_name: str, tenant: str | None) -> str | None:
+        """The tenant ``p`` reads (``tenant``, else the token's own, else every one: None);
+        an audited ``403`` if ``p`` may not read it."""
+        wanted = tenant or p.tenant_id
+        decision = authz.may_read(p, wanted)
+        if not decision.allowed:
+            raise self.deny(p, "read", decision.reason, job_name=job_name)
+        return wanted
+
     def invalid(self, request: Request, message: str) -> None:
         """Audit a ``422`` (by the caller, if it authenticated)."""
         p: Principal | None = getattr(request.state, "principal", None)
@@ -114,13 +123,21 @@ def principal(request: Request, api: Api, audit: Auditor) -> Principal:
 Caller = Annotated[Principal, Depends(principal)]
 
 
-def job_in_path(jobName: str) -> JobSpec:
-    """The catalog job the path names; ``422`` for a name the catalog does not know (never
+# The path's job: its schema lists the catalog's names (an eleventh job appears by itself);
+# a name outside it is a missing resource, answered by ``job_in_path``, not a validation error.
+JobName = Annotated[
+    str,
+    Path(description="A job of the catalog.", json_schema_extra={"enum": list(CATALOG)}),
+]
+
+
+def job_in_path(jobName: JobName) -> JobSpec:
+    """The catalog job the path names; ``404`` for a name the catalog does not know (never
     echoing a name that is not one)."""
     spec = CATALOG.get(jobName)
     if spec is None:
         shown = jobName if re.fullmatch(r"[a-z_]{1,64}", jobName) else "(not a job name)"
-        raise ApiError(422, f"unknown job {shown}")
+        raise ApiError(404, f"unknown job {shown}")
     return spec
 
 
@@ -143,8 +160,8 @@ class RunInPath:
         return row
 
 
-def run_in_path(jobName: str, runId: uuid.UUID) -> RunInPath:
-    """The job and run id the path names (a job unknown to the catalog: ``422``)."""
+def run_in_path(jobName: JobName, runId: uuid.UUID) -> RunInPath:
+    """The job and run id the path names (a job unknown to the catalog: ``404``)."""
     return RunInPath(job_in_path(jobName), runId)
 
 

@@ -78,9 +78,10 @@ async def request_context(
 
 
 async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-    """A refusal raised by a dependency or handler; a ``422`` not audited yet (a catalog
-    rule the handler applied) is audited here."""
-    if exc.status == 422 and not exc.audited:
+    """A refusal raised by a dependency or handler; a ``422`` or ``404`` not audited yet (a
+    catalog rule the handler applied, a job or run the path names that does not exist) is
+    audited here."""
+    if exc.status in (404, 422) and not exc.audited:
         auditor(request).invalid(request, exc.message)
     body: dict[str, Any] = {"error": exc.message, "requestId": request_meta(request).request_id}
     if exc.active_run:
@@ -91,11 +92,8 @@ async def api_error(request: Request, exc: ApiError) -> JSONResponse:
 async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     """A body, path, query or header that fails its schema: ``422`` with the first error's
     place and text (never the value), audited."""
-    if getattr(request.state, "principal", None) is None:
-        try:  # a body that is not JSON fails before authentication: authenticate first
-            principal(request, api_state(request), auditor(request))
-        except ApiError as refused:
-            return await api_error(request, refused)
+    if (refused := await _unauthenticated(request)) is not None:
+        return refused
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
     message = one_line(f"{where}: {first.get('msg', 'invalid')}", 300)
@@ -105,9 +103,28 @@ async def invalid_request(request: Request, exc: RequestValidationError) -> JSON
     )
 
 
+async def _unauthenticated(request: Request) -> JSONResponse | None:
+    """A body that cannot be parsed fails before authentication: authenticate first, so that
+    a caller without a valid token learns nothing more than ``401`` (or ``429``)."""
+    if getattr(request.state, "principal", None) is not None:
+        return None
+    try:
+        principal(request, api_state(request), auditor(request))
+    except ApiError as refused:
+        return await api_error(request, refused)
+    return None
+
+
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """No such route (``404``) or method (``405``), in the same one-line shape."""
-    message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, "refused")
+    """No such route (``404``) or method (``405``), or a body that is not UTF-8 (``400``,
+    after authentication), in the same one-line shape."""
+    if exc.status_code == 400 and (refused := await _unauthenticated(request)) is not None:
+        return refused
+    message = {
+        400: "the body is not UTF-8",
+        404: "not found",
+        405: "method not allowed",
+    }.get(exc.status_code, "refused")
     return JSONResponse(
         {"error": message, "requestId": request_meta(request).request_id},
         status_code=exc.status_code,

@@ -15,26 +15,48 @@ from qo_ops.platform.spec import MAX_BATCH_SIZE, MAX_ITEMS, MAX_TEXT, MAX_THROTT
 SAFE_ID = r"^[A-Za-z0-9._:-]{1,128}$"
 NO_CONTROL = r"^[^\x00-\x1f\x7f]+$"
 ISO_DATE = r"^\d{4}-\d{2}-\d{2}$"
+EXAMPLE_TENANT = "tenant-001"  # the demo data's first tenant
 
 
 class RunRequestBody(BaseModel):
     """A request to run a job once."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={
+            "examples": [
+                {"mode": "dry_run", "tenant": EXAMPLE_TENANT, "reason": "look first"},
+                {"mode": "execute", "tenant": EXAMPLE_TENANT, "reason": "INC-42"},
+                {
+                    "mode": "dry_run",
+                    "tenant": EXAMPLE_TENANT,
+                    "from": "2026-01-01",
+                    "to": "2026-01-02",
+                },
+            ]
+        },
+    )
 
     mode: Literal["dry_run", "execute"] = Field(
         description="dry_run counts and samples, changing nothing; execute applies."
     )
-    tenant: str = Field(pattern=TENANT_ID.pattern, description="The tenant, e.g. tenant-001.")
+    tenant: str = Field(
+        pattern=TENANT_ID.pattern,
+        description="The tenant, e.g. tenant-001.",
+        examples=[EXAMPLE_TENANT],
+    )
     from_: str | None = Field(
         default=None,
         alias="from",
         pattern=ISO_DATE,
+        json_schema_extra={"format": "date"},
         description="Windowed jobs only: first day (YYYY-MM-DD, UTC), inclusive.",
     )
     to: str | None = Field(
         default=None,
         pattern=ISO_DATE,
+        json_schema_extra={"format": "date"},
         description="Windowed jobs only: last day (YYYY-MM-DD, UTC), exclusive.",
     )
     maxItems: int | None = Field(default=None, ge=1, le=MAX_ITEMS, strict=True)
@@ -71,6 +93,7 @@ class ControlBody(BaseModel):
         default=None,
         pattern=TENANT_ID.pattern,
         description="Only this tenant; omitted: the job for every scope.",
+        examples=[EXAMPLE_TENANT],
     )
     reason: str = Field(min_length=1, max_length=MAX_TEXT, pattern=NO_CONTROL)
 
@@ -79,6 +102,12 @@ class Accepted(BaseModel):
     jobRunId: str
     status: str
     mode: str
+
+
+# The 202's header, as the OpenAPI document shows it
+ACCEPTED_HEADERS = {
+    "Location": {"description": "The run's own path.", "schema": {"type": "string"}},
+}
 
 
 def accepted(job_name: str, run_id: uuid.UUID, status: str, mode: str) -> JSONResponse:

@@ -5,7 +5,7 @@ Errors reach the user as one line on stderr with a non-zero exit code, never a t
 
 Here the app is put together; the commands live in the modules beside this one, one purpose
 each: ``manual_run`` (``qo-ops run``), ``runs`` (status, runs, downstream-status, cancel,
-reap), ``control`` (suspend, resume, requeue), ``db`` (db …, info), ``demo`` (demo-data,
+reap), ``control`` (suspend, resume), ``recovery`` (requeue, review, checkpoint), ``db`` (db …, info), ``demo`` (demo-data,
 demo-dagster), ``dev``, ``archive``; ``api``, ``metrics`` and ``downstream`` come from their
 packages. What they share is ``qo_ops.cli_support``, which also says why each command
 imports what it works with inside its function: ``qo-ops --help`` loads none of it.
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import typer
 
 from qo_ops.api.cli import api_app
-from qo_ops.cli import control, db, demo, dev, manual_run, runs
+from qo_ops.cli import control, db, demo, dev, manual_run, recovery, runs
 from qo_ops.cli.archive import archive_app
 from qo_ops.cli_support import plain_app, run_typer_app
 from qo_ops.config import OTLP_ENV
@@ -40,7 +40,7 @@ COMMANDS: dict[str, Callable[..., None]] = {  # --help lists them in this order
     "cancel": runs.cancel_command,
     "suspend": control.suspend_command,
     "resume": control.resume_command,
-    "requeue": control.requeue_command,
+    "requeue": recovery.requeue_command,
     "reap": runs.reap_command,
     "dev": dev.dev_command,
     "demo-dagster": demo.demo_dagster_command,
@@ -50,6 +50,8 @@ GROUPS: dict[str, typer.Typer] = {  # then these, each with commands of its own
     "api": api_app,
     "downstream": downstream_app,
     "archive": archive_app,
+    "review": recovery.review_app,
+    "checkpoint": recovery.checkpoint_app,
 }
 
 

@@ -1,16 +1,13 @@
 """Operator controls that change what runs may do: ``qo-ops suspend`` / ``qo-ops resume``
-(the kill switch of a job, job-wide or for one tenant) and ``qo-ops requeue`` (dead-lettered
-delivery items back to READY). Each is audited and needs a reason."""
+(the kill switch of a job, job-wide or for one tenant). Each is audited and needs a reason."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated
 
 import typer
 
 from qo_ops.cli_support import JsonOpt, RequesterOpt, emit_json, ready_engine, resolve_requester
-from qo_ops.errors import BadInput
 
 # The catalog, the platform and SQLAlchemy are imported inside each command (qo_ops.cli_support).
 
@@ -86,51 +83,3 @@ def resume_command(
         typer.echo(f"{_control_scope(job, tenant)} was not suspended; nothing changed")
     for other in left:
         typer.echo(f"still suspended: {other.describe()}")
-
-
-def requeue_command(
-    job: Annotated[
-        str, typer.Argument(help="The job whose dead letters to requeue.")
-    ] = "delivery_retry",
-    tenant: Annotated[str, typer.Option(help="Tenant whose dead letters to requeue.")] = "",
-    reason: Annotated[str, typer.Option(help="Why (recorded in the audit trail).")] = "",
-    item: Annotated[
-        list[str] | None, typer.Option(help="Only these item ids (repeatable).")
-    ] = None,
-    all_dead: Annotated[
-        bool, typer.Option("--all-dead", help="Every dead letter of the tenant (up to --limit).")
-    ] = False,
-    limit: Annotated[int, typer.Option(help="At most this many items.")] = 1000,
-    requester: RequesterOpt = None,
-) -> None:
-    """Put dead-lettered delivery items back to READY (audited)."""
-    from qo_ops.platform.retry import requeue_dead_letters
-    from qo_ops.platform.spec import Scope
-
-    if job.replace("-", "_") != "delivery_retry":
-        raise BadInput(f"only delivery_retry keeps dead letters to requeue, not {job!r}")
-    if not tenant:
-        raise BadInput("--tenant is required")
-    if item and all_dead:
-        raise BadInput("give either --item or --all-dead, not both")
-    if not item and not all_dead:
-        raise BadInput("say what to requeue: --item ID (repeatable) or --all-dead")
-    Scope(tenant)
-    if not reason.strip():
-        raise BadInput("--reason is required (recorded in the audit trail)")
-    if not 1 <= limit <= 100_000:
-        raise BadInput("--limit must be between 1 and 100000")
-    try:
-        ids = [uuid.UUID(i) for i in item] if item else None
-    except ValueError:
-        raise BadInput("--item takes delivery item ids (UUIDs)") from None
-    engine = ready_engine()
-    count = requeue_dead_letters(
-        engine,
-        tenant_id=tenant,
-        requester=resolve_requester(requester),
-        reason=reason,
-        item_ids=ids,
-        limit=limit,
-    )
-    typer.echo(f"requeued {count} dead-lettered item(s) of {tenant}")

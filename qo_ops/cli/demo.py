@@ -61,8 +61,9 @@ def demo_data_command(
     anchor = (
         parse_timestamp(as_of, "--as-of") if as_of else datetime.now(UTC).replace(microsecond=0)
     )
+    engine = ready_engine()
     report = load_demo_data(
-        ready_engine(),
+        engine,
         tenants=tenants,
         quotes=quotes,
         seed=seed,
@@ -71,6 +72,11 @@ def demo_data_command(
         reset=reset,
         objects=objects_root(),  # temp_file_cleanup's store: the demo's files are real
     )
+    downstream = None
+    if reset:  # the local simulator's orders are the demo's too: the old demo's go
+        from qo_ops.downstream.local import reset_local_simulator
+
+        downstream = reset_local_simulator(engine)
     if as_json:
         emit_json(
             {
@@ -81,6 +87,7 @@ def demo_data_command(
                 "seconds": round(report.seconds, 3),
                 "as_of": anchor.isoformat(),
                 "seed": seed,
+                "downstream": downstream,
             }
         )
         return
@@ -97,6 +104,8 @@ def demo_data_command(
             else ""
         )
     )
+    if downstream:
+        typer.echo(downstream)
     print_table(
         "anomalies planted", ["anomaly", "rows"], [[k, v] for k, v in report.anomalies.items()]
     )
@@ -257,13 +266,13 @@ def demo_dagster_command(
     runs: list[DemoRun] = []
     with (
         _events_to_file(events_log),
-        downstream_for_demo(engine) as downstream_url,
+        downstream_for_demo(engine) as downstream,
         dg.DagsterInstance.get() as instance,
     ):
         if not as_json:
             typer.echo(
                 f"every catalog job through Dagster for {tenant}, mode execute "
-                f"(downstream simulator {downstream_url}); JSON events: {events_log}"
+                f"(downstream simulator {downstream.url}); JSON events: {events_log}"
             )
         if tenant not in instance.get_dynamic_partitions("tenants"):
             instance.add_dynamic_partitions("tenants", [tenant])

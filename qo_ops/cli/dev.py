@@ -3,17 +3,24 @@ over the embedded or configured database, until Ctrl-C."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from qo_ops.cli.demo import demo_data_command
 from qo_ops.cli_support import ready_engine
-from qo_ops.errors import BadInput
+from qo_ops.errors import BadInput, DatabaseUnavailable
+
+if TYPE_CHECKING:
+    from qo_ops.downstream.local import SimulatorProcess
 
 # Dagster, the engine and SQLAlchemy are imported inside the command (qo_ops.cli_support).
 
@@ -64,42 +71,93 @@ def dev_command(
 
     home = prepare_dagster_home(target)
     dagster = str(Path(sys.executable).with_name("dagster"))
-    with downstream_for_demo(engine) as downstream_url:
+    with downstream_for_demo(engine) as downstream:
         typer.echo(
             f"Dagster UI on http://127.0.0.1:{port} (DAGSTER_HOME={home}); "
-            f"downstream simulator on {downstream_url}; Ctrl-C stops both"
+            f"downstream simulator on {downstream.url}; Ctrl-C stops both"
         )
+        # its own process group: everything Dagster starts (webserver, daemon, code servers,
+        # run workers) is in it, so that stopping can reach all of it and wait for all of it
         dev = subprocess.Popen(
-            [dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)], cwd=REPO
+            [dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+            cwd=REPO,
+            start_new_session=True,
         )
-        code = _wait_for_dagster_dev(dev)
+        code = _wait_for_dagster_dev(dev, _watch(downstream.simulator))
     raise typer.Exit(code)
 
 
-def _wait_for_dagster_dev(dev: subprocess.Popen[bytes]) -> int:
-    """``dagster dev``'s exit code. On Ctrl-C (or a SIGTERM to qo-ops) it is let stop its
-    webserver, daemon and code server (the terminal sent it the same SIGINT; a SIGTERM
-    follows if only we got it); killing it at once, as ``subprocess.call`` does, or dying
-    on SIGTERM ourselves, would leave those running."""
+def _watch(simulator: SimulatorProcess | None) -> Callable[[], None]:
+    """What qo-ops checks every second while Dagster runs: the simulator it started is
+    restarted on the same URL if it has died, and it says so."""
 
-    def stop(signum: int, frame: Any) -> None:  # a supervisor's SIGTERM: as Ctrl-C
+    def check() -> None:
+        if simulator is None:  # QO_OPS_DOWNSTREAM_URL's: not ours to restart
+            return
+        try:
+            said = simulator.revive()
+        except DatabaseUnavailable as exc:  # it would not start again: say so, retry next time
+            said = f"downstream simulator down and not restarted: {exc}"
+        if said:
+            typer.echo(said, err=True)
+
+    return check
+
+
+# How Dagster is stopped: Ctrl-C as a terminal sends it (webserver, daemon and code servers
+# shut down on their own), then SIGTERM, then SIGKILL, each to its whole process group and
+# each with this long for the group to be gone (the sum stays under 10 s).
+STOP_STEPS = ((signal.SIGINT, 6.0), (signal.SIGTERM, 2.5), (signal.SIGKILL, 1.0))
+
+
+def _wait_for_dagster_dev(
+    dev: subprocess.Popen[bytes], every_second: Callable[[], None] = lambda: None
+) -> int:
+    """``dagster dev``'s exit code. On Ctrl-C, or a SIGINT, SIGTERM or SIGHUP to qo-ops alone,
+    Dagster's whole process group is stopped (:data:`STOP_STEPS`) before qo-ops returns:
+    nothing it started is left behind, whichever process got the signal and whatever was
+    running (a run a sensor had just launched holds up a code server's own shutdown).
+    While it runs, ``every_second`` is called once a second (the simulator's watch)."""
+
+    def stop(signum: int, frame: Any) -> None:  # a supervisor's SIGTERM, a closed terminal
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        return dev.wait()
+        while True:
+            with suppress(subprocess.TimeoutExpired):
+                return dev.wait(timeout=1.0)
+            every_second()
     except KeyboardInterrupt:
         typer.echo("stopping Dagster (webserver, daemon, code server)…", err=True)
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    for nudge, grace_s in ((None, 5.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-        if nudge is not None:
-            dev.send_signal(nudge)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for sig, grace_s in STOP_STEPS:
         try:
-            return dev.wait(timeout=grace_s)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            continue
+            os.killpg(dev.pid, sig)
+        except ProcessLookupError:
+            break  # the group is gone
+        if _group_gone(dev, grace_s):
+            break
     return dev.wait()
+
+
+def _group_gone(dev: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Whether Dagster's process group is empty within ``timeout_s`` (``dagster dev`` itself
+    reaped; its children, orphaned once it exits, are reaped by init)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with suppress(subprocess.TimeoutExpired, KeyboardInterrupt):  # a second Ctrl-C: go on
+            dev.wait(timeout=0.1)
+        try:
+            os.killpg(dev.pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        with suppress(KeyboardInterrupt):
+            time.sleep(0.1)  # polling the group for a condition, not a timed wait
 
 
 def _require_free_port(port: int) -> None:

@@ -7,12 +7,18 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from datetime import date
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from qo_ops.cli_support import JsonOpt, RequesterOpt, emit_json, ready_engine, resolve_requester
+from qo_ops.cli_support import (
+    JsonOpt,
+    RequesterOpt,
+    emit_json,
+    parse_day,
+    ready_engine,
+    resolve_requester,
+)
 from qo_ops.errors import BadInput
 from qo_ops.platform.counts import COLUMNS, REPORTED_ALWAYS
 
@@ -38,25 +44,18 @@ SUMMARY_KEYS = (
 )
 
 
-def _parse_date(value: str, option: str) -> date:
-    try:
-        return date.fromisoformat(value)
-    except ValueError:
-        raise BadInput(f"{option} must be a date like 2026-01-31, got {value!r}") from None
-
-
 def _scope(tenant: str, day: str | None, start: str | None, end: str | None) -> Scope:
     from qo_ops.platform.spec import Scope
 
     if day and (start or end):
         raise BadInput("give either --date or --from/--to, not both")
     if day:
-        d = _parse_date(day, "--date")
+        d = parse_day(day, "--date")
         return Scope.days(tenant, d, d)
     if start or end:
         if not (start and end):
             raise BadInput("--from and --to go together")
-        first, last = _parse_date(start, "--from"), _parse_date(end, "--to")
+        first, last = parse_day(start, "--from"), parse_day(end, "--to")
         if last < first:
             raise BadInput("--to must not be before --from")
         return Scope.days(tenant, first, last)  # --to is inclusive

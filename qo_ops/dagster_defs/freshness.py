@@ -1,6 +1,7 @@
 """Staleness on every tenant partition: each outcome asset has a ``recent_success`` check,
 partitioned by tenant, that passes when the job's last execute run for the tenant ended
-``success`` or ``no_work`` within ``STALE_FACTOR`` × the job's cadence.
+``success`` or ``no_work`` (or ``partial_success``, for a job whose catalog entry says so)
+within ``STALE_FACTOR`` × the job's cadence.
 
 Evaluations are recorded by runs, each on the tenant's own partition:
 
@@ -17,8 +18,11 @@ Not the sensor itself: Dagster 1.13 records a run-less evaluation of a partition
 (``idx_asset_check_executions_unique`` on asset, check, run id ``''`` and partition), which
 would fail the sensor's tick for good. In a run each evaluation is keyed by the run's id.
 
-A tenant is judged once it has existed for the limit: a tenant created a minute ago has not
-yet missed three cadences.
+A tenant is judged once it has existed for the limit, and once the job has been at work for
+the limit (its first run finished, or its first tick evaluated, that long ago): a tenant
+created a minute ago, or a daily job on a fresh deployment, has not yet missed three
+cadences. A run ending ``partial_success`` counts as a success where the catalog says so
+(``JobSpec.partial_success_is_fresh``: items failing on purpose, such as poison items).
 """
 
 import warnings
@@ -57,7 +61,7 @@ _RECENT_SUCCESS = sa.text(
     SELECT DISTINCT split_part(scope, '/', 1) AS tenant FROM job_run
      WHERE job_name = :job AND finished_at IS NOT NULL
        AND finished_at > now() - make_interval(secs => :limit_s)
-       AND mode = 'execute' AND status IN ('success', 'no_work')
+       AND mode = 'execute' AND status = ANY(CAST(:fresh AS text[]))
     """
 )
 # The last success of some tenants of a tenant job (whose scope is the tenant): one walk of
@@ -69,7 +73,7 @@ _LAST_SUCCESS_TENANT = sa.text(
       LEFT JOIN LATERAL (
             SELECT finished_at FROM job_run
              WHERE job_name = :job AND scope = t.id AND mode = 'execute'
-               AND status IN ('success', 'no_work') AND finished_at IS NOT NULL
+               AND status = ANY(CAST(:fresh AS text[])) AND finished_at IS NOT NULL
              ORDER BY started_at DESC
              LIMIT 1) r ON true
     """
@@ -83,9 +87,20 @@ _LAST_SUCCESS_WINDOWED = sa.text(
       LEFT JOIN LATERAL (
             SELECT finished_at FROM job_run
              WHERE split_part(scope, '/', 1) = t.id AND finished_at IS NOT NULL
-               AND job_name = :job AND mode = 'execute' AND status IN ('success', 'no_work')
+               AND job_name = :job AND mode = 'execute'
+               AND status = ANY(CAST(:fresh AS text[]))
              ORDER BY finished_at DESC
              LIMIT 1) r ON true
+    """
+)
+# How long the job has been at work here: since its first finished run or evaluated tick
+# (ix_job_run_job_finished; job_schedule_tick keeps a job's first evaluation). NULL: never.
+_JOB_AGE = sa.text(
+    """
+    SELECT extract(epoch FROM now() - least(
+             (SELECT min(finished_at) FROM job_run
+               WHERE job_name = :job AND finished_at IS NOT NULL),
+             (SELECT min(scheduled_for) FROM job_schedule_tick WHERE job_name = :job)))
     """
 )
 # Every tenant, how long it has existed, and the statement's clock (for the sensor's cursor).
@@ -116,10 +131,21 @@ def all_tenants(conn: Connection) -> tuple[list[Tenant], float | None]:
     )
 
 
+def job_due(conn: Connection, spec: JobSpec) -> bool:
+    """Whether ``spec`` has been at work for longer than its limit (a first run finished, or
+    a first tick evaluated, that long ago): before that no tenant of it is judged -- a daily
+    job is not stale on a fresh deployment before its first ticks."""
+    age = conn.execute(_JOB_AGE, {"job": spec.name}).scalar()
+    return age is not None and float(age) > stale_limit_s(spec)
+
+
 def recent_tenants(conn: Connection, spec: JobSpec) -> set[str]:
     """Tenants whose last execute run of ``spec`` ended success/no_work within the limit."""
     return set(
-        conn.execute(_RECENT_SUCCESS, {"job": spec.name, "limit_s": stale_limit_s(spec)}).scalars()
+        conn.execute(
+            _RECENT_SUCCESS,
+            {"job": spec.name, "limit_s": stale_limit_s(spec), "fresh": list(spec.fresh_statuses)},
+        ).scalars()
     )
 
 
@@ -133,7 +159,9 @@ def last_success_ages(
     query = _LAST_SUCCESS_TENANT if spec.partitioning == "tenant" else _LAST_SUCCESS_WINDOWED
     found = {
         r.tenant: float(r.age) if r.age is not None else None
-        for r in conn.execute(query, {"job": spec.name, "tenants": wanted})
+        for r in conn.execute(
+            query, {"job": spec.name, "tenants": wanted, "fresh": list(spec.fresh_statuses)}
+        )
     }
     return {t: found.get(t) for t in wanted}
 
@@ -145,7 +173,7 @@ class Freshness:
     tenant: str
     age_s: float | None  # since the last success; None: never
     limit_s: float
-    new: bool = False  # the tenant has existed for less than the limit: not judged yet
+    new: bool = False  # the tenant, or the job's work, newer than the limit: not judged yet
 
     @property
     def stale(self) -> bool:
@@ -157,7 +185,11 @@ class Freshness:
     def describe(self) -> str:
         age = "never" if self.age_s is None else f"{self.age_s / 60:.0f} min ago"
         text = f"last success {age}, limit {self.limit_s / 60:.0f} min"
-        return text + (" (tenant newer than the limit: not judged yet)" if self.new else "")
+        return text + (
+            " (the tenant, or the job's first run or tick, newer than the limit: not judged yet)"
+            if self.new
+            else ""
+        )
 
 
 def judge(
@@ -170,8 +202,9 @@ def judge(
     if known is None:
         known = {t.id: t for t in all_tenants(conn)[0]}
     ages = last_success_ages(conn, spec, ids)
+    due = job_due(conn, spec)
     return [
-        Freshness(t, ages[t], limit, new=t in known and known[t].age_s <= limit)
+        Freshness(t, ages[t], limit, new=not due or (t in known and known[t].age_s <= limit))
         for t in sorted(set(ids))
     ]
 

@@ -217,7 +217,7 @@ def check_evaluations(
         return
     declared = {c.name: c for c in spec.checks}
     judged = judged_materialization(instance, asset_key, scope.tenant_id)
-    if summary.status in ("success", "no_work"):
+    if summary.status in spec.fresh_statuses:
         yield recent_success_evaluation(
             spec,
             scope.tenant_id,

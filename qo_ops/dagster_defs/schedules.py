@@ -12,12 +12,13 @@ from qo_ops.dagster_defs.partitions import (
     days_partitions_def,
     tenants_partitions_def,
 )
+from qo_ops.dagster_defs.pending import ACTIVE, QUEUED, pending_work
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.submission import SCHEDULED_FOR_TAG
-from qo_ops.errors import QoOpsError
+from qo_ops.errors import QoOpsError, first_few
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.lease import held_scopes
-from qo_ops.platform.missed import expected_scope
+from qo_ops.platform.missed import expected_scope, record_tick
 from qo_ops.platform.partition_keys import chunk_scope_tag, chunk_tenants
 from qo_ops.platform.spec import JobSpec
 
@@ -76,19 +77,31 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
                     f"partition ({first}); set {PARTITION_START_ENV} earlier to cover it"
                 )
                 return
-        still_running = (  # nothing held, nothing to compute (10,000 tenants: most ticks)
-            [t for t in tenants if expected_scope(spec, t, scheduled) in busy] if busy else []
-        )
-        if still_running:  # the run would find the lease held: say so instead
+        # a scope with a run still queued or running in Dagster, or whose lease is held (a
+        # run started elsewhere), is asked for nothing: a backlog must not feed itself
+        pending = pending_work(context.instance, spec)
+        skipped: dict[str, list[str]] = {QUEUED: [], ACTIVE: []}
+        if pending.scopes or busy:  # nothing pending (most ticks): nothing to compute
+            for tenant in tenants:
+                scope = expected_scope(spec, tenant, scheduled)
+                why = pending.scopes.get(scope) or (ACTIVE if scope in busy else None)
+                if why is not None:
+                    skipped[why].append(tenant)
+        with database.engine().begin() as conn:  # the exporter's missed-run reasons
+            record_tick(conn, spec.name, scheduled, skipped)
+        taken = set(skipped[QUEUED]) | set(skipped[ACTIVE])
+        if taken:
             context.log.info(
-                f"{spec.name}: previous run still active for {', '.join(still_running)}; "
-                "no run requested there (counted in job_missed_runs_total)"
+                f"{spec.name}: no run requested for {len(taken)} tenant(s) whose previous run "
+                f"is still queued ({first_few(skipped[QUEUED])}) or active ({first_few(skipped[ACTIVE])}) "
+                "(counted in job_missed_runs_total)"
             )
-            tenants = [t for t in tenants if t not in still_running]
+            tenants = [t for t in tenants if t not in taken]
             if not tenants:
                 yield dg.SkipReason(
-                    f"{spec.name}: previous run still active for every tenant "
-                    f"({len(still_running)}); no run requested"
+                    f"{spec.name}: the previous run of every tenant is still queued "
+                    f"({len(skipped[QUEUED])}) or active ({len(skipped[ACTIVE])}); "
+                    "no run requested"
                 )
                 return
         for chunk in chunk_tenants(spec, tenants):

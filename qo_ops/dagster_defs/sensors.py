@@ -17,6 +17,7 @@ import uuid
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC
 from typing import Any
 
 import dagster as dg
@@ -31,18 +32,21 @@ from qo_ops.dagster_defs.freshness import (
     Tenant,
     all_tenants,
     build_recent_success_job,
+    job_due,
     last_success_ages,
     recent_tenants,
     stale_limit_s,
 )
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
+from qo_ops.dagster_defs.pending import pending_work
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.schedules import chunk_run_request
 from qo_ops.dagster_defs.submission import REFUSED_PREFIX, REFUSED_TAG, op_config, run_options
-from qo_ops.errors import one_line
+from qo_ops.errors import first_few, one_line
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.overdue import backlog_scope, database_now
 from qo_ops.platform.partition_keys import JOB_RUN_TAG, SCOPE_TAG, chunk_tenants
+from qo_ops.platform.run_queue import QueueSample, record_run_queue
 from qo_ops.platform.runs import AuditEntry, append_audit, finish_unstarted
 from qo_ops.platform.spec import BatchContext, JobSpec
 
@@ -105,6 +109,8 @@ def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefin
             state.get("launched", {}) if state.get("bucket") == bucket else {}
         )
         due: list[str] = []
+        waiting_in_dagster: list[str] = []  # a run of the tenant still queued or running
+        pending = pending_work(context.instance, spec).tenants
         figures = {}
         with database.engine().connect() as conn:
             held = {s.tenant_id: s for s in suspensions(conn, spec.name)}  # the kill switch
@@ -127,7 +133,9 @@ def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefin
                     )
                 ).scalar_one()
                 figures[tenant] = waiting
-                if waiting >= threshold and tenant not in launched:
+                if waiting >= threshold and tenant in pending:
+                    waiting_in_dagster.append(tenant)  # that run takes this backlog too
+                elif waiting >= threshold and tenant not in launched:
                     due.append(tenant)
         runs = [  # one run per chunk of tenants past the threshold, not one per tenant
             chunk_run_request(
@@ -169,9 +177,15 @@ def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefin
             return dg.SensorResult(run_requests=runs, cursor=cursor, asset_events=observations)
         suspended = [t for t in window if t in held]
         return dg.SensorResult(
-            skip_reason=f"no tenant has {threshold} waiting ({len(window) - len(suspended)} "
-            f"checked)"
-            + (f"; suspended, not checked: {', '.join(suspended)}" if suspended else ""),
+            skip_reason=f"no tenant has {threshold} waiting"
+            + (" without a run queued or running" if waiting_in_dagster else "")
+            + f" ({len(window) - len(suspended)} checked)"
+            + (f"; suspended, not checked: {', '.join(suspended)}" if suspended else "")
+            + (
+                f"; a run is already queued or running for: {', '.join(waiting_in_dagster)}"
+                if waiting_in_dagster
+                else ""
+            ),
             cursor=cursor,
             asset_events=observations,
         )
@@ -297,7 +311,12 @@ def build_stale_success_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
                     state.pending_key = state.pending = None
             # the whole judgement: one index range per job over its last 3 cadences of runs
             stale: dict[str, list[str]] = {}
+            not_due: set[str] = set()
             for spec in specs:
+                if not job_due(conn, spec):  # not at work for its limit yet: nobody judged
+                    stale[spec.name] = []
+                    not_due.add(spec.name)
+                    continue
                 limit, recent = stale_limit_s(spec), recent_tenants(conn, spec)
                 stale[spec.name] = [
                     t.id for t in everyone if t.age_s > limit and t.id not in recent
@@ -325,7 +344,11 @@ def build_stale_success_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
             )
             context.log.warning(f"stale last success: {headline}{named_text}")
         else:
-            headline, named_text = f"every job succeeded within {STALE_FACTOR}× its cadence", ""
+            idle = [spec.name for spec in specs if spec.name in not_due]
+            headline = f"no stale tenant: every job succeeded within {STALE_FACTOR}× its cadence"
+            named_text = (
+                f" (not judged yet, not at work that long: {first_few(idle)})" if idle else ""
+            )
         cursor = state.write(everyone, now) if now is not None else None
         if waiting:
             return dg.SensorResult(
@@ -361,6 +384,47 @@ def build_stale_success_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
         )
 
     return stale_success_sensor
+
+
+QUEUE_SAMPLE_S = 30  # how often run_queue_sensor samples the queue (the exporter's refresh)
+
+
+def build_run_queue_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
+    """Sample Dagster's run queue per catalog job into ``job_run_queue`` (the exporter's
+    ``job_run_queue_depth`` and ``job_run_queue_oldest_seconds``)."""
+    names = [s.name for s in specs]
+
+    @dg.sensor(
+        name="run_queue_sensor",
+        minimum_interval_seconds=QUEUE_SAMPLE_S,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Records how many runs of each job wait in the run queue, and since when",
+    )
+    def run_queue_sensor(
+        context: dg.SensorEvaluationContext, database: QoOpsDatabase
+    ) -> dg.SkipReason:
+        samples: dict[str, QueueSample] = {}
+        for job in names:
+            records = context.instance.get_run_records(
+                filters=dg.RunsFilter(job_name=job, statuses=[dg.DagsterRunStatus.QUEUED]),
+                order_by="create_timestamp",
+                ascending=True,
+                limit=1,
+            )
+            if records:
+                depth = context.instance.get_runs_count(
+                    dg.RunsFilter(job_name=job, statuses=[dg.DagsterRunStatus.QUEUED])
+                )
+                created = records[0].create_timestamp
+                samples[job] = QueueSample(
+                    depth, created if created.tzinfo else created.replace(tzinfo=UTC)
+                )
+        with database.engine().begin() as conn:
+            record_run_queue(conn, names, samples)
+        queued = ", ".join(f"{job} {s.depth}" for job, s in sorted(samples.items()))
+        return dg.SkipReason(f"queued runs: {queued}" if queued else "no run is queued")
+
+    return run_queue_sensor
 
 
 def build_checkpoint_age_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:

@@ -40,6 +40,7 @@ SU = _p("SELECT UPDATE")
 SID = _p("SELECT INSERT DELETE")
 SIU = _p("SELECT INSERT UPDATE")
 SUD = _p("SELECT UPDATE DELETE")
+SD = _p("SELECT DELETE")
 SIUD = _p("SELECT INSERT UPDATE DELETE")
 
 # The tables of qo_ops.db.schema, plus Alembic's version table (which the migrations create).
@@ -61,6 +62,8 @@ EXPECTED: Matrix = {
         "api_idempotency": NONE,
         "job_control": SIUD,  # every run reads it; `qo-ops suspend/resume` writes it
         "downstream_breaker": SIU,  # the item jobs read it and write their transitions
+        "job_schedule_tick": SIUD,  # the schedules record their ticks and prune old ones
+        "job_run_queue": SIU,  # run_queue_sensor upserts one row per job
         "tenant": S,
         "price_book": S,
         "quote": SU,  # quote_expiration
@@ -83,16 +86,22 @@ EXPECTED: Matrix = {
         VERSION_TABLE: S,  # every command checks the schema revision
     },
     API: {
-        "job_lease": S,
+        "job_lease": SIU,  # a recovery action takes its scope's lease and gives it back
         "job_run": SIU,  # accept, approve, cancel, link the Dagster run; never delete
-        "job_checkpoint": S,
-        "outbox_event": S,  # notification_publish's selection, for its backlog
+        "job_checkpoint": SD,  # read; a checkpoint reset deletes
+        "outbox_event": SIU,  # notification_publish's backlog; requeue; a decision's event
         "job_audit": SI,
         "api_token": S,  # bearer token check
         "api_idempotency": SID,  # keys kept, expired ones deleted
         "job_control": SIUD,  # approvers suspend and resume
         "downstream_breaker": S,  # the exporter's breaker gauges
+        "job_schedule_tick": S,
+        "job_run_queue": S,
         **dict.fromkeys(BUSINESS_TABLE_NAMES, S),  # backlog counts run job selections
+        # the recovery actions (migration 0014): what qo-ops requeue, review resolve write
+        "delivery_attempt_item": SU,
+        "customer_order": SU,
+        "order_resubmission": SI,
         VERSION_TABLE: S,
     },
     READONLY: {

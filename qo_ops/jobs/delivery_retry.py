@@ -21,6 +21,7 @@ from qo_ops.db.schema import delivery_attempt_item
 from qo_ops.downstream.claims import ClaimedCalls, Decision, select_due
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.errors import one_line
+from qo_ops.platform.recovery import DeadLetterKind
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, OutcomeCheck
 
@@ -149,6 +150,32 @@ OLDEST_DUE_SECONDS = sa.text(
     "SELECT extract(epoch FROM now() - min(next_attempt_at)) FROM delivery_attempt_item "
     "WHERE tenant_id = :tenant AND status IN ('READY', 'IN_PROGRESS') AND next_attempt_at <= now()"
 )
+# A tenant's dead letters (all, or the ones named), at most :limit, oldest first: what a
+# requeue would move (its dry run).
+DEAD_TO_REQUEUE = sa.text(
+    """
+    SELECT id FROM delivery_attempt_item
+     WHERE tenant_id = :tenant AND status = 'DEAD_LETTER'
+       AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+     ORDER BY updated_at, id LIMIT :limit
+    """
+)
+# Those dead letters back to READY, due now, with their attempts reset (the idempotency key
+# stays: the downstream answers a re-send of a delivered item with its first result).
+# Twice: only DEAD_LETTER rows move, so requeueing twice moves nothing the second time.
+REQUEUE_DEAD = sa.text(
+    """
+    UPDATE delivery_attempt_item
+       SET status = 'READY', attempt_count = 0, next_attempt_at = clock_timestamp(),
+           updated_at = clock_timestamp()
+     WHERE id = ANY(ARRAY(
+           SELECT id FROM delivery_attempt_item
+            WHERE tenant_id = :tenant AND status = 'DEAD_LETTER'
+              AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+            ORDER BY updated_at, id LIMIT :limit FOR UPDATE))
+    RETURNING id
+    """
+)
 # Every tenant's dead letters, for the exporter's capped count.
 DEAD_ITEMS = sa.select(delivery_attempt_item.c.id).where(
     delivery_attempt_item.c.status == "DEAD_LETTER"
@@ -189,6 +216,10 @@ SPEC = JobSpec(
     check=check_deliveries,
     lag=oldest_due_seconds,
     dead_letters=dead_lettered,
+    # poison items fail on purpose and are dead-lettered (their own signal and alert): a run
+    # ending partial_success because of them still keeps the tenant fresh
+    partial_success_is_fresh=True,
+    dead_letters_requeue=DeadLetterKind("delivery item", DEAD_TO_REQUEUE, REQUEUE_DEAD),
     outcome_asset="delivery_items",
     checks=(
         CheckSpec(

@@ -20,6 +20,7 @@ from qo_ops.db.schema import outbox_event
 from qo_ops.downstream.claims import ClaimedCalls, Decision, select_due
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.errors import one_line
+from qo_ops.platform.recovery import DeadLetterKind
 from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, OutcomeCheck
 
@@ -133,6 +134,32 @@ OLDEST_UNPUBLISHED_SECONDS = sa.text(
 TENANT_DEAD_EVENTS = sa.text(
     "SELECT count(*) FROM outbox_event WHERE tenant_id = :t AND dead_lettered_at IS NOT NULL"
 )
+# A tenant's dead-lettered events (all, or the ones named), at most :limit, oldest first:
+# what a requeue would release (its dry run).
+DEAD_TO_REQUEUE = sa.text(
+    """
+    SELECT id FROM outbox_event
+     WHERE tenant_id = :tenant AND dead_lettered_at IS NOT NULL AND published_at IS NULL
+       AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+     ORDER BY dead_lettered_at, id LIMIT :limit
+    """
+)
+# Those events due again now with their attempts reset (re-publishing is safe: the sink and
+# consumers dedupe on the event id).
+# Twice: only dead-lettered events move, and a released one is no longer dead-lettered, so
+# a second requeue moves nothing.
+REQUEUE_DEAD = sa.text(
+    """
+    UPDATE outbox_event
+       SET dead_lettered_at = NULL, publish_attempts = 0, available_at = clock_timestamp()
+     WHERE id = ANY(ARRAY(
+           SELECT id FROM outbox_event
+            WHERE tenant_id = :tenant AND dead_lettered_at IS NOT NULL AND published_at IS NULL
+              AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+            ORDER BY dead_lettered_at, id LIMIT :limit FOR UPDATE))
+    RETURNING id
+    """
+)
 # Every tenant's dead letters, for the exporter's capped count.
 DEAD_EVENTS = sa.select(outbox_event.c.id).where(outbox_event.c.dead_lettered_at.is_not(None))
 
@@ -171,6 +198,10 @@ SPEC = JobSpec(
     check=check_outbox,
     lag=oldest_unpublished_seconds,
     dead_letters=dead_lettered,
+    # poison items fail on purpose and are dead-lettered (their own signal and alert): a run
+    # ending partial_success because of them still keeps the tenant fresh
+    partial_success_is_fresh=True,
+    dead_letters_requeue=DeadLetterKind("outbox event", DEAD_TO_REQUEUE, REQUEUE_DEAD),
     outcome_asset="outbox",
     checks=(
         CheckSpec(

@@ -17,7 +17,7 @@ a ``missing_downstream`` order in execute:
 | re-submission n not delivered yet, or delivered less than the grace ago | nothing (event n: duplicate_prevented) | resubmit / pending |
 | re-submission n delivered (item DELIVERED after it) and the grace past, n < max | re-submission n + 1 | resubmit / corrected |
 | the same, n = max | flag for manual review | manual_review / budget_exhausted |
-| its delivery item DEAD_LETTER | flag; the item is left as it is (only ``qo-ops requeue`` moves it) | manual_review / dead_letter_flagged |
+| its delivery item DEAD_LETTER | flag; the item is left as it is (a person's ``qo-ops review resolve … --action resubmit`` or ``qo-ops requeue`` moves it) | manual_review / dead_letter_flagged |
 | its delivery item being sent (IN_PROGRESS) | nothing | resubmit / pending |
 | no delivery item | flag | manual_review / flagged |
 
@@ -50,6 +50,7 @@ from qo_ops.db.schema import customer_order
 from qo_ops.downstream.calls import Manners, downstream_client, manners_from_env
 from qo_ops.downstream.client import DownstreamError, downstream_url
 from qo_ops.errors import one_line
+from qo_ops.jobs.order_review import ADOPTED_EVENT, RESUBMIT_EVENT, REVIEW, append_event
 from qo_ops.platform.external import NotCalled, call_each
 from qo_ops.platform.signals import Reconciliation
 from qo_ops.platform.spec import (
@@ -272,16 +273,6 @@ RECORD_RESUBMISSION = sa.text(
 FLAG_REVIEW = sa.text(
     "UPDATE customer_order SET needs_manual_review = true WHERE id = :id AND NOT needs_manual_review RETURNING id"
 )
-# A correction's event, under its business key (adopted:<status>, resubmit:<n>).
-# Twice: a second insert of the same correction conflicts on business_key and adds nothing
-# (counted as a duplicate prevented).
-EVENT = sa.text(
-    """
-    INSERT INTO outbox_event (id, business_key, tenant_id, aggregate_type, aggregate_id, event_type, payload)
-    VALUES (gen_random_uuid(), :key, :tenant, 'order', CAST(:id AS text), :type, CAST(:payload AS jsonb))
-    ON CONFLICT (business_key) DO NOTHING
-    """
-)
 # What the run found and did about one order (the run's evidence, kept with its job_run).
 # Twice: one row per run and order: recording the same order again in a run adds nothing; a
 # rerun records what it finds under its own run id.
@@ -324,18 +315,6 @@ ACTIONS = {
 }
 
 
-ADOPTED_EVENT = "order_status_adopted_event"
-RESUBMIT_EVENT = "order_resubmit_requested_event"
-
-
-def _event(conn: Connection, out: BatchOutcome, side_effect: str, values: dict[str, Any]) -> None:
-    """Append a correction event under its business key, counted as ``side_effect``."""
-    appended = conn.execute(EVENT, values).rowcount == 1
-    out.side_effect(side_effect, "success" if appended else "duplicate_prevented")
-    out.events_written += appended
-    out.duplicates_prevented += not appended
-
-
 def _resubmit(conn: Connection, ctx: BatchContext, order_id: int, n: int) -> bool:
     """Take re-submission ``n`` of the order: its delivery items back to READY and its
     budget row, together or not at all (a savepoint: an item that started being sent or
@@ -357,8 +336,10 @@ def _resubmit(conn: Connection, ctx: BatchContext, order_id: int, n: int) -> boo
     return taken
 
 
-def _resubmit_event(conn: Connection, ctx: BatchContext, out: BatchOutcome, r: Any, n: int) -> None:
-    _event(
+def _resubmitappend_event(
+    conn: Connection, ctx: BatchContext, out: BatchOutcome, r: Any, n: int
+) -> None:
+    append_event(
         conn,
         out,
         RESUBMIT_EVENT,
@@ -383,9 +364,9 @@ def _repair_missing(
         return (
             "manual_review",
             "dead_letter_flagged",
-            f"delivery item {item} is dead-lettered: requeue it with qo-ops requeue "
-            f"delivery_retry --tenant {ctx.scope.tenant_id} --item {item} --reason …, "
-            "then clear the flag",
+            f"delivery item {item} is dead-lettered: once its cause is fixed, qo-ops review "
+            f"resolve order_reconciliation {r['order_number']} --tenant {ctx.scope.tenant_id} "
+            "--action resubmit --reason …",
         )
     if not state.items:
         conn.execute(FLAG_REVIEW, {"id": r["id"]})
@@ -401,10 +382,10 @@ def _repair_missing(
             "and still missing downstream",
         )
     if spent and not state.in_progress and _resubmit(conn, ctx, r["id"], n + 1):
-        _resubmit_event(conn, ctx, out, r, n + 1)
+        _resubmitappend_event(conn, ctx, out, r, n + 1)
         return "resubmit", "corrected", f"re-submission {n + 1} of {budget.max_resubmissions}"
     if n:  # the earlier re-submission stands: its event is there already
-        _resubmit_event(conn, ctx, out, r, n)
+        _resubmitappend_event(conn, ctx, out, r, n)
     if not spent:
         why = (
             f"re-submission {n} delivered; the downstream has {budget.grace_minutes} min to show it"
@@ -488,7 +469,7 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
                 None if adopted else "the order changed since it was read; left for the next run"
             )
             if adopted:
-                _event(
+                append_event(
                     conn,
                     out,
                     ADOPTED_EVENT,
@@ -580,6 +561,7 @@ SPEC = JobSpec(
     compete_with_skip_locked=False,  # read-only selection: one run per scope holds the lease
     side_effects=(ADOPTED_EVENT, RESUBMIT_EVENT),
     validate_settings=reconciliation_settings,  # refused before anything is read or written
+    review=REVIEW,
     reconciliation=Reconciliation(
         mismatch_types=tuple(ACTIONS),
         corrections={

@@ -17,6 +17,7 @@ from qo_ops.platform.missed import MISSED_REASONS
 from qo_ops.platform.runs import FINAL_STATUSES
 from qo_ops.platform.signals import (
     AMBIGUITY_REASONS,
+    CHECKPOINT_RESET_REASONS,
     ITEM_RETRY_REASONS,
     LOCK_RESULTS,
     MANUAL_RERUN_REASONS,
@@ -111,7 +112,6 @@ def _run_families(feed: RunFeed) -> Iterator[Metric]:
         "job_lease_lost_total": "Runs that lost their lease to another holder",
         "job_anomaly_stops_total": "Runs stopped by an anomaly threshold",
         "job_checkpoint_updates_total": "Checkpoints saved (one per batch of a cursor job)",
-        "job_checkpoint_resets_total": "Checkpoints forgotten after a complete rescan",
     }
     for metric, text in per_job.items():
         family = CounterMetricFamily(metric, text, labels=["job_name"])
@@ -173,6 +173,7 @@ def _series(names: list[str], calling: list[str]) -> dict[str, list[tuple[str, .
         "job_manual_reruns_total": [
             (j, r) for j in names for r in dict.fromkeys(MANUAL_RERUN_REASONS.values())
         ],
+        "job_checkpoint_resets_total": [(j, r) for j in names for r in CHECKPOINT_RESET_REASONS],
     }
 
 
@@ -201,6 +202,11 @@ def _signal_families(feed: RunFeed, calling: list[str]) -> Iterator[Metric]:
         "job_manual_reruns_total": (
             "Execute runs a person asked for over a scope run before, by how the "
             "previous execute run ended",
+            ["reason"],
+        ),
+        "job_checkpoint_resets_total": (
+            "Checkpoints forgotten, by reason (rescan_complete: a rescanning job went through "
+            "its whole scope; operator: a person reset it)",
             ["reason"],
         ),
     }

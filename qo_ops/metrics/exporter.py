@@ -45,11 +45,13 @@ from qo_ops.metrics.gauges import (
     breaker_families,
     catalog_families,
     downstream_label,
+    queue_families,
     run_families,
     suspended_tenants,
     suspension_families,
 )
 from qo_ops.platform.control import suspensions
+from qo_ops.platform.run_queue import read_run_queue
 from qo_ops.platform.spec import JobSpec
 from qo_ops.platform.status import breaker_status
 from qo_ops.platform.telemetry import log_event
@@ -110,6 +112,7 @@ class JobCollector:
                 self._feed.judge_missed(conn, self._clock() if self._clock else now)
                 now_families = [
                     *run_families(conn, self.specs, suspended_tenants(held)),
+                    *queue_families(self.specs, read_run_queue(conn)),
                     *suspension_families(self.specs, held, now),
                     *breaker_families(self.downstreams, breaker_status(conn)),
                 ]

@@ -25,6 +25,7 @@ from qo_ops.metrics.histograms import (
 )
 from qo_ops.platform import manners
 from qo_ops.platform.missed import first_scheduled_tick, missed_runs, tick_window_s
+from qo_ops.platform.recovery import CHECKPOINT_RESET
 from qo_ops.platform.signals import (
     AMBIGUITY_REASONS,
     ITEM_RETRY_EXHAUSTED,
@@ -168,10 +169,22 @@ _FINISHED_RERUNS = sa.text(
     """
 )
 _CUTOFF = sa.text("SELECT clock_timestamp() - make_interval(secs => :settle)")
-TALLY_COUNTERS = {
-    CHECKPOINT_UPDATES: "job_checkpoint_updates_total",
-    CHECKPOINT_RESETS: "job_checkpoint_resets_total",
-}
+TALLY_COUNTERS = {CHECKPOINT_UPDATES: "job_checkpoint_updates_total"}
+# Checkpoints a person reset (qo-ops checkpoint reset, the API), from their audit rows in
+# (cursor, cutoff): job_audit is append-only, each reset one row counting its checkpoints.
+_OPERATOR_RESETS = sa.text(
+    """
+    SELECT job_name, coalesce(sum(CAST(details ->> 'reset' AS bigint)), 0) AS n
+      FROM job_audit
+     WHERE job_name = ANY(CAST(:jobs AS text[])) AND action = :action AND mode = 'execute'
+       AND occurred_at < :cutoff AND (occurred_at, id) > (:ts, :id)
+     GROUP BY job_name
+    """
+)
+_LAST_AUDIT = sa.text(
+    "SELECT occurred_at, id FROM job_audit WHERE occurred_at < :cutoff "
+    "AND job_name = ANY(CAST(:jobs AS text[])) ORDER BY occurred_at DESC, id DESC LIMIT 1"
+)
 # A run's calls to the downstream (qo_ops.platform.manners): tally key → (metric, label
 # value, scale). The label is the metric's one label besides job_name, from this list only.
 DOWNSTREAM_COUNTERS: dict[str, tuple[str, str, float]] = {
@@ -223,6 +236,7 @@ class RunFeed:
         self.ambiguity: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.missed: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.missed_cursor: dict[str, datetime] = {}  # last tick judged
+        self.audit_cursor: tuple[datetime, int] = (origin[0], 0)  # operator resets read to
         # (metric, job, label value) → the downstream counters of DOWNSTREAM_COUNTERS
         self.downstream: defaultdict[tuple[str, str, str], float] = defaultdict(float)
         # (metric, job, *label values) → the seed's lock, retry, rerun and reconciliation counters
@@ -254,6 +268,7 @@ class RunFeed:
             if g.status in MANUAL_RERUN_REASONS:
                 key = ("job_manual_reruns_total", g.job_name, MANUAL_RERUN_REASONS[g.status])
                 self.signals[key] += int(g.n)
+        self._count_operator_resets(conn, cutoff)
         lowest = uuid.UUID(int=0)
         self.created_cursor = (
             max(created_ts, cutoff),
@@ -263,6 +278,17 @@ class RunFeed:
             max(finished_ts, cutoff),
             lowest if cutoff > finished_ts else finished_id,
         )
+
+    def _count_operator_resets(self, conn: Connection, cutoff: datetime) -> None:
+        """Checkpoints reset by a person since the last scrape (their audit rows)."""
+        jobs = [s.name for s in self.specs if s.uses_checkpoint]
+        ts, last = self.audit_cursor
+        params = {"jobs": jobs, "cutoff": cutoff, "ts": ts, "id": last}
+        for g in conn.execute(_OPERATOR_RESETS, {**params, "action": CHECKPOINT_RESET}):
+            self.signals[("job_checkpoint_resets_total", g.job_name, "operator")] += int(g.n)
+        newest = conn.execute(_LAST_AUDIT, params).first()
+        if newest is not None:
+            self.audit_cursor = (newest.occurred_at, int(newest.id))
 
     def _count_finished(self, g: Any) -> None:
         """Add one group of finished runs (same job, status and distinguishing fields)."""
@@ -317,6 +343,8 @@ class RunFeed:
             self.signals[("job_retries_total", job, "item", reason)] += n
         elif key == ITEM_RETRY_EXHAUSTED:
             self.signals[("job_retry_exhausted_total", job, "item")] += n
+        elif key == CHECKPOINT_RESETS:
+            self.signals[("job_checkpoint_resets_total", job, "rescan_complete")] += n
         elif key in TALLY_COUNTERS:
             self.sums[(TALLY_COUNTERS[key], job)] += n
         elif key in DOWNSTREAM_COUNTERS:

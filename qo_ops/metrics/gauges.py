@@ -1,7 +1,7 @@
 """The gauges the exporter reads on each scrape, with index-backed queries: the catalog's
 cadences and budgets; per job the latest success, start and status, the failure streak,
-running runs, leases and checkpoint age; the kill switch's suspensions (a few rows); the
-downstream's circuit breakers (a row per origin). Suspensions and breakers are counts, ages
+running runs, leases and checkpoint age; Dagster's run queue per job (as last sampled); the
+kill switch's suspensions (a few rows); the downstream's circuit breakers (a row per origin). Suspensions and breakers are counts, ages
 and states only: a tenant, reason, author or breaker reason never becomes a label."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from qo_ops.metrics.feed import FAILING
 from qo_ops.platform import manners
 from qo_ops.platform.breaker import CLOSED
 from qo_ops.platform.control import Suspension
+from qo_ops.platform.run_queue import QueueReading
 from qo_ops.platform.runs import FINAL_STATUSES
 from qo_ops.platform.spec import JobSpec, cadence_seconds, tenant_of
 from qo_ops.platform.status import BreakerStatus
@@ -33,7 +34,7 @@ _NOW = sa.text(
     """
     SELECT
       (SELECT finished_at FROM job_run WHERE job_name = :job AND finished_at IS NOT NULL
-          AND status IN ('success', 'no_work') AND mode = 'execute'
+          AND status = ANY(CAST(:fresh AS text[])) AND mode = 'execute'
         ORDER BY finished_at DESC LIMIT 1) AS last_success,
       (SELECT started_at FROM job_run WHERE job_name = :job AND mode = 'execute'
           AND status NOT IN ('awaiting_approval', 'accepted')
@@ -131,7 +132,7 @@ def run_families(
         labels=["job_name", "status"],
     )
     for spec in specs:
-        row = conn.execute(_NOW, {"job": spec.name}).one()
+        row = conn.execute(_NOW, {"job": spec.name, "fresh": list(spec.fresh_statuses)}).one()
         g["job_last_success_timestamp_seconds"].add_metric([spec.name], _epoch(row.last_success))
         g["job_last_run_timestamp_seconds"].add_metric([spec.name], _epoch(row.last_start))
         g["job_running"].add_metric([spec.name], float(row.running))
@@ -191,6 +192,32 @@ def suspension_families(
     yield every
     yield count
     yield age
+
+
+def queue_families(specs: list[JobSpec], readings: dict[str, QueueReading]) -> Iterator[Metric]:
+    """Per catalog job: the runs waiting in Dagster's run queue and the oldest one's age, as
+    run_queue_sensor last sampled them; and how old that sample is (a daemon that stopped
+    sampling leaves the figures as they were: the age says so)."""
+    depth = GaugeMetricFamily(
+        "job_run_queue_depth", "Runs waiting in Dagster's run queue", labels=["job_name"]
+    )
+    oldest = GaugeMetricFamily(
+        "job_run_queue_oldest_seconds",
+        "Age of the oldest run waiting in Dagster's run queue (0 when none waits)",
+        labels=["job_name"],
+    )
+    for spec in specs:  # catalog jobs only: a label value never comes from a row
+        reading = readings.get(spec.name)
+        depth.add_metric([spec.name], float(reading.depth) if reading else 0.0)
+        oldest.add_metric([spec.name], reading.oldest_s if reading and reading.depth else 0.0)
+    yield depth
+    yield oldest
+    if readings:
+        yield GaugeMetricFamily(
+            "job_run_queue_sample_age_seconds",
+            "Since run_queue_sensor last sampled Dagster's run queue",
+            value=min(r.sample_age_s for r in readings.values()),
+        )
 
 
 def breaker_families(downstreams: list[str], rows: list[BreakerStatus]) -> Iterator[Metric]:

@@ -9,10 +9,15 @@ and the records say why:
 
 - ``suspended``: the kill switch covered the scope at the tick (``job_audit`` suspend and
   resume rows give the intervals; the schedule skipped it on purpose);
-- ``previous_run_active``: a run of the same scope held its lease at the tick (the schedule
-  skipped the scope while its lease was held, or the run it requested found the lease held);
-- ``daemon_down``: neither: no run was requested or none started -- the Dagster daemon was
-  down, the schedule was stopped, or the launch failed.
+- ``previous_run_queued``: the schedule asked nothing for the scope because a run of it was
+  still waiting in Dagster's run queue (``job_schedule_tick``: a backlog must not feed
+  itself);
+- ``previous_run_active``: a run of the same scope was running at the tick (the schedule
+  skipped it, as recorded, or it held the scope's lease: the run requested found it held);
+- ``queued``: the schedule evaluated the tick and asked for the run, which did not start
+  within the window: it waited in Dagster's run queue (or its launch failed);
+- ``daemon_down``: none of these: the tick was never evaluated -- Dagster's scheduler
+  daemon was down, or the schedule was stopped.
 
 No Dagster here: the platform judges from what the database recorded.
 """
@@ -31,7 +36,14 @@ from sqlalchemy.engine import Connection
 from qo_ops.errors import QoOpsError
 from qo_ops.platform.spec import JobSpec, Scope, cadence_seconds
 
-MISSED_REASONS = ("previous_run_active", "suspended", "daemon_down")
+MISSED_REASONS = (
+    "previous_run_active",
+    "previous_run_queued",
+    "queued",
+    "suspended",
+    "daemon_down",
+)
+TICK_RECORDS_KEPT = timedelta(days=2)  # longer than the exporter looks back for missed ticks
 WINDOW_CAP_S = 3600.0
 NOT_RUN = ("skipped", "accepted", "awaiting_approval")  # records of runs that did no work
 
@@ -76,12 +88,14 @@ def scope_busy_at(
 
 
 def first_scheduled_tick(conn: Connection, job_name: str) -> datetime | None:
-    """The tick of the job's oldest recorded scheduled run: judging starts there (before it,
-    the schedule may never have been on)."""
+    """The job's oldest tick on record, of a scheduled run or of an evaluation: judging
+    starts there (before it, the schedule may never have been on)."""
     value: datetime | None = conn.execute(
         sa.text(
-            "SELECT min(scheduled_for) FROM job_run "
-            "WHERE job_name = :job AND scheduled_for IS NOT NULL"
+            "SELECT least("
+            "(SELECT min(scheduled_for) FROM job_run "
+            "WHERE job_name = :job AND scheduled_for IS NOT NULL), "
+            "(SELECT min(scheduled_for) FROM job_schedule_tick WHERE job_name = :job))"
         ),
         {"job": job_name},
     ).scalar()
@@ -127,11 +141,58 @@ _SUSPENSIONS = sa.text(
 )
 
 
+_RECORD_TICK = sa.text(
+    """
+    INSERT INTO job_schedule_tick (job_name, scheduled_for, decision, tenants)
+    VALUES (:job, :tick, :decision, :tenants)
+    ON CONFLICT (job_name, scheduled_for, decision) DO UPDATE
+       SET tenants = ARRAY(SELECT DISTINCT unnest(job_schedule_tick.tenants || EXCLUDED.tenants)),
+           recorded_at = now()
+    """
+)
+# the job's first tick stays: since when its schedule has been on (freshness.job_due)
+_PRUNE_TICKS = sa.text(
+    """
+    DELETE FROM job_schedule_tick
+     WHERE job_name = :job AND scheduled_for < :before
+       AND scheduled_for > (SELECT min(scheduled_for) FROM job_schedule_tick WHERE job_name = :job)
+    """
+)
+_TICKS = sa.text(
+    """
+    SELECT scheduled_for, decision, tenants FROM job_schedule_tick
+     WHERE job_name = :job AND scheduled_for BETWEEN :lo AND :hi
+    """
+)
+
+
+def record_tick(
+    conn: Connection, job_name: str, tick: datetime, skipped: dict[str, list[str]]
+) -> None:
+    """Record that the schedule of ``job_name`` evaluated ``tick``, and which tenants it
+    skipped and why (``previous_run_queued`` / ``previous_run_active``); prune the job's
+    records older than :data:`TICK_RECORDS_KEPT`, but for its first tick (since when the
+    schedule has been on). A tick evaluated twice adds up."""
+    rows = [{"decision": "evaluated", "tenants": []}]
+    rows += [{"decision": why, "tenants": sorted(ts)} for why, ts in skipped.items() if ts]
+    conn.execute(_RECORD_TICK, [{"job": job_name, "tick": tick, **row} for row in rows])
+    conn.execute(_PRUNE_TICKS, {"job": job_name, "before": tick - TICK_RECORDS_KEPT})
+
+
 def missed_runs(conn: Connection, spec: JobSpec, ticks: list[datetime]) -> list[MissedRun]:
     """The expected runs of ``ticks`` (oldest first) that did not happen, with why."""
     if not ticks:
         return []
     lo, hi = ticks[0], ticks[-1] + timedelta(seconds=tick_window_s(spec))
+    evaluated: set[datetime] = set()
+    skipped: dict[tuple[datetime, str], str] = {}
+    for row in conn.execute(_TICKS, {"job": spec.name, "lo": lo, "hi": ticks[-1]}):
+        if row.decision == "evaluated":
+            evaluated.add(row.scheduled_for)
+        else:
+            skipped.update(
+                dict.fromkeys(((row.scheduled_for, t) for t in row.tenants), row.decision)
+            )
     ran: set[tuple[datetime, str]] = set()
     busy: dict[str, list[tuple[datetime, datetime | None]]] = defaultdict(list)
     for run in conn.execute(_RUNS, {"job": spec.name, "lo": lo, "hi": hi}):
@@ -153,8 +214,12 @@ def missed_runs(conn: Connection, spec: JobSpec, ticks: list[datetime]) -> list[
                 continue
             if _within(suspended.get("*", []), tick) or _within(suspended.get(tenant.id, []), tick):
                 reason = "suspended"
+            elif (tick, tenant.id) in skipped:
+                reason = skipped[(tick, tenant.id)]
             elif any(_during(start, end, tick) for start, end in busy[scope]):
                 reason = "previous_run_active"
+            elif tick in evaluated:
+                reason = "queued"
             else:
                 reason = "daemon_down"
             missed.append(MissedRun(tick, tenant.id, reason))

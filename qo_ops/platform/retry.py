@@ -1,22 +1,17 @@
 """The retry model for items that call other systems: classify the error, back off
-exponentially with jitter up to a cap, stop after an attempt budget (dead letter), and
-let an operator requeue dead letters with an audit row."""
+exponentially with jitter up to a cap, and stop after an attempt budget (dead letter;
+a person requeues dead letters with ``qo_ops.platform.recovery``)."""
 
 from __future__ import annotations
 
 import random
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 
-import sqlalchemy as sa
-from sqlalchemy.engine import Engine
-
 from qo_ops.config import number
 from qo_ops.errors import ConfigError
-from qo_ops.platform.runs import AuditEntry, append_audit
 
 
 class ErrorClass(StrEnum):
@@ -77,61 +72,6 @@ class RetryPolicy:
         if error is ErrorClass.NON_RETRYABLE or attempts_so_far >= self.max_attempts:
             return "dead_letter"
         return "retry"
-
-
-# A tenant's dead letters (all, or the ones named) back to READY with their attempts reset,
-# at most :limit, oldest first.
-# Twice: only DEAD_LETTER rows move, so requeueing twice moves nothing the second time.
-_REQUEUE_DEAD = sa.text(
-    """
-    UPDATE delivery_attempt_item
-       SET status = 'READY', attempt_count = 0, next_attempt_at = clock_timestamp(),
-           updated_at = clock_timestamp()
-     WHERE id = ANY(ARRAY(
-           SELECT id FROM delivery_attempt_item
-            WHERE tenant_id = :tenant AND status = 'DEAD_LETTER'
-              AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
-            ORDER BY updated_at, id LIMIT :limit FOR UPDATE))
-    RETURNING id
-    """
-)
-
-
-def requeue_dead_letters(
-    engine: Engine,
-    *,
-    tenant_id: str,
-    requester: str,
-    reason: str,
-    item_ids: list[uuid.UUID] | None = None,
-    limit: int = 1000,
-) -> int:
-    """Put dead-lettered delivery items of a tenant back to READY (attempts reset), at most
-    ``limit`` of them, oldest first; one audit row records who, why and how many."""
-    with engine.begin() as conn:
-        requeued = (
-            conn.execute(_REQUEUE_DEAD, {"tenant": tenant_id, "ids": item_ids, "limit": limit})
-            .scalars()
-            .all()
-        )
-        append_audit(
-            conn,
-            AuditEntry(
-                actor=requester,
-                action="requeue",
-                job_name="delivery_retry",
-                scope=tenant_id,
-                mode="execute",
-                reason=reason,
-                decision=f"requeued {len(requeued)}",
-                details={
-                    "requested_ids": len(item_ids or []),
-                    "limit": limit,
-                    "requeued": len(requeued),
-                },
-            ),
-        )
-    return len(requeued)
 
 
 RETRY_BASE_ENV = "QO_OPS_RETRY_BASE_S"

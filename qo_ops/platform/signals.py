@@ -61,6 +61,9 @@ MANUAL_RERUN_REASONS: Mapping[str, str] = {
     "success": "after_success",
     "no_work": "after_success",
 }
+# job_checkpoint_resets_total{reason}: a checkpoint forgotten because a rescanning job went
+# through its whole scope (the runner), or because a person reset it (qo-ops checkpoint reset)
+CHECKPOINT_RESET_REASONS = ("rescan_complete", "operator")
 MANUAL_TRIGGERS = ("manual", "api", "backfill")  # a Dagster run retry is not a person's rerun
 
 # job_failed_total{error_class}: the platform's error classes of a failed or timed-out run;

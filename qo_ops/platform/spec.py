@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
-from typing import Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -17,6 +17,9 @@ from qo_ops.errors import BadInput
 from qo_ops.platform.counts import Counts
 from qo_ops.platform.signals import Reconciliation
 from qo_ops.platform.stopping import DEFAULT_STOP_GRACE_S, StopSignals
+
+if TYPE_CHECKING:  # the recovery module builds on this one
+    from qo_ops.platform.recovery import DeadLetterKind, Review
 
 Mode = Literal["dry_run", "execute"]
 Trigger = Literal["schedule", "sensor", "manual", "backfill", "retry", "api"]
@@ -524,6 +527,10 @@ class JobSpec:
     scheduled_window_age_days: Callable[[], int] | None = None
     # How many items sit dead-lettered now, all tenants (capped count; for the exporter).
     dead_letters: Callable[[Connection], int] | None = None
+    # How a person puts its dead letters back to work (qo-ops requeue, the API's requeue).
+    dead_letters_requeue: DeadLetterKind | None = None
+    # What it flags for a person, and what a person may do with each (qo-ops review).
+    review: Review | None = None
     # Reads and checks every setting (environment) the job's functions use, before the run
     # writes or claims anything: raises ConfigError (exit 2, one line), else returns them;
     # the job's functions get that value through run_settings(ctx, <this function>).
@@ -543,3 +550,18 @@ class JobSpec:
     error_classes: tuple[str, ...] = ()
     # A reconciliation job's mismatch types and action outcomes (the reconciliation_* family)
     reconciliation: Reconciliation | None = None
+    # How a run ending partial_success counts for freshness (stale_success_sensor, the
+    # recent_success check, job_last_success_timestamp_seconds, QoOpsJobNotSucceeding):
+    # True where some items failing is the job's normal state (poison items dead-lettered
+    # by design, each with its own signal), so such a run keeps the tenant fresh; False
+    # (the default) where it means work left undone, so only success and no_work do.
+    partial_success_is_fresh: bool = False
+
+    @property
+    def fresh_statuses(self) -> tuple[str, ...]:
+        """The final statuses of an execute run that keep a tenant fresh."""
+        return (
+            "success",
+            "no_work",
+            *(("partial_success",) if self.partial_success_is_fresh else ()),
+        )

@@ -26,16 +26,29 @@ from qo_ops_tests.dagster.conftest import loaded  # noqa: F401  (demo data for t
 from qo_ops_tests.dagster.stack import free_port
 
 
+def _qo_ops_api(port: int) -> list[str]:
+    return [QO_OPS_BIN, "api", "--host", "127.0.0.1", "--port", str(port)]
+
+
 class ApiServer:
     """A running ``qo-ops api``: ``.url``, ``.log`` (its stdout+stderr), ``.env``."""
 
-    def __init__(self, env: dict[str, str], log: Path, admin_env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log: Path,
+        admin_env: dict[str, str],
+        command: Callable[[int], list[str]] | None = None,
+    ) -> None:
+        """Start it (``command(port)``, by default ``qo-ops api`` on ``port``) and wait for
+        its ``/healthz``."""
         self.env, self.log, self.admin_env = env, log, admin_env
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        argv = (command or _qo_ops_api)(self.port)
         with log.open("ab") as out:
             self.process = subprocess.Popen(
-                [QO_OPS_BIN, "api", "--host", "127.0.0.1", "--port", str(self.port)],
+                argv,
                 env=env,
                 stdout=out,
                 stderr=out,

@@ -175,16 +175,16 @@ def test_roles_modes_and_tenants_are_enforced_with_403(api, db):
     assert {s["scope"] for s in status.json()["scopes"]} == {"tenant-001"}
 
 
-def test_malformed_unknown_out_of_range_and_unsafe_requests_get_422(api, db):
+def test_malformed_out_of_range_and_unsafe_requests_get_422_and_unknown_jobs_404(api, db):
     load_demo_data(db.engine, tenants=2, quotes=100, seed=9, as_of=AS_OF)
     operator = api.token("olga", "operator")
     before, mark = _state(db), _last_audit_id(db)
     window = {"from": "2026-02-01", "to": "2026-02-02"}
     cases = {
         "not JSON": dict(content=b"{mode: dry_run", headers={"Content-Type": "application/json"}),
-        "unknown job": dict(path="/internal/jobs/expire_all_quotes/runs", json=DRY),
+        "unknown job": dict(path="/internal/jobs/expire_all_quotes/runs", json=DRY, status=404),
         "job name with SQL characters": dict(
-            path="/internal/jobs/quote_expiration';--/runs", json=DRY
+            path="/internal/jobs/quote_expiration';--/runs", json=DRY, status=404
         ),
         "unknown field": dict(json={**DRY, "where": "1=1"}),
         "mode missing": dict(json={"tenant": "tenant-001"}),
@@ -239,13 +239,20 @@ def test_malformed_unknown_out_of_range_and_unsafe_requests_get_422(api, db):
             content=case.get("content"),
             headers=case.get("headers"),
         )
-        assert response.status_code == 422, (what, response.status_code, response.text)
+        expected = case.get("status", 422)  # a job the catalog does not know is not there
+        assert response.status_code == expected, (what, response.status_code, response.text)
         message = _one_line_error(response)
         assert "DROP TABLE" not in message and "FORGED" not in message, (what, message)
     rows = _audit(db, mark)
     assert len(rows) == len(cases)
     assert [r["actor"] for r in rows if not r["decision"].startswith("denied:")] == [], rows
     assert {r["actor"] for r in rows} == {"olga"}
+    # bytes that are not UTF-8: 400 in the same shape, and only once the token is checked
+    garbled = dict(content=b'"\xff"', headers={"Content-Type": "application/json"})
+    assert api.post(RUNS, None, **garbled).status_code == 401
+    unreadable = api.post(RUNS, operator, **garbled)
+    assert unreadable.status_code == 400
+    assert _one_line_error(unreadable) == "the body is not UTF-8"
     # a path that names no route at all is a plain 404, in the same one-line shape
     lost = api.post("/internal/jobs/..%2F..%2Fetc%2Fpasswd/runs", operator, json=DRY)
     assert lost.status_code == 404 and _one_line_error(lost) == "not found"

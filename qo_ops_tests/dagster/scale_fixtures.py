@@ -193,3 +193,18 @@ def scale_defs() -> dg.Definitions:
     from qo_ops.definitions import build_definitions
 
     return build_definitions()
+
+
+def schedules_on_since(engine: Engine, days: int = 30) -> None:
+    """Every catalog job's schedule first evaluated a tick ``days`` ago (the record a running
+    schedule leaves, ``job_schedule_tick``): the jobs have been at work long enough for the
+    staleness judgement (``freshness.job_due``)."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_schedule_tick (job_name, scheduled_for, decision) "
+                "SELECT unnest(CAST(:jobs AS text[])), now() - make_interval(days => :days), "
+                "'evaluated'"
+            ),
+            {"jobs": list(CATALOG), "days": days},
+        )

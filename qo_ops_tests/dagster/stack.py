@@ -88,9 +88,15 @@ def start_code_server(
 
 @contextmanager
 def dagster_stack(
-    db, home: Path, *, read_only: bool = False, env: dict[str, str] | None = None
+    db,
+    home: Path,
+    *,
+    read_only: bool = False,
+    env: dict[str, str] | None = None,
+    daemon: bool = True,
 ) -> Iterator[tuple[DagsterGraphQLClient, dg.DagsterInstance, int]]:
-    """Start dagster-webserver and dagster-daemon for this test's database; stop them after."""
+    """Start dagster-webserver and dagster-daemon for this test's database; stop them after.
+    Without ``daemon``, a launched run stays queued: Dagster takes it, nothing executes it."""
     storage = db.target.dagster_storage_url()
     ensure_database(db.url, sa.engine.make_url(storage).database)
     shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
@@ -123,15 +129,18 @@ def dagster_stack(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         ),
-        subprocess.Popen(
-            [str(BIN / "dagster-daemon"), "run", "-w", str(workspace)],
-            cwd=REPO,
-            env=proc_env,
-            stdout=logs[1],
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        ),
     ]
+    if daemon:
+        procs.append(
+            subprocess.Popen(
+                [str(BIN / "dagster-daemon"), "run", "-w", str(workspace)],
+                cwd=REPO,
+                env=proc_env,
+                stdout=logs[1],
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     old_home = os.environ.get("DAGSTER_HOME")
     old_url = os.environ.get("QO_OPS_DAGSTER_STORAGE_URL")
     os.environ["DAGSTER_HOME"], os.environ["QO_OPS_DAGSTER_STORAGE_URL"] = str(home), storage
@@ -150,7 +159,7 @@ def dagster_stack(
             wait_for(
                 lambda: (
                     instance.daemon_heartbeats_healthy()
-                    if hasattr(instance, "daemon_heartbeats_healthy")
+                    if daemon and hasattr(instance, "daemon_heartbeats_healthy")
                     else True
                 ),
                 5,

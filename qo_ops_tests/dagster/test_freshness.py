@@ -20,6 +20,7 @@ from qo_ops.dagster_defs.freshness import (
     RECENT_SUCCESS_CHECK,
     RECENT_SUCCESS_JOB,
     build_recent_success_checks,
+    judge,
     recent_success_evaluation,
 )
 from qo_ops.dagster_defs.resources import QoOpsDatabase
@@ -30,6 +31,7 @@ from qo_ops.dagster_defs.sensors import (
     build_stale_success_sensor,
 )
 from qo_ops.jobs.catalog import CATALOG
+from qo_ops_tests.dagster.scale_fixtures import schedules_on_since
 
 TENANTS = 10_000
 SPECS = list(CATALOG.values())
@@ -119,13 +121,17 @@ def tenants_db(db):
             {"n": TENANTS},
         )
         planted = [f"{j} {t}" for j, t in PLANTED] + [f"{j} {NEW}" for j in UNRUN_BY_NEW]
+        planted.append("delivery_retry tenant-00042")  # its partial_success only (below)
         _seed_successes(conn, "SELECT id FROM tenant", planted)
         _run(conn, "quote_expiration", "tenant-00042", "success", "2 hours")
         _run(conn, "quote_expiration", "tenant-00042", "success", "1 minute", mode="dry_run")
         _run(conn, "quote_expiration", "tenant-07777", "failed", "10 minutes")
         _run(conn, "quote_expiration", "tenant-07777", "partial_success", "5 minutes")
         _run(conn, "read_model_repair", "tenant-09999", "success", "5 days")
+        # poison items fail on purpose: delivery_retry's partial_success keeps a tenant fresh
+        _run(conn, "delivery_retry", "tenant-00042", "partial_success", "1 minute")
         conn.execute(sa.text("ANALYZE tenant; ANALYZE job_run"))
+    schedules_on_since(db.engine)  # every job has been at work for 30 days
     return db
 
 
@@ -440,3 +446,25 @@ def test_dagster_records_a_runless_evaluation_of_a_partition_only_once(instance)
         instance.report_runless_asset_event(
             recent_success_evaluation(CATALOG["delivery_retry"], "tenant-00007", True)
         )
+
+
+def test_a_job_not_at_work_for_its_limit_judges_nobody_stale(tenants_db, instance):
+    """A fresh deployment: a job whose first run or tick is newer than its limit (here:
+    catalog_cache_refresh, which has never run and whose schedule first ticked a minute ago)
+    has no stale tenant, while the jobs at work for 30 days keep their planted ones."""
+    with tenants_db.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM job_run WHERE job_name = 'catalog_cache_refresh'"))
+        conn.execute(
+            sa.text(
+                "UPDATE job_schedule_tick SET scheduled_for = now() - interval '1 minute' "
+                "WHERE job_name = 'catalog_cache_refresh'"
+            )
+        )
+    ticks = Ticks(tenants_db, instance, launch=False)
+    asked = _requested(ticks.tick())
+    assert "catalog_cache_refresh" not in asked
+    assert {(j, t) for j, ts in asked.items() for t in ts} == PLANTED
+    with tenants_db.engine.connect() as conn:
+        [judged] = judge(conn, CATALOG["catalog_cache_refresh"], ["tenant-00001"])
+    assert judged.new and not judged.stale and judged.age_s is None
+    assert "not judged yet" in judged.describe()

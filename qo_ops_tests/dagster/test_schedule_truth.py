@@ -20,10 +20,10 @@ from qo_ops.metrics.exporter import JobCollector
 from qo_ops.metrics.feed import SETTLE_S
 from qo_ops.metrics.histograms import DRIFT_BUCKETS
 from qo_ops.platform import control, runs
-from qo_ops.platform.missed import tick_window_s
+from qo_ops.platform.missed import MISSED_REASONS, tick_window_s
 from qo_ops.platform.runner import run_job
 from qo_ops.platform.spec import RunOptions, Scope, cron_ticks
-from qo_ops_tests.dagster.test_sensors import schedule_tick
+from qo_ops_tests.dagster.test_sensors import _tenants_of, schedule_tick, submitted_run
 from qo_ops_tests.metrics.test_exporter import collect, collect_when, value
 
 JOB = "quote_expiration"
@@ -82,10 +82,90 @@ def _drifts(engine) -> list[tuple[str, str | None, float]]:
 
 
 def _missed(samples) -> dict[str, float]:
-    return {
+    """The job's missed runs by reason, the reasons that counted none left out."""
+    counted = {
         reason: value(samples, "job_missed_runs_total", job_name=JOB, reason=reason)
-        for reason in ("previous_run_active", "suspended", "daemon_down")
+        for reason in MISSED_REASONS
     }
+    return {reason: n for reason, n in counted.items() if n}
+
+
+def _recorded(engine) -> list[tuple[datetime, str, list[str]]]:
+    with engine.connect() as conn:
+        return [
+            tuple(r)  # type: ignore[misc]
+            for r in conn.execute(
+                sa.text(
+                    "SELECT scheduled_for, decision, tenants FROM job_schedule_tick "
+                    "WHERE job_name = :job ORDER BY scheduled_for, decision"
+                ),
+                {"job": JOB},
+            )
+        ]
+
+
+def test_a_run_still_queued_in_dagster_takes_its_scopes_off_the_next_ticks(defs, instance, loaded):
+    """A backlog must not feed itself: while a tick's run waits in Dagster's queue, the next
+    tick asks nothing for its tenants and records why; the exporter then counts the first
+    tick's runs as ``queued`` (asked for, never started) and the next as
+    ``previous_run_queued`` -- not ``daemon_down``, which only an unevaluated tick is."""
+    engine = loaded.engine
+    with engine.connect() as conn:
+        now = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+    cadence = timedelta(minutes=15)
+    t0 = cron_ticks(SPEC.cron_schedule, now, now + cadence)[0]  # after the tenants were made
+    t1, t2, t3 = t0 + cadence, t0 + 2 * cadence, t0 + 3 * cadence
+    window = timedelta(seconds=tick_window_s(SPEC) + SETTLE_S + 1)
+    frozen = {"now": t1 + window}
+    collector = JobCollector(engine, CATALOG.values(), clock=lambda: frozen["now"])
+    job = defs.resolve_job_def(JOB)
+
+    with freeze_time(t0):
+        first = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t0)
+    (request,) = first.run_requests  # both tenants, one chunk
+    # the daemon queues it; no run worker takes it (the queue is backed up)
+    queued = submitted_run(instance, job, request.run_config, request.tags, "RUN_ENQUEUED")
+    with freeze_time(t1):
+        second = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t1)
+    assert not second.run_requests
+    assert "every tenant is still queued (2) or active (0)" in second.skip_message
+    both = ["tenant-001", "tenant-002"]
+    assert _recorded(engine) == [
+        (t0, "evaluated", []),
+        (t1, "evaluated", []),
+        (t1, "previous_run_queued", both),
+    ]
+    assert _missed(collect(collector)) == {"queued": 2, "previous_run_queued": 2}
+
+    # tenant-001 gets a run that starts (a person's, say): at t2 it is active, tenant-002
+    # still waits behind the queued run
+    started = submitted_run(
+        instance,
+        job,
+        {"ops": {f"{JOB}_op": {"config": {"mode": "dry_run", "tenants": both[:1]}}}},
+        {},
+        "RUN_START",
+    )
+    with freeze_time(t2):
+        third = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t2)
+    assert not third.run_requests
+    assert _recorded(engine)[-2:] == [
+        (t2, "previous_run_active", ["tenant-001"]),
+        (t2, "previous_run_queued", ["tenant-002"]),
+    ]
+    frozen["now"] = t2 + window
+    assert _missed(collect(collector)) == {
+        "queued": 2,
+        "previous_run_queued": 3,
+        "previous_run_active": 1,
+    }
+
+    # the queue drains (the run is cancelled, the other ends): the next tick asks again
+    for run in (queued, started):
+        instance.report_run_canceled(run)
+    with freeze_time(t3):
+        fourth = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t3)
+    assert [_tenants_of(r) for r in fourth.run_requests] == [both]
 
 
 def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loaded):
@@ -145,7 +225,7 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
             with freeze_time(t1):
                 second = schedule_tick(defs, instance, loaded, f"{JOB}_schedule", t1)
             assert not second.run_requests
-            assert "previous run still active for every tenant" in second.skip_message
+            assert "every tenant is still queued (0) or active (1)" in second.skip_message
 
             # judged after t1's window, the run still active and the tenant still suspended:
             # t0 ran for both tenants, t1 missed once for each reason
@@ -153,7 +233,7 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
             samples = collect_when(  # both t0 runs counted (runs settle for SETTLE_S first)
                 collector, lambda s: s.get(drift_count, 0) >= 2
             )
-            assert _missed(samples) == {"previous_run_active": 1, "suspended": 1, "daemon_down": 0}
+            assert _missed(samples) == {"previous_run_active": 1, "suspended": 1}
             drifts = [d for _, _, d in _drifts(engine)]
             assert len(drifts) == 2 and all(0 <= d < cadence.total_seconds() for d in drifts)
             assert value(samples, "job_scheduler_drift_seconds_count", job_name=JOB) == 2

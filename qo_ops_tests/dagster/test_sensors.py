@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 
 import dagster as dg
 import sqlalchemy as sa
 from dagster._core.definitions.partitions.context import partition_loading_context
+from dagster._core.events import DagsterEvent, DagsterEventType
+from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteRepositoryOrigin
 
 from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_JOB
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.sensors import STALE_TAG
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.partition_keys import SCOPE_TAG, TENANTS_TAG
+from qo_ops_tests.dagster.scale_fixtures import schedules_on_since
 
 
 def _database(loaded) -> QoOpsDatabase:
@@ -69,6 +73,29 @@ def test_backlog_sensor_launches_only_past_the_threshold_and_rotates_its_cursor(
         resources={"database": _database(loaded)},
         definitions=defs,
     )
+    # a run of tenant-002 still waits in Dagster's queue: that run takes this backlog too
+    queued = submitted_run(
+        instance,
+        defs.resolve_job_def("quote_expiration"),
+        {
+            "ops": {
+                "quote_expiration_op": {"config": {"mode": "execute", "tenants": ["tenant-002"]}}
+            }
+        },
+        {},
+        "RUN_ENQUEUED",
+    )
+    with partition_loading_context(dynamic_partitions_store=instance):
+        waiting = sensor.evaluate_tick(context)
+    assert not waiting.run_requests
+    assert "a run is already queued or running for: tenant-002" in waiting.skip_message
+    instance.report_run_canceled(queued)  # the queue drained: now it is asked for
+    context = dg.build_sensor_context(
+        instance=instance,
+        cursor=quiet.cursor,
+        resources={"database": _database(loaded)},
+        definitions=defs,
+    )
     with partition_loading_context(dynamic_partitions_store=instance):  # as the daemon provides
         busy = sensor.evaluate_tick(context)
     # one chunk run naming the tenants past the threshold (not a partition per tenant)
@@ -100,6 +127,13 @@ def test_stale_success_sensor_names_jobs_without_a_recent_success(defs, loaded, 
         )
         return sensor.evaluate_tick(context)
 
+    fresh_deployment = tick()  # no job has run, no schedule has ticked: nobody judged yet
+    assert not fresh_deployment.run_requests
+    assert "no stale tenant" in fresh_deployment.skip_message
+    assert "not judged yet, not at work that long: quote_expiration," in (
+        fresh_deployment.skip_message
+    )
+    schedules_on_since(loaded.engine)  # the schedules have been on for 30 days
     first = tick()  # every job/tenant is stale: a run to mark them on their partitions
     (request,) = first.run_requests
     assert request.tags[STALE_TAG].startswith(f"STALE: {2 * len(CATALOG)} job scope(s) — ")
@@ -149,6 +183,20 @@ def schedule_tick(defs, instance, loaded, schedule_name: str, when: datetime):
         partition_loading_context(dynamic_partitions_store=instance),
     ):
         return defs.resolve_schedule_def(schedule_name).evaluate_tick(context)
+
+
+def submitted_run(instance, job, run_config, tags, event: str) -> dg.DagsterRun:
+    """A run of ``job`` as the daemon leaves it: created, then moved on by ``event`` --
+    ``RUN_ENQUEUED`` (the run coordinator queued it) or ``RUN_START`` (a run worker started
+    it) -- and no further. Queued runs name their code location, as workspace.yaml does."""
+    location = RegisteredCodeLocationOrigin("qo_ops.definitions")
+    origin = RemoteRepositoryOrigin(location, "__repository__").get_job_origin(job.name)
+    run = instance.create_run_for_job(
+        job, run_config=run_config, tags=tags, remote_job_origin=origin
+    )
+    kind = DagsterEventType[event].value
+    instance.report_dagster_event(DagsterEvent(kind, job_name=run.job_name), run_id=run.run_id)
+    return instance.get_run_by_id(run.run_id)
 
 
 def _tenants_of(request: dg.RunRequest, job: str = "quote_expiration") -> list[str]:
@@ -250,3 +298,47 @@ def test_run_failure_recorder_puts_the_failure_on_record(defs, loaded, instance)
     # the cause, in the runner's own words, not Dagster's "Steps failed: [...]"
     assert "needs a reason" in row.details["message"], row.details
     assert "Steps failed" not in row.details["message"] and "\n" not in row.details["message"]
+
+
+def test_the_exporters_queue_figures_are_the_instances_queued_runs(defs, loaded, instance):
+    """run_queue_sensor samples Dagster's run queue per job; the exporter serves it: the depth
+    is each job's QUEUED runs in the instance (a started run is not queued), the oldest age
+    that of its first queued run, and both fall to 0 once the queue drains."""
+    from qo_ops.metrics.exporter import JobCollector
+    from qo_ops_tests.metrics.test_exporter import collect, value
+
+    def run_of(job: str, event: str) -> dg.DagsterRun:
+        config = {"ops": {f"{job}_op": {"config": {"mode": "dry_run", "tenants": ["tenant-001"]}}}}
+        return submitted_run(instance, defs.resolve_job_def(job), config, {}, event)
+
+    queued = [run_of("quote_expiration", "RUN_ENQUEUED")]
+    time.sleep(3)  # the second is 3 s younger: the oldest age must be the first's
+    queued += [run_of("quote_expiration", "RUN_ENQUEUED"), run_of("delivery_retry", "RUN_ENQUEUED")]
+    started = run_of("quote_expiration", "RUN_START")
+    sensor = defs.resolve_sensor_def("run_queue_sensor")
+    context = dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
+    said = sensor.evaluate_tick(context).skip_message
+    assert said == "queued runs: delivery_retry 1, quote_expiration 2"
+    collector = JobCollector(loaded.engine, CATALOG.values())
+    samples = collect(collector)
+    with loaded.engine.connect() as conn:
+        now = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+    for job in CATALOG:
+        in_queue = instance.get_runs_count(
+            dg.RunsFilter(job_name=job, statuses=[dg.DagsterRunStatus.QUEUED])
+        )
+        assert value(samples, "job_run_queue_depth", job_name=job) == in_queue
+    assert value(samples, "job_run_queue_depth", job_name="quote_expiration") == 2
+    first = instance.get_run_record_by_id(queued[0].run_id).create_timestamp
+    age = (now - (first if first.tzinfo else first.replace(tzinfo=UTC))).total_seconds()
+    oldest = value(samples, "job_run_queue_oldest_seconds", job_name="quote_expiration")
+    assert age - 2 <= oldest <= age + 0.01  # the first queued run's age (read just before)
+    assert value(samples, "job_run_queue_oldest_seconds", job_name="order_reconciliation") == 0
+
+    for run in (*queued, started):  # the queue drains
+        instance.report_run_canceled(run)
+    assert sensor.evaluate_tick(context).skip_message == "no run is queued"
+    drained = collect(collector)
+    assert all(value(drained, "job_run_queue_depth", job_name=job) == 0 for job in CATALOG)
+    assert value(drained, "job_run_queue_oldest_seconds", job_name="quote_expiration") == 0
+    assert value(drained, "job_run_queue_sample_age_seconds") < 60

@@ -14,6 +14,8 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import metadata
 from qo_ops.demo.data import DemoDataExists, demo_object, load_demo_data
 from qo_ops.demo.rules import DemoPlan
+from qo_ops.downstream.client import DownstreamClient
+from qo_ops.downstream.local import seed_from_demo, simulator_process
 from qo_ops_tests.conftest import base_env, run_cli
 
 AS_OF = datetime(2026, 3, 1, 6, 0, tzinfo=UTC)
@@ -263,3 +265,42 @@ def test_a_load_failing_midway_leaves_nothing_behind(cli, db, home):
     assert tuple(counts) == (0, 0, 0, 1)
     assert (home / "objects" / "tmp" / "tenant-001").is_dir()  # the writer had started
     assert stored(home) == {}
+
+
+def _orders(db) -> dict[str, str]:
+    with db.engine.connect() as conn:
+        return dict(
+            conn.execute(sa.text("SELECT order_number, tenant_id FROM downstream_order")).all()
+        )
+
+
+def test_a_reset_gives_the_running_local_simulator_the_new_demos_orders_and_only_those(
+    cli, db, home
+):
+    """The local simulator (`qo-ops dev`'s, on QO_OPS_HOME's store) is the demo's fulfilment
+    system: a reset replaces its orders with the new demo's, whether it runs or not."""
+    first = cli("demo-data", "--tenants", "3", "--quotes", "300", "--seed", "3")
+    assert first.code == 0, first.stderr
+    old = _orders(db)
+    with simulator_process(home / "downstream.sqlite3") as sim, DownstreamClient(sim.url) as client:
+        assert seed_from_demo(db.engine, sim.url) == len(old) > 0  # as qo-ops dev seeds it
+        reset = cli(
+            "demo-data", "--tenants", "1", "--quotes", "200", "--seed", "4", "--reset", "--json"
+        )
+        assert reset.code == 0, reset.stderr
+        new = _orders(db)
+        assert set(new.values()) == {"tenant-001"} and set(new) != set(old)
+        said = json.loads(reset.stdout)["downstream"]
+        assert (
+            said == f"downstream simulator at {sim.url} reset and seeded with {len(new):,} orders"
+        )
+        assert client.stats(detail=False)["orders"] == len(new)
+        assert all(client.get_order(n) is None for n in set(old) - set(new))
+        assert all(client.get_order(n).tenant_id == t for n, t in new.items())  # type: ignore[union-attr]
+
+    # stopped: its store is emptied, and the next start seeds it from the demo
+    again = cli("demo-data", "--tenants", "2", "--quotes", "200", "--reset")
+    assert again.code == 0, again.stderr
+    assert "emptied: seeded when it next starts" in again.stdout
+    with simulator_process(home / "downstream.sqlite3") as sim, DownstreamClient(sim.url) as client:
+        assert client.stats(detail=False)["orders"] == 0

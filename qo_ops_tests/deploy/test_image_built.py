@@ -16,6 +16,9 @@ import pytest
 from qo_ops_tests.deploy.cluster.containers import PODMAN_ALONE, Image, remove_containers
 from qo_ops_tests.deploy.files import dockerfile
 
+# one worker builds the image once for both image test files (make test runs pytest-xdist)
+pytestmark = pytest.mark.xdist_group("image")
+
 PRUNED = ("pandas/tests", "numpy/_core/tests", "pyarrow/tests", "pyarrow/include")
 DEV_ONLY = ("pytest", "ruff", "mypy", "hypothesis", "kmock", "playwright", "kubernetes_validate")
 # pgserver: the embedded PostgreSQL, which a pod must never start in place of its database;

@@ -55,6 +55,9 @@ from qo_ops_tests.deploy.files import (
     values,
 )
 
+# one worker builds the image once for both image test files (make test runs pytest-xdist)
+pytestmark = pytest.mark.xdist_group("image")
+
 NAMESPACE = "qo-ops"
 LOCATION = "qo-ops"  # the chart's deployment name, the operator API's QO_OPS_DAGSTER_LOCATION
 JOB = "quote_expiration"

@@ -473,7 +473,7 @@ def test_reconciliation_reports_repairs_and_explains_every_mismatch(
     )
     job = {"job_name": "order_reconciliation"}
     assert value(samples, "job_checkpoint_updates_total", **job) == done.batches
-    assert value(samples, "job_checkpoint_resets_total", **job) == 1
+    assert value(samples, "job_checkpoint_resets_total", **job, reason="rescan_complete") == 1
     resubmitted = {**job, "side_effect": "order_resubmit_requested_event", "result": "success"}
     assert value(samples, "job_side_effects_total", **resubmitted) == 1
 

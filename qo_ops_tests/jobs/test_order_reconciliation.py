@@ -5,7 +5,7 @@ An order the downstream misses is re-submitted once (n = 1); reruns over unchang
 add nothing; it is re-submitted again (n + 1) only after re-submission n was delivered and
 the downstream still misses the order past QO_OPS_RESUBMIT_GRACE_MINUTES; after
 QO_OPS_RESUBMIT_MAX it goes to manual review. A dead-lettered delivery item is never put
-back by the job: the order is flagged and the operator is told to use `qo-ops requeue`.
+back by the job: the order is flagged and the operator is told to use `qo-ops review resolve`.
 Bad budget settings are one line, exit 2, and nothing written.
 """
 
@@ -306,7 +306,11 @@ def test_a_dead_lettered_item_is_flagged_never_requeued(world):
     assert needs_review(db, dead)
     found = result(db, run, number)
     assert (found.action, found.outcome) == ("manual_review", "dead_letter_flagged")
-    assert f"qo-ops requeue delivery_retry --tenant {TENANT} --item {before.id}" in found.detail
+    assert f"delivery item {before.id} is dead-lettered" in found.detail
+    assert (
+        f"qo-ops review resolve order_reconciliation {number} --tenant {TENANT} --action resubmit"
+        in found.detail
+    )
     assert run.tally["action_dead_letter_flagged"] == 1
     assert dead not in resubmit_events(db) and budget_rows(db, dead) == []
     # the other missing orders were re-submitted as usual

@@ -43,6 +43,7 @@ ALERTS = {
     "QoOpsJobLeaseTakeover",
     "QoOpsJobAnomalyStop",
     "QoOpsJobMissedRuns",
+    "QoOpsJobRunQueueNotDraining",
     "QoOpsJobSuspendedTooLong",
     "QoOpsJobRetryPressureHigh",
     "QoOpsJobSchedulerDriftHigh",

@@ -13,12 +13,13 @@ import sqlalchemy as sa
 
 from qo_ops.db.schema import delivery_attempt_item
 from qo_ops.demo.data import load_demo_data
+from qo_ops.jobs.delivery_retry import SPEC as DELIVERY_RETRY
+from qo_ops.platform import recovery
 from qo_ops.platform.retry import (
     ErrorClass,
     RetryPolicy,
     classify_exception,
     classify_http_status,
-    requeue_dead_letters,
 )
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
@@ -248,6 +249,24 @@ def _dead_letters(engine: sa.Engine, tenant: str) -> list[uuid.UUID]:
         )
 
 
+def requeue_dead_letters(
+    engine: sa.Engine,
+    *,
+    tenant_id: str,
+    requester: str,
+    reason: str,
+    item_ids: list[uuid.UUID] | None = None,
+    limit: int = 1000,
+) -> int:
+    """delivery_retry's dead letters requeued the way ``qo-ops requeue`` does: how many moved."""
+    return recovery.requeue(
+        engine,
+        DELIVERY_RETRY,
+        recovery.Who(requester, reason),
+        recovery.DeadLetters(tenant_id, item_ids, limit),
+    ).changed
+
+
 def _audit_rows(engine: sa.Engine) -> list[sa.Row]:
     with engine.connect() as conn:
         return conn.execute(sa.text("SELECT * FROM job_audit ORDER BY id")).all()
@@ -378,6 +397,7 @@ def test_requeue_cli_moves_dead_letters_and_audits_requester_and_reason(dead, cl
 
     result = cli(
         "requeue",
+        "delivery_retry",
         "--tenant",
         TENANT,
         "--reason",
@@ -390,7 +410,7 @@ def test_requeue_cli_moves_dead_letters_and_audits_requester_and_reason(dead, cl
     )
 
     assert result.code == 0, result.stderr
-    assert f"requeued 3 dead-lettered item(s) of {TENANT}" in result.stdout
+    assert f"requeued 3 dead-lettered delivery item(s) of {TENANT}" in result.stdout
     after = _items(db.engine)
     assert _changed(before, after) == set(per_tenant[TENANT][:3])
     _assert_requeued(after, set(per_tenant[TENANT][:3]))
@@ -412,6 +432,7 @@ def test_requeue_cli_by_item_and_a_second_call_moves_nothing(dead, cli):
 
     first = cli(
         "requeue",
+        "delivery_retry",
         "--tenant",
         TENANT,
         "--reason",
@@ -422,12 +443,13 @@ def test_requeue_cli_by_item_and_a_second_call_moves_nothing(dead, cli):
         str(item),
     )
     assert first.code == 0, first.stderr
-    assert f"requeued 1 dead-lettered item(s) of {TENANT}" in first.stdout
+    assert f"requeued 1 dead-lettered delivery item(s) of {TENANT}" in first.stdout
     assert item not in _dead_letters(db.engine, TENANT)
     before = _items(db.engine)
 
     second = cli(
         "requeue",
+        "delivery_retry",
         "--tenant",
         TENANT,
         "--reason",
@@ -438,7 +460,7 @@ def test_requeue_cli_by_item_and_a_second_call_moves_nothing(dead, cli):
         str(item),
     )
     assert second.code == 0, second.stderr
-    assert f"requeued 0 dead-lettered item(s) of {TENANT}" in second.stdout
+    assert f"requeued 0 dead-lettered delivery item(s) of {TENANT}" in second.stdout
     assert _items(db.engine) == before
     audit = [r for r in _audit_rows(db.engine) if r.action == "requeue"]
     assert [(r.actor, r.decision) for r in audit] == [
@@ -459,7 +481,7 @@ def test_requeue_cli_by_item_and_a_second_call_moves_nothing(dead, cli):
 def test_requeue_cli_rejects_bad_input_and_changes_nothing(dead, cli, args):
     db, _ = dead
     before, audit_before = _items(db.engine), _audit_rows(db.engine)
-    result = cli("requeue", *args)
+    result = cli("requeue", "delivery_retry", *args)
     assert result.code == 2
     assert result.stderr.startswith("qo-ops: error:")
     assert "Traceback" not in result.stderr

@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse
 
 from qo_ops.api import authz, service
 from qo_ops.api.deps import Api, Auditor, Caller, Run
-from qo_ops.api.errors import ERRORS, ApiError
+from qo_ops.api.errors import WITH_BODY, ApiError, refusals
 from qo_ops.api.launch import launch
-from qo_ops.api.models import Accepted, ReasonBody, accepted
+from qo_ops.api.models import ACCEPTED_HEADERS, Accepted, ReasonBody, accepted
 from qo_ops.platform.spec import Scope, tenant_of
 
 router = APIRouter()
@@ -22,7 +22,7 @@ router = APIRouter()
     "/internal/jobs/{jobName}/runs/{runId}/approve",
     status_code=202,
     response_model=Accepted,
-    responses=ERRORS,
+    responses=refusals(*WITH_BODY, 403, 404, 409) | {202: {"headers": ACCEPTED_HEADERS}},
     summary="Approve a held destructive run as a second identity (it then launches)",
 )
 def approve_run(

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body
 
 from qo_ops.api import authz, service
 from qo_ops.api.deps import Api, ApiState, Audit, Auditor, Caller, Job
-from qo_ops.api.errors import ERRORS, ApiError
+from qo_ops.api.errors import WITH_BODY, ApiError, refusals
 from qo_ops.api.models import ControlBody, jsonable
 from qo_ops.api.tokens import Principal
 from qo_ops.jobs.catalog import CATALOG
@@ -21,7 +21,7 @@ router = APIRouter()
 
 @router.post(
     "/internal/jobs/{jobName}/suspend",
-    responses=ERRORS,
+    responses=refusals(*WITH_BODY, 403, 404),
     summary="Kill switch: suspend a job for a tenant or every scope (approver; audited)",
 )
 def suspend_job(
@@ -40,7 +40,7 @@ def suspend_job(
 
 @router.post(
     "/internal/jobs/{jobName}/resume",
-    responses=ERRORS,
+    responses=refusals(*WITH_BODY, 403, 404),
     summary="Lift a suspension made by suspend (approver; audited)",
 )
 def resume_job(

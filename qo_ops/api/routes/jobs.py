@@ -7,10 +7,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from qo_ops.api import authz
 from qo_ops.api.deps import Api, Auditor, Caller, Job
-from qo_ops.api.errors import ERRORS
-from qo_ops.api.models import jsonable
+from qo_ops.api.errors import refusals
+from qo_ops.api.models import EXAMPLE_TENANT, jsonable
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform import control
 from qo_ops.platform.spec import TENANT_ID
@@ -19,7 +18,7 @@ from qo_ops.platform.status import job_status
 router = APIRouter()
 
 
-@router.get("/internal/jobs", responses=ERRORS, summary="The job catalog")
+@router.get("/internal/jobs", responses=refusals(), summary="The job catalog")
 def list_jobs() -> dict[str, Any]:
     return {
         "jobs": [
@@ -37,7 +36,7 @@ def list_jobs() -> dict[str, Any]:
 
 @router.get(
     "/internal/jobs/{jobName}/status",
-    responses=ERRORS,
+    responses=refusals(403, 404, 422),
     summary="Per scope: last run, last success, lease holder, backlog, checkpoint age",
 )
 def status(
@@ -45,12 +44,11 @@ def status(
     p: Caller,
     api: Api,
     audit: Auditor,
-    tenant: Annotated[str | None, Query(pattern=TENANT_ID.pattern)] = None,
+    tenant: Annotated[
+        str | None, Query(pattern=TENANT_ID.pattern, examples=[EXAMPLE_TENANT])
+    ] = None,
 ) -> dict[str, Any]:
-    wanted = tenant or p.tenant_id
-    decision = authz.may_read(p, wanted)
-    if not decision.allowed:
-        raise audit.deny(p, "read", decision.reason, job_name=spec.name)
+    wanted = audit.readable(p, spec.name, tenant)
     rows = job_status(api.engine, spec, wanted)
     with api.engine.connect() as conn:
         held = control.suspensions(conn, spec.name, wanted)

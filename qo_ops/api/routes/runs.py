@@ -13,9 +13,17 @@ from fastapi.responses import JSONResponse
 from qo_ops.api import authz, service
 from qo_ops.api.dagster import DagsterClient, DagsterUnavailable
 from qo_ops.api.deps import Api, Auditor, Caller, Job, Run
-from qo_ops.api.errors import ERRORS, ApiError
+from qo_ops.api.errors import WITH_BODY, ApiError, refusals
 from qo_ops.api.launch import launch, stale_reason
-from qo_ops.api.models import SAFE_ID, Accepted, ReasonBody, RunRequestBody, accepted, jsonable
+from qo_ops.api.models import (
+    ACCEPTED_HEADERS,
+    SAFE_ID,
+    Accepted,
+    ReasonBody,
+    RunRequestBody,
+    accepted,
+    jsonable,
+)
 from qo_ops.errors import BadInput
 from qo_ops.platform import control
 from qo_ops.platform.manners import DownstreamCalls
@@ -24,6 +32,21 @@ from qo_ops.platform.spec import FIRST_DAY, LAST_DAY, JobSpec, Scope, tenant_of
 
 MAX_WINDOW_DAYS = 366
 
+# What a client can do next with the run a 202 names (OpenAPI links: a client, or a fuzzer's
+# stateful phase, follows them from the answer to the run it created).
+RUN_LINKS = {
+    name: {
+        "operationId": operation,
+        "parameters": {"jobName": "$request.path.jobName", "runId": "$response.body#/jobRunId"},
+        "description": description,
+    }
+    for name, operation, description in (
+        ("GetRun", "get_run", "The run just accepted."),
+        ("CancelRun", "cancel_run", "Cancel the run just accepted."),
+        ("ApproveRun", "approve_run", "Approve the run just accepted, if it is held."),
+    )
+}
+
 router = APIRouter()
 
 
@@ -31,7 +54,8 @@ router = APIRouter()
     "/internal/jobs/{jobName}/runs",
     status_code=202,
     response_model=Accepted,
-    responses=ERRORS,
+    responses=refusals(*WITH_BODY, 403, 404, 409, 423)
+    | {202: {"headers": ACCEPTED_HEADERS, "links": RUN_LINKS}},
     summary="Request a run (returns at once; Dagster executes it)",
 )
 def submit_run(
@@ -83,7 +107,7 @@ def submit_run(
 
 @router.get(
     "/internal/jobs/{jobName}/runs/{runId}",
-    responses=ERRORS,
+    responses=refusals(403, 404, 422),
     summary="A run: status, counters, its calls to the downstream, Dagster run and link",
 )
 def get_run(run: Run, p: Caller, api: Api, audit: Auditor) -> dict[str, Any]:
@@ -97,7 +121,7 @@ def get_run(run: Run, p: Caller, api: Api, audit: Auditor) -> dict[str, Any]:
 @router.post(
     "/internal/jobs/{jobName}/runs/{runId}/cancel",
     status_code=202,
-    responses=ERRORS,
+    responses=refusals(*WITH_BODY, 403, 404, 409),
     summary="Cancel a run (it stops at its next batch boundary; audited)",
 )
 def cancel_run(

@@ -119,6 +119,13 @@ customer_order = sa.Table(
     # order_reconciliation: orders of a tenant submitted in a window, by stable cursor
     sa.Index("ix_customer_order_tenant_submitted", "tenant_id", "submitted_at", "id"),
     sa.Index("ix_customer_order_tenant_id", "tenant_id", "id"),
+    # the manual-review queue (qo-ops review list): the few flagged orders, per tenant
+    sa.Index(
+        "ix_customer_order_needs_review",
+        "tenant_id",
+        "id",
+        postgresql_where=sa.text("needs_manual_review"),
+    ),
 )
 
 # The fulfilment system's own store, served by the downstream simulator over HTTP.

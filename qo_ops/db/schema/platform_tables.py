@@ -267,6 +267,34 @@ api_idempotency = sa.Table(
     sa.Index("ix_api_idempotency_created", "created_at"),
 )
 
+# What a job's schedule decided at a tick (migration 0015), so that a missed run says why
+# (qo_ops/platform/missed.py): ``evaluated`` (no tenants) records that the tick was
+# evaluated at all; ``previous_run_queued`` and ``previous_run_active`` name the tenants it
+# asked nothing for because a run of their scope was still queued or running in Dagster.
+# A row per (job, tick, decision); the schedule prunes its rows older than two days.
+TICK_DECISIONS = ("evaluated", "previous_run_queued", "previous_run_active")
+job_schedule_tick = sa.Table(
+    "job_schedule_tick",
+    metadata,
+    sa.Column("job_name", sa.Text, primary_key=True),
+    sa.Column("scheduled_for", TS, primary_key=True),
+    sa.Column("decision", sa.Text, primary_key=True),
+    sa.Column("tenants", sa.ARRAY(sa.Text), nullable=False, server_default="{}"),
+    sa.Column("recorded_at", TS, nullable=False, server_default=NOW),
+    status_check("decision", TICK_DECISIONS),
+)
+
+# Dagster's run queue per job, as the run_queue_sensor last sampled it from the instance's
+# run storage (migration 0015): the exporter's job_run_queue_depth and _oldest_seconds.
+job_run_queue = sa.Table(
+    "job_run_queue",
+    metadata,
+    sa.Column("job_name", sa.Text, primary_key=True),
+    sa.Column("depth", sa.Integer, nullable=False),
+    sa.Column("oldest_queued_at", TS),
+    sa.Column("sampled_at", TS, nullable=False, server_default=NOW),
+)
+
 PLATFORM_TABLES = (
     job_lease,
     job_run,
@@ -277,4 +305,6 @@ PLATFORM_TABLES = (
     api_idempotency,
     job_control,
     downstream_breaker,
+    job_schedule_tick,
+    job_run_queue,
 )

@@ -120,4 +120,16 @@ def serve(host: str, port: int, store_path: Path, faults: Faults) -> None:
         proxy_headers=False,  # one middleware less per request; nothing stands in front
         timeout_graceful_shutdown=1,
     )
-    uvicorn.Server(config).run()
+    # where it answers, for `qo-ops demo-data --reset` (qo_ops.downstream.local): removed at
+    # exit; left behind by a SIGKILL, it names a port nobody answers on (checked there)
+    url_file = served_url_file(store_path)
+    url_file.write_text(f"http://{host}:{port}\n")
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        url_file.unlink(missing_ok=True)
+
+
+def served_url_file(store_path: Path) -> Path:
+    """The file naming the URL of the simulator serving ``store_path`` while it runs."""
+    return store_path.with_name(store_path.name + ".url")
