@@ -55,7 +55,15 @@ import httpx
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from bench.common import REPO, engine_for, fresh_database, print_table, settle, stopwatch
+from bench.common import (
+    REPO,
+    engine_for,
+    fresh_database,
+    percentile,
+    print_table,
+    settle,
+    stopwatch,
+)
 from qo_ops.downstream.calls import CallSettings
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.downstream.local import SimulatorProcess, simulator_process
@@ -394,11 +402,6 @@ class _TimedClient(DownstreamClient):
             self.call_ms.append((time.perf_counter() - started) * 1000)
 
 
-def _pct(values: Sequence[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * share))] if ordered else 0.0
-
-
 def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
     """One run in this process (a fresh one: see ``instrumented_run``), the job's own
     functions wrapped with timers.
@@ -494,9 +497,9 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
         "start_to_first_call_s": before_first,
         "outside_batches_s": seconds - (batches[-1]["calls_end"] - batches[0]["select"]),
         "call_ms": {
-            "p50": _pct(client.call_ms, 0.5),
-            "p90": _pct(client.call_ms, 0.9),
-            "p99": _pct(client.call_ms, 0.99),
+            "p50": percentile(client.call_ms, 0.5),
+            "p90": percentile(client.call_ms, 0.9),
+            "p99": percentile(client.call_ms, 0.99),
             "max": max(client.call_ms),
         },
     }

@@ -5,13 +5,15 @@ from __future__ import annotations
 import compileall
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
@@ -167,3 +169,22 @@ def measure_command(cmd: list[str], env: dict[str, str]) -> dict[str, object]:
             [sys.executable, "-c", RSS_HELPER, json.dumps(cmd), str(result)], env=env, check=True
         )
         return dict(json.loads(result.read_text()))
+
+
+def percentile(values: Sequence[float], share: float) -> float:
+    """The value below which ``share`` of ``values`` lie (nearest rank; 0.0 for none)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * share))] if ordered else 0.0
+
+
+def stop_group(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
+    """SIGTERM to the process group ``proc`` leads (started with ``start_new_session``),
+    then SIGKILL if it has not exited within ``grace_s``."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

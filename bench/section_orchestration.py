@@ -365,8 +365,15 @@ mutation($id: String) { stopRunningSchedule(id: $id) { __typename
 
 
 @contextmanager
-def deployment(url: URL, home: Path, env: dict[str, str]) -> Iterator[Deployment]:
-    """A code server, dagster-webserver, then (the tenants sensor stopped) dagster-daemon,
+def deployment(
+    url: URL,
+    home: Path,
+    env: dict[str, str],
+    module: str = LOCATION,
+    stop_tenants_sensor: bool = True,
+) -> Iterator[Deployment]:
+    """A code server (of ``module``, under the location name qo_ops.definitions),
+    dagster-webserver, then (the tenants sensor stopped, unless told otherwise) dagster-daemon,
     on loopback over PostgreSQL storage next to ``url``; every process group stopped in every
     case."""
     import dagster as dg
@@ -418,7 +425,7 @@ def deployment(url: URL, home: Path, env: dict[str, str]) -> Iterator[Deployment
             )
 
     try:
-        code, workspace = start_code_server(home, proc_env, logs[2])
+        code, workspace = start_code_server(home, proc_env, logs[2], module=module)
         procs.append(code)
         start(
             [str(BIN / "dagster-webserver"), "-w", str(workspace), "-h", "127.0.0.1"]
@@ -439,15 +446,16 @@ def deployment(url: URL, home: Path, env: dict[str, str]) -> Iterator[Deployment
         _wait(webserver_up, 180, "the webserver")
         with dg.DagsterInstance.get() as instance:
             d = Deployment(port, instance, storage, home)
-            selector = {
-                "repositoryLocationName": LOCATION,
-                "repositoryName": REPOSITORY,
-                "sensorName": "tenants_sensor",
-            }
-            sensor = d.graphql(SENSOR_ID, {"s": selector})["sensorOrError"]
-            stopped = d.graphql(STOP_SENSOR, {"id": sensor["id"]})["stopSensor"]
-            if stopped["__typename"] != "StopSensorMutationResult":
-                raise RuntimeError(f"stopSensor: {stopped}")
+            if stop_tenants_sensor:
+                selector = {
+                    "repositoryLocationName": LOCATION,
+                    "repositoryName": REPOSITORY,
+                    "sensorName": "tenants_sensor",
+                }
+                sensor = d.graphql(SENSOR_ID, {"s": selector})["sensorOrError"]
+                stopped = d.graphql(STOP_SENSOR, {"id": sensor["id"]})["stopSensor"]
+                if stopped["__typename"] != "StopSensorMutationResult":
+                    raise RuntimeError(f"stopSensor: {stopped}")
             start([str(BIN / "dagster-daemon"), "run", "-w", str(workspace)], logs[1])
 
             def daemon_up() -> bool:

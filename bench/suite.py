@@ -1,7 +1,7 @@
 """The benchmark suite: one table of figures, each against its limit measured in the same run
 on the same machine, written to BENCHMARKS.md.
 
-    python -m bench.suite                 # default sizes (make bench): ~20 minutes
+    python -m bench.suite                 # default sizes (make bench): ~33 minutes (the soak ~12)
     python -m bench.suite --profile full  # the published sizes (1,000,000 rows, 10,000,000 big)
     python -m bench.suite --profile quick # seconds: a smoke check (make test), no figures kept
     python -m bench.suite --only jobs,partitions
@@ -35,7 +35,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-SECTIONS = ("jobs", "partitions", "orchestration", "big_tables", "dry_run", "downstream")
+SECTIONS = ("jobs", "partitions", "orchestration", "big_tables", "dry_run", "downstream", "soak")
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,11 @@ class Profile:
     big_rows: int  # rows in the largest tables for sensors and the exporter (section 6)
     dry_run_rows: int  # eligible rows to count (section 7)
     downstream_items: int  # due items per downstream job run (section 8)
+    # the soak: tenants of demo data, tenants per run (small: more runs than the deployment
+    # starts), and how long every schedule and sensor runs (the downstream out for a third)
+    soak_tenants: int
+    soak_tenants_per_run: int
+    soak_s: int
 
 
 PROFILES = {
@@ -75,6 +80,9 @@ PROFILES = {
         big_rows=20_000,
         dry_run_rows=2_000,
         downstream_items=1_000,
+        soak_tenants=3,
+        soak_tenants_per_run=1,
+        soak_s=150,
     ),  # fmt: skip
     "default": Profile(
         "default",
@@ -90,6 +98,9 @@ PROFILES = {
         big_rows=2_000_000,
         dry_run_rows=1_000_000,
         downstream_items=20_000,
+        soak_tenants=30,
+        soak_tenants_per_run=5,
+        soak_s=540,
     ),  # fmt: skip
     "full": Profile(
         "full",
@@ -105,6 +116,9 @@ PROFILES = {
         big_rows=10_000_000,
         dry_run_rows=1_000_000,
         downstream_items=50_000,
+        soak_tenants=30,
+        soak_tenants_per_run=5,
+        soak_s=1_200,
     ),  # fmt: skip
 }
 

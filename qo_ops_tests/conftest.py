@@ -155,8 +155,14 @@ def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> CliRe
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    """The process environment without qo-ops settings, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QO_OPS_")}
+    """The process environment without qo-ops settings, plus ``extra``. The terminal's
+    size is left out too (COLUMNS, LINES: pytest-xdist's workers get the size of the
+    terminal, or 80 columns without one), so that a table's notes are cut alike everywhere."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("QO_OPS_") and k not in ("COLUMNS", "LINES")
+    }
     env.update(extra)
     return env
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from dagster_graphql import DagsterGraphQLClient
 
 from qo_ops.db.digest import database_digest
 from qo_ops.demo.data import load_demo_data
@@ -308,8 +309,8 @@ def test_ctrl_c_stops_dagster_and_everything_it_started(demo, tmp_path, to):
     code server or run worker left behind listening or holding the database, within 10 s
     of Dagster's own shutdown steps (qo_ops.cli.dev.STOP_STEPS) plus the simulator's stop.
 
-    The signal comes as a run is launched (the stale-success sensor's, which the demo data
-    always asks for): a code server with a run starting delays its own shutdown, which is
+    The signal comes as a run is launched (a dry run submitted through the UI's GraphQL, as
+    the Launchpad does): a code server with a run starting delays its own shutdown, which is
     what left Dagster's processes behind before its whole process group was stopped."""
     port = _free_port()
     with _dev(demo, tmp_path, "--port", str(port)) as (proc, out):
@@ -321,6 +322,17 @@ def test_ctrl_c_stops_dagster_and_everything_it_started(demo, tmp_path, to):
                     break
             assert time.monotonic() < deadline, out.read_text()[-2000:]
             time.sleep(0.5)
+        DagsterGraphQLClient("127.0.0.1", port_number=port).submit_job_execution(
+            "quote_expiration",
+            repository_location_name="qo_ops.definitions",
+            run_config={
+                "ops": {
+                    "quote_expiration_op": {
+                        "config": {"mode": "dry_run", "tenants": ["tenant-002"]}
+                    }
+                }
+            },
+        )
         deadline = time.monotonic() + 120
         while not LAUNCHED.search(out.read_text()):  # the daemon hands a run to a code server
             assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]

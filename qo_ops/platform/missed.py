@@ -141,6 +141,8 @@ _SUSPENSIONS = sa.text(
 )
 
 
+# A tick the schedule evaluated, and whom it skipped and why (one row per tick and decision).
+# Twice: the same tick again upserts its row, its tenants the union of both, nothing doubled.
 _RECORD_TICK = sa.text(
     """
     INSERT INTO job_schedule_tick (job_name, scheduled_for, decision, tenants)
@@ -150,7 +152,9 @@ _RECORD_TICK = sa.text(
            recorded_at = now()
     """
 )
-# the job's first tick stays: since when its schedule has been on (freshness.job_due)
+# Ticks older than the missed-run window go; the job's first tick stays: since when its
+# schedule has been on (freshness.job_due).
+# Twice: the second delete finds nothing older left to remove.
 _PRUNE_TICKS = sa.text(
     """
     DELETE FROM job_schedule_tick

@@ -21,6 +21,8 @@ class QueueSample:
     oldest_queued_at: datetime | None
 
 
+# One current row per job: the latest sample replaces the one before.
+# Twice: the same sample written again leaves the same row (only sampled_at moves on).
 _UPSERT = sa.text(
     """
     INSERT INTO job_run_queue (job_name, depth, oldest_queued_at, sampled_at)

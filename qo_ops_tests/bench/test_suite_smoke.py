@@ -29,4 +29,7 @@ def test_every_section_runs_at_the_quick_profile(pg_server, tmp_path):
     assert "(real daemon tick)" in result.stdout
     assert "| tick evaluation: quote_expiration_schedule |" in result.stdout
     assert "| partitions: tenants (dynamic) |" in result.stdout
+    # the soak sampled a real deployment with everything on, through an outage
+    assert "downstream stopped" in result.stdout and "restarted on http" in result.stdout
+    assert "| Run queue, deepest (soak) |" in result.stdout
     assert "Traceback" not in result.stderr

@@ -52,17 +52,18 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def start_code_server(
-    home: Path, env: dict[str, str], log: IO[str], timeout: float = 180.0
+    home: Path, env: dict[str, str], log: IO[str], timeout: float = 180.0, module: str = LOCATION
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """One code server of the deployment's own (``dagster api grpc``, as the Helm chart's
     user deployment runs it), answering health checks, and ``home/workspace.yaml`` pointing
     at it (a grpc_server entry). The webserver and daemon share it instead of each spawning
     a code server that shuts itself down when its parent's heartbeats lapse (20 s for the
     daemon's): on a loaded 2-core machine that left the daemon's sensors and scheduler
-    without a code server for minutes."""
+    without a code server for minutes. ``module`` loads another module under the same
+    location name (the soak benchmark's accelerated catalog)."""
     port = free_port()
     proc = subprocess.Popen(
-        [str(BIN / "dagster"), "api", "grpc", "-m", LOCATION, "--location-name", LOCATION]
+        [str(BIN / "dagster"), "api", "grpc", "-m", module, "--location-name", LOCATION]
         + ["-h", "127.0.0.1", "-p", str(port)],
         cwd=REPO,
         env=env,

@@ -1,0 +1,606 @@
+"""Soak: a real deployment with every schedule and sensor on, asked for more runs than it can
+start, with the downstream stopped for the middle third.
+
+The deployment is the orchestration section's (a code server, dagster-webserver and
+dagster-daemon on loopback over PostgreSQL storage, the project's dagster.yaml: at most 8
+runs at once, one process per run), loading ``bench.soak_location``: the catalog with every
+job's cron every minute and ``soak_tenants_per_run`` tenants per run (``bench/soak_catalog.py``),
+so that each minute asks for more runs than a 2-core machine starts. Demo data
+(``qo-ops demo-data``, anomalies included) for ``soak_tenants`` tenants, a local downstream
+simulator seeded from it, ``qo-ops metrics`` over the same accelerated catalog, and a real
+Prometheus scraping it every 5 s with ``ops/prometheus/alerts.yml`` loaded. Every schedule
+and every sensor is started (GraphQL), then for ``soak_s`` seconds the section samples, every
+10 s, Dagster's run storage (runs queued, the oldest queued run's age, runs queued or
+running per job and scope) and Prometheus's alerts (pending and firing). The simulator is
+killed at one third and started again on its URL at two thirds.
+
+What it reports, per phase (before, during and after the outage): the deepest run queue,
+runs started per minute, and tick-to-start delay (a schedule run from its tick's scheduled
+time, a sensor run from its creation, to the run's start); missed runs by reason (the
+exporter's ``job_missed_runs_total`` at the end); every alert that went pending or firing.
+
+It passes only if
+- the queue stays bounded: never more runs queued than the coalescing bound (one run per
+  job and chunk of tenants: a tick never asks again for a scope that has a run waiting or
+  running), and no job and scope ever had two runs queued or running at once;
+- every alert is the right one: each one that went pending or firing is explained by what
+  the soak did or by what the demo data plants (see ``judge``); ``daemon_down`` misses,
+  ``QoOpsExporterDown`` and an alert nothing explains are wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+
+from bench.common import REPO, engine_for, env_url, fresh_database, percentile, stop_group
+from bench.section_orchestration import (
+    LOCATION,
+    REPOSITORY,
+    Deployment,
+    _free_port,
+    _tail,
+    _wait,
+    deployment,
+    partition_start,
+)
+from bench.soak_catalog import CRON, PER_RUN_ENV
+from bench.suite import Profile, Row, Section, median
+
+TITLE = "Soak: every schedule and sensor under backlog"
+PREFIX = "qo_ops_bench_soak"
+QUOTES_PER_TENANT = 200
+SAMPLE_S = 10.0
+SCRAPE_S = 5
+# the jobs that call the downstream: the outage explains their failures, retries and misses
+DOWNSTREAM_JOBS = ("delivery_retry", "notification_publish", "order_reconciliation")
+QUEUE_NOT_DRAINING_S = 900  # QoOpsJobRunQueueNotDraining's threshold (alerts.yml)
+PHASES = ("before", "outage", "after")
+
+REPOSITORY_STATE = """
+query($r: RepositorySelector!) { repositoryOrError(repositorySelector: $r) { __typename
+  ... on Repository { schedules { name } sensors { name } } } }
+"""
+START_SCHEDULE = """
+mutation($s: ScheduleSelector!) { startSchedule(scheduleSelector: $s) { __typename
+  ... on PythonError { message } } }
+"""
+START_SENSOR = """
+mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) { __typename
+  ... on PythonError { message } } }
+"""
+
+
+def start_everything(d: Deployment) -> tuple[list[str], list[str]]:
+    """Start every schedule and every sensor of the code location (those already running,
+    such as run_queue_sensor, answer an error that says so: left as they are)."""
+    repo = {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY}
+    found = d.graphql(REPOSITORY_STATE, {"r": repo})["repositoryOrError"]
+    schedules = [s["name"] for s in found["schedules"]]
+    sensors = [s["name"] for s in found["sensors"]]
+    for name in schedules:
+        out = d.graphql(START_SCHEDULE, {"s": {**repo, "scheduleName": name}})["startSchedule"]
+        if out["__typename"] == "PythonError" and "already" not in out["message"]:
+            raise RuntimeError(f"startSchedule {name}: {out['message']}")
+    for name in sensors:
+        out = d.graphql(START_SENSOR, {"s": {**repo, "sensorName": name}})["startSensor"]
+        if out["__typename"] == "PythonError" and "already" not in out["message"]:
+            raise RuntimeError(f"startSensor {name}: {out['message']}")
+    return schedules, sensors
+
+
+# ------------------------------------------------------------------ the exporter, Prometheus
+
+
+@contextmanager
+def process(cmd: list[str], env: dict[str, str], log: Path) -> Any:
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield proc
+        finally:
+            stop_group(proc, grace_s=20)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class Prometheus:
+    url: str
+
+    def alerts(self) -> list[dict[str, Any]]:
+        body = httpx.get(f"{self.url}/api/v1/alerts", timeout=10).json()
+        return list(body["data"]["alerts"])
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        body = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10).json()
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus query {promql!r}: {body}")
+        return list(body["data"]["result"])
+
+
+@contextmanager
+def monitoring(home: Path, env: dict[str, str]) -> Any:
+    """``qo-ops metrics`` over the accelerated catalog, and Prometheus scraping it (job
+    ``qo-ops``, every 5 s) with the project's alert rules, evaluated every 5 s."""
+    metrics_port, prom_port = _free_port(), _free_port()
+    config = home / "prometheus.yml"
+    config.write_text(
+        json.dumps(
+            {
+                "global": {
+                    "scrape_interval": f"{SCRAPE_S}s",
+                    "evaluation_interval": f"{SCRAPE_S}s",
+                },
+                "rule_files": [str(REPO / "ops" / "prometheus" / "alerts.yml")],
+                "scrape_configs": [
+                    {
+                        "job_name": "qo-ops",
+                        "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
+                    }
+                ],
+            }
+        )
+    )
+    exporter = [sys.executable, "-m", "bench.soak_catalog", "metrics", "--port", str(metrics_port)]
+    prometheus = [
+        "prometheus",
+        f"--config.file={config}",
+        f"--storage.tsdb.path={home / 'prometheus-data'}",
+        f"--web.listen-address=127.0.0.1:{prom_port}",
+    ]
+    with (
+        process(exporter, env, home / "exporter.log") as exp,
+        process(prometheus, env, home / "prometheus.log") as prom,
+    ):
+
+        def up() -> bool:
+            for p, log in ((exp, "exporter.log"), (prom, "prometheus.log")):
+                if p.poll() is not None:
+                    raise RuntimeError(f"{log} process exited:\n{_tail(home / log)}")
+            return _answers(f"http://127.0.0.1:{metrics_port}/metrics") and _answers(
+                f"http://127.0.0.1:{prom_port}/-/ready"
+            )
+
+        _wait(up, 120, "the exporter and Prometheus", poll=0.5)
+        yield Prometheus(f"http://127.0.0.1:{prom_port}")
+
+
+# ------------------------------------------------------------------ sampling
+
+
+@dataclass
+class Timeline:
+    started: float  # time.time() at the soak's start
+    outage: tuple[float, float]  # seconds from the start
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    alerts: dict[tuple[str, tuple[tuple[str, str], ...]], dict[str, Any]] = field(
+        default_factory=dict
+    )
+
+    def phase(self, t: float) -> str:
+        return "before" if t < self.outage[0] else "outage" if t < self.outage[1] else "after"
+
+
+def _scope_keys(run: Any) -> list[tuple[str, str, str]]:
+    """(job, tenant, window) for each scope a run names: its config's tenants (a schedule's
+    or sensor's chunk), else its tenant partition; the window is its day partition, if any."""
+    from qo_ops.dagster_defs.submission import op_config
+
+    tags = run.tags
+    partition = tags.get("dagster/partition", "")
+    tenants = [str(t) for t in op_config(run).get("tenants") or []]
+    if tenants:
+        return [(run.job_name, t, partition) for t in tenants]
+    return [(run.job_name, partition, "")] if partition else []
+
+
+def sample(d: Deployment, t: float) -> dict[str, Any]:
+    """Runs queued (per job, and the oldest's age) and runs running; (job, scope) pairs with
+    more than one run queued or running."""
+    import dagster as dg
+
+    queued_statuses = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED]
+    active_statuses = [
+        dg.DagsterRunStatus.STARTING,
+        dg.DagsterRunStatus.STARTED,
+        dg.DagsterRunStatus.CANCELING,
+    ]
+    records = list(
+        d.instance.get_run_records(
+            filters=dg.RunsFilter(statuses=queued_statuses + active_statuses)
+        )
+    )
+    now = time.time()
+    queued = [r for r in records if r.dagster_run.status in queued_statuses]
+    by_job = Counter(r.dagster_run.job_name for r in queued)
+    oldest = max((now - r.create_timestamp.timestamp() for r in queued), default=0.0)
+    oldest_by_job: dict[str, float] = defaultdict(float)
+    for r in queued:
+        job = r.dagster_run.job_name
+        oldest_by_job[job] = max(oldest_by_job[job], now - r.create_timestamp.timestamp())
+    scopes = Counter(k for r in records for k in _scope_keys(r.dagster_run))
+    doubled = sorted(f"{j}/{s}{'/' + w if w else ''}" for (j, s, w), n in scopes.items() if n > 1)
+    return {
+        "t": round(t, 1),
+        "queued": len(queued),
+        "running": len(records) - len(queued),
+        "queued_by_job": dict(by_job),
+        "oldest_s": round(oldest, 1),
+        "oldest_by_job": {k: round(v, 1) for k, v in oldest_by_job.items()},
+        "doubled": doubled,
+    }
+
+
+def note_alerts(timeline: Timeline, prom: Prometheus, t: float) -> None:
+    for alert in prom.alerts():
+        labels = alert["labels"]
+        key = (labels["alertname"], tuple(sorted((k, v) for k, v in labels.items())))
+        seen = timeline.alerts.setdefault(key, {"first_t": t, "state": alert["state"]})
+        if alert["state"] == "firing":
+            seen["state"] = "firing"
+
+
+# ------------------------------------------------------------------ judging
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the soak did and what the database holds, to judge each alert against."""
+
+    outage_start: float  # seconds from the start
+    failed_jobs: frozenset[str]  # jobs with a failed or cancelled run in the soak
+    anomaly_jobs: frozenset[str]  # jobs with a run stopped by an anomaly threshold
+    takeover_jobs: frozenset[str]  # jobs with a run that lost its lease
+    deadletter_jobs: frozenset[str]  # jobs whose runs dead-lettered items
+    mismatch_jobs: frozenset[str]  # reconciliation jobs whose runs found mismatches
+    oldest_queued_s: dict[str, float]  # per job, the oldest queued run the samples saw
+    drift_p90_s: dict[str, float]  # per job, its schedule runs' tick-to-start delay (p90)
+
+
+def judge(name: str, labels: dict[str, str], first_t: float, f: Facts) -> str | None:
+    """Why this alert is right, or None: it is wrong."""
+    job = labels.get("job_name", "")
+    after_outage = first_t >= f.outage_start
+    if name == "QoOpsJobMissedRuns":
+        reason = labels.get("reason")
+        if reason == "previous_run_active":
+            return "a run of the scope was still running at the tick (runs wait, then run late)"
+        if reason in ("previous_run_queued", "queued") and f.oldest_queued_s.get(job, 0.0) > 0:
+            return f"its runs waited in the queue ({reason}): more asked for than started"
+        return None  # daemon_down with a healthy daemon: the issue's wrong cause
+    if name == "QoOpsJobRunQueueNotDraining":
+        oldest = f.oldest_queued_s.get(job, 0.0)
+        return f"a run waited {oldest:.0f} s" if oldest > QUEUE_NOT_DRAINING_S else None
+    if name == "QoOpsJobSchedulerDriftHigh":  # p90 over max(60 s, a quarter of the cadence)
+        drift = f.drift_p90_s.get(job, 0.0)
+        return f"its runs started {drift:.0f} s after their tick (p90)" if drift > 60 else None
+    if name == "QoOpsDownstreamBreakerOpen":
+        return "the downstream was stopped" if after_outage else None
+    if name == "QoOpsJobAnomalyStop":
+        return "the demo data plants an anomaly" if job in f.anomaly_jobs else None
+    if name == "QoOpsJobLeaseTakeover":
+        return "a run lost its lease" if job in f.takeover_jobs else None
+    if name == "QoOpsJobDeadLetters":
+        return "the demo data plants poison items" if job in f.deadletter_jobs else None
+    if name == "QoOpsJobReconciliationMismatchSpike":
+        return "the demo data plants mismatches" if job in f.mismatch_jobs else None
+    if name in (
+        "QoOpsJobBacklogGrowing",
+        "QoOpsJobConsecutiveFailures",
+        "QoOpsJobNotSucceeding",
+        "QoOpsJobRetryPressureHigh",
+        "QoOpsJobPartialFailureRateHigh",
+        "QoOpsJobRunRetriesSustained",
+    ):
+        if job in DOWNSTREAM_JOBS and after_outage:
+            return "the downstream was stopped"
+        if name == "QoOpsJobConsecutiveFailures" and job in f.failed_jobs:
+            return "its runs failed"
+        return None
+    return None  # QoOpsExporterDown, QoOpsJobSuspendedTooLong (nobody suspended), …
+
+
+def facts(
+    url: URL,
+    since: datetime,
+    outage_start: float,
+    timeline: Timeline,
+    started: list[dict[str, Any]],
+) -> Facts:
+    delays: dict[str, list[float]] = defaultdict(list)
+    for r in started:
+        if r["by"] == "schedule" and r["delay_s"] is not None:
+            delays[r["job"]].append(r["delay_s"])
+    oldest: dict[str, float] = defaultdict(float)
+    for s in timeline.samples:
+        for job, age in s["oldest_by_job"].items():
+            oldest[job] = max(oldest[job], age)
+    engine = engine_for(url)
+    with engine.connect() as conn:
+
+        def jobs(where: str) -> frozenset[str]:
+            rows = conn.execute(
+                sa.text(
+                    f"SELECT DISTINCT job_name FROM job_run WHERE created_at >= :s AND {where}"
+                ),
+                {"s": since},
+            )
+            return frozenset(r[0] for r in rows)
+
+        out = Facts(
+            outage_start=outage_start,
+            failed_jobs=jobs("status IN ('failed', 'timeout', 'cancelled')"),
+            anomaly_jobs=jobs("last_error_code = 'anomaly_threshold'"),
+            takeover_jobs=jobs("last_error_code = 'lease_lost'"),
+            deadletter_jobs=jobs("deadlettered_count > 0"),
+            mismatch_jobs=jobs("job_name = 'order_reconciliation' AND tally <> '{}'::jsonb"),
+            oldest_queued_s=dict(oldest),
+            drift_p90_s={job: percentile(d, 0.9) for job, d in delays.items()},
+        )
+    engine.dispose()
+    return out
+
+
+# ------------------------------------------------------------------ figures
+
+
+def starts(d: Deployment, timeline: Timeline) -> list[dict[str, Any]]:
+    """Each run created during the soak: its phase when created, and when it started, its
+    phase then and its tick-to-start delay."""
+    import dagster as dg
+    from dagster._core.storage.tags import SCHEDULED_EXECUTION_TIME_TAG
+
+    records = d.instance.get_run_records(
+        filters=dg.RunsFilter(created_after=datetime.fromtimestamp(timeline.started, UTC))
+    )
+    out = []
+    for r in records:
+        created = r.create_timestamp.timestamp()
+        scheduled = r.dagster_run.tags.get(SCHEDULED_EXECUTION_TIME_TAG)
+        asked = datetime.fromisoformat(scheduled).timestamp() if scheduled else created
+        t = None if r.start_time is None else r.start_time - timeline.started
+        out.append(
+            {
+                "job": r.dagster_run.job_name,
+                "asked_in": timeline.phase(created - timeline.started),
+                "t": t,
+                "phase": None if t is None else timeline.phase(t),
+                "delay_s": None if r.start_time is None else r.start_time - asked,
+                "by": "schedule" if scheduled else "sensor",
+            }
+        )
+    return out
+
+
+def coalescing_bound(tenants: int, per_run: int, jobs: int) -> int:
+    """Runs that may be queued at once if no job and scope ever has two: one per job and
+    chunk of tenants (a sensor's chunk covers the same tenants as the schedule's)."""
+    return jobs * math.ceil(tenants / per_run)
+
+
+# ------------------------------------------------------------------ the section
+
+
+def run(profile: Profile) -> Section:
+    from qo_ops.downstream.local import seed_from_demo, simulator_process
+    from qo_ops.jobs.catalog import JOBS
+
+    tenants, per_run, soak_s = profile.soak_tenants, profile.soak_tenants_per_run, profile.soak_s
+    outage = (soak_s / 3, 2 * soak_s / 3)
+    with (
+        fresh_database(f"{PREFIX}_db") as url,
+        tempfile.TemporaryDirectory(prefix="qo-ops-bench-soak-") as tmp,
+    ):
+        home = Path(tmp)
+        qo_home = home / "qo_ops"
+        qo_home.mkdir()
+        base = {k: v for k, v in os.environ.items() if not k.startswith("QO_OPS_")}
+        base.update(QO_OPS_DATABASE_URL=env_url(url), QO_OPS_HOME=str(qo_home))
+        subprocess.run(
+            [str(Path(sys.executable).parent / "qo-ops"), "demo-data", "--tenants", str(tenants)]
+            + ["--quotes", str(QUOTES_PER_TENANT)],
+            cwd=REPO,
+            env=base,
+            check=True,
+            capture_output=True,
+        )
+        engine = engine_for(url)
+        with simulator_process(qo_home / "downstream.sqlite3") as sim:
+            seeded = seed_from_demo(engine, sim.url)
+            env = {
+                "QO_OPS_DOWNSTREAM_URL": sim.url,
+                "QO_OPS_PARTITION_START": partition_start().isoformat(),
+                PER_RUN_ENV: str(per_run),
+            }
+            print(
+                f"   {tenants} tenants of demo data, {seeded:,} orders in the simulator; "
+                f"every cron {CRON!r}, {per_run} tenants per run",
+                flush=True,
+            )
+            with (
+                deployment(url, home, env, "bench.soak_location", stop_tenants_sensor=False) as d,
+                monitoring(home, {**base, **env}) as prom,
+            ):
+                schedules, sensors = start_everything(d)
+                since = datetime.now(UTC)
+                timeline = Timeline(time.time(), outage)
+                stopped = revived = False
+                while (t := time.time() - timeline.started) < soak_s:
+                    if not stopped and t >= outage[0]:
+                        sim.process.kill()  # the downstream goes away without a word
+                        sim.process.wait()
+                        stopped = True
+                        print(f"   {t:.0f} s: downstream stopped", flush=True)
+                    if stopped and not revived and t >= outage[1]:
+                        print(f"   {t:.0f} s: {sim.revive()}", flush=True)
+                        revived = True
+                    s = sample(d, t)
+                    timeline.samples.append(s)
+                    note_alerts(timeline, prom, t)
+                    print(
+                        f"   {t:5.0f} s {timeline.phase(t):6} queued {s['queued']:3} "
+                        f"(oldest {s['oldest_s']:5.0f} s), running {s['running']}, "
+                        f"alerts {len(timeline.alerts)}",
+                        flush=True,
+                    )
+                    time.sleep(max(0.0, SAMPLE_S - (time.time() - timeline.started - t)))
+                missed = {
+                    r["metric"].get("reason", "?"): float(r["value"][1])
+                    for r in prom.query("sum by (reason) (job_missed_runs_total)")
+                }
+                started = starts(d, timeline)
+                found = facts(url, since, outage[0], timeline, started)
+                daemon_log = _tail(home / "daemon.log", 2000)
+        engine.dispose()
+    return figures(
+        profile, timeline, started, missed, found, len(schedules), len(sensors), len(JOBS),
+        daemon_log,
+    )  # fmt: skip
+
+
+def figures(
+    profile: Profile,
+    timeline: Timeline,
+    started: list[dict[str, Any]],
+    missed: dict[str, float],
+    found: Facts,
+    schedules: int,
+    sensors: int,
+    jobs: int,
+    daemon_log: str,
+) -> Section:
+    tenants, per_run, soak_s = profile.soak_tenants, profile.soak_tenants_per_run, profile.soak_s
+    bound = coalescing_bound(tenants, per_run, jobs)
+    from qo_ops.jobs.catalog import JOBS
+
+    for s in timeline.samples:  # the catalog's jobs (recent_success_job's runs are not bounded)
+        s["queued_catalog"] = sum(n for job, n in s["queued_by_job"].items() if job in JOBS)
+    phases: dict[str, dict[str, Any]] = {}
+    for phase in PHASES:
+        samples = [s for s in timeline.samples if timeline.phase(s["t"]) == phase]
+        runs = [r for r in started if r["phase"] == phase]
+        delays = [r["delay_s"] for r in runs]
+        asked = sum(1 for r in started if r["asked_in"] == phase)
+        minutes = max(1e-9, soak_s / 3 / 60)
+        phases[phase] = {
+            "max_queued": max((s["queued_catalog"] for s in samples), default=0),
+            "last_queued": samples[-1]["queued_catalog"] if samples else 0,
+            "max_queued_other": max(
+                (s["queued"] - s["queued_catalog"] for s in samples), default=0
+            ),
+            "max_oldest_s": max((s["oldest_s"] for s in samples), default=0.0),
+            "created_per_min": asked / minutes,
+            "started_per_min": len(runs) / minutes,
+            "delay_p50_s": median(delays) if delays else 0.0,
+            "delay_p95_s": percentile(delays, 0.95),
+        }
+    max_queued = max(p["max_queued"] for p in phases.values())
+    doubled = sorted({d for s in timeline.samples for d in s["doubled"]})
+    verdicts = []
+    for (name, labels), seen in sorted(timeline.alerts.items()):
+        why = judge(name, dict(labels), seen["first_t"], found)
+        shown = ",".join(f"{k}={v}" for k, v in labels if k in ("job_name", "reason", "downstream"))
+        verdicts.append(
+            {
+                "alert": f"{name}{{{shown}}}",
+                "state": seen["state"],
+                "first_s": round(seen["first_t"]),
+                "right": why is not None,
+                "why": why or "nothing the soak did explains it",
+            }
+        )
+    wrong = [v for v in verdicts if not v["right"]]
+    size = (
+        f"{tenants} tenants, {per_run} a run, {jobs} jobs every minute, {soak_s / 60:.0f} min, "
+        f"outage {timeline.outage[0] / 60:.0f}–{timeline.outage[1] / 60:.0f} min"
+    )
+    per_phase = "; ".join(
+        f"{p}: max {phases[p]['max_queued']}, last {phases[p]['last_queued']}" for p in PHASES
+    )
+    delays = "; ".join(
+        f"{p}: p50 {phases[p]['delay_p50_s']:.0f} s, p95 {phases[p]['delay_p95_s']:.0f} s, "
+        f"{phases[p]['created_per_min']:.1f} created/min, {phases[p]['started_per_min']:.1f} "
+        "started/min"
+        for p in PHASES
+    )
+    reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(missed.items())) or "none"
+    queue_ok = max_queued <= bound and not doubled
+    rows = [
+        Row(
+            "Run queue, deepest (soak)",
+            size,
+            f"{max_queued} runs",
+            f"{bound} runs (one per job and chunk)",
+            max_queued / bound,
+            "<= 1.0, no scope twice",
+            queue_ok,
+            note=f"{per_phase}; scopes with two runs at once: {len(doubled)}",
+        ),
+        Row(
+            "Tick-to-start delay p95 (soak)",
+            size,
+            f"{max(p['delay_p95_s'] for p in phases.values()):.0f} s",
+            f"{soak_s / 3:.0f} s (one phase)",
+            max(p["delay_p95_s"] for p in phases.values()) / (soak_s / 3),
+            "",
+            None,
+            note=delays,
+        ),
+        Row(
+            "Alerts pending or firing (soak)",
+            size,
+            f"{len(verdicts)} alerts, {len(wrong)} wrong",
+            "0 wrong",
+            None,
+            "0 wrong",
+            not wrong,
+            note=f"missed runs by reason: {reasons}",
+        ),
+    ]
+    notes = [
+        f"Soak ({size}): {schedules} schedules and {sensors} sensors on; the coalescing bound "
+        f"is {jobs} jobs × {math.ceil(tenants / per_run)} chunks. Per phase — {delays}.",
+        "Alerts: "
+        + (
+            "; ".join(
+                f"{v['alert']} {v['state']} from {v['first_s']} s — "
+                f"{'right: ' if v['right'] else 'WRONG: '}{v['why']}"
+                for v in verdicts
+            )
+            or "none went pending"
+        ),
+    ]
+    if doubled:
+        notes.append(f"Scopes with two runs queued or running at once: {', '.join(doubled[:10])}")
+    raw = {
+        "samples": timeline.samples,
+        "phases": phases,
+        "missed": missed,
+        "alerts": verdicts,
+        "bound": bound,
+        "daemon_log_tail": daemon_log if not (queue_ok and not wrong) else "",
+    }
+    return Section(TITLE, rows, notes, raw)
