@@ -1,0 +1,99 @@
+"""The soak's verdicts (bench/section_soak.py) fail on what they must: a queue above the
+coalescing bound, a scope with two runs at once, and an alert nothing explains (daemon_down
+with a healthy daemon, the exporter down, the breaker before any outage). The smoke test
+runs the soak itself on a real deployment; here its judgement alone, on planted figures."""
+
+from __future__ import annotations
+
+from bench.section_soak import Facts, Timeline, figures, judge
+from bench.suite import PROFILES
+
+QUICK = PROFILES["quick"]  # 3 tenants, 1 a run: a bound of 11 jobs x 3 chunks = 33
+OUTAGE = (50.0, 100.0)
+
+
+def _facts(**kw) -> Facts:
+    base = dict(
+        outage_start=OUTAGE[0],
+        failed_jobs=frozenset(),
+        anomaly_jobs=frozenset(),
+        takeover_jobs=frozenset(),
+        deadletter_jobs=frozenset({"delivery_retry"}),
+        mismatch_jobs=frozenset(),
+        oldest_queued_s={"quote_expiration": 40.0},
+        drift_p90_s={"quote_expiration": 30.0},
+    )
+    base.update(kw)
+    return Facts(**base)
+
+
+def _sample(t: float, queued: int, doubled: list[str] | None = None) -> dict:
+    return {
+        "t": t,
+        "queued": queued,
+        "running": 2,
+        "queued_by_job": {"quote_expiration": queued},
+        "oldest_s": 10.0,
+        "oldest_by_job": {"quote_expiration": 10.0},
+        "doubled": doubled or [],
+    }
+
+
+def _section(samples: list[dict], alerts: dict | None = None, facts: Facts | None = None):
+    timeline = Timeline(started=0.0, outage=OUTAGE, samples=samples, alerts=alerts or {})
+    started = [
+        {"job": "quote_expiration", "asked_in": "before", "t": 5.0, "phase": "before",
+         "delay_s": 4.0, "by": "schedule"},
+    ]  # fmt: skip
+    missed = {"daemon_down": 0.0, "queued": 3.0}
+    return figures(QUICK, timeline, started, missed, facts or _facts(), 11, 11, 11, "")
+
+
+def _met(section, what: str) -> bool | None:
+    [row] = [r for r in section.rows if r.what.startswith(what)]
+    return row.met
+
+
+def test_a_bounded_queue_with_no_scope_twice_passes_and_either_breach_fails():
+    calm = [_sample(t, 20) for t in (0, 60, 120)]
+    assert _met(_section(calm), "Run queue") is True
+    over = [_sample(0, 20), _sample(60, 34), _sample(120, 5)]  # one above 11 x 3
+    assert _met(_section(over), "Run queue") is False
+    twice = [_sample(0, 5), _sample(60, 5, ["quote_expiration/tenant-001"]), _sample(120, 5)]
+    section = _section(twice)
+    assert _met(section, "Run queue") is False
+    assert any("quote_expiration/tenant-001" in n for n in section.notes)
+
+
+def test_only_explained_alerts_pass():
+    f = _facts()
+    assert judge("QoOpsJobMissedRuns", {"job_name": "x", "reason": "daemon_down"}, 10, f) is None
+    queued = {"job_name": "quote_expiration", "reason": "queued"}
+    assert judge("QoOpsJobMissedRuns", queued, 10, f) is not None
+    assert judge("QoOpsJobMissedRuns", {**queued, "job_name": "audit_archive"}, 10, f) is None
+    assert judge("QoOpsExporterDown", {"problem": "scrape_failed"}, 10, f) is None
+    breaker = {"downstream": "http://127.0.0.1:1"}
+    assert judge("QoOpsDownstreamBreakerOpen", breaker, OUTAGE[0] - 1, f) is None
+    assert judge("QoOpsDownstreamBreakerOpen", breaker, OUTAGE[0] + 1, f) is not None
+    retry = {"job_name": "delivery_retry"}
+    assert judge("QoOpsJobRetryPressureHigh", retry, OUTAGE[0] - 1, f) is None
+    assert judge("QoOpsJobRetryPressureHigh", retry, OUTAGE[0] + 1, f) is not None
+    assert judge("QoOpsJobRetryPressureHigh", {"job_name": "quote_expiration"}, 99, f) is None
+    assert judge("QoOpsJobDeadLetters", retry, 1, f) is not None
+    assert judge("QoOpsJobDeadLetters", {"job_name": "quote_expiration"}, 1, f) is None
+    drift = {"job_name": "quote_expiration"}
+    assert judge("QoOpsJobSchedulerDriftHigh", drift, 1, f) is None  # p90 30 s
+    late = _facts(drift_p90_s={"quote_expiration": 75.0})
+    assert judge("QoOpsJobSchedulerDriftHigh", drift, 1, late) is not None
+    assert judge("QoOpsJobRunQueueNotDraining", drift, 1, f) is None  # oldest 40 s < 900 s
+    assert judge("QoOpsJobSuspendedTooLong", drift, 1, f) is None
+
+
+def test_one_wrong_alert_fails_the_alert_row_and_is_named():
+    calm = [_sample(t, 20) for t in (0, 60, 120)]
+    labels = (("alertname", "QoOpsJobMissedRuns"), ("job_name", "x"), ("reason", "daemon_down"))
+    alerts = {("QoOpsJobMissedRuns", labels): {"first_t": 30.0, "state": "firing"}}
+    section = _section(calm, alerts)
+    assert _met(section, "Alerts") is False
+    assert any("WRONG" in n and "daemon_down" in n for n in section.notes)
+    assert _met(_section(calm), "Alerts") is True
