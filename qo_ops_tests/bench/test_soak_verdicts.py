@@ -19,6 +19,8 @@ def _facts(**kw) -> Facts:
         anomaly_jobs=frozenset(),
         takeover_jobs=frozenset(),
         deadletter_jobs=frozenset({"delivery_retry"}),
+        item_failure_jobs=frozenset({"delivery_retry"}),
+        retry_jobs=frozenset({"delivery_retry"}),
         mismatch_jobs=frozenset(),
         oldest_queued_s={"quote_expiration": 40.0},
         drift_p90_s={"quote_expiration": 30.0},
@@ -76,9 +78,17 @@ def test_only_explained_alerts_pass():
     assert judge("QoOpsDownstreamBreakerOpen", breaker, OUTAGE[0] - 1, f) is None
     assert judge("QoOpsDownstreamBreakerOpen", breaker, OUTAGE[0] + 1, f) is not None
     retry = {"job_name": "delivery_retry"}
-    assert judge("QoOpsJobRetryPressureHigh", retry, OUTAGE[0] - 1, f) is None
-    assert judge("QoOpsJobRetryPressureHigh", retry, OUTAGE[0] + 1, f) is not None
+    # notification_publish: no retry in its runs, so only the outage explains its pressure
+    publish = {"job_name": "notification_publish"}
+    assert judge("QoOpsJobRetryPressureHigh", publish, OUTAGE[0] - 1, f) is None
+    assert judge("QoOpsJobRetryPressureHigh", publish, OUTAGE[0] + 1, f) is not None
+    assert judge("QoOpsJobRetryPressureHigh", retry, 1, f) is not None  # its runs retried
     assert judge("QoOpsJobRetryPressureHigh", {"job_name": "quote_expiration"}, 99, f) is None
+    assert judge("QoOpsJobPartialFailureRateHigh", retry, 1, f) is not None
+    assert judge("QoOpsJobPartialFailureRateHigh", {"job_name": "audit_archive"}, 99, f) is None
+    growing = {"job_name": "audit_archive"}  # nothing of it queued, not a downstream job
+    assert judge("QoOpsJobBacklogGrowing", growing, 99, f) is None
+    assert judge("QoOpsJobBacklogGrowing", {"job_name": "quote_expiration"}, 1, f) is not None
     assert judge("QoOpsJobDeadLetters", retry, 1, f) is not None
     assert judge("QoOpsJobDeadLetters", {"job_name": "quote_expiration"}, 1, f) is None
     drift = {"job_name": "quote_expiration"}
