@@ -140,11 +140,23 @@ class Prometheus:
         body = httpx.get(f"{self.url}/api/v1/alerts", timeout=10).json()
         return list(body["data"]["alerts"])
 
+    def evaluated_since(self, when: float) -> bool:
+        """Whether every rule group was evaluated after ``when`` (unix time)."""
+        body = httpx.get(f"{self.url}/api/v1/rules", timeout=10).json()
+        groups = body["data"]["groups"]
+        return bool(groups) and all(_rfc3339(g["lastEvaluation"]) > when for g in groups)
+
     def query(self, promql: str) -> list[dict[str, Any]]:
         body = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10).json()
         if body.get("status") != "success":
             raise RuntimeError(f"Prometheus query {promql!r}: {body}")
         return list(body["data"]["result"])
+
+
+def _rfc3339(text: str) -> float:
+    """Prometheus's RFC 3339 time (nanoseconds, ``Z``) as unix time."""
+    whole, _, fraction = text.rstrip("Z").partition(".")
+    return datetime.fromisoformat(whole + "+00:00").timestamp() + float(f"0.{fraction or 0}")
 
 
 @contextmanager
@@ -193,10 +205,16 @@ def monitoring(home: Path, env: dict[str, str]) -> Any:
         _wait(up, 120, "the exporter and Prometheus", poll=0.5)
         prom = Prometheus(f"http://127.0.0.1:{prom_port}")
 
-        def scraped() -> bool:  # the soak's alerts count from Prometheus's first good scrape
-            return any(r["value"][1] == "1" for r in prom.query('up{job="qo-ops"}'))
+        # the soak's alerts count from the first rule evaluation after a good scrape (before
+        # it, QoOpsExporterDown's absent(up) is true of a Prometheus that just started)
+        first: list[float] = []
+
+        def scraped() -> bool:
+            first[:] = [float(r["value"][0]) for r in prom.query('up{job="qo-ops"} == 1')]
+            return bool(first)
 
         _wait(scraped, 60, "Prometheus's first scrape of the exporter", poll=0.5)
+        _wait(lambda: prom.evaluated_since(first[0]), 60, "a rule evaluation after it", poll=0.5)
         yield prom
 
 
