@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from bench.suite import SECTIONS
 from qo_ops_tests.conftest import REPO, base_env
 
 
+@pytest.mark.timeout(960)  # the subprocess's own 900 s first: its output is the failure
 def test_every_section_runs_at_the_quick_profile(pg_server, tmp_path):
     server = pg_server.set(drivername="postgresql").render_as_string(hide_password=False)
     result = subprocess.run(
