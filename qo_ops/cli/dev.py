@@ -48,6 +48,9 @@ def dev_command(
     from qo_ops.dagster_defs.instance import REPO, prepare_dagster_home
     from qo_ops.db.engine import resolve_target
 
+    # Ctrl-C works even when the parent started qo-ops with SIGINT ignored, and what it
+    # starts (the simulator, Dagster) begins with SIGINT at its default, not ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if not 1024 <= port <= 65535:
         raise BadInput("--port must be between 1024 and 65535")
     _require_free_port(port)  # before the data is replaced: a busy port changes nothing
@@ -119,10 +122,13 @@ def _wait_for_dagster_dev(
     running (a run a sensor had just launched holds up a code server's own shutdown).
     While it runs, ``every_second`` is called once a second (the simulator's watch)."""
 
-    def stop(signum: int, frame: Any) -> None:  # a supervisor's SIGTERM, a closed terminal
+    def stop(signum: int, frame: Any) -> None:  # Ctrl-C, a supervisor's SIGTERM, a closed terminal
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too, whatever handler came before (Python keeps a SIGINT its parent ignored
+    # ignored: a shell without job control starts background commands so)
+    stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, stop) for sig in stopping}
     try:
         while True:
             with suppress(subprocess.TimeoutExpired):
