@@ -66,15 +66,13 @@ from bench.section_orchestration import (
 )
 from bench.soak_catalog import CRON, PER_RUN_ENV
 from bench.suite import Profile, Row, Section, median
-from qo_ops.platform.manners import RETRIES
+from qo_ops.platform.manners import CALLS, RETRIES
 
 TITLE = "Soak: every schedule and sensor under backlog"
 PREFIX = "qo_ops_bench_soak"
 QUOTES_PER_TENANT = 200
 SAMPLE_S = 10.0
 SCRAPE_S = 5
-# the jobs that call the downstream: the outage explains their failures, retries and misses
-DOWNSTREAM_JOBS = ("delivery_retry", "notification_publish", "order_reconciliation")
 QUEUE_NOT_DRAINING_S = 900  # QoOpsJobRunQueueNotDraining's threshold (alerts.yml)
 PHASES = ("before", "outage", "after")
 
@@ -266,7 +264,6 @@ def sample(d: Deployment, t: float) -> dict[str, Any]:
     now = time.time()
     queued = [r for r in records if r.dagster_run.status in queued_statuses]
     by_job = Counter(r.dagster_run.job_name for r in queued)
-    oldest = max((now - r.create_timestamp.timestamp() for r in queued), default=0.0)
     oldest_by_job: dict[str, float] = defaultdict(float)
     for r in queued:
         job = r.dagster_run.job_name
@@ -278,7 +275,7 @@ def sample(d: Deployment, t: float) -> dict[str, Any]:
         "queued": len(queued),
         "running": len(records) - len(queued),
         "queued_by_job": dict(by_job),
-        "oldest_s": round(oldest, 1),
+        "oldest_s": round(max(oldest_by_job.values(), default=0.0), 1),
         "oldest_by_job": {k: round(v, 1) for k, v in oldest_by_job.items()},
         "doubled": doubled,
     }
@@ -304,6 +301,7 @@ class Facts:
     failed_jobs: frozenset[str]  # jobs with a failed or cancelled run in the soak
     anomaly_jobs: frozenset[str]  # jobs with a run stopped by an anomaly threshold
     takeover_jobs: frozenset[str]  # jobs with a run that lost its lease
+    downstream_jobs: frozenset[str]  # jobs whose runs called the downstream (the outage's)
     deadletter_jobs: frozenset[str]  # jobs whose runs dead-lettered items
     item_failure_jobs: frozenset[str]  # jobs whose runs had items fail (demo poison, faults)
     retry_jobs: frozenset[str]  # jobs whose runs retried downstream calls
@@ -355,7 +353,7 @@ def judge(name: str, labels: dict[str, str], first_t: float, f: Facts) -> str | 
         "QoOpsJobPartialFailureRateHigh",
         "QoOpsJobRunRetriesSustained",
     ):
-        return "the downstream was stopped" if job in DOWNSTREAM_JOBS and after_outage else None
+        return "the downstream was stopped" if job in f.downstream_jobs and after_outage else None
     return None  # QoOpsExporterDown, QoOpsJobSuspendedTooLong (nobody suspended), …
 
 
@@ -391,6 +389,7 @@ def facts(
             failed_jobs=jobs("status IN ('failed', 'timeout', 'cancelled')"),
             anomaly_jobs=jobs("last_error_code = 'anomaly_threshold'"),
             takeover_jobs=jobs("last_error_code = 'lease_lost'"),
+            downstream_jobs=jobs(f"coalesce((tally->>'{CALLS}')::bigint, 0) > 0"),
             deadletter_jobs=jobs("deadlettered_count > 0"),
             item_failure_jobs=jobs("failed_count > 0"),
             retry_jobs=jobs(f"coalesce((tally->>'{RETRIES}')::bigint, 0) > 0"),
@@ -444,7 +443,6 @@ def coalescing_bound(tenants: int, per_run: int, jobs: int) -> int:
 
 def run(profile: Profile) -> Section:
     from qo_ops.downstream.local import seed_from_demo, simulator_process
-    from qo_ops.jobs.catalog import JOBS
 
     tenants, per_run, soak_s = profile.soak_tenants, profile.soak_tenants_per_run, profile.soak_s
     outage = (soak_s / 3, 2 * soak_s / 3)
@@ -514,9 +512,8 @@ def run(profile: Profile) -> Section:
                 daemon_log = _tail(home / "daemon.log", 2000)
         engine.dispose()
     return figures(
-        profile, timeline, started, missed, found, len(schedules), len(sensors), len(JOBS),
-        daemon_log,
-    )  # fmt: skip
+        profile, timeline, started, missed, found, len(schedules), len(sensors), daemon_log
+    )
 
 
 def figures(
@@ -527,13 +524,13 @@ def figures(
     found: Facts,
     schedules: int,
     sensors: int,
-    jobs: int,
     daemon_log: str,
 ) -> Section:
     tenants, per_run, soak_s = profile.soak_tenants, profile.soak_tenants_per_run, profile.soak_s
-    bound = coalescing_bound(tenants, per_run, jobs)
     from qo_ops.jobs.catalog import JOBS
 
+    jobs = len(JOBS)
+    bound = coalescing_bound(tenants, per_run, jobs)
     for s in timeline.samples:  # the catalog's jobs (recent_success_job's runs are not bounded)
         s["queued_catalog"] = sum(n for job, n in s["queued_by_job"].items() if job in JOBS)
     phases: dict[str, dict[str, Any]] = {}

@@ -18,6 +18,7 @@ def _facts(**kw) -> Facts:
         failed_jobs=frozenset(),
         anomaly_jobs=frozenset(),
         takeover_jobs=frozenset(),
+        downstream_jobs=frozenset({"delivery_retry", "notification_publish"}),
         deadletter_jobs=frozenset({"delivery_retry"}),
         item_failure_jobs=frozenset({"delivery_retry"}),
         retry_jobs=frozenset({"delivery_retry"}),
@@ -48,7 +49,7 @@ def _section(samples: list[dict], alerts: dict | None = None, facts: Facts | Non
          "delay_s": 4.0, "by": "schedule"},
     ]  # fmt: skip
     missed = {"daemon_down": 0.0, "queued": 3.0}
-    return figures(QUICK, timeline, started, missed, facts or _facts(), 11, 11, 11, "")
+    return figures(QUICK, timeline, started, missed, facts or _facts(), 11, 11, "")
 
 
 def _met(section, what: str) -> bool | None:
@@ -86,6 +87,9 @@ def test_only_explained_alerts_pass():
     assert judge("QoOpsJobRetryPressureHigh", {"job_name": "quote_expiration"}, 99, f) is None
     assert judge("QoOpsJobPartialFailureRateHigh", retry, 1, f) is not None
     assert judge("QoOpsJobPartialFailureRateHigh", {"job_name": "audit_archive"}, 99, f) is None
+    # the outage explains only the jobs whose runs called the downstream
+    assert judge("QoOpsJobNotSucceeding", publish, OUTAGE[0] + 1, f) is not None
+    assert judge("QoOpsJobNotSucceeding", {"job_name": "audit_archive"}, OUTAGE[0] + 1, f) is None
     growing = {"job_name": "audit_archive"}  # nothing of it queued, not a downstream job
     assert judge("QoOpsJobBacklogGrowing", growing, 99, f) is None
     assert judge("QoOpsJobBacklogGrowing", {"job_name": "quote_expiration"}, 1, f) is not None
