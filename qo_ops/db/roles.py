@@ -61,7 +61,8 @@ EXPECTED: Matrix = {
         "api_token": NONE,
         "api_idempotency": NONE,
         "job_control": SIUD,  # every run reads it; `qo-ops suspend/resume` writes it
-        "downstream_breaker": SIU,  # the item jobs read it and write their transitions
+        "downstream_breaker": SIU,  # the item jobs read it and add their evidence
+        "downstream_refund": SID,  # an opening owes attempts; the item's claim takes them
         "job_schedule_tick": SIUD,  # the schedules record their ticks and prune old ones
         "job_run_queue": SIU,  # run_queue_sensor upserts one row per job
         "tenant": S,
@@ -95,6 +96,7 @@ EXPECTED: Matrix = {
         "api_idempotency": SID,  # keys kept, expired ones deleted
         "job_control": SIUD,  # approvers suspend and resume
         "downstream_breaker": S,  # the exporter's breaker gauges
+        "downstream_refund": S,
         "job_schedule_tick": S,
         "job_run_queue": S,
         **dict.fromkeys(BUSINESS_TABLE_NAMES, S),  # backlog counts run job selections

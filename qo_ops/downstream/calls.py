@@ -4,7 +4,6 @@ downstream for each claimed item, and turning recorded results into a batch outc
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -16,10 +15,14 @@ from qo_ops.config import number, whole_number
 from qo_ops.downstream.client import DownstreamClient, DownstreamError, downstream_url
 from qo_ops.platform.breaker import (
     OPEN,
+    BatchEvidence,
     BreakerSettings,
     CircuitBreaker,
-    load_breaker,
-    save_transitions,
+    SharedState,
+    Spent,
+    read_shared,
+    share_batch,
+    take_owed,
 )
 from qo_ops.platform.external import NotCalled, call_each
 from qo_ops.platform.manners import DEPENDENCY_UNAVAILABLE
@@ -104,11 +107,8 @@ class RunCalls:
     calls: int = 0  # calls sent
     retries: int = 0  # of which for items that had failed before (the retry budget)
     budget_refused: int = 0  # retries not made: the budget was used up
-    # systemic failures recorded with their attempt used, among the last ``window`` calls
-    # answered (answer order, item id, attempt): the calls the breaker judges by. If it
-    # opens, they were the start of the outage and get their attempt back
-    recent_failures: deque[tuple[int, str, int]] = field(default_factory=deque)
-    answers: int = 0  # calls answered in this run, in the order they came
+    spared: int = 0  # attempts kept or given back because the downstream was down
+    held: int = 0  # last attempts kept: a systemic failure while the downstream was not up
     reported: dict[str, float] = field(default_factory=dict)  # what the tally already has
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -147,14 +147,38 @@ def downstream_client(
     return run_calls(ctx, url, manners or Manners()).client
 
 
-def prepare_calls(conn: Connection, ctx: BatchContext) -> None:
-    """In the run's first claim: load the downstream's shared breaker (an open one whose
-    probe is due comes back half-open)."""
+def prepare_calls(
+    conn: Connection, ctx: BatchContext, side_effect: str, give_back: sa.TextClause
+) -> None:
+    """In each claim, before anything is claimed: the run's breaker takes up the shared row
+    (its state and evidence; an open one whose probe is due comes back half-open), and what
+    an outage owes this tenant's items of ``side_effect`` is given back (``give_back``: the
+    job's statement over ``:ids``/``:attempts``/``:refunds``/``:revives``)."""
     settings = run_settings(ctx, call_settings)
     calls = run_calls(ctx, settings.downstream_url, settings.manners)
     if calls.breaker is None:
-        calls.breaker = load_breaker(conn, calls.downstream, settings.manners.breaker)
+        calls.breaker = CircuitBreaker(settings.manners.breaker)
         calls.client.breaker = calls.breaker
+    calls.breaker.sync(read_shared(conn, calls.downstream, settings.manners.breaker))
+    _give_back_owed(conn, calls, side_effect, ctx.scope.tenant_id, give_back)
+
+
+def _give_back_owed(
+    conn: Connection, calls: RunCalls, side_effect: str, tenant_id: str, give_back: sa.TextClause
+) -> None:
+    """Give back what an outage owes the tenant's items (taken off ``downstream_refund``)."""
+    owed = take_owed(conn, side_effect, tenant_id)
+    if owed:
+        given = conn.execute(
+            give_back,
+            {
+                "ids": [o.item_id for o in owed],
+                "attempts": [o.attempt for o in owed],
+                "refunds": [o.refund for o in owed],
+                "revives": [o.revive for o in owed],
+            },
+        ).rowcount
+        calls.spared += given
 
 
 def claim_seconds(ctx: BatchContext, items: int) -> float:
@@ -194,13 +218,6 @@ def call_for_each(
     calls = run_calls(ctx, settings.downstream_url, settings.manners)
     breaker = calls.breaker
     opened_before = breaker.opened if breaker is not None else 0
-    answered: dict[str, int] = {}  # item id → the order its answer came in (in the run)
-    order_lock = threading.Lock()
-
-    def came(item_id: str) -> None:
-        with order_lock:
-            calls.answers += 1
-            answered[item_id] = calls.answers
 
     def one(item: dict[str, Any]) -> CallResult:
         base = {
@@ -217,7 +234,6 @@ def call_for_each(
             if not exc.sent:  # the breaker is open, or the run is stopping: never sent
                 calls.not_sent(retry)
                 return CallResult(**base, ok=False, code=exc.code, released=True)
-            came(base["item_id"])
             return CallResult(
                 **base,
                 ok=False,
@@ -229,7 +245,6 @@ def call_for_each(
                 rate_limited=exc.code == "http_429",
                 retry_after_s=exc.retry_after_s,
             )
-        came(base["item_id"])
         return CallResult(**base, ok=True, duplicate=duplicate is True)
 
     results = call_each(work, one, ctx.limits.concurrency, ctx.stop)
@@ -239,25 +254,35 @@ def call_for_each(
     ]
     if breaker is not None and breaker.opened > opened_before:
         done = [replace(r, spared=True) if systemic(r) else r for r in done]
-    _remember_failures(calls, done, answered)
     return done
 
 
-def _remember_failures(
-    calls: RunCalls, results: list[CallResult], answered: dict[str, int]
-) -> None:
-    """Keep ``calls.recent_failures``: the systemic failures to be recorded with their
-    attempt used, while they are among the breaker's window of the last calls answered."""
-    calls.recent_failures.extend(
-        sorted(
-            (answered[r.item_id], r.item_id, r.attempt)
-            for r in results
-            if systemic(r) and not r.spared
-        )
-    )
-    window = calls.breaker.settings.window if calls.breaker is not None else 0
-    while calls.recent_failures and calls.recent_failures[0][0] <= calls.answers - window:
-        calls.recent_failures.popleft()
+def hold_unless_up(
+    ctx: BatchContext, decisions: list[tuple[CallResult, Disposition]], policy: RetryPolicy
+) -> list[tuple[CallResult, Disposition]]:
+    """A systemic failure dead-letters its item only when the downstream is up (the shared
+    evidence knows enough calls and does not say down): otherwise the failure may be the
+    outage's, not the item's, and the item is held: it keeps its last attempt and is tried
+    again at its backoff."""
+    calls: RunCalls | None = ctx.state.get(_CALLS_PARAM)
+    breaker = calls.breaker if calls is not None else None
+    if breaker is None or breaker.up():
+        return decisions
+    held = []
+    for result, disposition in decisions:
+        if disposition.state == "dead" and systemic(result):
+            disposition = Disposition("hold", policy.delay(result.attempt).total_seconds())
+        held.append((result, disposition))
+    return held
+
+
+@dataclass(frozen=True)
+class CallSteps:
+    """What :func:`finish_calls` needs of the job: its side effect (which names its items in
+    the breaker's evidence) and its statement that gives attempts back."""
+
+    side_effect: str
+    give_back: sa.TextClause
 
 
 def finish_calls(
@@ -265,40 +290,40 @@ def finish_calls(
     ctx: BatchContext,
     decisions: list[tuple[CallResult, Disposition]],
     recorded: dict[str, str],
-    side_effect: str,
-    give_back: sa.TextClause,
+    steps: CallSteps,
 ) -> BatchOutcome:
-    """The batch's outcome (:func:`outcome_of`), and the run's manners in it: breaker
-    transitions written to the shared row and reported (events, tally); when the breaker
-    opened, the failures that started the outage in earlier batches get their attempt back
-    (``give_back``: the job's statement over ``:ids``/``:attempts``); the run stops when the
-    breaker is open (``dependency_unavailable``) or the retry budget is used up."""
-    outcome = outcome_of(decisions, recorded, side_effect)
+    """The batch's outcome (:func:`outcome_of`), and the run's manners in it: the batch's
+    evidence added to the shared row (:func:`~qo_ops.platform.breaker.share_batch`), its
+    breaker transitions reported (events, tally); when the breaker opened, what the outage's
+    failures spent is given back to this tenant's items now (other tenants' and jobs' at
+    their next claim); the run stops when the breaker is open (``dependency_unavailable``)
+    or the retry budget is used up."""
+    outcome = outcome_of(decisions, recorded, steps.side_effect)
     calls: RunCalls | None = ctx.state.get(_CALLS_PARAM)
     if calls is None:
         return outcome
+    calls.spared += sum(1 for r, d in decisions if d.state == "spare" and r.item_id in recorded)
+    calls.held += sum(1 for r, d in decisions if d.state == "hold" and r.item_id in recorded)
     breaker = calls.breaker
-    transitions = breaker.drain() if breaker is not None else []
-    if breaker is not None and transitions:
-        save_transitions(conn, calls.downstream, transitions, breaker.settings, ctx.job_run_id)
-        for t in transitions:
+    if breaker is not None:
+        tenant = ctx.scope.tenant_id
+        spent = [
+            Spent(steps.side_effect, tenant, r.item_id, r.attempt, recorded[r.item_id] == "dead")
+            for r, _ in decisions
+            if systemic(r) and recorded.get(r.item_id) in ("retry", "dead")
+        ]
+        evidence = BatchEvidence(
+            calls.downstream, ctx.job_run_id, breaker.take_added(), breaker.drain(), spent
+        )
+        shared = share_batch(conn, evidence, breaker.settings)
+        for t in shared.transitions:
             outcome.tally[f"breaker.{t.to}"] = outcome.tally.get(f"breaker.{t.to}", 0) + 1
             outcome.notes.append(
                 (f"downstream.breaker.{t.to}", {"downstream": calls.downstream, "reason": t.reason})
             )
-        if any(t.to == OPEN for t in transitions):
-            earlier = [(i, a) for _, i, a in calls.recent_failures if i not in recorded]
-            if earlier:
-                given = conn.execute(
-                    give_back,
-                    {"ids": [i for i, _ in earlier], "attempts": [a for _, a in earlier]},
-                ).rowcount
-                if given:
-                    outcome.tally["downstream.spared"] = given
-            calls.recent_failures.clear()
-    spared = sum(1 for r, d in decisions if d.state == "spare" and r.item_id in recorded)
-    if spared:
-        outcome.tally["downstream.spared"] = outcome.tally.get("downstream.spared", 0) + spared
+        if shared.transitions and shared.transitions[-1].to == OPEN:
+            breaker.sync(SharedState(OPEN))  # opened on the shared evidence: this run stops too
+            _give_back_owed(conn, calls, steps.side_effect, tenant, steps.give_back)
     _report_counts(calls, outcome)
     if breaker is not None and breaker.state == OPEN:
         outcome.halt = (DEPENDENCY_UNAVAILABLE, f"circuit breaker open for {calls.downstream}")
@@ -314,6 +339,8 @@ def _report_counts(calls: RunCalls, outcome: BatchOutcome) -> None:
         "downstream.retries": calls.retries,
         "downstream.retry_budget_refused": calls.budget_refused,
         "downstream.refused_open": calls.breaker.refused if calls.breaker is not None else 0,
+        "downstream.spared": calls.spared,
+        "downstream.held": calls.held,
         "downstream.rate_limit_pauses": calls.limiter.pauses,
         "downstream.rate_limit_wait_ms": int(calls.limiter.waited_s * 1000),
     }
@@ -349,13 +376,14 @@ _STATE_NAMES = {
     "release": "released",
     "wait": "rate_limited",
     "spare": "spared",
+    "hold": "held",
 }
 
 
 def _retry_signals(result: CallResult, state: str | None) -> list[str]:
     """The seed's retry signals of one recorded call (``qo_ops.platform.signals``): a retry
     scheduled (or a rate-limited wait) by reason, or a dead letter after every attempt."""
-    if state in ("retry", "wait"):
+    if state in ("retry", "wait", "hold"):
         reason = "dependency_rate_limited" if state == "wait" else retry_reason(result.code)
         return [ITEM_RETRY_PREFIX + reason]
     exhausted = result.error_class is not ErrorClass.NON_RETRYABLE
@@ -381,7 +409,7 @@ def outcome_of(
     failed = [
         (r.item_id, r.code or "unknown")
         for r, _ in decisions
-        if recorded.get(r.item_id) in ("retry", "dead")
+        if recorded.get(r.item_id) in ("retry", "dead", "hold")
     ]
     tally: dict[str, int] = {}
     for r, _ in decisions:  # outcomes by error class and attempt, for the run's report
@@ -395,7 +423,7 @@ def outcome_of(
         succeeded=states.count("done"),
         failed=len(failed),
         skipped=states.count(None) + states.count("release") + states.count("spare"),
-        retry_scheduled=states.count("retry") + states.count("wait"),
+        retry_scheduled=states.count("retry") + states.count("wait") + states.count("hold"),
         deadlettered=states.count("dead"),
         duplicates_prevented=sum(
             1 for r, _ in decisions if r.ok and r.duplicate and r.item_id in recorded

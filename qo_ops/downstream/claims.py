@@ -20,10 +20,12 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.downstream.calls import (
     CallSettings,
+    CallSteps,
     call_for_each,
     call_settings,
     claim_seconds,
     finish_calls,
+    hold_unless_up,
     prepare_calls,
 )
 from qo_ops.downstream.client import DownstreamClient
@@ -69,8 +71,10 @@ class ClaimedCalls:
     item and answers whether the downstream had seen it already. ``record`` takes one array
     per result — ``:ids``, ``:attempts``, ``:states``, ``:delays`` and the job's own
     ``columns`` — and returns ``(id, state)`` of each result it recorded; ``on_done`` (if
-    any) then runs over the ``:ids`` recorded done; ``give_back`` takes ``:ids`` and
-    ``:attempts`` (:func:`finish_calls`)."""
+    any) then runs over the ``:ids`` recorded done; ``give_back`` takes ``:ids``,
+    ``:attempts``, ``:refunds`` and ``:revives``: what an outage owes back to items (each
+    only while it is still at that attempt; a revived one was dead-lettered by the outage
+    and is due again) (:func:`prepare_calls`, :func:`finish_calls`)."""
 
     side_effect: str
     claim: sa.TextClause
@@ -96,9 +100,9 @@ class ClaimedCalls:
         )
 
     def claim_batch(self, conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
-        """Claim the selected items for this run's calls (the run's first claim loads the
-        downstream's breaker)."""
-        prepare_calls(conn, ctx)
+        """Claim the selected items for this run's calls, after the run's breaker took up the
+        shared row and what an outage owes the tenant's items was given back."""
+        prepare_calls(conn, ctx, self.side_effect, self.give_back)
         claim_s = claim_seconds(ctx, len(ids))
         rows = conn.execute(
             self.claim,
@@ -114,9 +118,9 @@ class ClaimedCalls:
 
     def record_batch(self, conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
         """Record each result as the retry policy disposes of it (done, retry with backoff,
-        dead, or given back), while the item is still under this claim."""
+        dead, held, or given back), while the item is still under this claim."""
         policy = run_settings(ctx, call_settings).retry
-        decisions = [(r, dispose(r, policy)) for r in results]
+        decisions = hold_unless_up(ctx, [(r, dispose(r, policy)) for r in results], policy)
         rows = conn.execute(
             self.record,
             {
@@ -131,4 +135,6 @@ class ClaimedCalls:
         done = [i for i, state in recorded.items() if state == "done"]
         if self.on_done is not None and done:
             conn.execute(self.on_done, {"ids": done})
-        return finish_calls(conn, ctx, decisions, recorded, self.side_effect, self.give_back)
+        return finish_calls(
+            conn, ctx, decisions, recorded, CallSteps(self.side_effect, self.give_back)
+        )

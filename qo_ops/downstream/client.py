@@ -232,30 +232,40 @@ class DownstreamClient:
         """``_request`` as a polite client makes it: not while the breaker is open, at most
         the limiter's rate, everyone paused for a ``429``'s ``Retry-After``; each answer
         told to the breaker (a 5xx or no answer: failed; a 429: neither; else: up)."""
-        if self.breaker is not None and not self.breaker.allow(self.stop):
+        breaker = self.breaker
+        ticket = breaker.allow(self.stop) if breaker is not None else None
+        if breaker is not None and ticket is None:
             raise DownstreamError(
                 ErrorClass.RETRYABLE, "circuit_open", f"{what}: circuit open", sent=False
             )
-        if self.limiter is not None and not self.limiter.acquire(self.stop):
-            raise DownstreamError(ErrorClass.RETRYABLE, "not_sent", f"{what}: stopping", sent=False)
+        told = False  # the breaker hears of every ticket it gave: its evidence is in start order
         try:
-            answer = self._request(method, path, what, content, params, headers)
-        except DownstreamError as exc:
-            if self.breaker is not None:
-                self.breaker.failed(exc.code)
-            raise
-        if answer.status == 429:
-            if self.limiter is not None:
+            if self.limiter is not None and not self.limiter.acquire(self.stop):
+                raise DownstreamError(
+                    ErrorClass.RETRYABLE, "not_sent", f"{what}: stopping", sent=False
+                )
+            try:
+                answer = self._request(method, path, what, content, params, headers)
+            except DownstreamError as exc:
+                if breaker is not None and ticket is not None:
+                    breaker.failed(ticket, exc.code)
+                    told = True
+                raise
+            if answer.status == 429 and self.limiter is not None:
                 retry_after = retry_after_seconds(answer.headers.get("retry-after"))
                 self.limiter.pause(DEFAULT_WAIT_S if retry_after is None else retry_after)
-            if self.breaker is not None:
-                self.breaker.neutral()
-        elif self.breaker is not None:
-            if answer.status >= 500:
-                self.breaker.failed(f"http_{answer.status}")
-            else:
-                self.breaker.succeeded()
-        return answer
+            if breaker is not None and ticket is not None:
+                if answer.status >= 500:
+                    breaker.failed(ticket, f"http_{answer.status}")
+                elif answer.status != 429:  # a 429 says nothing about health
+                    breaker.succeeded(ticket)
+                else:
+                    breaker.neutral(ticket)
+                told = True
+            return answer
+        finally:
+            if breaker is not None and ticket is not None and not told:
+                breaker.neutral(ticket)  # not sent after all (stopping), or a bug
 
     def _request(
         self,

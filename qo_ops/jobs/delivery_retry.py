@@ -98,18 +98,21 @@ _STATE = {
     "release": "READY",
     "wait": "READY",
     "spare": "READY",
+    "hold": "READY",
 }
 
-# The breaker opened: the failures that started the outage in an earlier batch of this run
-# get their attempt back and are due again (only while nobody claimed them since).
-# Twice: it matches only at the attempt recorded, which it lowers: a second one matches nothing.
+# What an outage owed back (the breaker opened while these items' systemic failures were in
+# its evidence): their attempts, and the dead-lettered ones back to READY; all due now.
+# Twice: it matches only at the attempt owed, which it lowers: a second one matches nothing.
 GIVE_BACK_DELIVERY_ATTEMPTS = sa.text(
     """
     UPDATE delivery_attempt_item i
-       SET attempt_count = i.attempt_count - 1, next_attempt_at = clock_timestamp(),
-           updated_at = clock_timestamp()
-      FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[])) AS r(id, attempt)
-     WHERE i.id = r.id AND i.status = 'READY' AND i.attempt_count = r.attempt
+       SET attempt_count = i.attempt_count - r.refund, status = 'READY',
+           next_attempt_at = clock_timestamp(), updated_at = clock_timestamp()
+      FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:refunds AS int[]),
+                  CAST(:revives AS bool[])) AS r(id, attempt, refund, revive)
+     WHERE i.id = r.id AND i.attempt_count = r.attempt
+       AND (i.status = 'READY' OR (r.revive AND i.status = 'DEAD_LETTER'))
     """
 )
 

@@ -70,11 +70,12 @@ RECORD_PUBLISH_RESULTS = sa.text(
     UPDATE outbox_event e
        SET published_at = CASE WHEN r.state = 'done' THEN clock_timestamp() END,
            dead_lettered_at = CASE WHEN r.state = 'dead' THEN clock_timestamp() END,
-           available_at = CASE WHEN r.state IN ('retry', 'release', 'wait', 'spare')
+           available_at = CASE WHEN r.state IN ('retry', 'release', 'wait', 'spare', 'hold')
                                THEN clock_timestamp() + make_interval(secs => r.delay_s)
                                ELSE e.available_at END,
            publish_attempts = e.publish_attempts
-                              - CASE WHEN r.state IN ('release', 'wait', 'spare') THEN 1 ELSE 0 END,
+                              - CASE WHEN r.state IN ('release', 'wait', 'spare', 'hold')
+                                     THEN 1 ELSE 0 END,
            last_error_code = CASE WHEN r.state = 'release' THEN e.last_error_code ELSE r.code END
       FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:states AS text[]),
                   CAST(:delays AS float8[]), CAST(:codes AS text[]))
@@ -85,16 +86,18 @@ RECORD_PUBLISH_RESULTS = sa.text(
     """
 )
 
-# The breaker opened: the failures that started the outage in an earlier batch of this run
-# get their attempt back and are due again (only while nobody claimed them since).
-# Twice: it matches only at the attempt recorded, which it lowers: a second one matches nothing.
+# What an outage owed back (the breaker opened while these events' systemic failures were in
+# its evidence): their attempts, and the dead-lettered ones due again; all due now.
+# Twice: it matches only at the attempt owed, which it lowers: a second one matches nothing.
 GIVE_BACK_PUBLISH_ATTEMPTS = sa.text(
     """
     UPDATE outbox_event e
-       SET publish_attempts = e.publish_attempts - 1, available_at = clock_timestamp()
-      FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[])) AS r(id, attempt)
-     WHERE e.id = r.id AND e.published_at IS NULL AND e.dead_lettered_at IS NULL
-       AND e.publish_attempts = r.attempt
+       SET publish_attempts = e.publish_attempts - r.refund, dead_lettered_at = NULL,
+           available_at = clock_timestamp()
+      FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:refunds AS int[]),
+                  CAST(:revives AS bool[])) AS r(id, attempt, refund, revive)
+     WHERE e.id = r.id AND e.published_at IS NULL AND e.publish_attempts = r.attempt
+       AND (e.dead_lettered_at IS NULL OR r.revive)
     """
 )
 

@@ -52,6 +52,12 @@ DOWNSTREAM_FAMILIES = {  # metric → (help, its label besides job_name, the lab
         None,
         ("",),
     ),
+    "job_downstream_held_total": (
+        "Items kept at their last attempt: a systemic failure while the downstream was not "
+        "known to be up (too few recent calls, or failing); tried again at their backoff",
+        None,
+        ("",),
+    ),
     "job_breaker_transitions_total": (
         "Circuit breaker transitions made by the job's runs, by the state moved to",
         "to",

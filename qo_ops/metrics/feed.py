@@ -195,6 +195,7 @@ DOWNSTREAM_COUNTERS: dict[str, tuple[str, str, float]] = {
     manners.RATE_LIMIT_PAUSES: ("job_downstream_rate_limit_pauses_total", "", 1.0),
     manners.RATE_LIMIT_WAIT_MS: ("job_downstream_rate_limit_wait_seconds_total", "", 0.001),
     manners.SPARED: ("job_downstream_spared_total", "", 1.0),
+    manners.HELD: ("job_downstream_held_total", "", 1.0),
     **{
         manners.BREAKER_PREFIX + state: ("job_breaker_transitions_total", state, 1.0)
         for state in manners.BREAKER_STATES

@@ -20,13 +20,14 @@ RETRY_BUDGET_REFUSED = "downstream.retry_budget_refused"  # retries not sent: bu
 REFUSED_OPEN = "downstream.refused_open"  # calls not sent: the breaker was open
 RATE_LIMIT_PAUSES = "downstream.rate_limit_pauses"  # 429 answers (each pauses the run)
 RATE_LIMIT_WAIT_MS = "downstream.rate_limit_wait_ms"  # waiting for the limiter, all workers
-SPARED = "downstream.spared"  # failed in an outage: the item kept its attempt
+SPARED = "downstream.spared"  # failed in an outage: the item kept its attempt (or got it back)
+HELD = "downstream.held"  # a last attempt kept: failed systemically, downstream not known up
 BREAKER_STATES = (CLOSED, OPEN, HALF_OPEN)
 BREAKER_PREFIX = "breaker."  # breaker.<state>: transitions to that state
 # The error class of a run the breaker stopped (qo_ops.downstream.calls.finish_calls)
 DEPENDENCY_UNAVAILABLE = "dependency_unavailable"
 _KEYS = (CALLS, RETRIES, RETRY_BUDGET_REFUSED, REFUSED_OPEN, RATE_LIMIT_PAUSES,
-         RATE_LIMIT_WAIT_MS, SPARED)  # fmt: skip
+         RATE_LIMIT_WAIT_MS, SPARED, HELD)  # fmt: skip
 
 
 def is_manners_key(key: str) -> bool:
@@ -45,6 +46,7 @@ class DownstreamCalls:
     rate_limit_pauses: int = 0
     rate_limit_wait_ms: int = 0
     spared: int = 0
+    held: int = 0
     breaker_opened: int = 0
     breaker_half_opened: int = 0
     breaker_closed: int = 0
@@ -67,6 +69,7 @@ class DownstreamCalls:
             rate_limit_pauses=n(RATE_LIMIT_PAUSES),
             rate_limit_wait_ms=n(RATE_LIMIT_WAIT_MS),
             spared=n(SPARED),
+            held=n(HELD),
             breaker_opened=n(BREAKER_PREFIX + OPEN),
             breaker_half_opened=n(BREAKER_PREFIX + HALF_OPEN),
             breaker_closed=n(BREAKER_PREFIX + CLOSED),
@@ -102,6 +105,8 @@ class DownstreamCalls:
             parts.append(f"{self.retry_budget_refused} retries refused (budget used up)")
         if self.spared:
             parts.append(f"{self.spared} spared (attempt kept)")
+        if self.held:
+            parts.append(f"{self.held} held at their last attempt (downstream not known up)")
         return ", ".join(parts)
 
     def rows(self) -> list[ReportRow]:
@@ -116,6 +121,7 @@ class DownstreamCalls:
             ("rate_limit_pauses", self.rate_limit_pauses, "429 + Retry-After: the run paused"),
             ("rate_limit_wait_ms", self.rate_limit_wait_ms, "waited for the rate limit, summed"),
             ("spared", self.spared, "failed in the outage: attempt kept"),
+            ("held", self.held, "last attempt failed, downstream not known up: kept, retried"),
         )
         rows += [ReportRow("downstream", name, n, detail) for name, n, detail in optional if n]
         moves = ((OPEN, self.breaker_opened), (HALF_OPEN, self.breaker_half_opened),
@@ -136,6 +142,7 @@ class DownstreamCalls:
             "rate_limit_pauses": self.rate_limit_pauses,
             "rate_limit_wait_s": round(self.rate_limit_wait_ms / 1000, 3),
             "spared": self.spared,
+            "held": self.held,
             "breaker_transitions": {
                 OPEN: self.breaker_opened,
                 HALF_OPEN: self.breaker_half_opened,

@@ -23,7 +23,8 @@ class ErrorClass(StrEnum):
 
 
 RETRYABLE_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
-REFUNDED = frozenset({"release", "wait", "spare"})  # dispositions that keep the attempt
+# dispositions that keep the attempt
+REFUNDED = frozenset({"release", "wait", "spare", "hold"})
 
 
 def classify_http_status(status: int) -> ErrorClass:
@@ -129,7 +130,9 @@ class Disposition:
     """What to do with an item after a call: delivered, retry after ``delay_s``, or dead."""
 
     # "done" | "retry" | "dead" | "release" (due again now) | "wait" (rate-limited: due after
-    # Retry-After) | "spare" (an outage: due again now); the last three keep their attempt
+    # Retry-After) | "spare" (an outage: due again now) | "hold" (a last attempt failed
+    # systemically while the downstream was not known to be up: retried at its backoff);
+    # the last four keep their attempt
     state: str
     delay_s: float = 0.0
 

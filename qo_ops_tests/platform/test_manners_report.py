@@ -40,6 +40,7 @@ def test_an_outage_reads_as_figures_rows_and_one_line():
         "rate_limit_pauses": 3,
         "rate_limit_wait_s": 4.25,
         "spared": 12,
+        "held": 0,
         "breaker_transitions": {"open": 2, "half_open": 1, "closed": 1},
     }
     assert calls.line() == (

@@ -85,6 +85,11 @@ job_run = sa.Table(
     # which of its trigger's retries this run is (0: the first attempt), of retries_max
     sa.Column("retry_number", sa.Integer, nullable=False, server_default="0"),
     sa.Column("retries_max", sa.Integer),
+    # the run's liveness (0016): the session advisory lock its process holds while it runs,
+    # and when it took it (database clock). A lock gone while the server that granted it is
+    # still up means the process is gone (qo_ops/platform/liveness.py); NULL: not known
+    sa.Column("liveness_key", sa.BigInteger),
+    sa.Column("liveness_since", TS),
     status_check("status", JOB_RUN_STATUSES),
     status_check("mode", RUN_MODES),
     status_check("trigger_type", TRIGGER_TYPES),
@@ -157,8 +162,9 @@ job_control = sa.Table(
 )
 
 # The downstream's circuit breaker (migration 0011): one row per downstream origin
-# (scheme://host:port, never credentials), shared by every run that calls it. A run that
-# sees most of its recent calls fail systemically writes ``open`` with ``probe_after`` (the
+# (scheme://host:port, never credentials), shared by every run that calls it, with the
+# evidence it is judged on (0016): the recent calls' outcomes in start order, added to by
+# every run's batches. When the evidence says down it is ``open`` until ``probe_after`` (the
 # database's clock + the open time); the next run after that probes with a few calls
 # (``half_open``) and writes ``closed`` when they answer. See qo_ops/platform/breaker.py.
 downstream_breaker = sa.Table(
@@ -172,7 +178,28 @@ downstream_breaker = sa.Table(
     sa.Column("opened_count", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("changed_at", TS, nullable=False, server_default=NOW),
     sa.Column("changed_by_run", UUID(as_uuid=True)),
+    # the evidence: F (failed) / S (answered) per call, oldest first, the last 50 at most
+    sa.Column("recent", sa.Text, nullable=False, server_default=""),
+    sa.Column("recent_at", TS),  # when a batch last added to it (older than 15 min: forgotten)
+    # the failures in the evidence that used an attempt: owed back if it opens
+    sa.Column("spent", JSONB, nullable=False, server_default=sa.text("'[]'::jsonb")),
     sa.CheckConstraint("state IN ('closed', 'open', 'half_open')", name="state_known"),
+)
+
+# Attempts owed back to items after an outage (0016): when the breaker opens, each item
+# whose systemic failures were in its evidence gets a row; the item's job takes and gives
+# them back in the tenant's next claim, before it claims anything.
+downstream_refund = sa.Table(
+    "downstream_refund",
+    metadata,
+    sa.Column("side_effect", sa.Text, primary_key=True),  # the job's: submit_delivery, …
+    sa.Column("item_id", UUID(as_uuid=True), primary_key=True),
+    sa.Column("tenant_id", sa.Text, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),  # given back only while still at it
+    sa.Column("refund", sa.Integer, nullable=False),  # how many attempts
+    sa.Column("revive", sa.Boolean, nullable=False),  # dead-lettered by the outage: back to due
+    sa.Column("owed_at", TS, nullable=False, server_default=NOW),
+    sa.Index("ix_downstream_refund_tenant", "side_effect", "tenant_id"),
 )
 
 # Events written in the business transaction, published later by the relay.
@@ -305,6 +332,7 @@ PLATFORM_TABLES = (
     api_idempotency,
     job_control,
     downstream_breaker,
+    downstream_refund,
     job_schedule_tick,
     job_run_queue,
 )
