@@ -18,13 +18,16 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from qo_ops.platform.liveness import RUN_GONE, Liveness
+
 log = logging.getLogger(__name__)
 
-# Free or expired → ours; the fencing token only ever goes up.
-# Twice: a held, unexpired lease matches nothing (the upsert's WHERE), so of two racing
-# acquires one wins, and a second acquire by the winner finds it held and gets nothing.
+# Free, expired, or held by a run whose process is gone (its liveness lock dropped) →
+# ours; the fencing token only ever goes up.
+# Twice: a held, unexpired lease of a live holder matches nothing (the upsert's WHERE), so
+# of two racing acquires one wins, and a second acquire by the winner finds it held.
 _ACQUIRE = sa.text(
-    """
+    f"""
     INSERT INTO job_lease AS l (job_name, scope, owner_id, lease_token, fencing_token,
                                 acquired_at, heartbeat_at, expires_at, job_run_id)
     VALUES (:job, :scope, :owner, :token, 1, clock_timestamp(), clock_timestamp(),
@@ -35,6 +38,7 @@ _ACQUIRE = sa.text(
            heartbeat_at = EXCLUDED.heartbeat_at, expires_at = EXCLUDED.expires_at,
            job_run_id = EXCLUDED.job_run_id
      WHERE l.expires_at < clock_timestamp()
+        OR EXISTS (SELECT 1 FROM job_run r WHERE r.id = l.job_run_id AND {RUN_GONE})
     RETURNING fencing_token
     """
 )
@@ -197,13 +201,17 @@ class Heartbeat:
     """Extends a lease every ``ttl / 3`` seconds in a background thread until stopped.
 
     When an extension finds the lease gone, ``lost`` is set; the runner checks it between
-    batches (and the guard refuses inside them regardless).
+    batches (and the guard refuses inside them regardless). Each beat also keeps the run's
+    liveness lock (taken again after a database restart).
     """
 
-    def __init__(self, engine: Engine, lease: Lease, job_run_id: uuid.UUID) -> None:
+    def __init__(
+        self, engine: Engine, lease: Lease, job_run_id: uuid.UUID, liveness: Liveness | None
+    ) -> None:
         self._engine = engine
         self._lease = lease
         self._run_id = job_run_id
+        self._liveness = liveness
         self._stop = threading.Event()
         self.lost = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="qo-ops-heartbeat", daemon=True)
@@ -226,6 +234,8 @@ class Heartbeat:
                         ),
                         {"id": self._run_id},
                     )
+                if self._liveness is not None:
+                    self._liveness.keep(self._run_id)
             except DBAPIError as exc:  # the database may come back before the lease expires
                 log.warning("heartbeat failed: %s", type(exc.orig).__name__)
 
@@ -235,14 +245,17 @@ class Heartbeat:
             self._thread.join(timeout=10)
 
 
+# The scopes of a job whose lease is unexpired and whose holder is not gone. Read-only.
+_HELD = sa.text(
+    f"""
+    SELECT l.scope FROM job_lease l
+     WHERE l.job_name = :job AND l.expires_at > clock_timestamp()
+       AND NOT EXISTS (SELECT 1 FROM job_run r WHERE r.id = l.job_run_id AND {RUN_GONE})
+    """
+)
+
+
 def held_scopes(conn: Connection, job_name: str) -> set[str]:
-    """The scopes of ``job_name`` whose lease is held now (a run is working on them)."""
-    return set(
-        conn.execute(
-            sa.text(
-                "SELECT scope FROM job_lease WHERE job_name = :job "
-                "AND expires_at > clock_timestamp()"
-            ),
-            {"job": job_name},
-        ).scalars()
-    )
+    """The scopes of ``job_name`` whose lease is held now by a run that is not gone (a run
+    is working on them)."""
+    return set(conn.execute(_HELD, {"job": job_name}).scalars())

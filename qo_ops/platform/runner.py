@@ -39,6 +39,7 @@ from qo_ops.platform.counts import Counts
 from qo_ops.platform.drift import drift_reason, drift_s, drift_warn_s
 from qo_ops.platform.faults import crash_point, hold_point
 from qo_ops.platform.lease import Heartbeat, Lease, LeaseLost, acquire
+from qo_ops.platform.liveness import Liveness
 from qo_ops.platform.report import add_report
 from qo_ops.platform.selection import count_eligible, select_batch
 from qo_ops.platform.spec import (
@@ -123,6 +124,7 @@ class JobRun:
         self.spec, self.scope, self.options = request.spec, request.scope, request.options
         self.limits = self.spec.defaults.overridden_by(self.options)
         self.owner = owner_identity()
+        self.liveness: Liveness | None = None  # taken before the record, given back after it
         self.batch_ms: list[float] = []  # batch transaction times (guard to commit)
 
     # ------------------------------------------------------------------ the run
@@ -146,9 +148,15 @@ class JobRun:
         spec, scope, options = self.spec, self.scope, self.options
         self.started = time.monotonic()
         with self.stop.deferred():
-            self.run_id = runs.create_run(
-                self.engine, spec.name, scope, options, self.owner, self.limits.as_dict()
-            )
+            self.liveness = Liveness.take(self.engine)  # before the record: never "gone" early
+            owner = runs.RunOwner(self.owner, self.liveness.key if self.liveness else None)
+            try:
+                self.run_id = runs.create_run(
+                    self.engine, spec.name, scope, options, owner, self.limits.as_dict()
+                )
+            except BaseException:
+                self._let_go()
+                raise
         self.ctx = BatchContext(
             spec.name, scope, options.mode, self.run_id,
             limits=self.limits, settings=settings, stop=self.stop,
@@ -241,7 +249,8 @@ class JobRun:
         if lease is None:
             return
         summary = self.summary
-        self.lease, self.heartbeat = lease, Heartbeat(self.engine, lease, self.run_id).start()
+        beat = Heartbeat(self.engine, lease, self.run_id, self.liveness)
+        self.lease, self.heartbeat = lease, beat.start()
         self.deadline = time.monotonic() + self.limits.deadline_s
         try:
             crash_point("after_lease_acquire")
@@ -596,7 +605,10 @@ class JobRun:
         summary = self.summary
         summary.duration_ms = int((time.monotonic() - self.started) * 1000)  # checks included
         with self.stop.deferred():
-            self._write_record()
+            try:
+                self._write_record()
+            finally:
+                self._let_go()
         self.metrics.count_run(self.spec.name, summary, time.monotonic() - self.started)
         self.events.emit(
             "job.finished",
@@ -617,13 +629,19 @@ class JobRun:
         root.set_attribute("items.processed", summary.counts.processed)
         root.set_attribute("items.failed", summary.counts.failed)
 
+    def _let_go(self) -> None:
+        """Give the liveness lock back: the record is finished (or was never written)."""
+        if self.liveness is not None:
+            self.liveness.release()
+            self.liveness = None
+
     def _write_record(self) -> None:
         """Write the run's final record, riding out a database restart for a bounded time (the
         stop grace, when stopping); if the database never comes back, the reaper ends it."""
         limit = self._db_patience()
         try:
             retry_while_unavailable(
-                lambda: runs.finish_run(self.engine, self.summary),
+                lambda: runs.finish_run(self.engine, self.summary, self.owner),
                 limit_s=limit,
                 what="finishing the run record",
             )

@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 from qo_ops.db.schema import JOB_RUN_STATUSES, job_audit, job_run
 from qo_ops.errors import BadInput, one_line
 from qo_ops.platform.counts import COLUMNS, Counts
+from qo_ops.platform.liveness import RUN_GONE
 from qo_ops.platform.spec import RunOptions, RunSummary, Scope, tenant_of
 
 # A run's figures as its row holds them: what it found eligible, then the Counts' columns.
@@ -27,12 +28,21 @@ FINAL_STATUSES = tuple(s for s in JOB_RUN_STATUSES if s not in ACTIVE_STATUSES)
 ERROR_TEXT_LIMIT = 500
 
 
+@dataclass(frozen=True)
+class RunOwner:
+    """Who runs a run: the process (host, pid, nonce: no secrets) and the key of the
+    liveness lock it holds while the run runs (None: none, only the lease's TTL judges)."""
+
+    owner_id: str
+    liveness_key: int | None = None
+
+
 def create_run(
     engine: Engine,
     job_name: str,
     scope: Scope,
     options: RunOptions,
-    owner_id: str,
+    owner: RunOwner,
     resolved: dict[str, Any],
 ) -> uuid.UUID:
     """Insert the ``running`` row of a new run, or adopt the one pre-created by the API."""
@@ -51,9 +61,12 @@ def create_run(
         "requested_at": options.requested_at,
         "retry_number": options.retry_number,
         "retries_max": options.retries_max,
-        "owner_id": owner_id,
+        "owner_id": owner.owner_id,
         "options": resolved,
         "status": "running",
+        "liveness_key": owner.liveness_key,
+        # the lock was taken before this: a time after it, on the database's clock
+        "liveness_since": None if owner.liveness_key is None else sa.func.clock_timestamp(),
     }
     with engine.begin() as conn:
         if options.job_run_id is not None:
@@ -145,16 +158,19 @@ def set_eligible(
         )
 
 
-def finish_run(engine: Engine, summary: RunSummary) -> None:
+def finish_run(engine: Engine, summary: RunSummary, owner_id: str) -> None:
     """Write the run's final status as ``summary`` says; only a ``running`` row is finished
-    (never twice). The lease the run took (its fencing token) and how long taking it took
-    go on the record too."""
+    (never twice), or one the reaper ended as orphaned while its process (``owner_id``) was
+    in fact alive (its liveness session was cut): the run itself says how it ended. The
+    lease the run took (its fencing token) and how long taking it took go on the record too."""
     assert summary.status in FINAL_STATUSES, summary.status
     error_text = summary.error_text
+    reaped_alive = sa.and_(job_run.c.status_reason == "orphaned", job_run.c.owner_id == owner_id)
     with engine.begin() as conn:
         conn.execute(
             sa.update(job_run)
-            .where(job_run.c.id == uuid.UUID(summary.job_run_id), job_run.c.status == "running")
+            .where(job_run.c.id == uuid.UUID(summary.job_run_id))
+            .where(sa.or_(job_run.c.status == "running", reaped_alive))
             .values(
                 status=summary.status,
                 status_reason=summary.status_reason,
@@ -167,21 +183,25 @@ def finish_run(engine: Engine, summary: RunSummary) -> None:
         )
 
 
-# A run is orphaned when it says `running` but holds no live lease and has not beaten
-# its heartbeat for a whole grace period (a fresh run has not acquired yet: not orphaned).
+# A run is orphaned when it says `running` but its process is gone (its liveness lock
+# dropped: qo_ops/platform/liveness.py), or, where liveness cannot tell (a run of older
+# code, a lock from before a database restart), when it holds no live lease and has not
+# beaten its heartbeat for a whole grace period (a fresh run has not acquired yet).
 # Twice: a reaped run is `failed`, no longer `running`, so a second reaper matches nothing.
 _REAP = sa.text(
-    """
+    f"""
     UPDATE job_run r
        SET status = 'failed', status_reason = 'orphaned', finished_at = clock_timestamp(),
            last_error_code = 'orphaned',
            last_error_text = 'run stopped without finishing (process killed or lost); reaped'
      WHERE r.status = 'running'
        AND (CAST(:job AS text) IS NULL OR r.job_name = :job)
-       AND r.heartbeat_at < clock_timestamp() - make_interval(secs => :grace)
-       AND NOT EXISTS (SELECT 1 FROM job_lease l
-                        WHERE l.job_name = r.job_name AND l.scope = r.scope
-                          AND l.job_run_id = r.id AND l.expires_at > clock_timestamp())
+       AND ({RUN_GONE}
+            OR (r.heartbeat_at < clock_timestamp() - make_interval(secs => :grace)
+                AND NOT EXISTS (SELECT 1 FROM job_lease l
+                                 WHERE l.job_name = r.job_name AND l.scope = r.scope
+                                   AND l.job_run_id = r.id
+                                   AND l.expires_at > clock_timestamp())))
     RETURNING r.id
     """
 )

@@ -74,7 +74,8 @@ def hold_lease(db) -> None:
                 "VALUES (:job, :scope, 'elsewhere:1:x', 'not-ours', 1, now(), now(), "
                 "now() + interval '1 hour') "
                 "ON CONFLICT (job_name, scope) DO UPDATE SET owner_id = EXCLUDED.owner_id, "
-                "lease_token = EXCLUDED.lease_token, expires_at = EXCLUDED.expires_at"
+                "lease_token = EXCLUDED.lease_token, expires_at = EXCLUDED.expires_at, "
+                "job_run_id = NULL"  # a holder elsewhere, not one of our finished runs
             ),
             {"job": JOB, "scope": TENANT},
         )
