@@ -1,0 +1,111 @@
+"""The time from the last fault to a clean end: no ``job_run`` row ``running``, no lease
+held by a holder that is gone, and a rerun of each (job, scope) the iteration touched that
+is not ``skipped``. Reruns are started as an operator (or the schedule) would, every half
+second, until then; whatever the time is, it is measured, never assumed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+
+from bench.nemesis.processes import SKIPPED_EXIT, Launcher, RunLimits, RunProcess, RunTarget
+from bench.nemesis.world import World, patiently
+
+RERUN_EVERY_S = 0.5
+
+# What is not clean yet: runs still recorded running, leases still unexpired (read when no
+# process of the nemesis is alive, so every holder is gone).
+UNCLEAN = sa.text(
+    """
+    SELECT (SELECT coalesce(array_agg(job_name || ' ' || scope ORDER BY job_name, scope), '{}')
+              FROM job_run WHERE status = 'running') AS running,
+           (SELECT coalesce(array_agg(job_name || ' ' || scope ORDER BY job_name, scope), '{}')
+              FROM job_lease WHERE expires_at > clock_timestamp()) AS leased
+    """
+)
+
+
+@dataclass(frozen=True)
+class Unclean:
+    """``job scope`` of each run recorded running and of each lease still held."""
+
+    running: tuple[str, ...]
+    leased: tuple[str, ...]
+
+    def jobs(self) -> set[str]:
+        return {entry.split(" ", 1)[0] for entry in (*self.running, *self.leased)}
+
+    def __bool__(self) -> bool:
+        return bool(self.running or self.leased)
+
+
+@dataclass
+class CleanEnd:
+    """How an iteration ended: the seconds from its last fault to a clean end (None: none
+    within the timeout, and ``left`` says what was still wrong), and the reruns it took."""
+
+    seconds: float | None
+    reruns: int
+    left: str = ""
+    skipped: list[str] = field(default_factory=list)  # reruns that found the scope held
+
+
+def unclean(world: World) -> Unclean:
+    """Runs recorded running and leases unexpired, now."""
+
+    def read() -> Unclean:
+        with world.engine.connect() as conn:
+            row = conn.execute(UNCLEAN).one()
+        return Unclean(tuple(row.running), tuple(row.leased))
+
+    return patiently(read, "reading runs and leases")
+
+
+def measure_clean_end(
+    world: World,
+    launcher: Launcher,
+    touched: list[RunTarget],
+    limits: RunLimits,
+    since: float,
+    timeout_s: float,
+    reason: str,
+) -> CleanEnd:
+    """Rerun every touched (job, scope) until each rerun is not skipped, then wait until
+    nothing is recorded running and no lease is held (rerunning the jobs that still have
+    such rows: a run of a job reaps its orphans); ``since`` is the last fault's end."""
+    done: set[RunTarget] = set()
+    pending: dict[RunTarget, RunProcess] = {}
+    reruns, skipped = 0, []
+    next_round = time.monotonic()
+    state = Unclean((), ())
+    while True:
+        for target, process in list(pending.items()):
+            if not process.alive():
+                del pending[target]
+                if process.exit_code == SKIPPED_EXIT:
+                    skipped.append(str(target))
+                else:
+                    done.add(target)
+        now = time.monotonic()
+        if not launcher.alive():
+            state = unclean(world)
+            if not state and done >= set(touched):
+                return CleanEnd(time.monotonic() - since, reruns, skipped=skipped)
+        if now - since > timeout_s:
+            left = [f"not rerun without a skip: {', '.join(map(str, set(touched) - done))}"]
+            left += [f"recorded running: {', '.join(state.running)}"] if state.running else []
+            left += [f"leases held: {', '.join(state.leased)}"] if state.leased else []
+            alive = launcher.alive()
+            left += [f"processes alive: {', '.join(map(str, (p.target for p in alive)))}"]
+            return CleanEnd(None, reruns, "; ".join(left), skipped)
+        if now >= next_round:
+            next_round = now + RERUN_EVERY_S
+            stuck = state.jobs()
+            for target in touched:
+                if target in pending or (target in done and target.job not in stuck):
+                    continue
+                pending[target] = launcher.start(target, limits, "rerun", reason)
+                reruns += 1
+        time.sleep(0.05)
