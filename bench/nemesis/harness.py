@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from bench.nemesis.clean_end import CleanEnd, measure_clean_end
 from bench.nemesis.faults import FaultRecord, Injector
-from bench.nemesis.invariants import Evidence, FinalRun, Violation, check_all
+from bench.nemesis.invariants import Evidence, FinalRun, Violation, check_all, coverage
 from bench.nemesis.plan import (
     DOWNSTREAM_JOBS,
     SENDING_JOBS,
@@ -67,6 +67,7 @@ class NemesisResult:
     iterations: list[IterationResult] = field(default_factory=list)
     final_runs: list[FinalRun] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
+    checked: dict[str, int] = field(default_factory=dict)  # what the invariants looked at
     took_s: float = 0.0
     logs: Path | None = None  # kept when something was found
 
@@ -320,6 +321,7 @@ def _run(
             evidence = Evidence(since, tuple(nemesis.outages), result.final_runs)
             with the_world.engine.connect() as conn:
                 result.violations = check_all(conn, stats, evidence)
+                result.checked = coverage(conn, stats, since)
             result.violations += [
                 Violation(
                     "clean_end",

@@ -387,6 +387,34 @@ def manners_towards_the_downstream(
     ]
 
 
+# How much the invariants looked at: rows the nemesis's runs wrote or changed.
+COVERAGE = sa.text(
+    """
+    SELECT (SELECT count(*) FROM delivery_attempt_item WHERE updated_at >= :since) AS items,
+           (SELECT count(*) FROM outbox_event WHERE published_at >= :since) AS published,
+           (SELECT count(*) FROM outbox_event WHERE created_at >= :since) AS events,
+           (SELECT count(*) FROM job_run WHERE started_at >= :since) AS runs,
+           (SELECT count(*) FROM job_audit WHERE occurred_at >= :since
+               AND action = 'trigger' AND decision = 'allowed') AS audited
+    """
+)
+
+
+def coverage(conn: Connection, stats: dict[str, Any], since: datetime) -> dict[str, int]:
+    """What the checker judged: delivery items changed, events published and written, runs
+    and their audit rows since ``since``; deliveries and notifications at the simulator."""
+    row = conn.execute(COVERAGE, {"since": since}).one()
+    return {
+        "delivery items changed": row.items,
+        "deliveries at the simulator": len(stats["deliveries_by_key"]),
+        "events written": row.events,
+        "events published": row.published,
+        "notifications at the sink": len(stats["notifications_by_event"]),
+        "runs": row.runs,
+        "allowed audit rows": row.audited,
+    }
+
+
 def check_all(conn: Connection, stats: dict[str, Any], evidence: Evidence) -> list[Violation]:
     """Every invariant, over the database (``conn``) and the simulator's ``stats``."""
     since = evidence.since

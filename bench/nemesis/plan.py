@@ -25,7 +25,8 @@ LEASE_TTLS_S = (2, 3, 4)
 BATCH_SIZES = (2, 5, 10)
 THROTTLES_MS = (100, 200, 300)
 FAULT_AT_S = (0.6, 2.5)  # a fault lands this long after the iteration began
-OUTAGE_S = (3.0, 8.0)  # long enough for a retry schedule (0.2 s to 1 s, 8 attempts) to run out
+# longer than a whole retry schedule (0.2 s doubling to 1 s, 8 attempts: about 5 s)
+OUTAGE_S = (5.0, 12.0)
 FLAKY_S = (3.0, 6.0)
 DAY_SPREAD = 3  # a windowed job's window ends on its scheduled day or up to this many before
 WINDOW_DAYS = 7  # a week, as the rerun property's: the demo's orders fall on some days only
@@ -144,6 +145,11 @@ def plan_iterations(seed: int, initial_tenants: int) -> Iterator[IterationPlan]:
         if any(k.downstream for k in kinds) and not set(picked) & set(DOWNSTREAM_JOBS):
             picked.append(rng.choice(SENDING_JOBS))  # a downstream fault needs a caller
         runs: list[PlannedRun] = []
+        if any(k.downstream for k in kinds):  # and an older tenant's few due items meet it too
+            older = tenant_name(rng.randint(1, initial_tenants + number - 1))
+            batch, throttle = rng.choice(BATCH_SIZES), rng.choice(THROTTLES_MS)
+            start = round(rng.uniform(0.0, 0.6), 2)
+            runs.append(PlannedRun(rng.choice(SENDING_JOBS), older, None, start, batch, throttle))
         for job in picked:
             older = tenant_name(rng.randint(1, initial_tenants + number - 1))
             tenant = fresh if rng.random() < 0.7 else older

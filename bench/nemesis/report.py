@@ -41,6 +41,7 @@ def as_dict(result: NemesisResult) -> dict[str, Any]:
             "each": [round(s, 2) for s in seconds],
         },
         "final_runs": len(result.final_runs),
+        "checked": result.checked,
         "violations": [{"invariant": v.invariant, "what": v.what} for v in result.violations],
         "replay": result.replay,
         "logs": str(result.logs) if result.logs else None,
@@ -59,6 +60,7 @@ def summary_lines(result: NemesisResult) -> list[str]:
         f"faults by kind: {faults}" + (f" (missed: {missed})" if missed else ""),
         f"time to a clean end: p50 {clean['p50']:.1f} s, p99 {clean['p99']:.1f} s"
         + (f", {clean['timed_out']} timed out" if clean["timed_out"] else ""),
+        "checked: " + ", ".join(f"{n:,} {what}" for what, n in result.checked.items()),
         f"violations: {len(result.violations)}",
         *[f"  - {v}" for v in result.violations],
         f"replay: {result.replay}",
