@@ -35,4 +35,8 @@ def test_every_section_runs_at_the_quick_profile(pg_server, tmp_path):
     # the soak sampled a real deployment with everything on, through an outage
     assert "downstream stopped" in result.stdout and "restarted on http" in result.stdout
     assert "| Run queue, deepest (soak) |" in result.stdout
+    # the nemesis ran iterations of faults and its checker (violations are figures here)
+    assert "| Nemesis: seeded random faults | iterations |" in result.stdout
+    assert "| Nemesis: seeded random faults | violations |" in result.stdout
+    assert "final clean pass over" in result.stdout
     assert "Traceback" not in result.stderr
