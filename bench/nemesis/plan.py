@@ -25,6 +25,7 @@ LEASE_TTLS_S = (2, 3, 4)
 BATCH_SIZES = (2, 5, 10)
 THROTTLES_MS = (100, 200, 300)
 FAULT_AT_S = (0.6, 2.5)  # a fault lands this long after the iteration began
+SIGNAL_AFTER_START_S = (0.45, 1.5)  # a signal, this long after its target run started
 # longer than a whole retry schedule (0.2 s doubling to 1 s, 8 attempts: about 5 s)
 OUTAGE_S = (5.0, 12.0)
 FLAKY_S = (3.0, 6.0)
@@ -76,9 +77,9 @@ class PlannedRun:
 
 @dataclass(frozen=True)
 class PlannedFault:
-    """One fault, ``at_s`` after the iteration began; ``target`` picks the run a signal
-    hits (the first run still alive from that index on); ``hold_s`` is how long a freeze,
-    an outage or flakiness lasts."""
+    """One fault, ``at_s`` after the iteration began; ``target`` is the run a signal hits
+    (the index of a planned run: if it has ended, the next one still alive); ``hold_s`` is
+    how long a freeze, an outage or flakiness lasts."""
 
     kind: FaultKind
     at_s: float
@@ -162,15 +163,17 @@ def plan_iterations(seed: int, initial_tenants: int) -> Iterator[IterationPlan]:
                 again = round(start + rng.uniform(0.0, 0.4), 2)
                 runs.append(PlannedRun(job, tenant, day_age, again, batch, throttle))
         planned = []
+        runs.sort(key=lambda r: r.start_s)
         for kind in kinds:
+            target = rng.randrange(len(runs))
             at = round(rng.uniform(*FAULT_AT_S), 2)
+            if kind.hits_a_run:  # while its target is at work (a process starts in ~0.5 s)
+                at = round(runs[target].start_s + rng.uniform(*SIGNAL_AFTER_START_S), 2)
             hold = {
                 FaultKind.SIGSTOP: ttl + rng.uniform(0.5, 1.5),
                 FaultKind.OUTAGE_503: rng.uniform(*OUTAGE_S),
                 FaultKind.OUTAGE_REFUSE: rng.uniform(*OUTAGE_S),
                 FaultKind.FLAKY: rng.uniform(*FLAKY_S),
             }.get(kind, 0.0)
-            planned.append(PlannedFault(kind, at, rng.randrange(64), round(hold, 2)))
-        yield IterationPlan(
-            number, fresh, ttl, tuple(sorted(runs, key=lambda r: r.start_s)), tuple(planned)
-        )
+            planned.append(PlannedFault(kind, at, target, round(hold, 2)))
+        yield IterationPlan(number, fresh, ttl, tuple(runs), tuple(planned))
