@@ -73,7 +73,7 @@ class Profile:
     soak_tenants: int
     soak_tenants_per_run: int
     soak_s: int
-    nemesis_s: int  # seconds of nemesis iterations (then its final clean pass and checks)
+    nemesis_s: int  # seconds of nemesis iterations (then its final clean pass, ~1-2 min more)
 
 
 PROFILES = {
@@ -94,7 +94,7 @@ PROFILES = {
         soak_tenants=3,
         soak_tenants_per_run=1,
         soak_s=150,
-        nemesis_s=45,
+        nemesis_s=30,
     ),  # fmt: skip
     "default": Profile(
         "default",
@@ -113,7 +113,7 @@ PROFILES = {
         soak_tenants=30,
         soak_tenants_per_run=5,
         soak_s=540,
-        nemesis_s=540,
+        nemesis_s=480,
     ),  # fmt: skip
     "full": Profile(
         "full",
@@ -132,7 +132,7 @@ PROFILES = {
         soak_tenants=30,
         soak_tenants_per_run=5,
         soak_s=1_200,
-        nemesis_s=1_200,
+        nemesis_s=1_080,
     ),  # fmt: skip
 }
 

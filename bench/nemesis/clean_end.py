@@ -63,21 +63,29 @@ def unclean(world: World) -> Unclean:
     return patiently(read, "reading runs and leases")
 
 
+@dataclass(frozen=True)
+class Reruns:
+    """How the way to a clean end reruns a (job, scope): through which launcher, with which
+    limits (the iteration's lease TTL) and under which reason (audited)."""
+
+    launcher: Launcher
+    limits: RunLimits
+    reason: str
+
+    def start(self, target: RunTarget) -> RunProcess:
+        return self.launcher.start(target, self.limits, "rerun", self.reason)
+
+
 def measure_clean_end(
-    world: World,
-    launcher: Launcher,
-    touched: list[RunTarget],
-    limits: RunLimits,
-    since: float,
-    timeout_s: float,
-    reason: str,
+    world: World, reruns: Reruns, touched: list[RunTarget], since: float, timeout_s: float
 ) -> CleanEnd:
     """Rerun every touched (job, scope) until each rerun is not skipped, then wait until
     nothing is recorded running and no lease is held (rerunning the jobs that still have
     such rows: a run of a job reaps its orphans); ``since`` is the last fault's end."""
+    launcher = reruns.launcher
     done: set[RunTarget] = set()
     pending: dict[RunTarget, RunProcess] = {}
-    reruns, skipped = 0, []
+    started, skipped = 0, []
     next_round = time.monotonic()
     state = Unclean((), ())
     while True:
@@ -92,20 +100,20 @@ def measure_clean_end(
         if not launcher.alive():
             state = unclean(world)
             if not state and done >= set(touched):
-                return CleanEnd(time.monotonic() - since, reruns, skipped=skipped)
+                return CleanEnd(time.monotonic() - since, started, skipped=skipped)
         if now - since > timeout_s:
             left = [f"not rerun without a skip: {', '.join(map(str, set(touched) - done))}"]
             left += [f"recorded running: {', '.join(state.running)}"] if state.running else []
             left += [f"leases held: {', '.join(state.leased)}"] if state.leased else []
             alive = launcher.alive()
             left += [f"processes alive: {', '.join(map(str, (p.target for p in alive)))}"]
-            return CleanEnd(None, reruns, "; ".join(left), skipped)
+            return CleanEnd(None, started, "; ".join(left), skipped)
         if now >= next_round:
             next_round = now + RERUN_EVERY_S
             stuck = state.jobs()
             for target in touched:
                 if target in pending or (target in done and target.job not in stuck):
                     continue
-                pending[target] = launcher.start(target, limits, "rerun", reason)
-                reruns += 1
+                pending[target] = reruns.start(target)
+                started += 1
         time.sleep(0.05)

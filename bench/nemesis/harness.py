@@ -14,7 +14,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from bench.nemesis.clean_end import CleanEnd, measure_clean_end
+from bench.nemesis.clean_end import CleanEnd, Reruns, measure_clean_end
 from bench.nemesis.faults import FaultRecord, Injector
 from bench.nemesis.invariants import Evidence, FinalRun, Violation, check_all, coverage
 from bench.nemesis.plan import (
@@ -136,15 +136,9 @@ class Iteration:
         for target in touched:
             nemesis.used[target] = max(ttl, nemesis.used.get(target, 0))
         since = max((r.ended or begin for r in self.records), default=begin)
-        clean = measure_clean_end(
-            nemesis.world,
-            nemesis.launcher,
-            touched,
-            RunLimits(ttl),
-            since,
-            3 * ttl + 30.0,
-            nemesis.reason(self.plan.number, "rerun after the faults"),
-        )
+        reason = nemesis.reason(self.plan.number, "rerun after the faults")
+        reruns = Reruns(nemesis.launcher, RunLimits(ttl), reason)
+        clean = measure_clean_end(nemesis.world, reruns, touched, since, 3 * ttl + 30.0)
         if clean.seconds is None:  # a violation; the next iteration starts with none alive
             nemesis.launcher.stop_all()
         runs = [f"{p.target} ({p.why}, exit {p.exit_code})" for p in self.started]
@@ -162,8 +156,6 @@ class Iteration:
             self.records.append(record)
             if record.ended is None:
                 self.lasting.append((fault.at_s + fault.hold_s, record))
-            if record.kind.downstream:
-                self.last_schedule = -SCHEDULE_EVERY_S  # the schedule goes on meanwhile
             if record.kind is FaultKind.SIGSTOP and record.landed:
                 self._at(fault.at_s + plan.lease_ttl_s + 0.3, "rival", len(self.records) - 1)
         else:  # a rival of the frozen run, once the frozen run's lease has lapsed
