@@ -50,6 +50,14 @@ class CleanEnd:
     reruns: int
     left: str = ""
     skipped: list[str] = field(default_factory=list)  # reruns that found the scope held
+    waited_for: set[str] = field(default_factory=set)  # runs at work, rows left, meanwhile
+
+    def why_so_long(self) -> str:
+        """What the way to the clean end waited for: runs still at work, reruns skipped
+        (a lease held), runs recorded running, leases unexpired."""
+        skipped = sorted(set(self.skipped))
+        parts = sorted(self.waited_for) + [f"rerun skipped: {s}" for s in skipped]
+        return "; ".join(parts)
 
 
 def unclean(world: World) -> Unclean:
@@ -85,7 +93,7 @@ def measure_clean_end(
     launcher = reruns.launcher
     done: set[RunTarget] = set()
     pending: dict[RunTarget, RunProcess] = {}
-    started, skipped = 0, []
+    started, skipped, waited = 0, [], set()
     next_round = time.monotonic()
     state = Unclean((), ())
     while True:
@@ -97,17 +105,21 @@ def measure_clean_end(
                 else:
                     done.add(target)
         now = time.monotonic()
+        at_work = [p for p in launcher.alive() if p.why != "rerun"]
+        waited |= {f"{p.why} run at work: {p.target}" for p in at_work}
         if not launcher.alive():
             state = unclean(world)
+            waited |= {f"recorded running: {r}" for r in state.running}
+            waited |= {f"lease held: {r}" for r in state.leased}
             if not state and done >= set(touched):
-                return CleanEnd(time.monotonic() - since, started, skipped=skipped)
+                return CleanEnd(time.monotonic() - since, started, "", skipped, waited)
         if now - since > timeout_s:
             left = [f"not rerun without a skip: {', '.join(map(str, set(touched) - done))}"]
             left += [f"recorded running: {', '.join(state.running)}"] if state.running else []
             left += [f"leases held: {', '.join(state.leased)}"] if state.leased else []
             alive = launcher.alive()
             left += [f"processes alive: {', '.join(map(str, (p.target for p in alive)))}"]
-            return CleanEnd(None, started, "; ".join(left), skipped)
+            return CleanEnd(None, started, "; ".join(left), skipped, waited)
         if now >= next_round:
             next_round = now + RERUN_EVERY_S
             stuck = state.jobs()

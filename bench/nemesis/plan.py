@@ -143,10 +143,8 @@ def plan_iterations(seed: int, initial_tenants: int) -> Iterator[IterationPlan]:
             if job not in picked:
                 picked.append(job)
         kinds = [FaultKind(faults.deal()) for _ in range(rng.randint(1, 2))]
-        if any(k.downstream for k in kinds) and not set(picked) & set(DOWNSTREAM_JOBS):
-            picked.append(rng.choice(SENDING_JOBS))  # a downstream fault needs a caller
         runs: list[PlannedRun] = []
-        if any(k.downstream for k in kinds):  # and an older tenant's few due items meet it too
+        if any(k.downstream for k in kinds):  # an older tenant's few due items meet it
             older = tenant_name(rng.randint(1, initial_tenants + number - 1))
             batch, throttle = rng.choice(BATCH_SIZES), rng.choice(THROTTLES_MS)
             start = round(rng.uniform(0.0, 0.6), 2)
