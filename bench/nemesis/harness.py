@@ -31,6 +31,7 @@ from qo_ops.jobs.catalog import JOBS
 SCHEDULE_EVERY_S = 1.0  # while the downstream is faulty, its callers run again this often
 DRAIN_S = 60.0  # the final pass sends what is still due or claimed for at most this long
 TICK_S = 0.05
+SLOW_CLEAN_END_S = 3.0  # a slower clean end is shown with what it waited for
 Say = Callable[[str], None]
 
 
@@ -340,6 +341,8 @@ def describe_iteration(done: IterationResult) -> str:
     )
     clean = done.clean_end
     end = "no clean end" if clean.seconds is None else f"clean end {clean.seconds:.1f} s"
-    return (
-        f"  iteration {done.number}: {len(done.runs)} runs; {faults}; {end} ({clean.reruns} reruns)"
-    )
+    line = f"  iteration {done.number}: {len(done.runs)} runs; {faults}; {end}"
+    line += f" ({clean.reruns} reruns)"
+    if clean.seconds is None or clean.seconds > SLOW_CLEAN_END_S:
+        line += f"\n    waited for: {clean.why_so_long()}"
+    return line
