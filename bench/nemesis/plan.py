@@ -25,7 +25,7 @@ LEASE_TTLS_S = (2, 3, 4)
 BATCH_SIZES = (2, 5, 10)
 THROTTLES_MS = (100, 200, 300)
 FAULT_AT_S = (0.6, 2.5)  # a fault lands this long after the iteration began
-SIGNAL_AFTER_START_S = (0.45, 1.5)  # a signal, this long after its target run started
+AFTER_RUN_START_S = (0.35, 1.5)  # a signal or a database fault, this long after a run started
 # longer than a whole retry schedule (0.2 s doubling to 1 s, 8 attempts: about 5 s)
 OUTAGE_S = (5.0, 12.0)
 FLAKY_S = (3.0, 6.0)
@@ -49,6 +49,12 @@ class FaultKind(StrEnum):
     def hits_a_run(self) -> bool:
         """A signal to one run's process (the others hit the database or the downstream)."""
         return self in (FaultKind.SIGKILL, FaultKind.SIGTERM, FaultKind.SIGSTOP)
+
+    @property
+    def timed_by_a_run(self) -> bool:
+        """Aimed at a moment when a run is starting or at work: a signal, and a fault of the
+        database (a run writing its record, its audit row or a batch meets it)."""
+        return self.hits_a_run or self in (FaultKind.PG_RESTART, FaultKind.BACKEND_TERMINATE)
 
     @property
     def downstream(self) -> bool:
@@ -165,8 +171,8 @@ def plan_iterations(seed: int, initial_tenants: int) -> Iterator[IterationPlan]:
         for kind in kinds:
             target = rng.randrange(len(runs))
             at = round(rng.uniform(*FAULT_AT_S), 2)
-            if kind.hits_a_run:  # while its target is at work (a process starts in ~0.5 s)
-                at = round(runs[target].start_s + rng.uniform(*SIGNAL_AFTER_START_S), 2)
+            if kind.timed_by_a_run:  # while that run starts or works (it starts in ~0.5 s)
+                at = round(runs[target].start_s + rng.uniform(*AFTER_RUN_START_S), 2)
             hold = {
                 FaultKind.SIGSTOP: ttl + rng.uniform(0.5, 1.5),
                 FaultKind.OUTAGE_503: rng.uniform(*OUTAGE_S),
