@@ -39,7 +39,7 @@ def run(profile: Profile) -> Section:
     seconds = clean_end_seconds(result)
     p50, p99 = percentile(seconds, 0.5), percentile(seconds, 0.99)
     timed_out = iterations - len(seconds)
-    size = f"{profile.nemesis_s / 60:.0f} min, seed {seed}"
+    size = f"{profile.nemesis_s / 60:.1f} min, seed {seed}"
     by_kind = ", ".join(f"{k} {n}" for k, n in landed.items())
     replay = f"`{result.replay}` (`make nemesis SEED={seed} ITERATIONS={iterations}`)"
     rows = [
