@@ -79,9 +79,10 @@ class Reruns:
     launcher: Launcher
     limits: RunLimits
     reason: str
+    iteration: int
 
     def start(self, target: RunTarget) -> RunProcess:
-        return self.launcher.start(target, self.limits, "rerun", self.reason)
+        return self.launcher.start(target, self.limits, "rerun", self.reason, self.iteration)
 
 
 def measure_clean_end(

@@ -9,14 +9,21 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
+from datetime import UTC, date
 from pathlib import Path
 
 import sqlalchemy as sa
 
 from bench.nemesis.clean_end import CleanEnd, Reruns, measure_clean_end
 from bench.nemesis.faults import FaultRecord, Injector
-from bench.nemesis.invariants import Evidence, FinalRun, Violation, check_all, coverage
+from bench.nemesis.invariants import (
+    Evidence,
+    FinalRun,
+    Outage,
+    Violation,
+    check_all,
+    coverage,
+)
 from bench.nemesis.plan import (
     DOWNSTREAM_JOBS,
     SENDING_JOBS,
@@ -86,7 +93,7 @@ class Nemesis:
     launcher: Launcher
     say: Say
     used: dict[RunTarget, int] = field(default_factory=dict)  # every (job, scope), its TTL
-    outages: list[tuple[datetime, datetime]] = field(default_factory=list)
+    outages: list[Outage] = field(default_factory=list)
 
     def reason(self, iteration: int, what: str) -> str:
         return f"nemesis seed {self.config.seed} iteration {iteration}: {what}"
@@ -115,7 +122,7 @@ class Iteration:
 
     def _start(self, target: RunTarget, limits: RunLimits, why: str) -> RunProcess:
         reason = self.nemesis.reason(self.plan.number, why)
-        process = self.nemesis.launcher.start(target, limits, why, reason)
+        process = self.nemesis.launcher.start(target, limits, why, reason, self.plan.number)
         self.started.append(process)
         return process
 
@@ -138,7 +145,7 @@ class Iteration:
             nemesis.used[target] = max(ttl, nemesis.used.get(target, 0))
         since = max((r.ended or begin for r in self.records), default=begin)
         reason = nemesis.reason(self.plan.number, "rerun after the faults")
-        reruns = Reruns(nemesis.launcher, RunLimits(ttl), reason)
+        reruns = Reruns(nemesis.launcher, RunLimits(ttl), reason, self.plan.number)
         clean = measure_clean_end(nemesis.world, reruns, touched, since, 3 * ttl + 30.0)
         if clean.seconds is None:  # a violation; the next iteration starts with none alive
             nemesis.launcher.stop_all()
@@ -171,7 +178,8 @@ class Iteration:
                 self.lasting.remove((heals_at, record))
                 if record.kind in (FaultKind.OUTAGE_503, FaultKind.OUTAGE_REFUSE):
                     assert record.ended_db is not None
-                    self.nemesis.outages.append((record.began_db, record.ended_db))
+                    outage = Outage(self.plan.number, record.began_db, record.ended_db)
+                    self.nemesis.outages.append(outage)
 
     def _schedule_callers(self, now: float) -> None:
         """While the downstream is faulty, its callers run again every second (as their

@@ -55,12 +55,21 @@ class FinalRun:
 
 
 @dataclass(frozen=True)
+class Outage:
+    """When the downstream was out (database clock), in which iteration of the nemesis."""
+
+    iteration: int
+    began: datetime
+    ended: datetime
+
+
+@dataclass(frozen=True)
 class Evidence:
     """What the checker needs besides the database and the simulator: when the nemesis
     began (database clock), the outages' windows, and the final clean pass."""
 
     since: datetime
-    outages: Sequence[tuple[datetime, datetime]] = ()
+    outages: Sequence[Outage] = ()
     final_runs: Sequence[FinalRun] = field(default_factory=list)
 
 
@@ -356,29 +365,34 @@ BREAKER_OPENED_BY = sa.text(
 
 
 def manners_towards_the_downstream(
-    conn: Connection, since: datetime, outages: Sequence[tuple[datetime, datetime]]
+    conn: Connection, since: datetime, outages: Sequence[Outage]
 ) -> list[str]:
     """An outage dead-letters nothing (an item or event dead-lettered with a systemic error
     while the downstream was out), and only an outage opens the breaker (a flaky or healthy
     downstream leaves it closed)."""
 
-    def during_outage(start: datetime, end: datetime) -> bool:
-        return any(start <= until + OUTAGE_SLACK and end >= began for began, until in outages)
-
-    dead = [
-        r
-        for r in conn.execute(
-            SYSTEMIC_DEAD_LETTERS, {"since": since, "codes": list(SYSTEMIC_CODES)}
+    def outage_at(start: datetime, end: datetime) -> Outage | None:
+        return next(
+            (o for o in outages if start <= o.ended + OUTAGE_SLACK and end >= o.began), None
         )
-        if during_outage(r.at, r.at)
+
+    codes = {"since": since, "codes": list(SYSTEMIC_CODES)}
+    dead = [
+        (r, outage)
+        for r in conn.execute(SYSTEMIC_DEAD_LETTERS, codes)
+        if (outage := outage_at(r.at, r.at)) is not None
     ]
     opened = [
         r
         for r in conn.execute(BREAKER_OPENED_BY, {"since": since})
-        if not during_outage(r.started_at, r.finished_at)
+        if outage_at(r.started_at, r.finished_at) is None
     ]
     return [
-        *_named(dead, lambda r: f"{r.what} ({r.code})", "dead-lettered by an outage"),
+        *_named(
+            dead,
+            lambda d: f"{d[0].what} ({d[0].code}, iteration {d[1].iteration})",
+            "dead-lettered by an outage",
+        ),
         *_named(
             opened,
             lambda r: f"{r.job_name} {r.scope} ({r.id})",

@@ -121,8 +121,11 @@ class Launcher:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.started: list[RunProcess] = []
 
-    def start(self, target: RunTarget, limits: RunLimits, why: str, reason: str) -> RunProcess:
-        """Start an execute of ``target`` (a person's: it gives a reason, it is audited)."""
+    def start(
+        self, target: RunTarget, limits: RunLimits, why: str, reason: str, iteration: int = 0
+    ) -> RunProcess:
+        """Start an execute of ``target`` (a person's: it gives a reason, it is audited); its
+        output files are named by order, iteration (0: the final pass), job and why."""
         command = [QO_OPS, "run", target.job, "--tenant", target.tenant, "--mode", "execute"]
         command += ["--reason", reason, "--lease-ttl-s", str(limits.lease_ttl_s), "--json"]
         if target.window is not None:
@@ -132,7 +135,7 @@ class Launcher:
             command += ["--batch-size", str(limits.batch_size)]
         if limits.throttle_ms is not None:
             command += ["--throttle-ms", str(limits.throttle_ms)]
-        name = f"{len(self.started):05d}-{target.job}-{why}"
+        name = f"{len(self.started):05d}-i{iteration:03d}-{target.job}-{why}"
         out = self.logs / f"{name}.json"
         with out.open("wb") as stdout, (self.logs / f"{name}.err").open("wb") as stderr:
             process = subprocess.Popen(

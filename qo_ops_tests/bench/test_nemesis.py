@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from bench.nemesis import invariants
 from bench.nemesis.harness import NemesisConfig, run_nemesis
-from bench.nemesis.invariants import Evidence, FinalRun, check_all
+from bench.nemesis.invariants import Evidence, FinalRun, Outage, check_all
 from bench.nemesis.plan import FaultKind, plan_iterations
 from bench.nemesis.report import summary_lines
 from bench.nemesis.world import Server, own_server
@@ -315,10 +315,12 @@ def test_a_dead_letter_in_an_outage_and_a_breaker_opened_without_one_are_named(d
     run_sql(demo, "INSERT INTO job_audit (actor, action, decision, job_run_id) "
             "VALUES ('t', 'trigger', 'allowed', :id)", id=run_id)  # fmt: skip
     now = since_now(demo)
-    outage = (now - timedelta(seconds=2), now)
+    outage = Outage(3, now - timedelta(seconds=2), now)
     found = violations(demo, NO_STATS, Evidence(since, outages=[outage]))
-    assert found == [f"manners: 1 dead-lettered by an outage: delivery item {item} (http_503)"]
-    long_ago = (since - timedelta(hours=2), since - timedelta(hours=1))
+    assert found == [
+        f"manners: 1 dead-lettered by an outage: delivery item {item} (http_503, iteration 3)"
+    ]
+    long_ago = Outage(1, since - timedelta(hours=2), since - timedelta(hours=1))
     found = violations(demo, NO_STATS, Evidence(since, outages=[long_ago]))
     assert found == [
         f"manners: 1 runs that opened the breaker with no outage on: quote_expiration "
