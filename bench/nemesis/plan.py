@@ -20,10 +20,11 @@ from qo_ops.jobs.catalog import CATALOG, JOBS
 DOWNSTREAM_JOBS = ("delivery_retry", "notification_publish", "order_reconciliation")
 SENDING_JOBS = ("delivery_retry", "notification_publish")  # claim → call → record
 LEASE_TTLS_S = (2, 3, 4)
-# small batches and pauses between them: a run over a tenant's few hundred rows lasts a
-# second or two, so that faults find runs at work
-BATCH_SIZES = (2, 5, 10)
-THROTTLES_MS = (100, 200, 300)
+# small batches and pauses between them: a run over a tenant's few dozen due rows lasts a
+# second or two, so that faults find runs at work, and ends soon enough left alone (a run
+# still at work keeps its scope from a clean end)
+BATCH_SIZES = (5, 10, 20)
+THROTTLES_MS = (50, 100, 200)
 FAULT_AT_S = (0.6, 2.5)  # a fault lands this long after the iteration began
 AFTER_RUN_START_S = (0.35, 1.5)  # a signal or a database fault, this long after a run started
 # longer than a whole retry schedule (0.2 s doubling to 1 s, 8 attempts: about 5 s)
