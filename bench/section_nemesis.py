@@ -21,7 +21,7 @@ import random
 
 from bench.common import percentile
 from bench.nemesis.harness import NemesisConfig, run_nemesis
-from bench.nemesis.report import clean_end_seconds, faults_by_kind
+from bench.nemesis.report import clean_end_seconds, faults_by_kind, summary_lines
 from bench.suite import Profile, Row, Section
 
 TITLE = "Nemesis: seeded random faults"
@@ -34,6 +34,8 @@ def run(profile: Profile) -> Section:
     config = NemesisConfig(seed, seconds=profile.nemesis_s)
     print(f"   seed {seed}, iterations for {profile.nemesis_s} s", flush=True)
     result = run_nemesis(config, say=lambda line: print(f"   {line.strip()}", flush=True))
+    for line in summary_lines(result):
+        print(f"   {line}", flush=True)
     iterations = len(result.iterations)
     landed, missed = faults_by_kind(result), faults_by_kind(result, landed=False)
     seconds = clean_end_seconds(result)

@@ -113,7 +113,7 @@ PROFILES = {
         soak_tenants=30,
         soak_tenants_per_run=5,
         soak_s=540,
-        nemesis_s=480,
+        nemesis_s=420,
     ),  # fmt: skip
     "full": Profile(
         "full",
@@ -132,7 +132,7 @@ PROFILES = {
         soak_tenants=30,
         soak_tenants_per_run=5,
         soak_s=1_200,
-        nemesis_s=1_080,
+        nemesis_s=960,
     ),  # fmt: skip
 }
 

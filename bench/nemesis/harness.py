@@ -38,6 +38,7 @@ from qo_ops.jobs.catalog import JOBS
 SCHEDULE_EVERY_S = 1.0  # while the downstream is faulty, its callers run again this often
 DRAIN_S = 60.0  # the final pass sends what is still due or claimed for at most this long
 TICK_S = 0.05
+FINAL_AT_ONCE = 2  # runs of the final pass at once (two cores)
 SLOW_CLEAN_END_S = 3.0  # a slower clean end is shown with what it waited for
 Say = Callable[[str], None]
 
@@ -212,47 +213,47 @@ LEFT_TO_SEND = sa.text(
 
 
 def final_pass(nemesis: Nemesis) -> list[FinalRun]:
-    """Each (job, scope) the nemesis ran, once more with no fault (order_reconciliation
-    first, its re-submissions then sent), then the sending jobs again until nothing is due
-    or claimed in their tenants; the last run of each is its final run."""
+    """Each (job, scope) the nemesis ran, once more with no fault: order_reconciliation
+    first (its re-submissions are then sent), the sending jobs last, and again until nothing
+    is due or claimed in their tenants; the last run of each is its final run."""
     launcher = nemesis.launcher
     for process in launcher.alive():
         process.wait(60.0)
     launcher.stop_all()
-    rank = {job: JOBS.index(job) for job in JOBS}
-    rank["order_reconciliation"] = -1
-    for job in SENDING_JOBS:
-        rank[job] = len(JOBS)
-    order = sorted(nemesis.used, key=lambda t: (rank[t.job], t.tenant, str(t.window)))
+    ordered = sorted(nemesis.used, key=lambda t: (JOBS.index(t.job), t.tenant, str(t.window)))
+    first = [t for t in ordered if t.job == "order_reconciliation"]
+    senders = [t for t in ordered if t.job in SENDING_JOBS]
+    others = [t for t in ordered if t not in first and t not in senders]
     last: dict[RunTarget, RunProcess] = {}
-    for target in order:
-        last[target] = _run_to_end(nemesis, target, "final pass")
-    senders = [t for t in order if t.job in SENDING_JOBS]
+    for phase in (first, others, senders):
+        last.update(_run_each(nemesis, phase, "final pass"))
     tenants = {job: sorted({t.tenant for t in senders if t.job == job}) for job in SENDING_JOBS}
     claim_s = 2 * max((nemesis.used[t] for t in senders), default=0) + 1
-    until, rounds = time.monotonic() + DRAIN_S, 0
+    until = time.monotonic() + DRAIN_S
     while senders and time.monotonic() < until:
         left = _left_to_send(nemesis, tenants, claim_s)
         if not left:
             break
         nemesis.say(f"  draining: {left} items or events due or claimed")
         time.sleep(0.5)
-        rounds += 1
-        for target in senders:
-            last[target] = _run_to_end(nemesis, target, "final pass, draining")
+        last.update(_run_each(nemesis, senders, "final pass, draining"))
     return [FinalRun(str(t), p.exit_code, p.summary()) for t, p in last.items()]
 
 
-def _run_to_end(nemesis: Nemesis, target: RunTarget, why: str) -> RunProcess:
-    process = nemesis.launcher.start(
-        target,
-        RunLimits(nemesis.used[target]),
-        "final",
-        f"nemesis seed {nemesis.config.seed}: {why}",
-    )
-    if process.wait(120.0) is None:
-        process.kill()
-    return process
+def _run_each(nemesis: Nemesis, targets: list[RunTarget], why: str) -> dict[RunTarget, RunProcess]:
+    """Run each target to its end, ``FINAL_AT_ONCE`` at a time (distinct scopes: no two
+    share a lease)."""
+    reason = f"nemesis seed {nemesis.config.seed}: {why}"
+    started: dict[RunTarget, RunProcess] = {}
+    for target in targets:
+        while sum(p.alive() for p in started.values()) >= FINAL_AT_ONCE:
+            time.sleep(TICK_S)
+        limits = RunLimits(nemesis.used[target])
+        started[target] = nemesis.launcher.start(target, limits, "final", reason)
+    for process in started.values():
+        if process.wait(120.0) is None:
+            process.kill()
+    return started
 
 
 def _left_to_send(nemesis: Nemesis, tenants: dict[str, list[str]], claim_s: float) -> int:
