@@ -57,7 +57,7 @@ class CleanEnd:
         (a lease held), runs recorded running, leases unexpired."""
         skipped = sorted(set(self.skipped))
         parts = sorted(self.waited_for) + [f"rerun skipped: {s}" for s in skipped]
-        return "; ".join(parts)
+        return "; ".join(parts) or "only the reruns themselves (each a process of its own)"
 
 
 def unclean(world: World) -> Unclean:
