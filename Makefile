@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: bench-full bench-more demo fuzz image ui ui-readonly test bench lint fmt clean
+.PHONY: bench-full bench-more demo fuzz image nemesis ui ui-readonly test bench lint fmt clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,15 @@ bench: $(STAMP)
 ## bench-full: the published sizes (1,000,000 rows; 10,000,000 in the big tables), writes BENCHMARKS.md
 bench-full: $(STAMP)
 	$(BIN)/python -m bench.suite --profile full
+
+## nemesis: replay one seed of the nemesis (bench/nemesis): its fault schedule, its checks
+# SEED=40 ITERATIONS=12 (the figures `make test`'s nemesis and `make bench` print with a seed);
+# always on a PostgreSQL of its own, which it restarts (QO_OPS_TEST_DATABASE_URL is ignored)
+nemesis: export QO_OPS_TEST_DATABASE_URL :=
+nemesis: SEED ?= 40
+nemesis: ITERATIONS ?= 12
+nemesis: $(STAMP)
+	$(BIN)/python -m bench.nemesis --seed $(SEED) --iterations $(ITERATIONS)
 
 ## bench-more: the older single-purpose benchmarks (demo data load, delivery_retry concurrency)
 bench-more: $(STAMP)

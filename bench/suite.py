@@ -1,7 +1,8 @@
 """The benchmark suite: one table of figures, each against its limit measured in the same run
 on the same machine, written to BENCHMARKS.md.
 
-    python -m bench.suite                 # default sizes (make bench): ~33 minutes (the soak ~12)
+    python -m bench.suite                 # default sizes (make bench): ~43 minutes (the soak ~12,
+                                          # the nemesis ~10)
     python -m bench.suite --profile full  # the published sizes (1,000,000 rows, 10,000,000 big)
     python -m bench.suite --profile quick # seconds: a smoke check (make test), no figures kept
     python -m bench.suite --only jobs,partitions
@@ -35,7 +36,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-SECTIONS = ("jobs", "partitions", "orchestration", "big_tables", "dry_run", "downstream", "soak")
+SECTIONS = (
+    "jobs",
+    "partitions",
+    "orchestration",
+    "big_tables",
+    "dry_run",
+    "downstream",
+    "soak",
+    "nemesis",
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class Profile:
     soak_tenants: int
     soak_tenants_per_run: int
     soak_s: int
+    nemesis_s: int  # seconds of nemesis iterations (then its final clean pass, ~1-2 min more)
 
 
 PROFILES = {
@@ -83,6 +94,7 @@ PROFILES = {
         soak_tenants=3,
         soak_tenants_per_run=1,
         soak_s=150,
+        nemesis_s=30,
     ),  # fmt: skip
     "default": Profile(
         "default",
@@ -101,6 +113,7 @@ PROFILES = {
         soak_tenants=30,
         soak_tenants_per_run=5,
         soak_s=540,
+        nemesis_s=420,
     ),  # fmt: skip
     "full": Profile(
         "full",
@@ -119,6 +132,7 @@ PROFILES = {
         soak_tenants=30,
         soak_tenants_per_run=5,
         soak_s=1_200,
+        nemesis_s=960,
     ),  # fmt: skip
 }
 
