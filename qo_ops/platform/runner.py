@@ -151,9 +151,13 @@ class JobRun:
             self.liveness = Liveness.take(self.engine)  # before the record: never "gone" early
             owner = runs.RunOwner(self.owner, self.liveness.key if self.liveness else None)
             try:
-                self.run_id = runs.create_run(
-                    self.engine, spec.name, scope, options, owner, self.limits.as_dict()
-                )
+                with self.engine.begin() as conn:  # a person's run is audited with its record
+                    self.run_id = runs.create_run(
+                        conn, spec.name, scope, options, owner, self.limits.as_dict()
+                    )
+                    if options.person_behind and options.job_run_id is None:  # API: accepted
+                        limits = {"limits": self.limits.as_dict()}
+                        self.request.audit(conn, "allowed", self.run_id, limits)
             except BaseException:
                 self._let_go()
                 raise
@@ -181,11 +185,8 @@ class JobRun:
         }  # fmt: skip
 
     def _work(self) -> None:
-        """Everything between the run record's creation and its end: audit, start events,
-        orphans, the work (dry run or batches), then the outcome checks."""
-        if self.options.person_behind and self.options.job_run_id is None:  # API runs: audited
-            with self.stop.deferred(), self.engine.begin() as conn:  # when accepted
-                self.request.audit(conn, "allowed", self.run_id, {"limits": self.limits.as_dict()})
+        """Everything between the run record's creation and its end: start events, orphans,
+        the work (dry run or batches), then the outcome checks."""
         self._announce()
         self._reap_orphans()
         if self.options.mode == "dry_run" and not self.spec.dry_run_scans:

@@ -38,14 +38,15 @@ class RunOwner:
 
 
 def create_run(
-    engine: Engine,
+    conn: Connection,
     job_name: str,
     scope: Scope,
     options: RunOptions,
     owner: RunOwner,
     resolved: dict[str, Any],
 ) -> uuid.UUID:
-    """Insert the ``running`` row of a new run, or adopt the one pre-created by the API."""
+    """Insert the ``running`` row of a new run, or adopt the one pre-created by the API, in
+    the caller's transaction (the run's audit row goes in with it)."""
     values = {
         "job_name": job_name,
         "scope": scope.key,
@@ -68,35 +69,34 @@ def create_run(
         # the lock was taken before this: a time after it, on the database's clock
         "liveness_since": None if owner.liveness_key is None else sa.func.clock_timestamp(),
     }
-    with engine.begin() as conn:
-        if options.job_run_id is not None:
-            adopted = conn.execute(
-                sa.update(job_run)
-                .where(job_run.c.id == options.job_run_id, job_run.c.job_name == job_name)
-                .where(job_run.c.status == "accepted")
-                .values(
-                    **{**values, "requested_at": job_run.c.created_at},  # the API's acceptance
-                    started_at=sa.func.clock_timestamp(),
-                    heartbeat_at=sa.func.clock_timestamp(),
-                )
-                .returning(job_run.c.id)
-            ).scalar()
-            if adopted is None:
-                raise BadInput(
-                    f"job run {options.job_run_id} is not an accepted run of {job_name} "
-                    "(unknown, awaiting approval, already started or finished)"
-                )
-            return uuid.UUID(str(adopted))
-        run_id = uuid.uuid4()
-        conn.execute(
-            sa.insert(job_run).values(
-                id=run_id,
+    if options.job_run_id is not None:
+        adopted = conn.execute(
+            sa.update(job_run)
+            .where(job_run.c.id == options.job_run_id, job_run.c.job_name == job_name)
+            .where(job_run.c.status == "accepted")
+            .values(
+                **{**values, "requested_at": job_run.c.created_at},  # the API's acceptance
                 started_at=sa.func.clock_timestamp(),
                 heartbeat_at=sa.func.clock_timestamp(),
-                **values,
             )
+            .returning(job_run.c.id)
+        ).scalar()
+        if adopted is None:
+            raise BadInput(
+                f"job run {options.job_run_id} is not an accepted run of {job_name} "
+                "(unknown, awaiting approval, already started or finished)"
+            )
+        return uuid.UUID(str(adopted))
+    run_id = uuid.uuid4()
+    conn.execute(
+        sa.insert(job_run).values(
+            id=run_id,
+            started_at=sa.func.clock_timestamp(),
+            heartbeat_at=sa.func.clock_timestamp(),
+            **values,
         )
-        return run_id
+    )
+    return run_id
 
 
 # The job's tally merged key by key into the run's: a count of each key the batch counted

@@ -77,14 +77,15 @@ def test_the_summary_json_names_the_counters_as_the_run_record_does_where_counts
 
 
 def test_the_run_record_adds_each_batch_counter_by_counter_and_its_tally_key_by_key(db):
-    run_id = runs.create_run(
-        db.engine,
-        "quote_expiration",
-        Scope("tenant-001"),
-        RunOptions(mode="execute"),
-        runs.RunOwner("t"),
-        {},
-    )
+    with db.engine.begin() as conn:
+        run_id = runs.create_run(
+            conn,
+            "quote_expiration",
+            Scope("tenant-001"),
+            RunOptions(mode="execute"),
+            runs.RunOwner("t"),
+            {},
+        )
     with db.engine.begin() as conn:
         runs.add_counts(conn, run_id, Counts(processed=3, succeeded=2, skipped=1), {"a": 2, "b": 1})
         runs.add_counts(conn, run_id, Counts(processed=2, failed=2), {"a": 1, "c": 5})

@@ -389,3 +389,34 @@ def test_a_check_that_counted_the_selection_gives_the_report_its_backlog(loaded)
     done = run_job(spec, Scope(TENANT), RunOptions(mode="execute", reason="t"), engine=db.engine)
     assert done.counts.processed == before and overdue(db.engine) == 0
     assert done.backlog == 42  # counted again, it would be 0
+
+
+def test_a_persons_run_record_and_its_audit_row_commit_together(loaded):
+    """The audit row of a person's execute is written in the transaction of the run's
+    record: when it cannot be written (here a trigger refuses it, as a server shutting down
+    between the two would), no record is left that the audit trail does not know of."""
+    db, _ = loaded
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                """
+                CREATE FUNCTION refuse_audit() RETURNS trigger LANGUAGE plpgsql AS
+                $$ BEGIN RAISE EXCEPTION 'audit refused for the test'; END $$;
+                CREATE TRIGGER refuse_audit BEFORE INSERT ON job_audit
+                   FOR EACH ROW EXECUTE FUNCTION refuse_audit();
+                """
+            )
+        )
+    refused = run_cli(run_args(), cli_env(db))
+    assert refused.code != 0 and "Traceback" not in refused.stderr
+    assert scalar(db.engine, "SELECT count(*) FROM job_run") == 0
+    with db.engine.begin() as conn:
+        conn.execute(sa.text("DROP TRIGGER refuse_audit ON job_audit"))
+    done = run_cli(run_args(), cli_env(db))
+    assert done.code == 0, done.stderr[-800:]
+    audited = scalar(
+        db.engine,
+        "SELECT count(*) FROM job_run r JOIN job_audit a ON a.job_run_id = r.id "
+        "AND a.decision = 'allowed'",
+    )
+    assert audited == 1
