@@ -21,7 +21,12 @@ import random
 
 from bench.common import percentile
 from bench.nemesis.harness import NemesisConfig, run_nemesis
-from bench.nemesis.report import clean_end_seconds, faults_by_kind, summary_lines
+from bench.nemesis.report import (
+    clean_end_seconds,
+    faults_by_kind,
+    reaped_after_kill_seconds,
+    summary_lines,
+)
 from bench.suite import Profile, Row, Section
 
 TITLE = "Nemesis: seeded random faults"
@@ -40,6 +45,8 @@ def run(profile: Profile) -> Section:
     landed, missed = faults_by_kind(result), faults_by_kind(result, landed=False)
     seconds = clean_end_seconds(result)
     p50, p99 = percentile(seconds, 0.5), percentile(seconds, 0.99)
+    reaped = reaped_after_kill_seconds(result)
+    reaped_p99 = percentile(reaped, 0.99) if reaped else float("nan")
     timed_out = iterations - len(seconds)
     size = f"{profile.nemesis_s / 60:.1f} min, seed {seed}"
     by_kind = ", ".join(f"{k} {n}" for k, n in landed.items())
@@ -48,15 +55,26 @@ def run(profile: Profile) -> Section:
         Row("iterations", size, f"{iterations}", "", None, "", None),
         Row("faults by kind", size, by_kind, "", None, "", None),
         Row("violations", size, f"{len(result.violations)}", "0", None, "0", not result.violations),
+        Row(
+            "a SIGKILLed run: record finished, scope free, p99",
+            size,
+            f"{reaped_p99:.1f} s (p50 {percentile(reaped, 0.5):.1f} s, {len(reaped)} kills)"
+            if reaped
+            else "no kill ended a recorded run",
+            f"{CLEAN_END_GOAL_S:.0f} s",
+            reaped_p99 / CLEAN_END_GOAL_S if reaped else None,
+            f"≤ {CLEAN_END_GOAL_S:.0f} s at p99",
+            bool(reaped) and reaped_p99 <= CLEAN_END_GOAL_S,
+        ),
         Row("time to a clean end p50", size, f"{p50:.1f} s", "", None, "", None),
         Row(
-            "time to a clean end p99",
+            "time to a clean end p99 (every fault)",
             size,
             f"{p99:.1f} s" + (f" ({timed_out} timed out)" if timed_out else ""),
-            f"{CLEAN_END_GOAL_S:.0f} s",
-            p99 / CLEAN_END_GOAL_S,
-            f"≤ {CLEAN_END_GOAL_S:.0f} s at p99",
-            p99 <= CLEAN_END_GOAL_S and not timed_out,
+            "",
+            None,
+            "none timed out",
+            not timed_out,
         ),
     ]
     missed_text = ", ".join(f"{k} {n}" for k, n in missed.items() if n) or "none"
@@ -65,10 +83,15 @@ def run(profile: Profile) -> Section:
         f"clean pass of {len(result.final_runs)} runs; replay: {replay}.",
         f"Faults that found nothing to hit (a signal with no run alive, a restart of a server "
         f"that is not the nemesis's): {missed_text}.",
+        "A SIGKILLed run: from the kill to its record finished by the reaper (the next run "
+        "of its job, started by the reruns below, each a process of its own), both on the "
+        "database's clock; its lease is free from the kill on (liveness). Issue 40's goal: "
+        f"3 s at p99, before 31-37 s; each: {', '.join(f'{s:.1f}' for s in reaped)} s.",
         "Time to a clean end: from the end of an iteration's last fault (a signal sent, the "
         "server back, the downstream healed, a frozen run continued) until no run is "
         "recorded running, no lease is held and a rerun of each touched job and scope (every "
-        f"0.5 s) is not skipped; each iteration: {', '.join(f'{s:.1f}' for s in seconds)} s.",
+        "0.5 s) is not skipped: runs at work when the faults ended are waited for too, so it "
+        f"is reported without a goal; each iteration: {', '.join(f'{s:.1f}' for s in seconds)} s.",
         *[f"Violation: {v}" for v in result.violations],
     ]
     raw = {
@@ -77,6 +100,7 @@ def run(profile: Profile) -> Section:
         "faults_by_kind": landed,
         "faults_missed": missed,
         "clean_end_s": seconds,
+        "reaped_after_kill_s": reaped,
         "violations": [str(v) for v in result.violations],
         "replay": result.replay,
     }

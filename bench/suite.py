@@ -43,6 +43,7 @@ SECTIONS = (
     "big_tables",
     "dry_run",
     "downstream",
+    "breaker",
     "soak",
     "nemesis",
 )
@@ -74,6 +75,9 @@ class Profile:
     soak_tenants_per_run: int
     soak_s: int
     nemesis_s: int  # seconds of nemesis iterations (then its final clean pass, ~1-2 min more)
+    # the breaker: tenants of demo data (400 delivery items, 600 events each), flaky rounds
+    breaker_tenants: int
+    breaker_rounds: int
 
 
 PROFILES = {
@@ -95,6 +99,8 @@ PROFILES = {
         soak_tenants_per_run=1,
         soak_s=150,
         nemesis_s=30,
+        breaker_tenants=1,
+        breaker_rounds=8,
     ),  # fmt: skip
     "default": Profile(
         "default",
@@ -114,6 +120,8 @@ PROFILES = {
         soak_tenants_per_run=5,
         soak_s=540,
         nemesis_s=420,
+        breaker_tenants=3,
+        breaker_rounds=12,
     ),  # fmt: skip
     "full": Profile(
         "full",
@@ -133,6 +141,8 @@ PROFILES = {
         soak_tenants_per_run=5,
         soak_s=1_200,
         nemesis_s=960,
+        breaker_tenants=3,
+        breaker_rounds=12,
     ),  # fmt: skip
 }
 

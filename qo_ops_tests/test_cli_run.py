@@ -429,7 +429,7 @@ def test_downstream_status_before_any_breaker_opened(db, cli):
     assert text.code == 0, text.stderr
     assert (
         text.stdout.strip()
-        == "no breaker recorded: every downstream closed (no run has opened one)"
+        == "no breaker recorded: no run has called a downstream yet"
     )
     assert json.loads(cli("downstream-status", "--json").stdout) == {"breakers": []}
     assert "breakers_not_closed" in json.loads(cli("status", JOB, "--json").stdout)

@@ -85,6 +85,35 @@ class Reruns:
         return self.launcher.start(target, self.limits, "rerun", self.reason, self.iteration)
 
 
+# The record of the run a SIGKILL ended: finished by a reaper (orphaned) after the kill; how
+# long after it (both times the database's). Read-only.
+REAPED_AFTER_KILL = sa.text(
+    """
+    SELECT extract(epoch FROM finished_at - CAST(:killed_at AS timestamptz)) AS seconds
+      FROM job_run
+     WHERE job_name = :job AND scope = :scope AND owner_id LIKE '%:' || :pid || ':%'
+       AND started_at <= CAST(:killed_at AS timestamptz) AND status_reason = 'orphaned'
+     ORDER BY started_at DESC LIMIT 1
+    """
+)
+
+
+def reaped_after_kill(world: World, target: RunTarget, pid: int, killed_at: object) -> float | None:
+    """Seconds from a SIGKILL to its run's record finished (reaped), its scope free with it
+    (the lease of a gone holder is free at once); None when the kill hit no recorded run
+    (before its record, or after its end)."""
+
+    def read() -> float | None:
+        with world.engine.connect() as conn:
+            seconds = conn.execute(
+                REAPED_AFTER_KILL,
+                {"job": target.job, "scope": target.scope, "pid": str(pid), "killed_at": killed_at},
+            ).scalar()
+        return None if seconds is None else float(seconds)
+
+    return patiently(read, "reading the killed run's record")
+
+
 def measure_clean_end(
     world: World, reruns: Reruns, touched: list[RunTarget], since: float, timeout_s: float
 ) -> CleanEnd:

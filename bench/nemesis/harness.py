@@ -14,7 +14,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from bench.nemesis.clean_end import CleanEnd, Reruns, measure_clean_end
+from bench.nemesis.clean_end import CleanEnd, Reruns, measure_clean_end, reaped_after_kill
 from bench.nemesis.faults import FaultRecord, Injector
 from bench.nemesis.invariants import (
     Evidence,
@@ -66,6 +66,8 @@ class IterationResult:
     runs: list[str]
     faults: list[FaultRecord]
     clean_end: CleanEnd
+    # each landed SIGKILL that ended a recorded run: seconds until its record was reaped
+    reaped_after_kill_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -151,7 +153,18 @@ class Iteration:
         if clean.seconds is None:  # a violation; the next iteration starts with none alive
             nemesis.launcher.stop_all()
         runs = [f"{p.target} ({p.why}, exit {p.exit_code})" for p in self.started]
-        return IterationResult(self.plan.number, runs, self.records, clean)
+        reaped = [
+            seconds
+            for r in self.records
+            if r.kind is FaultKind.SIGKILL and r.landed and r.victim is not None
+            if (
+                seconds := reaped_after_kill(
+                    nemesis.world, r.victim.target, r.victim.pid, r.began_db
+                )
+            )
+            is not None
+        ]
+        return IterationResult(self.plan.number, runs, self.records, clean, reaped)
 
     def _happen(self, what: str, index: int) -> None:
         plan = self.plan

@@ -25,9 +25,16 @@ def clean_end_seconds(result: NemesisResult) -> list[float]:
     return [i.clean_end.seconds for i in result.iterations if i.clean_end.seconds is not None]
 
 
+def reaped_after_kill_seconds(result: NemesisResult) -> list[float]:
+    """Each SIGKILL that ended a recorded run: seconds until its record was finished and its
+    scope free (the next run of its job reaps it; its lease is free once its lock is gone)."""
+    return [s for i in result.iterations for s in i.reaped_after_kill_s]
+
+
 def as_dict(result: NemesisResult) -> dict[str, Any]:
     """The figures as one JSON-able object."""
     seconds = clean_end_seconds(result)
+    reaped = reaped_after_kill_seconds(result)
     return {
         "seed": result.config.seed,
         "iterations": len(result.iterations),
@@ -40,12 +47,26 @@ def as_dict(result: NemesisResult) -> dict[str, Any]:
             "timed_out": len(result.iterations) - len(seconds),
             "each": [round(s, 2) for s in seconds],
         },
+        "reaped_after_kill_s": {
+            "p50": round(percentile(reaped, 0.5), 2) if reaped else None,
+            "p99": round(percentile(reaped, 0.99), 2) if reaped else None,
+            "each": [round(s, 2) for s in reaped],
+        },
         "final_runs": len(result.final_runs),
         "checked": result.checked,
         "violations": [{"invariant": v.invariant, "what": v.what} for v in result.violations],
         "replay": result.replay,
         "logs": str(result.logs) if result.logs else None,
     }
+
+
+def _reaped_line(reaped: dict[str, Any]) -> str:
+    if not reaped["each"]:
+        return "a SIGKILLed run reaped: no kill ended a recorded run"
+    return (
+        f"a SIGKILLed run reaped, its scope free: p50 {reaped['p50']:.1f} s, "
+        f"p99 {reaped['p99']:.1f} s ({len(reaped['each'])} kills)"
+    )
 
 
 def summary_lines(result: NemesisResult) -> list[str]:
@@ -60,6 +81,7 @@ def summary_lines(result: NemesisResult) -> list[str]:
         f"faults by kind: {faults}" + (f" (missed: {missed})" if missed else ""),
         f"time to a clean end: p50 {clean['p50']:.1f} s, p99 {clean['p99']:.1f} s"
         + (f", {clean['timed_out']} timed out" if clean["timed_out"] else ""),
+        _reaped_line(data["reaped_after_kill_s"]),
         "checked: " + ", ".join(f"{n:,} {what}" for what, n in result.checked.items()),
         f"violations: {len(result.violations)}",
         *[f"  - {v}" for v in result.violations],

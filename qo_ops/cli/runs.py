@@ -198,7 +198,7 @@ def downstream_status_command(as_json: JsonOpt = False) -> None:
         emit_json({"breakers": [r.as_dict() for r in rows]})
         return
     if not rows:
-        typer.echo("no breaker recorded: every downstream closed (no run has opened one)")
+        typer.echo("no breaker recorded: no run has called a downstream yet")
         return
     print_table(
         "downstream breakers (docs/downstream.md, During a downstream incident)",
@@ -210,6 +210,7 @@ def downstream_status_command(as_json: JsonOpt = False) -> None:
             "next probe",
             "times opened",
             "reason",
+            "evidence",
             "by run",
         ],
         [
@@ -221,6 +222,7 @@ def downstream_status_command(as_json: JsonOpt = False) -> None:
                 _probe_text(r.state, r.probe_in_s),
                 r.opened_count,
                 r.reason or "-",
+                r.evidence_text(),
                 str(r.changed_by_run or "-"),
             ]
             for r in rows

@@ -12,6 +12,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from qo_ops.db.schema import downstream_breaker
+from qo_ops.platform.breaker import FAILED, BreakerSettings
+from qo_ops.platform.liveness import RUN_GONE
 from qo_ops.platform.selection import count_eligible
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope
 
@@ -33,9 +35,10 @@ class ScopeStatus:
         return asdict(self)
 
 
-# Last run, last success and live lease of every scope the job has seen, plus every tenant.
+# Last run, last success and live lease (its holder not gone) of every scope the job has
+# seen, plus every tenant.
 _STATUS = sa.text(
-    """
+    f"""
     SELECT s.scope,
            (SELECT started_at FROM job_run r WHERE r.job_name = :job AND r.scope = s.scope
              ORDER BY started_at DESC LIMIT 1) AS last_run_at,
@@ -44,7 +47,9 @@ _STATUS = sa.text(
            (SELECT max(finished_at) FROM job_run r WHERE r.job_name = :job AND r.scope = s.scope
                AND r.status IN ('success', 'no_work') AND r.mode = 'execute') AS last_success_at,
            (SELECT owner_id FROM job_lease l WHERE l.job_name = :job AND l.scope = s.scope
-               AND l.expires_at > clock_timestamp()) AS lease_holder,
+               AND l.expires_at > clock_timestamp()
+               AND NOT EXISTS (SELECT 1 FROM job_run r WHERE r.id = l.job_run_id
+                                  AND {RUN_GONE})) AS lease_holder,
            (SELECT extract(epoch FROM clock_timestamp() - c.updated_at) FROM job_checkpoint c
              WHERE c.job_name = :job AND c.scope = s.scope) AS checkpoint_age_s
       FROM (SELECT id AS scope FROM tenant
@@ -94,9 +99,25 @@ class BreakerStatus:
     opened_count: int  # times it opened, ever
     changed_at: datetime
     changed_by_run: uuid.UUID | None  # the job_run that changed it last
+    # its evidence (the last calls of every run, in start order; forgotten when stale)
+    recent_calls: int = 0
+    recent_failed: int = 0
+    failed_in_a_row: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def evidence_text(self) -> str:
+        """``12 of the last 50 failed, 0 in a row``, or ``-`` with no recent call."""
+        if not self.recent_calls:
+            return "-"
+        return (
+            f"{self.recent_failed} of the last {self.recent_calls} failed, "
+            f"{self.failed_in_a_row} in a row"
+        )
+
+
+_EVIDENCE_S = BreakerSettings().evidence_s  # older evidence is forgotten (the runs' rule)
 
 
 def breaker_status(conn: sa.Connection) -> list[BreakerStatus]:
@@ -119,6 +140,13 @@ def breaker_status(conn: sa.Connection) -> list[BreakerStatus]:
             b.opened_count,
             b.changed_at,
             b.changed_by_run,
+            sa.case(
+                (
+                    b.recent_at > clock - sa.func.make_interval(0, 0, 0, 0, 0, 0, _EVIDENCE_S),
+                    b.recent,
+                ),
+                else_="",
+            ).label("recent"),
         ).order_by(b.downstream)
     )
     return [
@@ -133,6 +161,9 @@ def breaker_status(conn: sa.Connection) -> list[BreakerStatus]:
             int(r.opened_count),
             r.changed_at,
             r.changed_by_run,
+            len(r.recent),
+            r.recent.count(FAILED),
+            len(r.recent) - len(r.recent.rstrip(FAILED)),
         )
         for r in rows
     ]

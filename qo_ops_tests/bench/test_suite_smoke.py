@@ -12,7 +12,7 @@ from bench.suite import SECTIONS
 from qo_ops_tests.conftest import REPO, base_env
 
 
-@pytest.mark.timeout(1080)  # the subprocess's own 1,020 s first: its output is the failure
+@pytest.mark.timeout(1140)  # the subprocess's own 1,080 s first: its output is the failure
 def test_every_section_runs_at_the_quick_profile(pg_server, tmp_path):
     server = pg_server.set(drivername="postgresql").render_as_string(hide_password=False)
     result = subprocess.run(
@@ -21,7 +21,7 @@ def test_every_section_runs_at_the_quick_profile(pg_server, tmp_path):
         env=base_env(QO_OPS_TEST_DATABASE_URL=server, QO_OPS_HOME=str(tmp_path)),
         capture_output=True,
         text=True,
-        timeout=1020,  # the nemesis section takes about a minute of it
+        timeout=1080,  # the nemesis and breaker sections take about a minute each
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "| section | what | size | figure |" in result.stdout
@@ -39,4 +39,7 @@ def test_every_section_runs_at_the_quick_profile(pg_server, tmp_path):
     assert "| Nemesis: seeded random faults | iterations |" in result.stdout
     assert "| Nemesis: seeded random faults | violations |" in result.stdout
     assert "final clean pass over" in result.stdout
+    # the breaker section drove the real jobs through a flaky and a down simulator
+    assert "| Breaker: flaky is not down | flaky downstream" in result.stdout
+    assert "| Breaker: flaky is not down | outage of timeouts" in result.stdout
     assert "Traceback" not in result.stderr

@@ -291,6 +291,7 @@ def test_a_downstream_incident_as_the_operator_and_the_exporter_see_it(db, downs
     as_json = json.loads(run_cli(["downstream-status", "--json"], _env(db, server.url)).stdout)
     [row] = as_json["breakers"]
     assert row["downstream"] == origin and row["state"] == "open" and row["opened_count"] == 1
+    assert row["recent_calls"] == 0  # an open breaker starts from no evidence
     job_status = run_cli(["status", "delivery_retry"], _env(db, server.url))
     assert f"downstream {origin}: circuit breaker open" in job_status.stdout
     history = run_cli(["runs", "delivery_retry"], _env(db, server.url))
@@ -314,6 +315,11 @@ def test_a_downstream_incident_as_the_operator_and_the_exporter_see_it(db, downs
     assert finished_runs(db, "delivery_retry") == 2
     closed = run_cli(["downstream-status"], _env(db, server.url)).stdout
     assert " closed " in closed and "probes_answered" in closed
+    [evidence] = json.loads(
+        run_cli(["downstream-status", "--json"], _env(db, server.url)).stdout
+    )["breakers"]
+    # its evidence since it closed: the deliveries after the probes, none failed
+    assert evidence["recent_calls"] > 0 and evidence["recent_failed"] == 0
     assert (
         "circuit breaker" not in run_cli(["status", "delivery_retry"], _env(db, server.url)).stdout
     )
