@@ -34,9 +34,10 @@ def bench_server() -> URL:
 
 
 @contextmanager
-def fresh_database(name: str) -> Iterator[URL]:
-    """A new database at the head schema revision, dropped afterwards."""
-    server = bench_server()
+def fresh_database(name: str, server: URL | None = None) -> Iterator[URL]:
+    """A new database at the head schema revision on ``server`` (the bench's), dropped
+    afterwards."""
+    server = server or bench_server()
     admin = sa.create_engine(server, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
     with admin.connect() as conn:
         conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -427,10 +427,7 @@ def test_downstream_status_before_any_breaker_opened(db, cli):
     next probe, is in qo_ops_tests/metrics/test_downstream_metrics.py)."""
     text = cli("downstream-status")
     assert text.code == 0, text.stderr
-    assert (
-        text.stdout.strip()
-        == "no breaker recorded: no run has called a downstream yet"
-    )
+    assert text.stdout.strip() == "no breaker recorded: no run has called a downstream yet"
     assert json.loads(cli("downstream-status", "--json").stdout) == {"breakers": []}
     assert "breakers_not_closed" in json.loads(cli("status", JOB, "--json").stdout)
     bad = cli("downstream-status", "--tenant", TENANT)

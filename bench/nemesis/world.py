@@ -18,7 +18,7 @@ from typing import TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
-from qo_ops.db import migrate
+from bench import common
 from qo_ops.db.availability import retry_while_unavailable
 from qo_ops.db.engine import parse_database_url, start_embedded_server, stop_embedded_server
 from qo_ops.demo.data import load_demo_data
@@ -109,20 +109,8 @@ def patiently(action: Callable[[], T], what: str) -> T:
 @contextmanager
 def fresh_database(server: Server) -> Iterator[URL]:
     """Database ``qo_ops_nemesis`` at the head revision, dropped afterwards."""
-    admin = sa.create_engine(server.url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
-        conn.exec_driver_sql(f'CREATE DATABASE "{DATABASE}"')
-    url = server.url.set(database=DATABASE)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    migrate.upgrade(engine)
-    engine.dispose()
-    try:
+    with common.fresh_database(DATABASE, server.url) as url:
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
-        admin.dispose()
 
 
 # The downstream's view of one tenant's orders (what seed_from_demo gives a new simulator).

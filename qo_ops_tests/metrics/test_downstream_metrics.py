@@ -315,9 +315,8 @@ def test_a_downstream_incident_as_the_operator_and_the_exporter_see_it(db, downs
     assert finished_runs(db, "delivery_retry") == 2
     closed = run_cli(["downstream-status"], _env(db, server.url)).stdout
     assert " closed " in closed and "probes_answered" in closed
-    [evidence] = json.loads(
-        run_cli(["downstream-status", "--json"], _env(db, server.url)).stdout
-    )["breakers"]
+    after = run_cli(["downstream-status", "--json"], _env(db, server.url)).stdout
+    [evidence] = json.loads(after)["breakers"]
     # its evidence since it closed: the deliveries after the probes, none failed
     assert evidence["recent_calls"] > 0 and evidence["recent_failed"] == 0
     assert (

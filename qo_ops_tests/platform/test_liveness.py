@@ -94,8 +94,9 @@ def test_a_killed_run_is_found_by_its_dropped_lock_long_before_its_ttl(loaded): 
 
 def test_a_frozen_holder_keeps_its_scope_until_its_ttl_and_is_fenced(loaded):  # noqa: F811
     """SIGSTOP: the process lives, so does its session and its lock. Liveness frees nothing;
-    the TTL does, and the holder's fencing token keeps its late batch out."""
-    db, _ = loaded
+    the TTL does, a second run takes over and finishes the work, and the holder, woken,
+    writes nothing: its fencing token is stale."""
+    db, eligible = loaded
     ttl = 6
     holder = start_run(db, "--lease-ttl-s", str(ttl))
     try:
@@ -114,7 +115,7 @@ def test_a_frozen_holder_keeps_its_scope_until_its_ttl_and_is_fenced(loaded):  #
         second = run_job(SPEC, Scope(TENANT), execute_options(ttl), engine=db.engine)
         assert second.status == "success", second
         after_takeover = expired(db.engine)
-        assert after_takeover > frozen_at
+        assert frozen_at < after_takeover  # frozen mid-way, not at the end
         holder.send_signal(signal.SIGCONT)
         _, err = holder.communicate(timeout=60)
     finally:
@@ -122,9 +123,20 @@ def test_a_frozen_holder_keeps_its_scope_until_its_ttl_and_is_fenced(loaded):  #
             holder.send_signal(signal.SIGCONT)
             holder.kill()
     assert holder.returncode == 1, err[-800:]
-    assert expired(db.engine) == after_takeover  # the woken holder wrote nothing
-    status = scalar(db.engine, "SELECT status_reason FROM job_run WHERE id = :id", id=first_run(db))
-    assert status == "lease_lost"
+    frozen = first_run(db)
+    with db.engine.connect() as conn:
+        row = conn.execute(
+            sa.text(
+                "SELECT status, status_reason, processed_count, fencing_token FROM job_run "
+                "WHERE id = :id"
+            ),
+            {"id": frozen},
+        ).one()
+    assert (row.status, row.status_reason) == ("failed", "lease_lost")
+    assert second.fencing_token is not None and second.fencing_token > row.fencing_token
+    # nothing written by the holder after it woke: counts are what they were at takeover
+    assert expired(db.engine) == after_takeover
+    assert row.processed_count + second.counts.processed == eligible
     assert_outcome_intact(db.engine)
 
 
