@@ -24,6 +24,7 @@ from bench.nemesis.harness import NemesisConfig, run_nemesis
 from bench.nemesis.report import (
     clean_end_seconds,
     faults_by_kind,
+    freed_after_kill_seconds,
     reaped_after_kill_seconds,
     summary_lines,
 )
@@ -45,8 +46,7 @@ def run(profile: Profile) -> Section:
     landed, missed = faults_by_kind(result), faults_by_kind(result, landed=False)
     seconds = clean_end_seconds(result)
     p50, p99 = percentile(seconds, 0.5), percentile(seconds, 0.99)
-    reaped = reaped_after_kill_seconds(result)
-    reaped_p99 = percentile(reaped, 0.99) if reaped else float("nan")
+    reaped, freed = reaped_after_kill_seconds(result), freed_after_kill_seconds(result)
     timed_out = iterations - len(seconds)
     size = f"{profile.nemesis_s / 60:.1f} min, seed {seed}"
     by_kind = ", ".join(f"{k} {n}" for k, n in landed.items())
@@ -55,17 +55,8 @@ def run(profile: Profile) -> Section:
         Row("iterations", size, f"{iterations}", "", None, "", None),
         Row("faults by kind", size, by_kind, "", None, "", None),
         Row("violations", size, f"{len(result.violations)}", "0", None, "0", not result.violations),
-        Row(
-            "a SIGKILLed run: record finished, scope free, p99",
-            size,
-            f"{reaped_p99:.1f} s (p50 {percentile(reaped, 0.5):.1f} s, {len(reaped)} kills)"
-            if reaped
-            else "no kill ended a recorded run",
-            f"{CLEAN_END_GOAL_S:.0f} s",
-            reaped_p99 / CLEAN_END_GOAL_S if reaped else None,
-            f"≤ {CLEAN_END_GOAL_S:.0f} s at p99",
-            bool(reaped) and reaped_p99 <= CLEAN_END_GOAL_S,
-        ),
+        _kill_row("a SIGKILLed run: scope free (its process gone), p99", size, freed),
+        _kill_row("a SIGKILLed run: record finished (reaped), p99", size, reaped),
         Row("time to a clean end p50", size, f"{p50:.1f} s", "", None, "", None),
         Row(
             "time to a clean end p99 (every fault)",
@@ -83,10 +74,13 @@ def run(profile: Profile) -> Section:
         f"clean pass of {len(result.final_runs)} runs; replay: {replay}.",
         f"Faults that found nothing to hit (a signal with no run alive, a restart of a server "
         f"that is not the nemesis's): {missed_text}.",
-        "A SIGKILLed run: from the kill to its record finished by the reaper (the next run "
-        "of its job, started by the reruns below, each a process of its own), both on the "
-        "database's clock; its lease is free from the kill on (liveness). Issue 40's goal: "
-        f"3 s at p99, before 31-37 s; each: {', '.join(f'{s:.1f}' for s in reaped)} s.",
+        "A SIGKILLed run (issue 40's goal: 3 s at p99; before, 31-37 s, the lease's TTL): "
+        "its scope is free once PostgreSQL shows its process gone (its liveness lock "
+        "dropped: the lease's and the reaper's one predicate, polled every 10 ms from the "
+        f"kill; each: {', '.join(f'{s:.2f}' for s in freed)} s); its record is finished by "
+        "the next reaper, any run that starts or beats its heartbeat (from the kill to the "
+        f"record's finished_at, the database's clock; each: "
+        f"{', '.join(f'{s:.1f}' for s in reaped)} s).",
         "Time to a clean end: from the end of an iteration's last fault (a signal sent, the "
         "server back, the downstream healed, a frozen run continued) until no run is "
         "recorded running, no lease is held and a rerun of each touched job and scope (every "
@@ -101,7 +95,24 @@ def run(profile: Profile) -> Section:
         "faults_missed": missed,
         "clean_end_s": seconds,
         "reaped_after_kill_s": reaped,
+        "freed_after_kill_s": freed,
         "violations": [str(v) for v in result.violations],
         "replay": result.replay,
     }
     return Section(TITLE, rows, notes, raw)
+
+
+def _kill_row(what: str, size: str, seconds: list[float]) -> Row:
+    """A row of the kills' seconds against the 3 s goal (none: no kill hit a running run)."""
+    if not seconds:
+        return Row(what, size, "no kill hit a running run", "", None, "", None)
+    p99 = percentile(seconds, 0.99)
+    return Row(
+        what,
+        size,
+        f"{p99:.2f} s (p50 {percentile(seconds, 0.5):.2f} s, {len(seconds)} kills)",
+        f"{CLEAN_END_GOAL_S:.0f} s",
+        p99 / CLEAN_END_GOAL_S,
+        f"≤ {CLEAN_END_GOAL_S:.0f} s at p99",
+        p99 <= CLEAN_END_GOAL_S,
+    )

@@ -93,6 +93,7 @@ REAPED_AFTER_KILL = sa.text(
       FROM job_run
      WHERE job_name = :job AND scope = :scope AND owner_id LIKE '%:' || :pid || ':%'
        AND started_at <= CAST(:killed_at AS timestamptz) AND status_reason = 'orphaned'
+       AND finished_at >= CAST(:killed_at AS timestamptz)  -- not reaped before (cut session)
      ORDER BY started_at DESC LIMIT 1
     """
 )

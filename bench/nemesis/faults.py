@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from bench.nemesis.plan import FaultKind, PlannedFault
 from bench.nemesis.processes import RunProcess
 from bench.nemesis.world import APPLICATION_NAME, World, patiently
+from qo_ops.platform.liveness import RUN_GONE
 
 FLAKY = {"error_rate": 0.2, "timeout_rate": 0.05, "poison_rate": 0.01}
 HEALTHY = {"error_rate": 0.0, "timeout_rate": 0.0, "poison_rate": 0.0}
@@ -22,6 +23,16 @@ SIGNALS = {
     FaultKind.SIGTERM: signal.SIGTERM,
     FaultKind.SIGSTOP: signal.SIGSTOP,
 }
+
+# Whether the running record of process :pid is gone by liveness (None: it has none).
+KILLED_RUN_GONE = sa.text(
+    f"""
+    SELECT {RUN_GONE} FROM job_run r
+     WHERE r.status = 'running' AND r.owner_id LIKE '%:' || :pid || ':%'
+     ORDER BY r.started_at DESC LIMIT 1
+    """
+)
+GONE_WAIT_S = 10.0  # a bound for the measurement: past it, reported as this many seconds
 
 # Every qo-ops session of the nemesis's database; the harness's own are spared by name.
 TERMINATE_QO_OPS_BACKENDS = sa.text(
@@ -47,6 +58,9 @@ class FaultRecord:
     ended_db: datetime | None = None
     ended: float | None = None  # monotonic: the moment it was over (healed, or done)
     victim: RunProcess | None = None  # the run a signal hit
+    # a SIGKILL that hit a recorded running run: seconds until PostgreSQL showed its
+    # process gone (its scope free to the next run)
+    freed_after_s: float | None = None
 
 
 class Injector:
@@ -63,8 +77,11 @@ class Injector:
             victim = _first_alive(runs, fault.target)
             if victim is None or not victim.send(SIGNALS[kind]):
                 return self._done(FaultRecord(iteration, kind, False, "no run alive", began))
+            sent = time.monotonic()
             what = f"{kind.value} {victim.target} (pid {victim.pid})"
             record = FaultRecord(iteration, kind, True, what, began, victim=victim)
+            if kind is FaultKind.SIGKILL:
+                record.freed_after_s = self._gone_after(victim.pid, sent)
             return record if kind is FaultKind.SIGSTOP else self._done(record)
         if kind is FaultKind.PG_RESTART:
             if not self.world.server.restartable:
@@ -102,6 +119,19 @@ class Injector:
         record.ended_db = self.world.db_now()
         record.ended = time.monotonic()
         return record
+
+    def _gone_after(self, pid: int, sent: float) -> float | None:
+        """Seconds from the kill until the killed process's running record is judged gone
+        (the lease's and the reaper's predicate); None if it had no running record."""
+        while time.monotonic() - sent < GONE_WAIT_S:
+            with self.world.engine.connect() as conn:
+                gone = conn.execute(KILLED_RUN_GONE, {"pid": str(pid)}).scalar()
+            if gone is None:
+                return None
+            if gone:
+                return time.monotonic() - sent
+            time.sleep(0.01)
+        return GONE_WAIT_S
 
     def _terminate_backends(self) -> int:
         def terminate() -> int:

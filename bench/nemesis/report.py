@@ -31,10 +31,18 @@ def reaped_after_kill_seconds(result: NemesisResult) -> list[float]:
     return [s for i in result.iterations for s in i.reaped_after_kill_s]
 
 
+def freed_after_kill_seconds(result: NemesisResult) -> list[float]:
+    """Each SIGKILL that hit a running run: seconds until PostgreSQL showed it gone."""
+    return [
+        r.freed_after_s for i in result.iterations for r in i.faults if r.freed_after_s is not None
+    ]
+
+
 def as_dict(result: NemesisResult) -> dict[str, Any]:
     """The figures as one JSON-able object."""
     seconds = clean_end_seconds(result)
     reaped = reaped_after_kill_seconds(result)
+    freed = freed_after_kill_seconds(result)
     return {
         "seed": result.config.seed,
         "iterations": len(result.iterations),
@@ -52,6 +60,11 @@ def as_dict(result: NemesisResult) -> dict[str, Any]:
             "p99": round(percentile(reaped, 0.99), 2) if reaped else None,
             "each": [round(s, 2) for s in reaped],
         },
+        "freed_after_kill_s": {
+            "p50": round(percentile(freed, 0.5), 3) if freed else None,
+            "p99": round(percentile(freed, 0.99), 3) if freed else None,
+            "each": [round(s, 3) for s in freed],
+        },
         "final_runs": len(result.final_runs),
         "checked": result.checked,
         "violations": [{"invariant": v.invariant, "what": v.what} for v in result.violations],
@@ -60,13 +73,21 @@ def as_dict(result: NemesisResult) -> dict[str, Any]:
     }
 
 
-def _reaped_line(reaped: dict[str, Any]) -> str:
-    if not reaped["each"]:
-        return "a SIGKILLed run reaped: no kill ended a recorded run"
-    return (
-        f"a SIGKILLed run reaped, its scope free: p50 {reaped['p50']:.1f} s, "
-        f"p99 {reaped['p99']:.1f} s ({len(reaped['each'])} kills)"
-    )
+def _reaped_line(reaped: dict[str, Any], freed: dict[str, Any]) -> str:
+    if not reaped["each"] and not freed["each"]:
+        return "a SIGKILLed run: no kill hit a recorded running run"
+    line = "a SIGKILLed run"
+    if freed["each"]:
+        line += (
+            f": scope free (its process gone) p50 {freed['p50']:.2f} s, "
+            f"p99 {freed['p99']:.2f} s ({len(freed['each'])} kills)"
+        )
+    if reaped["each"]:
+        line += (
+            f"; record finished p50 {reaped['p50']:.1f} s, p99 {reaped['p99']:.1f} s "
+            f"({len(reaped['each'])} kills)"
+        )
+    return line
 
 
 def summary_lines(result: NemesisResult) -> list[str]:
@@ -81,7 +102,7 @@ def summary_lines(result: NemesisResult) -> list[str]:
         f"faults by kind: {faults}" + (f" (missed: {missed})" if missed else ""),
         f"time to a clean end: p50 {clean['p50']:.1f} s, p99 {clean['p99']:.1f} s"
         + (f", {clean['timed_out']} timed out" if clean["timed_out"] else ""),
-        _reaped_line(data["reaped_after_kill_s"]),
+        _reaped_line(data["reaped_after_kill_s"], data["freed_after_kill_s"]),
         "checked: " + ", ".join(f"{n:,} {what}" for what, n in result.checked.items()),
         f"violations: {len(result.violations)}",
         *[f"  - {v}" for v in result.violations],

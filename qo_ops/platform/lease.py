@@ -12,13 +12,14 @@ import logging
 import secrets
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from qo_ops.platform.liveness import RUN_GONE, Liveness
+from qo_ops.platform.liveness import RUN_GONE
 
 log = logging.getLogger(__name__)
 
@@ -201,17 +202,21 @@ class Heartbeat:
     """Extends a lease every ``ttl / 3`` seconds in a background thread until stopped.
 
     When an extension finds the lease gone, ``lost`` is set; the runner checks it between
-    batches (and the guard refuses inside them regardless). Each beat also keeps the run's
-    liveness lock (taken again after a database restart).
+    batches (and the guard refuses inside them regardless). Each beat then calls ``on_beat``
+    (the runner's: keep its liveness lock, reap the runs whose process is gone).
     """
 
     def __init__(
-        self, engine: Engine, lease: Lease, job_run_id: uuid.UUID, liveness: Liveness | None
+        self,
+        engine: Engine,
+        lease: Lease,
+        job_run_id: uuid.UUID,
+        on_beat: Callable[[], None] | None = None,
     ) -> None:
         self._engine = engine
         self._lease = lease
         self._run_id = job_run_id
-        self._liveness = liveness
+        self._on_beat = on_beat
         self._stop = threading.Event()
         self.lost = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="qo-ops-heartbeat", daemon=True)
@@ -234,8 +239,8 @@ class Heartbeat:
                         ),
                         {"id": self._run_id},
                     )
-                if self._liveness is not None:
-                    self._liveness.keep(self._run_id)
+                if self._on_beat is not None:
+                    self._on_beat()
             except DBAPIError as exc:  # the database may come back before the lease expires
                 log.warning("heartbeat failed: %s", type(exc.orig).__name__)
 

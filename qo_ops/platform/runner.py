@@ -221,9 +221,21 @@ class JobRun:
 
     def _reap_orphans(self) -> None:
         with self.stop.deferred():
-            reaped = runs.reap_orphans(self.engine, self.spec.name, grace_s=self.limits.lease_ttl_s)
+            self._reap()
+
+    def _reap(self) -> None:
+        """Finish the records of runs whose process is gone (any job), and of this job's runs
+        whose heartbeat and lease lapsed."""
+        reaped = runs.reap_orphans(self.engine, self.spec.name, grace_s=self.limits.lease_ttl_s)
         if ids := [str(r) for r in reaped]:
             self.events.emit("job.orphans.reaped", logging.WARNING, count=len(ids), run_ids=ids)
+
+    def _on_beat(self) -> None:
+        """At each heartbeat (its thread): keep the liveness lock, and reap, so that a killed
+        run's record is finished by any run still at work, not only by the next to start."""
+        if self.liveness is not None:
+            self.liveness.keep(self.run_id)
+        self._reap()
 
     # ------------------------------------------------------------------ the work
     def _load_checkpoint(self) -> None:
@@ -250,7 +262,7 @@ class JobRun:
         if lease is None:
             return
         summary = self.summary
-        beat = Heartbeat(self.engine, lease, self.run_id, self.liveness)
+        beat = Heartbeat(self.engine, lease, self.run_id, self._on_beat)
         self.lease, self.heartbeat = lease, beat.start()
         self.deadline = time.monotonic() + self.limits.deadline_s
         try:

@@ -184,9 +184,10 @@ def finish_run(engine: Engine, summary: RunSummary, owner_id: str) -> None:
 
 
 # A run is orphaned when it says `running` but its process is gone (its liveness lock
-# dropped: qo_ops/platform/liveness.py), or, where liveness cannot tell (a run of older
-# code, a lock from before a database restart), when it holds no live lease and has not
-# beaten its heartbeat for a whole grace period (a fresh run has not acquired yet).
+# dropped: qo_ops/platform/liveness.py), whatever its job; or, a run of :job (all jobs when
+# NULL), when it holds no live lease and has not beaten its heartbeat for a whole grace
+# period (a fresh run has not acquired yet): where liveness cannot tell (a run of older
+# code, a lock from before a database restart).
 # Twice: a reaped run is `failed`, no longer `running`, so a second reaper matches nothing.
 _REAP = sa.text(
     f"""
@@ -195,9 +196,9 @@ _REAP = sa.text(
            last_error_code = 'orphaned',
            last_error_text = 'run stopped without finishing (process killed or lost); reaped'
      WHERE r.status = 'running'
-       AND (CAST(:job AS text) IS NULL OR r.job_name = :job)
        AND ({RUN_GONE}
-            OR (r.heartbeat_at < clock_timestamp() - make_interval(secs => :grace)
+            OR ((CAST(:job AS text) IS NULL OR r.job_name = :job)
+                AND r.heartbeat_at < clock_timestamp() - make_interval(secs => :grace)
                 AND NOT EXISTS (SELECT 1 FROM job_lease l
                                  WHERE l.job_name = r.job_name AND l.scope = r.scope
                                    AND l.job_run_id = r.id
@@ -210,7 +211,9 @@ _REAP = sa.text(
 def reap_orphans(
     engine: Engine, job_name: str | None = None, grace_s: float = 30.0
 ) -> list[uuid.UUID]:
-    """Turn orphaned ``running`` rows into ``failed``/``orphaned``; returns their ids."""
+    """Turn orphaned ``running`` rows into ``failed``/``orphaned``: those of a gone process
+    (any job), and those of ``job_name`` (every job when None) whose heartbeat and lease
+    lapsed ``grace_s`` ago; returns their ids."""
     with engine.begin() as conn:
         return list(conn.execute(_REAP, {"job": job_name, "grace": grace_s}).scalars())
 
