@@ -6,7 +6,8 @@ its pod deleted — the kernel closes its sockets and the server ends the sessio
 the lock at once; a host that vanishes without closing them is found by TCP keepalives, set
 short on that connection. A run whose lock is gone from the server that granted it is
 *gone*: its lease is free for the next run (``lease.acquire``) and its record is finished by
-the next run of its job (``runs.reap_orphans``) — in seconds, not the lease's TTL.
+the next run to start or any running run's heartbeat, whatever its job
+(``runs.reap_orphans``) — in seconds, not the lease's TTL.
 
 What liveness does not judge, the lease still does: a holder frozen (SIGSTOP) or cut off
 keeps its session and its lock, so only the TTL frees its scope, and its fencing token
