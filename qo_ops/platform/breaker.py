@@ -399,9 +399,9 @@ _OWE = sa.text(
     """
     INSERT INTO downstream_refund (side_effect, tenant_id, item_id, attempt, refund, revive)
     SELECT * FROM unnest(CAST(:side_effects AS text[]), CAST(:tenants AS text[]),
-                         CAST(:items AS uuid[]), CAST(:attempts AS int[]),
-                         CAST(:refunds AS int[]), CAST(:revives AS bool[]))
-    ON CONFLICT (side_effect, item_id) DO NOTHING
+                         CAST(:items AS uuid[]), CAST(:attempts AS bigint[]),
+                         CAST(:refunds AS bigint[]), CAST(:revives AS bool[]))
+    ON CONFLICT (side_effect, tenant_id, item_id) DO NOTHING
     """
 )
 

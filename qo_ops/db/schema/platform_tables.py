@@ -193,13 +193,12 @@ downstream_refund = sa.Table(
     "downstream_refund",
     metadata,
     sa.Column("side_effect", sa.Text, primary_key=True),  # the job's: submit_delivery, …
+    sa.Column("tenant_id", sa.Text, primary_key=True),  # the claim takes its tenant's
     sa.Column("item_id", UUID(as_uuid=True), primary_key=True),
-    sa.Column("tenant_id", sa.Text, nullable=False),
-    sa.Column("attempt", sa.Integer, nullable=False),  # given back only while still at it
-    sa.Column("refund", sa.Integer, nullable=False),  # how many attempts
+    sa.Column("attempt", sa.BigInteger, nullable=False),  # given back only while still at it
+    sa.Column("refund", sa.BigInteger, nullable=False),  # how many attempts
     sa.Column("revive", sa.Boolean, nullable=False),  # dead-lettered by the outage: back to due
     sa.Column("owed_at", TS, nullable=False, server_default=NOW),
-    sa.Index("ix_downstream_refund_tenant", "side_effect", "tenant_id"),
 )
 
 # Events written in the business transaction, published later by the relay.
