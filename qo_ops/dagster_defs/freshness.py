@@ -265,11 +265,30 @@ def _build_check(spec: JobSpec) -> dg.AssetChecksDefinition:
             context: dg.AssetCheckExecutionContext, database: QoOpsDatabase
         ) -> Iterator[dg.AssetCheckEvaluation | dg.Output[None]]:
             # a run over one partition or a range of them: one evaluation per tenant partition
-            # (an AssetCheckResult would carry no partition in a range run)
+            # (an AssetCheckResult would carry no partition in a range run); a run over none
+            # (the UI's "Execute all" on the asset's checks) judges every tenant
             with database.engine().connect() as conn:
-                judged = judge(conn, spec, list(context.partition_keys))
+                partitioned = context.has_partition_key or context.has_partition_key_range
+                keys = (
+                    list(context.partition_keys)
+                    if partitioned
+                    else [t.id for t in all_tenants(conn)[0]]
+                )
+                judged = judge(conn, spec, keys)
             for freshness in judged:
                 yield evaluation_of(spec, freshness, context.instance)
+            if not partitioned:  # Execute all: its own, unpartitioned record says how it went
+                stale = [f.tenant for f in judged if f.stale]
+                yield dg.AssetCheckEvaluation(
+                    asset_key=outcome_asset_key(spec),
+                    check_name=RECENT_SUCCESS_CHECK,
+                    passed=not stale,
+                    severity=dg.AssetCheckSeverity.WARN,
+                    metadata={"tenants_judged": len(judged), "tenants_stale": len(stale)},
+                    description=f"{len(stale)} of {len(judged)} tenants stale"
+                    + (f" (first: {', '.join(stale[:5])})" if stale else "")
+                    + "; each tenant's judgement is on its partition",
+                )
             yield dg.Output(None)  # the check's own output; the evaluations above are its result
 
     return recent_success

@@ -468,3 +468,30 @@ def test_a_job_not_at_work_for_its_limit_judges_nobody_stale(tenants_db, instanc
         [judged] = judge(conn, CATALOG["catalog_cache_refresh"], ["tenant-00001"])
     assert judged.new and not judged.stale and judged.age_s is None
     assert "not judged yet" in judged.describe()
+
+
+def test_execute_all_on_the_assets_checks_judges_every_tenant(db):
+    """The UI's Catalog → asset → Checks → "Execute all" launches the check with no
+    partition: it judges every tenant, one evaluation on each partition, and never fails
+    (it crashed on "Cannot access partition_key for a non-partitioned run")."""
+    tenants = ["tenant-a", "tenant-b", "tenant-c"]
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO tenant (id, name, created_at) "
+                "SELECT t, t, now() - interval '30 days' FROM unnest(CAST(:t AS text[])) t"
+            ),
+            {"t": tenants},
+        )
+        _run(conn, "quote_expiration", "tenant-a", "success", "1 minute")
+        _run(conn, "quote_expiration", "tenant-c", "success", "3 hours")  # stale
+    with dg.instance_for_test() as inst:
+        inst.add_dynamic_partitions("tenants", tenants)
+        _execute_check(db, inst, "quote_expiration", {})  # no partition: Execute all
+        assert {k: v for k, v in _statuses(inst).items() if k[0] == "quote_expiration"} == {
+            ("quote_expiration", "tenant-a"): AssetCheckExecutionRecordStatus.SUCCEEDED,
+            ("quote_expiration", "tenant-b"): AssetCheckExecutionRecordStatus.FAILED,  # never
+            ("quote_expiration", "tenant-c"): AssetCheckExecutionRecordStatus.FAILED,
+            # the run's own record: not left planned, it says how many were stale
+            ("quote_expiration", None): AssetCheckExecutionRecordStatus.FAILED,
+        }
