@@ -453,8 +453,9 @@ def job_description(spec: JobSpec) -> str:
     )
     lines.append(
         "The Launchpad pre-fills an earlier run's config, mode and reason included: an "
-        "execute needs a reason of its own (one an earlier execute of this job gave is "
-        "refused before anything runs; to repeat that run, Re-execute it)."
+        "execute repeating the reason an earlier execute of this job gave for the same "
+        "tenant is refused before anything runs (one incident's reason may cover many "
+        "tenants; to repeat that run, Re-execute it)."
     )
     if spec.destructive:
         lines.append(

@@ -57,9 +57,9 @@ class JobRunConfig(dg.Config):
         max_length=MAX_TEXT,
         description=(
             "Why this run is needed (required to execute by hand; kept in the audit trail). "
-            "Its own: the Launchpad copies an earlier run's config, and an execute giving a "
-            "reason an earlier execute of this job gave is refused (Re-execute that run to "
-            "repeat it)."
+            "One incident's reason may cover many tenants; the Launchpad copies an earlier "
+            "run's config, so an execute giving the reason an earlier execute of this job "
+            "gave for the same tenant is refused (Re-execute that run to repeat it)."
         ),
     )
     tenants: list[str] | None = Field(

@@ -30,7 +30,7 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
     settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
     options.validated()
     check_consent(options, destructive=spec.destructive, job_name=spec.name)
-    check_reason_is_new(engine, spec.name, options)  # a Launchpad relaunch's copied reason
+    check_reason_is_new(engine, spec.name, scope.key, options)  # a Launchpad relaunch's copied reason
     drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
     settings = spec.validate_settings() if spec.validate_settings is not None else None
     windowed = spec.partitioning == "tenant_day"

@@ -1,6 +1,7 @@
 """A Launchpad execute names its own reason, through real Dagster execution: the Launchpad
-pre-fills an earlier run's config, so a relaunch carrying that run's reason fails with one
-line before anything is claimed (audited ``denied``); its own reason runs, and so does
+pre-fills an earlier run's config, so a relaunch over the same tenant carrying that run's
+reason fails with one line before anything is claimed (audited ``denied``); the incident's
+reason runs for another tenant, its own reason runs, and so does
 Dagster's re-execution of the run that gave the reason (the webserver's path for the UI's
 Re-execute: ``create_reexecuted_run`` with the parent's tags) — not a re-execution of the
 refused relaunch."""
@@ -89,12 +90,14 @@ def test_a_relaunch_with_a_copied_reason_is_refused_and_a_reexecution_runs(defs,
     assert first.success
     assert first.output_for_node(f"{JOB}_op")["succeeded_count"] > 0
 
-    relaunch = _launch(defs, instance, "tenant-002", INCIDENT)  # the pre-filled config
+    other_tenant = _launch(defs, instance, "tenant-002", INCIDENT)  # one incident, two tenants
+    assert other_tenant.success, _step_failure(instance, other_tenant.run_id)
+    relaunch = _launch(defs, instance, "tenant-001", INCIDENT)  # the pre-filled config
     assert not relaunch.success
     cause = _step_failure(instance, relaunch.run_id)
     assert "\n" not in cause and "give this run its own reason" in cause
     assert f"Dagster run {first.run_id[:8]}" in cause
-    assert [r.dagster_run_id for r in _runs(loaded)] == [first.run_id]  # nothing claimed
+    assert [r.dagster_run_id for r in _runs(loaded)] == [first.run_id, other_tenant.run_id]
     with loaded.engine.connect() as conn:
         denied = conn.execute(
             sa.text(
@@ -104,15 +107,15 @@ def test_a_relaunch_with_a_copied_reason_is_refused_and_a_reexecution_runs(defs,
         ).one()
     assert (denied.actor, denied.scope, denied.mode, denied.reason) == (
         f"dagster-run:{relaunch.run_id}",
-        "tenant-002",
+        "tenant-001",
         "execute",
         INCIDENT,
     )
     assert denied.details["refused"] == "reason_reused"
     assert denied.details["dagster_run_id"] == relaunch.run_id
 
-    own = _launch(defs, instance, "tenant-002", "INC-22 tenant-002's stale quotes")
-    assert own.success and own.output_for_node(f"{JOB}_op")["succeeded_count"] > 0
+    own = _launch(defs, instance, "tenant-001", "INC-22 tenant-001's stale quotes")
+    assert own.success, _step_failure(instance, own.run_id)
 
     again = _reexecute(instance, first.run_id)  # repeats the incident's run, on purpose
     assert again.status == dg.DagsterRunStatus.SUCCESS, instance.all_logs(again.run_id)
@@ -123,6 +126,7 @@ def test_a_relaunch_with_a_copied_reason_is_refused_and_a_reexecution_runs(defs,
 
     assert [(r.dagster_run_id, r.scope, r.reason) for r in _runs(loaded)] == [
         (first.run_id, "tenant-001", INCIDENT),
-        (own.run_id, "tenant-002", "INC-22 tenant-002's stale quotes"),
+        (other_tenant.run_id, "tenant-002", INCIDENT),
+        (own.run_id, "tenant-001", "INC-22 tenant-001's stale quotes"),
         (again.run_id, "tenant-001", INCIDENT),
     ]

@@ -170,10 +170,11 @@ def _dagster_execute(
     return run_job(QE, Scope(tenant), run, engine=engine)
 
 
-def test_a_launchpad_execute_repeating_an_earlier_reason_is_refused_before_anything(loaded):
-    """The Launchpad pre-fills an earlier run's config: a relaunch that carries its reason is
-    refused (audited, nothing claimed) whatever tenant it names; its own reason, or a
-    re-execution of the run that gave the reason, runs."""
+def test_a_launchpad_execute_repeating_an_earlier_reason_on_its_scope_is_refused(loaded):
+    """The Launchpad pre-fills an earlier run's config: a relaunch over the same scope that
+    carries its reason is refused (audited, nothing claimed); one incident's reason covers
+    the next tenant; its own reason, or a re-execution of the run that gave the reason,
+    runs."""
     engine = loaded.engine
     first = _dagster_execute(engine, "d1-incident", INCIDENT)
     assert first.status == "success" and first.counts.succeeded > 0
@@ -181,30 +182,32 @@ def test_a_launchpad_execute_repeating_an_earlier_reason_is_refused_before_anyth
 
     for copied in (INCIDENT, f"\t{INCIDENT.upper()}\n", INCIDENT.replace(" ", "  \t ")):
         with pytest.raises(ExecuteRefused) as refused:
-            _dagster_execute(engine, "d2-relaunch", copied, tenant="tenant-002")
+            _dagster_execute(engine, "d2-relaunch", copied)
         assert refused.value.error_code == "reason_reused"
         cause = str(refused.value)
         assert "\n" not in cause and "give this run its own reason" in cause
+        assert "for tenant-001" in cause
         assert "Dagster run d1-incid" in cause and "re-execute that run" in cause
     # a re-execution of the refused relaunch: its parent never executed with the reason
     with pytest.raises(ExecuteRefused, match="its own reason"):
-        _dagster_execute(
-            engine, "d3-reexec", INCIDENT, tenant="tenant-002", dagster_parent_run_id="d2-relaunch"
-        )
+        _dagster_execute(engine, "d3-reexec", INCIDENT, dagster_parent_run_id="d2-relaunch")
 
     assert _state(engine) == before  # no job_run row (nothing claimed), no business change
     denied = [r for r in _audit(engine) if r.decision == "denied"]
     assert [(r.actor, r.scope, r.mode, r.job_run_id, r.details["refused"]) for r in denied] == [
-        ("dagster-run:d2-relaunch", "tenant-002", "execute", None, "reason_reused"),
-    ] * 3 + [("dagster-run:d3-reexec", "tenant-002", "execute", None, "reason_reused")]
+        ("dagster-run:d2-relaunch", "tenant-001", "execute", None, "reason_reused"),
+    ] * 3 + [("dagster-run:d3-reexec", "tenant-001", "execute", None, "reason_reused")]
     assert denied[0].reason == INCIDENT and denied[0].details["trigger"] == "manual"
     assert "give this run its own reason" in denied[0].details["cause"]
 
+    # one incident over many tenants: the same reason executes the next tenant
+    next_tenant = _dagster_execute(engine, "d2b-incident", INCIDENT, tenant="tenant-002")
+    assert next_tenant.status == "success" and next_tenant.counts.succeeded > 0
     # its own reason runs; the same Dagster run goes on to its next tenant with it
-    own = _dagster_execute(engine, "d4-own", "INC-10 tenant-002 too", tenant="tenant-002")
-    assert own.status == "success" and own.counts.succeeded > 0
-    next_tenant = _dagster_execute(engine, "d4-own", "INC-10 tenant-002 too")
-    assert next_tenant.status in ("success", "no_work")
+    own = _dagster_execute(engine, "d4-own", "INC-10 tenant-002 again", tenant="tenant-002")
+    assert own.status in ("success", "no_work")
+    also = _dagster_execute(engine, "d4-own", "INC-10 tenant-002 again")
+    assert also.status in ("success", "no_work")
     # Dagster's re-execution of the run that gave the reason (it copies the config), and a
     # re-execution of that re-execution
     again = _dagster_execute(engine, "d5-reexec", INCIDENT, dagster_parent_run_id="d1-incident")
@@ -215,7 +218,9 @@ def test_a_launchpad_execute_repeating_an_earlier_reason_is_refused_before_anyth
         ran = conn.execute(
             sa.select(job_run.c.dagster_run_id).order_by(job_run.c.started_at)
         ).scalars()
-        assert list(ran) == ["d1-incident", "d4-own", "d4-own", "d5-reexec", "d6-reexec"]
+        assert list(ran) == [
+            "d1-incident", "d2b-incident", "d4-own", "d4-own", "d5-reexec", "d6-reexec"
+        ]  # fmt: skip
 
 
 def test_the_reason_rule_is_for_dagster_launches_only(loaded):
