@@ -30,6 +30,7 @@ SUMMARY_KEYS = (
     "scope",
     "requester",
     "eligible_count",
+    "mutated_count",
     "processed_count",
     "succeeded_count",
     "failed_count",
@@ -186,6 +187,7 @@ def test_dry_run_prints_key_value_summary_and_changes_no_business_row(demo, cli)
     assert summary["scope"] == TENANT
     assert summary["requester"] == "alice"
     assert int(summary["eligible_count"]) == backlog
+    assert summary["mutated_count"] == "0"  # the seed's dry run: eligible_count=842 mutated_count=0
     assert summary["processed_count"] == "0"
     assert summary["succeeded_count"] == "0"
     assert summary["failed_count"] == "0"
@@ -228,6 +230,7 @@ def test_json_summary_matches_the_job_run_row(demo, cli):
     assert summary["mode"] == "execute"
     assert summary["processed_count"] == backlog
     assert summary["succeeded_count"] == backlog
+    assert summary["mutated_count"] == backlog  # every overdue quote expired
     assert isinstance(summary["duration_ms"], int) and summary["duration_ms"] >= 0
 
     row = job_run_row(demo, summary["job_run_id"])

@@ -39,6 +39,7 @@ EXIT_BY_STATUS = {
 # The key=value lines of a run's summary: who and what, then the counters every report shows.
 SUMMARY_KEYS = (
     *("job_run_id", "job_name", "status", "mode", "scope", "requester", "eligible_count"),
+    "mutated_count",
     *(COLUMNS[name] for name in REPORTED_ALWAYS),
     "duration_ms",
 )

@@ -83,6 +83,7 @@ def summary_metadata(summary: RunSummary, scope: Scope | None = None) -> dict[st
         "scope",
         "trigger",
         "eligible_count",
+        "mutated_count",
         *COLUMNS.values(),  # processed_count … duplicates_prevented_count
         "batches",
         "duration_ms",
@@ -136,6 +137,7 @@ def outcome_event(
         "mode": summary.mode,
         "job_run_id": summary.job_run_id,
         "eligible_count": summary.eligible_count,
+        "mutated_count": summary.mutated_count,
         "succeeded_count": summary.counts.succeeded,
         "failed_count": summary.counts.failed,
     }
@@ -396,6 +398,7 @@ def finish_chunk(
         "tenants_outcome_not_met": len(blocking),
         "failed_tenants": ", ".join(rerun[:MAX_NAMED]) or "none",
         "eligible_count": sum(s.eligible_count for s in summaries),
+        "mutated_count": sum(s.mutated_count for s in summaries),
         "processed_count": sum(s.counts.processed for s in summaries),
         "succeeded_count": sum(s.counts.succeeded for s in summaries),
         "failed_count": sum(s.counts.failed for s in summaries),

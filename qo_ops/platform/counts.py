@@ -48,6 +48,13 @@ class Counts:
         }
 
 
+def mutated_count(mode: str, succeeded: int) -> int:
+    """The seed's ``mutated_count``: the items whose state the run changed as the job means
+    to (its ``succeeded`` counter) — 0 for a dry run, which changes nothing whatever it
+    counted."""
+    return succeeded if mode == "execute" else 0
+
+
 COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Counts))
 COLUMNS = {name: f"{name}_count" for name in COUNTERS}
 EVENT_FIELDS = {

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.errors import BadInput
-from qo_ops.platform.counts import Counts
+from qo_ops.platform.counts import Counts, mutated_count
 from qo_ops.platform.signals import Reconciliation
 from qo_ops.platform.stopping import DEFAULT_STOP_GRACE_S, StopSignals
 
@@ -451,12 +451,20 @@ class RunSummary:
     report: list[dict[str, Any]] = field(default_factory=list)  # ReportRow dicts
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; the counters flat where ``counts`` stands, named as the job_run
-        row names them (``processed_count``, ``succeeded_count`` …)."""
+        """A JSON-ready dict; ``mutated_count`` after ``eligible_count`` (the seed's run
+        summary), the counters flat where ``counts`` stands, named as the job_run row names
+        them (``processed_count``, ``succeeded_count`` …)."""
         flat: dict[str, Any] = {}
         for key, value in asdict(self).items():
             flat |= self.counts.columns() if key == "counts" else {key: value}
+            if key == "eligible_count":  # the seed's pair: eligible, then mutated
+                flat["mutated_count"] = self.mutated_count
         return flat
+
+    @property
+    def mutated_count(self) -> int:
+        """Items whose state this run changed (the seed's field; 0 for a dry run)."""
+        return mutated_count(self.mode, self.counts.succeeded)
 
 
 @dataclass(frozen=True)

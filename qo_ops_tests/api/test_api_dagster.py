@@ -83,6 +83,7 @@ def test_runs_launched_through_the_api_execute_in_dagster(loaded, logins, api_fa
             assert conn.scalar(sa.select(sa.func.count()).select_from(job_run)) == 1
         view = api.get(f"{QE}/{run_id}", vera).json()
         assert view["status"] == "success" and view["processed_count"] == row.processed_count
+        assert view["mutated_count"] == row.succeeded_count > 0  # the seed's summary field
         assert view["dagster"] == {
             "runId": row.dagster_run_id,
             "link": f"https://dagster.example.internal/runs/{row.dagster_run_id}",

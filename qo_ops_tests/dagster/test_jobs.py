@@ -100,6 +100,7 @@ def test_dry_run_partition_changes_nothing_and_reports(defs, instance, loaded, j
         if e.event_type_value == "STEP_OUTPUT"
     )
     assert output_meta["eligible_count"].value == summary["eligible_count"]
+    assert output_meta["mutated_count"].value == summary["mutated_count"] == 0  # a dry run
     assert output_meta["job_run_id"].value == summary["job_run_id"]
     after = _counts(loaded)
     assert after[0] == before[0] + 1 and after[1] == before[1]  # one run row, no business change
@@ -114,7 +115,7 @@ def test_execute_partition_records_passing_checks(defs, instance, loaded, job_na
     # every eligible item handled; planted poison deliveries make delivery_retry a partial success
     assert summary["status"] in ("success", "partial_success")
     assert summary["processed_count"] == summary["eligible_count"] > 0
-    assert summary["succeeded_count"] > 0
+    assert summary["mutated_count"] == summary["succeeded_count"] > 0
     evaluations = result.get_asset_check_evaluations()
     declared = [e for e in evaluations if e.check_name != RECENT_SUCCESS_CHECK]
     assert {e.check_name for e in declared} == {c.name for c in CATALOG[job_name].checks}

@@ -7,7 +7,7 @@ import sqlalchemy as sa
 
 from qo_ops.db.schema import job_run
 from qo_ops.platform import runs
-from qo_ops.platform.counts import COLUMNS, COUNTERS, Counts
+from qo_ops.platform.counts import COLUMNS, COUNTERS, Counts, mutated_count
 from qo_ops.platform.spec import BatchOutcome, RunOptions, RunSummary, Scope
 
 
@@ -68,12 +68,25 @@ def test_the_summary_json_names_the_counters_as_the_run_record_does_where_counts
     summary.counts += Counts(processed=9, succeeded=8, failed=1, duplicates_prevented=2)
     data = summary.as_dict()
     keys = list(data)
-    assert "counts" not in data and "mutated_count" not in data
+    assert "counts" not in data
     at = keys.index("eligible_count")
-    assert keys[at + 1 : at + 1 + len(COUNTERS)] == list(COLUMNS.values())
-    assert keys[at + 1 + len(COUNTERS)] == "batches"
+    assert keys[at + 1] == "mutated_count"  # the seed's pair, side by side
+    assert keys[at + 2 : at + 2 + len(COUNTERS)] == list(COLUMNS.values())
+    assert keys[at + 2 + len(COUNTERS)] == "batches"
     assert (data["succeeded_count"], data["failed_count"]) == (8, 1)
     assert data["duplicates_prevented_count"] == 2
+    assert data["mutated_count"] == 8  # an execute: what it changed
+
+
+def test_a_dry_run_mutates_nothing_whatever_it_counted():
+    """A dry run that looks (it runs its batches) counts what would change in succeeded;
+    the seed's mutated_count stays 0: nothing was changed."""
+    summary = RunSummary("id", "job", "success", "dry_run", "tenant-001", "manual", None)
+    summary.eligible_count = 842
+    summary.counts += Counts(processed=842, succeeded=842)
+    data = summary.as_dict()
+    assert (data["eligible_count"], data["mutated_count"]) == (842, 0)
+    assert mutated_count("dry_run", 842) == 0 and mutated_count("execute", 842) == 842
 
 
 def test_the_run_record_adds_each_batch_counter_by_counter_and_its_tally_key_by_key(db):

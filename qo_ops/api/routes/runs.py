@@ -26,6 +26,7 @@ from qo_ops.api.models import (
 )
 from qo_ops.errors import BadInput
 from qo_ops.platform import control
+from qo_ops.platform.counts import mutated_count
 from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.runs import ACTIVE_STATUSES, UNSTARTED_STATUSES, request_cancel
 from qo_ops.platform.spec import FIRST_DAY, LAST_DAY, JobSpec, Scope, tenant_of
@@ -195,10 +196,12 @@ def _validated(spec: JobSpec, body: RunRequestBody) -> service.RunRequest:
 
 
 def _run_view(row: dict[str, Any], dagster: DagsterClient) -> dict[str, Any]:
-    """The run as JSON: its downstream figures instead of the raw tally, and its Dagster run
-    (id, link, Dagster's status) if it has one."""
+    """The run as JSON: the seed's ``mutated_count`` beside its counters, its downstream
+    figures instead of the raw tally, and its Dagster run (id, link, Dagster's status) if it
+    has one."""
     view = jsonable(row)
     view["jobRunId"] = view.pop("id")
+    view["mutated_count"] = mutated_count(row["mode"], row["succeeded_count"])
     calls = DownstreamCalls.from_tally(view.pop("tally", None))
     view["downstream"] = calls.as_dict() if calls is not None else None
     dagster_run_id = row.get("dagster_run_id")
