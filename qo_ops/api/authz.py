@@ -4,8 +4,11 @@
 - ``operator`` dry-runs anything, executes non-destructive jobs, cancels, and may approve
   another identity's held run.
 - ``approver`` does all that and executes destructive jobs (cleanup, archive, repair).
-- An operator's execute of a destructive job is refused unless it asks to be held for a
-  second identity's approval (``requestApproval``); no one approves their own request.
+- A destructive execute cites an approval (the rule every path shares,
+  ``qo_ops/platform/approvals.py``): an approver's own request grants it; an operator's
+  cites one an approver granted (``approvalId``), or asks to be held for a second
+  identity's approval (``requestApproval``), which then grants it; no one approves their
+  own request. Otherwise it is refused.
 - ``approver`` alone suspends and resumes jobs (the kill switch); a job-wide suspension
   needs a token that is not limited to one tenant.
 - Recovery actions (requeue, a review decision) are for operators and approvers; a
@@ -28,6 +31,7 @@ class Decision:
     allowed: bool
     reason: str
     hold_for_approval: bool = False
+    grant_approval: bool = False  # an approver's own destructive execute grants its approval
 
 
 def _tenant(p: Principal, tenant_id: str) -> Decision | None:
@@ -43,7 +47,12 @@ def may_read(p: Principal, tenant_id: str | None) -> Decision:
 
 
 def may_submit(
-    p: Principal, spec: JobSpec, mode: str, tenant_id: str, request_approval: bool
+    p: Principal,
+    spec: JobSpec,
+    mode: str,
+    tenant_id: str,
+    request_approval: bool,
+    cites_approval: bool = False,
 ) -> Decision:
     if denied := _tenant(p, tenant_id):
         return denied
@@ -53,15 +62,32 @@ def may_submit(
         return Decision(True, "dry-run allowed for operator and approver")
     if not spec.destructive:
         return Decision(True, f"execute of non-destructive {spec.name} allowed")
+    if cites_approval:  # whether it allows this run is checked next (check_approval)
+        return Decision(True, f"execute of destructive {spec.name} cites an approval")
     if "approver" in p.roles:
-        return Decision(True, f"execute of destructive {spec.name} allowed for approver")
+        return Decision(
+            True, f"execute of destructive {spec.name} approved by approver", grant_approval=True
+        )
     if request_approval:
         return Decision(True, "held for a second identity's approval", hold_for_approval=True)
     return Decision(
         False,
-        f"executing {spec.name} (destructive) needs the approver role, or requestApproval "
-        "and a second identity's approval",
+        f"executing {spec.name} (destructive) needs an approval: the approver role, an "
+        "approvalId an approver granted (POST /internal/jobs/{job}/approvals), or requestApproval and "
+        "a second identity's approval",
     )
+
+
+def may_grant(p: Principal, tenants: list[str] | None) -> Decision:
+    """Only an approver grants an approval; a tenant's token only for its tenant."""
+    if "approver" not in p.roles:
+        return Decision(False, "granting an approval needs the approver role")
+    if tenants is None and p.tenant_id is not None:
+        return Decision(False, f"token is limited to tenant {p.tenant_id}: name it")
+    for tenant_id in tenants or ():
+        if denied := _tenant(p, tenant_id):
+            return denied
+    return Decision(True, "approver grants an approval")
 
 
 def may_cancel(p: Principal, tenant_id: str) -> Decision:

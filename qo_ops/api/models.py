@@ -70,6 +70,14 @@ class RunRequestBody(BaseModel):
         description="Why this run is needed; required for execute.",
     )
     correlationId: str | None = Field(default=None, pattern=SAFE_ID)
+    approvalId: str | None = Field(
+        default=None,
+        pattern=SAFE_ID,
+        description=(
+            "Destructive jobs: the approval this execute cites (apr-…), granted by an approver "
+            "for this job and tenant (POST /internal/jobs/{job}/approvals, or qo-ops approval grant)."
+        ),
+    )
     requestApproval: bool = Field(
         default=False,
         strict=True,
@@ -82,6 +90,25 @@ class ReasonBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: str = Field(min_length=1, max_length=MAX_TEXT, pattern=NO_CONTROL)
+
+
+class ApprovalBody(BaseModel):
+    """Grant an approval a destructive job's execute cites (on any path)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenants: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1000,
+        description="The tenants it covers; omitted: every tenant (a token of one tenant: "
+        "its tenant only).",
+        examples=[[EXAMPLE_TENANT]],
+    )
+    reason: str = Field(min_length=1, max_length=MAX_TEXT, pattern=NO_CONTROL)
+    validForS: int = Field(
+        default=3600, ge=60, le=86400, strict=True, description="How long it may be cited."
+    )
 
 
 class ControlBody(BaseModel):

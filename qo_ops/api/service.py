@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from qo_ops.db.schema import api_idempotency, job_run
-from qo_ops.platform import runs, tenants
-from qo_ops.platform.spec import JobSpec, Scope
+from qo_ops.platform import approvals, runs, tenants
+from qo_ops.platform.spec import JobSpec, Scope, tenant_of
 
 IDEMPOTENCY_TTL_HOURS = 24
+RUN_APPROVAL_VALID_S = 6 * 3600  # an approval the API grants for one run: past any queue
 
 # Twice: a second delete finds the expired keys already gone and matches nothing.
 _DELETE_EXPIRED_KEYS = sa.text(
@@ -81,7 +82,7 @@ _LOCK_RUN = (
 _APPROVE = sa.text(
     """
     UPDATE job_run SET status = 'accepted', approved_by = :identity,
-                       approved_at = clock_timestamp()
+                       approved_at = clock_timestamp(), approval_id = :approval_id
      WHERE id = :run_id AND status = 'awaiting_approval'
     """
 )
@@ -117,6 +118,7 @@ class RunRequest:
     reason: str | None
     correlation_id: str | None
     request_approval: bool
+    approval: str | None = None  # the approval a destructive execute cites
 
     def fingerprint(self) -> str:
         """What an Idempotency-Key is bound to: the same key must mean the same request."""
@@ -128,6 +130,7 @@ class RunRequest:
             "reason": self.reason,
             "correlation_id": self.correlation_id,
             "request_approval": self.request_approval,
+            **({"approval": self.approval} if self.approval else {}),
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -141,6 +144,7 @@ class Submission:
     hold: bool  # authorization's answer: wait for a second identity's approval
     idempotency_key: str | None
     meta: RequestMeta
+    grant: bool = False  # an approver's own destructive execute: it grants its approval
 
 
 @dataclass
@@ -207,6 +211,11 @@ def _submit_once(engine: Engine, submission: Submission) -> Submitted:
             return Submitted("conflict", active["id"], active["status"], active)
         run_id = uuid.uuid4()
         status = "awaiting_approval" if submission.hold else "accepted"
+        approval_id = request.approval
+        if submission.grant:  # the approver's role is the approval; the run cites it
+            approval_id = _grant_for_run(
+                conn, identity, spec.name, scope.tenant_id, request.reason, meta
+            ).id
         conn.execute(
             _INSERT_RUN,
             {
@@ -223,6 +232,7 @@ def _submit_once(engine: Engine, submission: Submission) -> Submitted:
                 "owner_id": "api",
                 "options": request.limits,
                 "status": status,
+                "approval_id": approval_id,
             },
         )
         if key is not None:
@@ -286,15 +296,40 @@ def record_launch_failed(
         )
 
 
+def _grant_for_run(
+    conn: Connection, identity: str, job_name: str, tenant_id: str, reason: str | None,
+    meta: RequestMeta,
+) -> approvals.Approval:  # fmt: skip
+    """The approval an approver's own execute, or their approval of a held run, grants for
+    that run's job and tenant (the same record the CLI and the Launchpad cite)."""
+    return approvals.record_grant(
+        conn,
+        approvals.Grant(
+            job_name,
+            [tenant_id],
+            reason or "approved through the operator API",
+            identity,
+            RUN_APPROVAL_VALID_S,
+            {"request_id": meta.request_id, "client_address": meta.client_address},
+        ),
+    )
+
+
 def approve(
     engine: Engine, identity: str, run_id: uuid.UUID, reason: str, meta: RequestMeta
 ) -> str:
-    """Release a held run (status ``accepted``); returns the status it had."""
+    """Release a held run (status ``accepted``), granting the approval it then cites;
+    returns the status it had."""
     with engine.begin() as conn:
         row = conn.execute(_LOCK_RUN, {"run_id": run_id}).one()
         held = row.status == "awaiting_approval"
         if held:
-            conn.execute(_APPROVE, {"run_id": run_id, "identity": identity})
+            granted = _grant_for_run(
+                conn, identity, row.job_name, tenant_of(row.scope), reason, meta
+            )
+            conn.execute(
+                _APPROVE, {"run_id": run_id, "identity": identity, "approval_id": granted.id}
+            )
         runs.append_audit(
             conn,
             meta.entry(
@@ -331,6 +366,7 @@ RUN_FIELDS = (
     "cancel_requested_at",
     "approved_by",
     "approved_at",
+    "approval_id",
     "fencing_token",
     "last_error_code",
     *runs.COUNTERS,

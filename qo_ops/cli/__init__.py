@@ -5,7 +5,7 @@ Errors reach the user as one line on stderr with a non-zero exit code, never a t
 
 Here the app is put together; the commands live in the modules beside this one, one purpose
 each: ``manual_run`` (``qo-ops run``), ``runs`` (status, runs, downstream-status, cancel,
-reap), ``control`` (suspend, resume), ``recovery`` (requeue, review, checkpoint), ``db`` (db …, info), ``demo`` (demo-data,
+reap), ``control`` (suspend, resume), ``recovery`` (requeue, review, checkpoint), ``approvals`` (approval grant, list, revoke), ``db`` (db …, info), ``demo`` (demo-data,
 demo-dagster), ``dev``, ``archive``; ``api``, ``metrics`` and ``downstream`` come from their
 packages. What they share is ``qo_ops.cli_support``, which also says why each command
 imports what it works with inside its function: ``qo-ops --help`` loads none of it.
@@ -22,6 +22,7 @@ import typer
 
 from qo_ops.api.cli import api_app
 from qo_ops.cli import control, db, demo, dev, manual_run, recovery, runs
+from qo_ops.cli.approvals import approval_app
 from qo_ops.cli.archive import archive_app
 from qo_ops.cli_support import plain_app, run_typer_app
 from qo_ops.config import OTLP_ENV
@@ -52,6 +53,7 @@ GROUPS: dict[str, typer.Typer] = {  # then these, each with commands of its own
     "archive": archive_app,
     "review": recovery.review_app,
     "checkpoint": recovery.checkpoint_app,
+    "approval": approval_app,
 }
 
 

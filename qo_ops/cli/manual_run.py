@@ -103,6 +103,12 @@ def run_command(
         int | None, typer.Option(help="Parallel calls to the downstream (jobs that call it).")
     ] = None,
     reason: Annotated[str | None, typer.Option(help="Why (required to execute by hand).")] = None,
+    approval: Annotated[
+        str | None,
+        typer.Option(
+            help="The approval a destructive job's execute cites (qo-ops approval grant)."
+        ),
+    ] = None,
     requester: RequesterOpt = None,
     correlation_id: Annotated[
         str | None, typer.Option(help="Ties this run to an incident or ticket.")
@@ -132,6 +138,7 @@ def run_command(
         concurrency=concurrency,
         requester=resolve_requester(requester),
         reason=reason,
+        approval=approval,
         correlation_id=correlation_id or str(uuid.uuid4()),
         progress_interval_s=1.0 if sys.stderr.isatty() else 10.0,
     ).validated()

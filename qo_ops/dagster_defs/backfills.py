@@ -23,8 +23,9 @@ from pydantic import Field
 from qo_ops.dagster_defs.partitions import days_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.run_config import Mode
-from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, run_options
+from qo_ops.dagster_defs.submission import APPROVAL_TAG, BACKFILL_RUN_TAG, run_options
 from qo_ops.errors import BadInput, QoOpsError, one_line
+from qo_ops.platform.approvals import check_approval, requires_approval
 from qo_ops.platform.partition_keys import (
     MODE_TAG,
     REASON_TAG,
@@ -33,7 +34,14 @@ from qo_ops.platform.partition_keys import (
     chunk_tenants,
 )
 from qo_ops.platform.runs import AuditEntry, append_audit
-from qo_ops.platform.spec import MAX_TEXT, JobSpec, RunOptions, check_consent
+from qo_ops.platform.spec import (
+    MAX_TEXT,
+    ExecuteRefused,
+    JobSpec,
+    RunOptions,
+    Scope,
+    check_consent,
+)
 from qo_ops.platform.tenants import tenant_ids
 
 BACKFILL_JOB = "tenant_backfill_job"
@@ -65,6 +73,14 @@ def _backfill_config(job_names: Sequence[str]) -> type[dg.Config]:
         )
         reason: str | None = Field(
             default=None, max_length=MAX_TEXT, description="Why (required to execute; audited)."
+        )
+        approval: str | None = Field(
+            default=None,
+            max_length=MAX_TEXT,
+            description=(
+                "Destructive jobs: the approval an execute cites (apr-…), covering every "
+                "tenant of the backfill (qo-ops approval grant, or POST /internal/jobs/{job}/approvals)."
+            ),
         )
         tenants_per_run: int | None = Field(
             default=None, ge=1, le=1000, description="Tenants per run (default: the job's)."
@@ -121,14 +137,16 @@ def backfill_run_requests(
                 MODE_TAG: plan["mode"],
                 REQUESTER_TAG: plan["requester"],
                 **({REASON_TAG: plan["reason"]} if plan.get("reason") else {}),
+                **({APPROVAL_TAG: plan["approval"]} if plan.get("approval") else {}),
                 **chunk_scope_tag(spec, chunk, window[0] if window else None),
             }
             if window is not None:  # one run over the window's days (a partition range)
                 tags["dagster/asset_partition_range_start"] = window[0].isoformat()
                 tags["dagster/asset_partition_range_end"] = window[1].isoformat()
             config: dict[str, Any] = {"mode": plan["mode"], "tenants": chunk}
-            if plan.get("reason"):
-                config["reason"] = plan["reason"]
+            for field in ("reason", "approval"):
+                if plan.get(field):
+                    config[field] = plan[field]
             where = f"{window[0]}..{window[1]}" if window else "tenants"
             requests.append(
                 dg.RunRequest(
@@ -176,13 +194,19 @@ def build_backfill_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
                 config.days_per_run,  # type: ignore[attr-defined]
                 datetime.now().astimezone().date(),
             )
-            check_consent(
-                RunOptions(mode=mode, trigger="backfill", reason=config.reason),  # type: ignore[attr-defined]
-                destructive=spec.destructive,
-                job_name=spec.name,
+            options = RunOptions(
+                mode=mode,
+                trigger="backfill",
+                reason=config.reason,  # type: ignore[attr-defined]
+                approval=config.approval,  # type: ignore[attr-defined]
             )
-            with database.engine().begin() as conn:
+            check_consent(options, destructive=spec.destructive, job_name=spec.name)
+            engine = database.engine()
+            with engine.begin() as conn:
                 tenants = _tenants(conn, config.tenants)  # type: ignore[attr-defined]
+            for tenant in tenants if requires_approval(spec, options) else ():
+                check_approval(engine, spec, Scope(tenant), options)  # covers each, or none
+            with engine.begin() as conn:
                 size = config.tenants_per_run or spec.tenants_per_run  # type: ignore[attr-defined]
                 runs = -(-len(tenants) // size) * max(len(windows), 1)
                 if runs > MAX_BACKFILL_RUNS:
@@ -209,11 +233,32 @@ def build_backfill_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
                     ),
                 )
         except QoOpsError as exc:  # refused before anything was claimed
+            if isinstance(exc, ExecuteRefused):  # a person's execute without consent: on record
+                with database.engine().begin() as conn:
+                    append_audit(
+                        conn,
+                        AuditEntry(
+                            actor=requester or "unknown",
+                            action="backfill",
+                            decision="denied",
+                            job_name=spec.name,
+                            mode=mode,
+                            reason=config.reason,  # type: ignore[attr-defined]
+                            correlation_id=context.run_id,
+                            details={
+                                "refused": exc.error_code,
+                                "cause": one_line(str(exc), 300),
+                                "dagster_run_id": context.run_id,
+                                **({"approval": config.approval} if config.approval else {}),  # type: ignore[attr-defined]
+                            },
+                        ),
+                    )
             raise dg.Failure(description=one_line(str(exc), 300), allow_retries=False) from None
         plan = {
             "job": spec.name,
             "mode": mode,
             "reason": config.reason,  # type: ignore[attr-defined]
+            "approval": config.approval,  # type: ignore[attr-defined]
             "requester": requester,
             "tenants": config.tenants,  # type: ignore[attr-defined]  # empty: all
             "tenants_per_run": size,
@@ -241,7 +286,8 @@ def build_backfill_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
         description=(
             "Backfill one catalog job over tenants (some or all) and, for a windowed job, a "
             "range of days, as chunked runs like a tick (tenant_backfill_sensor requests them)."
-            " Dry run unless mode: execute with a reason; destructive jobs only dry-run."
+            " Dry run unless mode: execute with a reason; a destructive job's execute cites an"
+            " approval covering every tenant (config approval)."
         ),
         tags={"qo_ops/backfill_launcher": "true"},
     )

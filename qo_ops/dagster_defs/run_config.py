@@ -62,6 +62,15 @@ class JobRunConfig(dg.Config):
             "gave for the same tenant is refused (Re-execute that run to repeat it)."
         ),
     )
+    approval: str | None = Field(
+        default=None,
+        max_length=MAX_TEXT,
+        description=(
+            "Destructive jobs only: the approval this execute cites (apr-…), granted by an "
+            "approver for this job and tenant (qo-ops approval grant, or POST "
+            "/internal/jobs/{job}/approvals). Without a valid one an execute is refused before queueing."
+        ),
+    )
     tenants: list[str] | None = Field(
         default=None,
         description=(

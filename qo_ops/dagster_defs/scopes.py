@@ -49,6 +49,7 @@ def adopted_run(
         throttle_ms=limits.get("throttle_ms"),
         requester=accepted.requester,
         reason=accepted.reason,
+        approval=accepted.approval,
         correlation_id=accepted.correlation_id or context.run_id,
         dagster_run_id=context.run_id,
         job_run_id=run_id,

@@ -41,7 +41,7 @@ from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.pending import pending_work
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.schedules import chunk_run_request
-from qo_ops.dagster_defs.submission import REFUSED_PREFIX, REFUSED_TAG, op_config, run_options
+from qo_ops.dagster_defs.submission import REFUSED_PREFIX, REFUSED_TAG, refusal_audit
 from qo_ops.errors import first_few, one_line
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.overdue import backlog_scope, database_now
@@ -489,8 +489,9 @@ def failure_cause(context: dg.RunFailureSensorContext) -> str:
 def run_failure_recorder(context: dg.RunFailureSensorContext, database: QoOpsDatabase) -> None:
     """Record each failed catalog run in the audit trail (and the log), with its scope and
     its cause, so a failure is on record even when it happened before the runner wrote a
-    job_run row. A run the coordinator refused before queueing (its failure message says so) is
-    recorded as the runner records a refusal: ``trigger``, ``denied``, who, mode, reason."""
+    job_run row. A run the coordinator refused before queueing but could not audit then (the
+    database was out; it ends FAILURE, its message says so) is recorded as the runner records
+    a refusal: ``trigger``, ``denied``, who, mode, reason."""
     run = context.dagster_run
     refused = (context.failure_event.message or "").startswith(REFUSED_PREFIX)
     message = (
@@ -502,28 +503,8 @@ def run_failure_recorder(context: dg.RunFailureSensorContext, database: QoOpsDat
         accepted = _job_run_id(run.tags.get(JOB_RUN_TAG))
         if accepted is not None:  # an API run that failed before its op adopted the row
             finish_unstarted(conn, accepted, "failed", "dagster_run_failed", "dagster_run_failed")
-        if refused:
-            options = run_options(op_config(run), run.tags, run.run_id)
-            append_audit(
-                conn,
-                AuditEntry(
-                    actor=options.requester or "unknown",
-                    action="trigger",
-                    decision="denied",
-                    job_name=run.job_name,
-                    scope=scope,
-                    mode=options.mode,
-                    reason=options.reason,
-                    correlation_id=run.run_id,
-                    details={
-                        "refused": run.tags.get(REFUSED_TAG, "bad_input"),
-                        "cause": message,
-                        "trigger": options.trigger,
-                        "dagster_run_id": run.run_id,
-                        "at": "submission",
-                    },
-                ),
-            )
+        if refused:  # refused before queueing when the database could not audit it then
+            append_audit(conn, refusal_audit(run, run.tags.get(REFUSED_TAG, "bad_input"), message))
             return
         append_audit(
             conn,

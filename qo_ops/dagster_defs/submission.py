@@ -2,8 +2,10 @@
 mode, requester and run options — and the run coordinator that refuses, before the run is
 queued, a run the platform would refuse at start (``dagster.yaml``: ``QoOpsRunCoordinator``).
 
-Only Dagster and the platform's pure validation (``RunOptions.validated``, ``check_consent``)
-are imported here: the webserver and the daemon load this module with the instance.
+The webserver and the daemon load this module with the instance: it uses the platform's
+rules themselves (``RunOptions.validated``, ``check_consent``, ``check_approval``,
+``check_reason_is_new``), so a refusal here is the runner's refusal, one line, before the
+run is queued.
 """
 
 import logging
@@ -13,11 +15,24 @@ from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
+from sqlalchemy.engine import Engine
 
-from qo_ops.errors import BadInput
-from qo_ops.platform.partition_keys import JOB_RUN_TAG, MODE_TAG, REASON_TAG, REQUESTER_TAG
-from qo_ops.platform.spec import RunOptions, Trigger, check_consent
+from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.errors import BadInput, one_line
+from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform.approvals import check_approval
+from qo_ops.platform.consent import check_reason_is_new
+from qo_ops.platform.partition_keys import (
+    JOB_RUN_TAG,
+    MODE_TAG,
+    REASON_TAG,
+    REQUESTER_TAG,
+    SCOPE_TAG,
+)
+from qo_ops.platform.runs import AuditEntry, append_audit
+from qo_ops.platform.spec import RunOptions, Scope, Trigger, check_consent
 
+PARTITION_TAG = "dagster/partition"
 USER_TAG = "dagster/user"  # the signed-in person (Dagster+; absent in the OSS webserver)
 BACKFILL_TAG = "dagster/backfill"
 PARENT_RUN_TAG = "dagster/parent_run_id"  # a re-execution (by a person, or an automatic retry)
@@ -30,6 +45,7 @@ REFUSED_TAG = "qo_ops/refused"  # set by QoOpsRunCoordinator on a run it refused
 REFUSED_PREFIX = "refused before queueing: "  # its failure message (re-executions copy tags)
 SCHEDULED_FOR_TAG = "qo_ops/scheduled_for"  # set by the schedules: the tick's time
 BACKFILL_RUN_TAG = "qo_ops/backfill"  # a run of a tenant backfill: the launcher's run id
+APPROVAL_TAG = "qo_ops/approval"  # the approval a destructive backfill (or re-execution) cites
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +123,7 @@ def run_options(config: Mapping[str, Any], tags: Mapping[str, str], run_id: str)
         deadline_s=config.get("deadline_s"),
         requester=requester_from_tags(tags, trigger, run_id),
         reason=config.get("reason") or tags.get(REASON_TAG),
+        approval=config.get("approval") or tags.get(APPROVAL_TAG),
         correlation_id=run_id,
         dagster_run_id=run_id,
         dagster_parent_run_id=tags.get(PARENT_RUN_TAG),
@@ -180,26 +197,104 @@ def refusal_at_submission(run: dg.DagsterRun) -> tuple[str, str] | None:
     return None
 
 
+def refusal_in_database(run: dg.DagsterRun, engine: Engine) -> tuple[str, str] | None:
+    """``(code, one-line cause)`` for what only the database can tell before queueing: the
+    approval a destructive execute cites does not allow it (each of its tenants), or a
+    Launchpad execute repeats the reason an earlier execute gave for its tenant. The runner
+    checks both again at start; windowed runs' reasons are checked there only."""
+    tags = run.tags
+    spec = CATALOG.get(run.job_name)
+    if spec is None or "qo_ops/job" not in tags or JOB_RUN_TAG in tags:
+        return None
+    config = op_config(run)
+    options = run_options(config, tags, run.run_id)
+    tenants = list(config.get("tenants") or ())
+    if not tenants and spec.partitioning == "tenant" and tags.get(PARTITION_TAG):
+        tenants = [tags[PARTITION_TAG]]
+    try:
+        for tenant in tenants:
+            check_approval(engine, spec, Scope(tenant), options)
+            if spec.partitioning == "tenant":
+                check_reason_is_new(engine, spec.name, Scope(tenant).key, options)
+    except BadInput as refused:
+        return getattr(refused, "error_code", "bad_input"), str(refused)
+    return None
+
+
+def refusal_audit(run: dg.DagsterRun, code: str, cause: str) -> AuditEntry:
+    """The audit row of a run refused before queueing, as the runner records a refusal:
+    ``trigger``, ``denied``, who, mode, reason, why."""
+    options = run_options(op_config(run), run.tags, run.run_id)
+    details: dict[str, Any] = {
+        "refused": code,
+        "cause": cause,
+        "trigger": options.trigger,
+        "dagster_run_id": run.run_id,
+        "at": "submission",
+    }
+    if options.approval:
+        details["approval"] = options.approval
+    return AuditEntry(
+        actor=options.requester or "unknown",
+        action="trigger",
+        decision="denied",
+        job_name=run.job_name,
+        scope=run.tags.get(SCOPE_TAG, "").partition(":")[2] or None,
+        mode=options.mode,
+        reason=options.reason,
+        correlation_id=run.run_id,
+        details=details,
+    )
+
+
 class QoOpsRunCoordinator(dg.QueuedRunCoordinator):
     """Dagster's queue (same config), refusing at submission a run the platform would refuse
-    at start: the run ends FAILURE with one line (tag ``qo_ops/refused``) and is never
-    queued or launched; ``run_failure_recorder`` audits it as ``denied``. Every submission
-    passes here — the Launchpad, backfills, re-executions, schedules, sensors, retries."""
+    at start. A refused run is never queued or launched: it ends CANCELED — refused, not
+    failed: no failure alert, no run retry — with one line (its message, and the tag
+    ``qo_ops/refused`` naming the rule), audited ``denied`` here. Every submission passes
+    here — the Launchpad, backfills, re-executions, schedules, sensors, retries.
+
+    When the database cannot be reached, the checks that need it are left to the runner,
+    and a refusal that cannot be audited here ends FAILURE as before, for
+    ``run_failure_recorder`` to audit when the database is back."""
 
     def submit_run(self, context: dg.SubmitRunContext) -> dg.DagsterRun:
         run = context.dagster_run
+        if run.status != dg.DagsterRunStatus.NOT_STARTED:
+            return super().submit_run(context)
+        engine: Engine | None = None
         try:
             refusal = refusal_at_submission(run)
+            if refusal is None and _needs_database(run):
+                engine = QoOpsDatabase().engine()
+                refusal = refusal_in_database(run, engine)
         except Exception:  # a check that cannot decide lets the run queue: the runner decides
             log.exception("run %s: submission check failed; the runner checks at start", run.run_id)
             refusal = None
-        if refusal is None or run.status != dg.DagsterRunStatus.NOT_STARTED:
+        if refusal is None:
             return super().submit_run(context)
         code, cause = refusal
         # never retried: an automatic retry would copy its config and tags and be refused again
         self._instance.add_run_tags(run.run_id, {REFUSED_TAG: code, MAX_RETRIES_TAG: "0"})
-        self._instance.report_run_failed(run, message=REFUSED_PREFIX + cause)
+        try:
+            engine = engine or QoOpsDatabase().engine()
+            with engine.begin() as conn:
+                append_audit(conn, refusal_audit(run, code, one_line(cause, 300)))
+        except Exception:  # the failure sensor audits it later (REFUSED_PREFIX)
+            log.exception("run %s: refusal not audited; ending it FAILURE", run.run_id)
+            self._instance.report_run_failed(run, message=REFUSED_PREFIX + cause)
+        else:
+            self._instance.report_run_canceled(run, message=REFUSED_PREFIX + cause)
         log.warning("run %s of %s refused before queueing: %s", run.run_id, run.job_name, code)
         refused = self._instance.get_run_by_id(run.run_id)
         assert refused is not None
         return refused
+
+
+def _needs_database(run: dg.DagsterRun) -> bool:
+    """Whether ``refusal_in_database`` has anything to check: a person's execute."""
+    tags = run.tags
+    if "qo_ops/job" not in tags or JOB_RUN_TAG in tags:
+        return False
+    options = run_options(op_config(run), tags, run.run_id)
+    return options.mode == "execute" and options.person_behind

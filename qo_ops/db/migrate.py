@@ -24,7 +24,7 @@ VERSION_TABLE = "qo_ops_alembic_version"  # Dagster's storage has an alembic_ver
 MIGRATION_LOCK_KEY = 0x716F6F7073  # advisory lock: two `db upgrade` at once run one after the other
 # The newest revision in migrations/versions/: a new migration moves it (a test holds it to
 # Alembic's head).
-HEAD_REVISION = "0016"
+HEAD_REVISION = "0017"
 
 # Whether the version table exists yet (an empty database has none). Read-only.
 VERSION_TABLE_EXISTS = sa.text("SELECT to_regclass('qo_ops_alembic_version') IS NOT NULL")

@@ -3,7 +3,7 @@ of a run started (or refused) for a person.
 
 A run that cannot be right (impossible options, a bad setting, the wrong kind of scope, an
 unknown tenant) is refused with nothing written; an execute a person may not start (no
-reason, a reused one, a destructive job from a backfill) and a run of a suspended job are
+reason, a reused one, a destructive job without a valid approval) and a run of a suspended job are
 refused with an audit row (``denied``)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 from qo_ops.db.availability import db_retry_s
 from qo_ops.errors import BadInput
 from qo_ops.platform import runs
+from qo_ops.platform.approvals import check_approval
 from qo_ops.platform.consent import check_reason_is_new
 from qo_ops.platform.control import JobSuspended, suspension_for
 from qo_ops.platform.drift import drift_warn_s
@@ -30,7 +31,10 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
     settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
     options.validated()
     check_consent(options, destructive=spec.destructive, job_name=spec.name)
-    check_reason_is_new(engine, spec.name, scope.key, options)  # a Launchpad relaunch's copied reason
+    check_approval(engine, spec, scope, options)  # a destructive execute's cited approval
+    check_reason_is_new(
+        engine, spec.name, scope.key, options
+    )  # a Launchpad relaunch's copied reason
     drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
     settings = spec.validate_settings() if spec.validate_settings is not None else None
     windowed = spec.partitioning == "tenant_day"
@@ -88,6 +92,8 @@ class RunRequest:
         trigger: dict[str, str] = {"trigger": options.trigger}
         if options.dagster_run_id:
             trigger["dagster_run_id"] = options.dagster_run_id
+        if options.approval:
+            trigger["approval"] = options.approval
         runs.append_audit(
             conn,
             runs.AuditEntry(

@@ -62,6 +62,7 @@ def create_run(
         "requested_at": options.requested_at,
         "retry_number": options.retry_number,
         "retries_max": options.retries_max,
+        "approval_id": options.approval,
         "owner_id": owner.owner_id,
         "options": resolved,
         "status": "running",
@@ -230,6 +231,7 @@ class AcceptedRun:
     reason: str | None
     correlation_id: str | None
     options: dict[str, Any]
+    approval: str | None = None  # the approval the API granted or the request cited
 
 
 def load_accepted(engine: Engine, run_id: uuid.UUID, job_name: str) -> AcceptedRun:
@@ -256,6 +258,7 @@ def load_accepted(engine: Engine, run_id: uuid.UUID, job_name: str) -> AcceptedR
         reason=row.reason,
         correlation_id=row.correlation_id,
         options=dict(row.options or {}),
+        approval=row.approval_id,
     )
 
 

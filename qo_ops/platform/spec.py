@@ -119,6 +119,7 @@ class RunOptions:
     scheduled_for: datetime | None = None
     dagster_run_id: str | None = None
     dagster_parent_run_id: str | None = None  # a Dagster re-execution: the run it repeats
+    approval: str | None = None  # the approval a destructive execute cites (approvals.py)
     job_run_id: uuid.UUID | None = None  # adopt a row pre-created by the API
     progress_interval_s: float = 10.0
     sample_size: int = 10
@@ -141,7 +142,7 @@ class RunOptions:
         _check_range("deadline (s)", self.deadline_s, 0.001, MAX_DEADLINE_S)
         _check_range("lease TTL (s)", self.lease_ttl_s, 1, MAX_LEASE_TTL_S)
         _check_range("concurrency", self.concurrency, 1, MAX_CONCURRENCY)
-        for name in ("requester", "correlation_id", "reason"):
+        for name in ("requester", "correlation_id", "reason", "approval"):
             if name == "reason":  # a blank reason is no reason: refused (and audited) as such
                 check_consent(self)
             value = getattr(self, name)
@@ -158,7 +159,8 @@ class RunOptions:
 
 class ExecuteRefused(BadInput):
     """An execute a person asked for that the rules do not allow (no reason; a destructive
-    job in a backfill). Nothing was run; ``run_job`` audits it as ``denied``."""
+    job without a valid approval; a reused reason). Nothing was run; ``run_job`` audits it
+    as ``denied``."""
 
     def __init__(self, message: str, *, error_code: str) -> None:
         super().__init__(message)
@@ -167,8 +169,9 @@ class ExecuteRefused(BadInput):
 
 def check_consent(options: RunOptions, *, destructive: bool = False, job_name: str = "") -> None:
     """Raise :class:`ExecuteRefused` for an execute with a person behind it that gives no
-    reason, or that runs a destructive job from a backfill: a backfill names no approver, so
-    it cannot carry the second identity's approval the operator API asks for."""
+    reason, or that executes a destructive job citing no approval — on every path alike
+    (CLI, Launchpad, backfill, API). Whether the approval it cites allows it needs the
+    database: :func:`qo_ops.platform.approvals.check_approval`."""
     if options.mode != "execute" or not options.person_behind:
         return
     if not (options.reason or "").strip():
@@ -177,12 +180,14 @@ def check_consent(options: RunOptions, *, destructive: bool = False, job_name: s
             "Dagster: config reason, or the tag qo_ops/reason on a backfill or re-execution)",
             error_code="reason_required",
         )
-    if destructive and options.trigger == "backfill":
+    if destructive and not (options.approval or "").strip():
         job = job_name or "{job}"
         raise ExecuteRefused(
-            f"a backfill cannot execute {job_name or 'a destructive job'} (destructive): use "
-            f"the operator API's approval flow (POST /internal/jobs/{job}/runs as an approver, "
-            "or with requestApproval and a second identity's approval)",
+            f"executing {job_name or 'a destructive job'} (destructive) needs an approval: an "
+            f"approver grants one (qo-ops approval grant {job} --tenant … --reason …, or POST "
+            f"/internal/jobs/{job}/approvals) and the run cites it (CLI --approval; Launchpad config "
+            "approval; backfill tag qo_ops/approval; API approvalId, or an approver's own "
+            "request)",
             error_code="approval_required",
         )
 

@@ -63,7 +63,9 @@ def _tick(defs, loaded, instance, cursor=None):
         ({"job": "quote_expiration", "first_day": "2026-02-01"}, "is not windowed"),
         ({"job": "quote_expiration", "mode": "execute"}, "needs a reason"),
         ({"job": "temp_file_cleanup", "mode": "execute", "reason": "r",
-          "first_day": "2026-02-01", "last_day": "2026-02-01"}, "cannot execute"),
+          "first_day": "2026-02-01", "last_day": "2026-02-01"}, "needs an approval"),
+        ({"job": "temp_file_cleanup", "mode": "execute", "reason": "r", "approval": "apr-nope",
+          "first_day": "2026-02-01", "last_day": "2026-02-01"}, "apr-nope does not exist"),
     ],
 )  # fmt: skip
 def test_a_bad_backfill_is_refused_in_one_line_and_plans_nothing(
@@ -73,7 +75,8 @@ def test_a_bad_backfill_is_refused_in_one_line_and_plans_nothing(
     assert not result.success
     message = _failure(result)
     assert refusal in message and "\n" not in message
-    assert _audits(loaded) == []
+    consent = config.get("mode") == "execute"  # a person's execute refused: on record
+    assert [a.decision for a in _audits(loaded)] == (["denied"] if consent else [])
     assert not _tick(defs, loaded, instance).run_requests
 
 
@@ -178,9 +181,9 @@ def test_a_day_backfill_of_a_windowed_job_without_tenants_is_refused_before_queu
     day = {"dagster/backfill": "b7", "dagster/partition": "2026-02-10"}
     with _coordinated_instance() as instance:
         refused = _submit(instance, defs, WINDOWED, {}, day)
-        assert refused.status == dg.DagsterRunStatus.FAILURE
+        assert refused.status == dg.DagsterRunStatus.CANCELED  # refused, not failed
         assert refused.tags[REFUSED_TAG] == "bad_input"
-        (failure,) = instance.all_logs(refused.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+        (failure,) = instance.all_logs(refused.run_id, of_type=dg.DagsterEventType.RUN_CANCELED)
         message = failure.dagster_event.message
         assert message.startswith("refused before queueing: ") and "\n" not in message
         assert "name its tenants in run config" in message and BACKFILL_JOB in message

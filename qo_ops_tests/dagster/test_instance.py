@@ -148,10 +148,10 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         assert sorted(r.tags["dagster/partition"] for r in refused) == days
         for run in refused:
             assert (
-                run.status == dg.DagsterRunStatus.FAILURE and run.tags[REFUSED_TAG] == "bad_input"
-            )
+                run.status == dg.DagsterRunStatus.CANCELED and run.tags[REFUSED_TAG] == "bad_input"
+            )  # refused, not failed
             assert instance.get_run_record_by_id(run.run_id).start_time is None  # never started
-            (failure,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+            (failure,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_CANCELED)
             message = failure.dagster_event.message
             assert message.startswith(REFUSED_PREFIX) and "\n" not in message
             assert "name its tenants" in message and BACKFILL_JOB in message

@@ -1,9 +1,11 @@
 """Who may execute, on a real deployment (webserver + daemon, dagster.yaml's run
 coordinator): a Launchpad execute without a reason, a person's re-execution of it, a
-backfill tagged execute without a reason and a destructive job's backfill execute are all
-refused before they are queued — FAILURE with one line, no run worker, no stack trace —
-change nothing, and are audited as ``denied`` with their cause. (With a reason, every run
-of a backfill has its audit row: test_instance.py.)"""
+backfill tagged execute without a reason, a destructive job's backfill execute and a
+destructive Launchpad execute without an approval are all refused before they are queued —
+CANCELED (refused, not failed: not a failure to alert on or retry) with one line, no run
+worker, no stack trace — change nothing, and are audited as ``denied`` with their cause;
+the same Launchpad execute citing an approval runs. (With a reason, every run of a backfill
+has its audit row: test_instance.py.)"""
 
 from __future__ import annotations
 
@@ -14,10 +16,29 @@ from dagster._core.scheduler.instigation import InstigatorType
 
 from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, outbox_event
+from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform import approvals
 from qo_ops_tests.dagster.stack import dagster_stack, wait_for
-from qo_ops_tests.dagster.test_instance import _backfill, _finished_backfill_runs, _launch
+from qo_ops_tests.dagster.test_instance import (
+    FINISHED,
+    LOCATION,
+    _backfill,
+    _finished_backfill_runs,
+    _launch,
+)
 
 TENANTS = ["tenant-001", "tenant-002"]
+DESTRUCTIVE_RUN = {"mode": "execute", "reason": "INC-6 old run history"}
+
+
+def _launch_job(client, job: str, tenant: str, config: dict) -> str:
+    """The Launchpad's Launch of a tenant job's partition."""
+    return client.submit_job_execution(
+        job,
+        repository_location_name=LOCATION,
+        run_config={"ops": {f"{job}_op": {"config": config}}},
+        tags={"dagster/partition": tenant, "qo_ops/scope": f"{job}:{tenant}"},
+    )
 
 
 def _business(db) -> dict[str, str]:
@@ -57,23 +78,25 @@ def _reexecute(port: int, parent_run_id: str) -> str:
 
 
 def _refused_before_queueing(instance: dg.DagsterInstance, run_id: str) -> str:
-    """The run ended FAILURE without being queued or started; its one failure line."""
+    """The run ended CANCELED without being queued or started; its one line."""
     wait_for(
-        lambda: instance.get_run_by_id(run_id).status == dg.DagsterRunStatus.FAILURE,
+        lambda: instance.get_run_by_id(run_id).status == dg.DagsterRunStatus.CANCELED,
         60,
         f"run {run_id} to be refused",
     )
     events = [e.dagster_event for e in instance.all_logs(run_id) if e.dagster_event]
     kinds = {e.event_type_value for e in events}
     assert not kinds & {"PIPELINE_ENQUEUED", "PIPELINE_STARTING", "PIPELINE_START", "STEP_START"}
+    assert not kinds & {"PIPELINE_FAILURE"}  # refused, not failed
     assert instance.get_run_record_by_id(run_id).start_time is None
-    (failure,) = [e for e in events if e.event_type_value == "PIPELINE_FAILURE"]
+    (failure,) = [e for e in events if e.event_type_value == "PIPELINE_CANCELED"]
     engine_errors = [
         e for e in events if e.event_type_value == "ENGINE_EVENT" and e.engine_event_data.error
     ]
     assert not engine_errors  # no Python error, no stack trace
     assert "\n" not in failure.message and failure.message.startswith("refused before queueing")
-    assert instance.get_run_by_id(run_id).tags["dagster/will_retry"] == "false"  # not retried
+    tags = instance.get_run_by_id(run_id).tags
+    assert "dagster/will_retry" not in tags and tags["dagster/max_retries"] == "0"  # not retried
     return failure.message
 
 
@@ -107,7 +130,11 @@ def test_unconsented_person_runs_are_refused_before_queueing_and_audited(loaded,
             {"qo_ops/mode": "execute", "qo_ops/reason": "INC-6 drift"},
         )
         (repair,) = _finished_backfill_runs(instance, destructive, 1)
-        assert "operator API's approval flow" in _refused_before_queueing(instance, repair.run_id)
+        assert "needs an approval" in _refused_before_queueing(instance, repair.run_id)
+
+        # the Launchpad: a destructive job's execute with a reason and no approval
+        unapproved = _launch_job(client, "run_history_retention", "tenant-001", DESTRUCTIVE_RUN)
+        assert "needs an approval" in _refused_before_queueing(instance, unapproved)
 
         with db.engine.connect() as conn:
             ran = conn.execute(sa.text("SELECT job_name, trigger_type, mode FROM job_run")).all()
@@ -115,8 +142,10 @@ def test_unconsented_person_runs_are_refused_before_queueing_and_audited(loaded,
         after = _business(db)
         assert {k for k in after if after[k] != before[k]} == set()  # nothing changed
 
-        # run_failure_recorder puts each refusal on record: who, what, scope, mode, reason
-        refused_ids = [launchpad, again, *(r.run_id for r in unreasoned), repair.run_id]
+        # each refusal is on record: who, what, scope, mode, reason
+        refused_ids = [
+            launchpad, again, *(r.run_id for r in unreasoned), repair.run_id, unapproved
+        ]  # fmt: skip
 
         def audited() -> list[sa.Row]:
             with db.engine.connect() as conn:
@@ -140,6 +169,8 @@ def test_unconsented_person_runs_are_refused_before_queueing_and_audited(loaded,
             },
             repair.run_id: (f"backfill:{destructive}", "read_model_repair", "2026-02-10",
                             "INC-6 drift"),
+            unapproved: (f"dagster-run:{unapproved}", "run_history_retention", "tenant-001",
+                         DESTRUCTIVE_RUN["reason"]),
         }  # fmt: skip
         for run_id, (actor, job, scope, reason) in expected.items():
             row = rows[run_id]
@@ -150,7 +181,31 @@ def test_unconsented_person_runs_are_refused_before_queueing_and_audited(loaded,
                 "execute",
                 reason,
             )
-            assert row.details["cause"].startswith("refused before queueing")
+            assert row.details["at"] == "submission" and "\n" not in row.details["cause"]
         assert rows[repair.run_id].details["refused"] == "approval_required"
-        assert {rows[i].details["refused"] for i in refused_ids[:-1]} == {"reason_required"}
+        assert rows[unapproved].details["refused"] == "approval_required"
+        assert {rows[i].details["refused"] for i in refused_ids[:-2]} == {"reason_required"}
         assert rows[again].details["trigger"] == "manual"  # a person's re-execution
+
+        # the same Launchpad execute citing an approver's approval is queued and runs
+        granted = approvals.grant(
+            db.engine,
+            CATALOG["run_history_retention"],
+            approvals.Grant("run_history_retention", ["tenant-001"], "INC-6 drift", "ana"),
+        )
+        approved = _launch_job(
+            client,
+            "run_history_retention",
+            "tenant-001",
+            {**DESTRUCTIVE_RUN, "approval": granted.id},
+        )
+        wait_for(
+            lambda: instance.get_run_by_id(approved).status in FINISHED, 180, "the approved run"
+        )
+        assert instance.get_run_by_id(approved).status == dg.DagsterRunStatus.SUCCESS
+        with db.engine.connect() as conn:
+            cited = conn.execute(
+                sa.text("SELECT approval_id, status FROM job_run WHERE dagster_run_id = :r"),
+                {"r": approved},
+            ).one()
+        assert cited.approval_id == granted.id and cited.status in ("success", "no_work")

@@ -1,8 +1,10 @@
 """What a Dagster run is before it runs (trigger, mode, who) and the run coordinator that
 refuses, before queueing, a run the platform would refuse: a person's execute without a
-reason, a destructive job's backfill execute, options out of range. The refused run ends
-FAILURE with one line, never queued, and ``run_failure_recorder`` audits it as ``denied``.
-(The same on a real webserver and daemon: test_person_runs.py.)"""
+reason, a destructive job's execute without an approval, options out of range. The refused
+run ends CANCELED (refused, not failed) with one line, never queued, audited ``denied`` by
+the coordinator; when the database cannot take the audit row, it ends FAILURE for
+``run_failure_recorder`` to audit. (The same on a real webserver and daemon:
+test_person_runs.py.)"""
 
 from __future__ import annotations
 
@@ -144,29 +146,17 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
             (absurd, "bad_input"),
             (destructive, "approval_required"),
         ):
-            assert run.status == dg.DagsterRunStatus.FAILURE, run.run_id
+            assert run.status == dg.DagsterRunStatus.CANCELED, run.run_id  # refused, not failed
             assert run.tags[REFUSED_TAG] == code
-            (failure,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
-            message = failure.dagster_event.message
+            (ended,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_CANCELED)
+            message = ended.dagster_event.message
             assert message.startswith("refused before queueing: ") and "\n" not in message
             assert not instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_ENQUEUED)
+            assert not instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
         assert refusal_at_submission(fine) is None
         assert refusal_at_submission(dry_backfill) is None  # a dry run needs nothing
         assert refusal_at_submission(scheduled) is None  # a schedule is not a person
         assert destructive.tags[DESTRUCTIVE_TAG] == "true"  # from the job's own tags
-
-        sensor = defs.resolve_sensor_def("run_failure_recorder")
-        for run in (no_reason, destructive):
-            event = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0]
-            sensor(
-                dg.build_run_status_sensor_context(
-                    sensor_name="run_failure_recorder",
-                    dagster_event=event.dagster_event,
-                    dagster_instance=instance,
-                    dagster_run=instance.get_run_by_id(run.run_id),
-                    resources={"database": _database(loaded)},
-                ).for_run_failure()
-            )
     with loaded.engine.connect() as conn:
         rows = conn.execute(
             sa.text(
@@ -179,14 +169,46 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
     assert [(r.actor, r.action, r.decision, r.job_name, r.scope, r.mode, r.reason) for r in rows] == [
         (f"dagster-run:{no_reason.run_id}", "trigger", "denied", "quote_expiration",
          "tenant-001", "execute", None),
+        (f"dagster-run:{absurd.run_id}", "trigger", "denied", "quote_expiration",
+         "tenant-001", "dry_run", None),
         ("backfill:b9", "trigger", "denied", "read_model_repair", "2026-02-10", "execute",
          "INC-9"),
     ]  # fmt: skip
     assert rows[0].details["refused"] == "reason_required"
     assert "needs a reason" in rows[0].details["cause"]
-    assert rows[1].details["refused"] == "approval_required"
-    assert "operator API's approval flow" in rows[1].details["cause"]
-    assert [r.correlation_id for r in rows] == [no_reason.run_id, destructive.run_id]
+    assert rows[2].details["refused"] == "approval_required"
+    assert "needs an approval" in rows[2].details["cause"]
+    assert [r.correlation_id for r in rows] == [no_reason.run_id, absurd.run_id, destructive.run_id]
+
+
+def test_a_refusal_the_database_cannot_audit_ends_failure_for_the_sensor_to_audit(
+    defs, loaded, monkeypatch
+):
+    """The database out at submission: the refusal still holds (no run), ends FAILURE, and
+    run_failure_recorder audits it once the database is back."""
+    with _coordinated_instance() as instance:
+        scope = {SCOPE_TAG: "quote_expiration:tenant-001", "dagster/partition": "tenant-001"}
+        monkeypatch.setenv("QO_OPS_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
+        refused = _submit(instance, defs, "quote_expiration", {"mode": "execute"}, scope)
+        monkeypatch.setenv("QO_OPS_DATABASE_URL", loaded.env_url)
+        assert refused.status == dg.DagsterRunStatus.FAILURE
+        assert refused.tags[REFUSED_TAG] == "reason_required"
+        with loaded.engine.connect() as conn:
+            assert conn.scalar(sa.text("SELECT count(*) FROM job_audit")) == 0
+        event = instance.all_logs(refused.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0]
+        defs.resolve_sensor_def("run_failure_recorder")(
+            dg.build_run_status_sensor_context(
+                sensor_name="run_failure_recorder",
+                dagster_event=event.dagster_event,
+                dagster_instance=instance,
+                dagster_run=instance.get_run_by_id(refused.run_id),
+                resources={"database": _database(loaded)},
+            ).for_run_failure()
+        )
+    with loaded.engine.connect() as conn:
+        row = conn.execute(sa.text("SELECT actor, decision, details FROM job_audit")).one()
+    assert (row.actor, row.decision) == (f"dagster-run:{refused.run_id}", "denied")
+    assert row.details["refused"] == "reason_required" and row.details["at"] == "submission"
 
 
 def test_every_destructive_job_and_only_those_tag_their_runs(defs):

@@ -63,17 +63,26 @@ def test_a_dry_run_needs_no_reason(trigger):
     check_consent(options.validated(), destructive=True)
 
 
-def test_a_backfill_never_executes_a_destructive_job_but_a_person_by_hand_may():
-    backfill = RunOptions(mode="execute", trigger="backfill", reason="INC-3")
-    check_consent(backfill, destructive=False)  # not destructive: the reason is enough
-    with pytest.raises(ExecuteRefused, match="operator API's approval flow") as refused:
-        check_consent(backfill, destructive=True, job_name="temp_file_cleanup")
+@pytest.mark.parametrize("trigger", PERSONS)
+def test_a_destructive_execute_by_a_person_cites_an_approval_on_every_path(trigger):
+    """One rule: CLI and Launchpad (manual), backfill, retry and API alike."""
+    execute = RunOptions(mode="execute", trigger=trigger, reason="INC-3")
+    check_consent(execute, destructive=False)  # not destructive: the reason is enough
+    with pytest.raises(ExecuteRefused, match="needs an approval") as refused:
+        check_consent(execute, destructive=True, job_name="temp_file_cleanup")
     assert refused.value.error_code == "approval_required"
-    assert "/internal/jobs/temp_file_cleanup/runs" in str(refused.value)
-    assert "\n" not in str(refused.value)
-    for trigger in ("manual", "retry", "api"):  # by hand; the API has its own two-person rule
-        check_consent(RunOptions(mode="execute", trigger=trigger, reason="INC-3"), destructive=True)
-    check_consent(RunOptions(mode="dry_run", trigger="backfill"), destructive=True)
+    cause = str(refused.value)
+    assert "\n" not in cause
+    assert "qo-ops approval grant temp_file_cleanup" in cause
+    assert "/internal/jobs/temp_file_cleanup/approvals" in cause
+    cited = RunOptions(mode="execute", trigger=trigger, reason="INC-3", approval="apr-x")
+    check_consent(cited, destructive=True)  # whether it allows the run: check_approval
+    check_consent(RunOptions(mode="dry_run", trigger=trigger), destructive=True)
+
+
+@pytest.mark.parametrize("trigger", ["schedule", "sensor"])
+def test_schedules_and_sensors_run_a_destructive_job_without_an_approval(trigger):
+    check_consent(RunOptions(mode="execute", trigger=trigger), destructive=True)
 
 
 # ------------------------------------------------------------------ run_job (real PostgreSQL)
@@ -124,7 +133,7 @@ def test_run_job_refuses_an_unconsented_execute_writes_nothing_and_audits_it(loa
         "reason_required",
     ]
     assert "needs a reason" in rows[0].details["cause"]
-    assert "operator API's approval flow" in rows[1].details["cause"]
+    assert "needs an approval" in rows[1].details["cause"]
     assert rows[2].details["trigger"] == "manual" and rows[2].details["dagster_run_id"] == "r1"
     assert all(r.job_run_id is None for r in rows)
 

@@ -1,5 +1,9 @@
-"""The two-person rule's second step: a second identity approves a held destructive run
-(``POST /internal/jobs/{jobName}/runs/{runId}/approve``), which then launches."""
+"""Approvals: an approver grants one that a destructive execute cites on any path
+(``POST /internal/jobs/{jobName}/approvals``: the CLI's --approval, the Launchpad's config
+approval, a backfill's tag, the API's approvalId), and the two-person rule's second step: a
+second identity approves a held destructive run
+(``POST /internal/jobs/{jobName}/runs/{runId}/approve``), which then launches citing the
+approval that grants."""
 
 # (no `from __future__ import annotations`: FastAPI reads these annotations at runtime)
 
@@ -9,13 +13,42 @@ from fastapi import APIRouter, Body
 from fastapi.responses import JSONResponse
 
 from qo_ops.api import authz, service
-from qo_ops.api.deps import Api, Auditor, Caller, Run
+from qo_ops.api.deps import Api, Auditor, Caller, Job, Run
 from qo_ops.api.errors import WITH_BODY, ApiError, refusals
 from qo_ops.api.launch import launch
-from qo_ops.api.models import ACCEPTED_HEADERS, Accepted, ReasonBody, accepted
+from qo_ops.api.models import ACCEPTED_HEADERS, Accepted, ApprovalBody, ReasonBody, accepted
+from qo_ops.errors import BadInput
+from qo_ops.platform import approvals
 from qo_ops.platform.spec import Scope, tenant_of
 
 router = APIRouter()
+
+
+@router.post(
+    "/internal/jobs/{jobName}/approvals",
+    status_code=201,
+    responses=refusals(*WITH_BODY, 403, 404),
+    summary="Grant an approval a destructive job's execute cites (approver role)",
+)
+def grant_approval(
+    spec: Job, p: Caller, api: Api, audit: Auditor, body: Annotated[ApprovalBody, Body()]
+) -> JSONResponse:
+    decision = authz.may_grant(p, body.tenants)
+    if not decision.allowed:
+        raise audit.deny(p, "approve", decision.reason, job_name=spec.name, reason=body.reason)
+    try:
+        wanted = approvals.Grant(
+            spec.name,
+            body.tenants,
+            body.reason,
+            p.identity,
+            body.validForS,
+            {"request_id": audit.meta.request_id, "client_address": audit.meta.client_address},
+        )
+        granted = approvals.grant(api.engine, spec, wanted)
+    except BadInput as refused:
+        raise ApiError(422, str(refused)) from None
+    return JSONResponse(granted.as_dict(), status_code=201)
 
 
 @router.post(

@@ -26,10 +26,19 @@ from qo_ops.api.models import (
 )
 from qo_ops.errors import BadInput
 from qo_ops.platform import control
+from qo_ops.platform.approvals import check_approval
 from qo_ops.platform.counts import mutated_count
 from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.runs import ACTIVE_STATUSES, UNSTARTED_STATUSES, request_cancel
-from qo_ops.platform.spec import FIRST_DAY, LAST_DAY, JobSpec, Scope, tenant_of
+from qo_ops.platform.spec import (
+    FIRST_DAY,
+    LAST_DAY,
+    ExecuteRefused,
+    JobSpec,
+    RunOptions,
+    Scope,
+    tenant_of,
+)
 
 MAX_WINDOW_DAYS = 366
 
@@ -69,20 +78,35 @@ def submit_run(
 ) -> JSONResponse:
     run_request = _validated(spec, body)
     scope = run_request.scope
-    decision = authz.may_submit(p, spec, body.mode, scope.tenant_id, body.requestApproval)
+    decision = authz.may_submit(
+        p, spec, body.mode, scope.tenant_id, body.requestApproval, run_request.approval is not None
+    )
     about = {"job_name": spec.name, "scope": scope.key, "mode": body.mode,
              "reason": body.reason, "correlation_id": body.correlationId}  # fmt: skip
     if not decision.allowed:
         raise audit.deny(p, "submit", decision.reason, **about)
     if not service.tenant_exists(api.engine, scope.tenant_id):
         raise ApiError(422, f"unknown tenant {scope.tenant_id}")
+    if run_request.approval is not None:  # the rule the runner applies again at start
+        cited = RunOptions(
+            mode="execute", trigger="api", reason=run_request.reason, approval=run_request.approval
+        )
+        try:
+            check_approval(api.engine, spec, scope, cited)
+        except ExecuteRefused as refused:
+            raise audit.deny(p, "submit", str(refused), **about) from None
     with api.engine.connect() as conn:
         held = control.suspension_for(conn, spec.name, scope.tenant_id)
     if held is not None:
         audit(p.identity, "submit", "denied: suspended", details=held.as_dict(), **about)
         raise ApiError(423, f"{held.describe()}; no run accepted", audited=True)
     submission = service.Submission(
-        p.identity, run_request, decision.hold_for_approval, idempotency_key, audit.meta
+        p.identity,
+        run_request,
+        decision.hold_for_approval,
+        idempotency_key,
+        audit.meta,
+        grant=decision.grant_approval,
     )
     submitted = service.submit(api.engine, submission)
     stale = (
@@ -192,6 +216,7 @@ def _validated(spec: JobSpec, body: RunRequestBody) -> service.RunRequest:
         reason=body.reason.strip() if body.reason else None,
         correlation_id=body.correlationId,
         request_approval=body.requestApproval,
+        approval=body.approvalId if spec.destructive and body.mode == "execute" else None,
     )
 
 

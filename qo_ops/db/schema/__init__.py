@@ -58,6 +58,7 @@ from qo_ops.db.schema.platform_tables import (
     job_lease,
     job_run,
     outbox_event,
+    run_approval,
 )
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "job_control",
     "downstream_breaker",
     "downstream_refund",
+    "run_approval",
     "outbox_event",
     "job_audit",
     "API_ROLES",

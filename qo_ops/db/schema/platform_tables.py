@@ -90,6 +90,7 @@ job_run = sa.Table(
     # still up means the process is gone (qo_ops/platform/liveness.py); NULL: not known
     sa.Column("liveness_key", sa.BigInteger),
     sa.Column("liveness_since", TS),
+    sa.Column("approval_id", sa.Text),  # the approval a destructive execute cited (0017)
     status_check("status", JOB_RUN_STATUSES),
     status_check("mode", RUN_MODES),
     status_check("trigger_type", TRIGGER_TYPES),
@@ -199,6 +200,22 @@ downstream_refund = sa.Table(
     sa.Column("refund", sa.BigInteger, nullable=False),  # how many attempts
     sa.Column("revive", sa.Boolean, nullable=False),  # dead-lettered by the outage: back to due
     sa.Column("owed_at", TS, nullable=False, server_default=NOW),
+)
+
+# Approvals a destructive execute cites (0017, qo_ops/platform/approvals.py): granted by an
+# approver for one job over some tenants (NULL: every tenant), until expires_at or revoked.
+run_approval = sa.Table(
+    "run_approval",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),  # apr-…: short enough to type in a form
+    sa.Column("job_name", sa.Text, nullable=False),
+    sa.Column("tenants", sa.ARRAY(sa.Text)),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("granted_by", sa.Text, nullable=False),
+    sa.Column("granted_at", TS, nullable=False, server_default=NOW),
+    sa.Column("expires_at", TS, nullable=False),
+    sa.Column("revoked_at", TS),
+    sa.Column("revoked_by", sa.Text),
 )
 
 # Events written in the business transaction, published later by the relay.
@@ -332,6 +349,7 @@ PLATFORM_TABLES = (
     job_control,
     downstream_breaker,
     downstream_refund,
+    run_approval,
     job_schedule_tick,
     job_run_queue,
 )
