@@ -189,3 +189,18 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+def standing_approvals(engine: Any) -> dict[str, str]:
+    """An approval of every destructive job's execute for every tenant, granted by the bench
+    as their approver (a day long): the id each ``qo-ops run --approval`` cites, by job."""
+    from qo_ops.jobs.catalog import CATALOG
+    from qo_ops.platform.approvals import Grant, grant
+
+    return {
+        spec.name: grant(
+            engine, spec, Grant(spec.name, None, "bench: standing approval", "bench", 86_400)
+        ).id
+        for spec in CATALOG.values()
+        if spec.destructive
+    }

@@ -52,6 +52,7 @@ from bench.common import (
     fresh_database,
     measure_command,
     settle,
+    standing_approvals,
     stopwatch,
 )
 from bench.suite import Profile, Row, Section, Spread, median, pairwise_ratios
@@ -993,6 +994,10 @@ def run_job_cli(case: Case, url: URL, n: int, w: Window | None, home: Path) -> d
     """The real CLI in its own process, default batch size; verified afterwards."""
     cmd = [QO_OPS, "run", case.job, "--tenant", TENANT, *(w.cli() if w else [])]
     cmd += ["--mode", "execute", "--reason", "bench: jobs vs the limit", "--json"]
+    if get_spec(case.job).destructive:  # its execute cites an approval, as on every path
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        cmd += ["--approval", standing_approvals(engine)[case.job]]
+        engine.dispose()
     env = {
         **_base_env(),
         "QO_OPS_DATABASE_URL": env_url(url),

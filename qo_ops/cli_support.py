@@ -194,6 +194,34 @@ def when_text(value: datetime | None) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if value else "-"
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: str, option: str) -> float:
+    """``90s``, ``30m``, ``2h``, ``1d`` (or plain seconds) as seconds; BadInput otherwise."""
+    text = value.strip().lower()
+    unit = _UNITS.get(text[-1:])
+    number = text[:-1] if unit else text
+    try:
+        seconds = float(number) * (unit or 1)
+    except ValueError:
+        raise BadInput(f"{option} must look like 90s, 30m, 2h or 1d, not {value!r}") from None
+    if not 0 < seconds < 10 * 365 * 86400:
+        raise BadInput(f"{option} must be positive (and under 10 years), not {value!r}")
+    return seconds
+
+
+def age_text(seconds: float) -> str:
+    """A duration as a person reads it: ``45 s``, ``12 min``, ``3.5 h``, ``9.9 d``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
 def short_id(value: uuid.UUID | str | None) -> str:
     """A run id as a table shows it: its first ``SHORT_ID`` characters (``-`` for none)."""
     return str(value)[:SHORT_ID] if value else "-"

@@ -29,6 +29,7 @@ from qo_ops.db.engine import (
     start_embedded_server,
     stop_embedded_server,
 )
+from qo_ops.jobs.catalog import CATALOG
 
 REPO = Path(__file__).resolve().parent.parent
 QO_OPS_BIN = str(Path(sys.executable).with_name("qo-ops"))
@@ -83,6 +84,12 @@ def drop_database(server: URL, name: str) -> None:
     admin.dispose()
 
 
+# one approval per destructive job, every tenant, planted in the template database
+STANDING_APPROVALS = {
+    name: f"apr-test-{name}" for name, spec in CATALOG.items() if spec.destructive
+}
+
+
 @pytest.fixture(scope="session")
 def template_database(pg_server: URL) -> Iterator[str]:
     """A database migrated to head, copied for every test."""
@@ -90,9 +97,38 @@ def template_database(pg_server: URL) -> Iterator[str]:
     url = create_database(pg_server, name)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     migrate.upgrade(engine)
+    with engine.begin() as conn:  # the suite's standing approvals (STANDING_APPROVALS)
+        conn.execute(
+            sa.text(
+                "INSERT INTO run_approval (id, job_name, reason, granted_by, expires_at) "
+                "SELECT 'apr-test-' || j, j, 'the test suite''s standing approval', "
+                "'qo_ops_tests', now() + interval '1 day' FROM unnest(CAST(:jobs AS text[])) j"
+            ),
+            {"jobs": sorted(STANDING_APPROVALS)},
+        )
     engine.dispose()
     yield name
     drop_database(pg_server, name)
+
+
+def standing_approval(job_name: str) -> str | None:
+    """The approval a test's execute of ``job_name`` cites (every destructive job's
+    execute does, on every path: qo_ops/platform/approvals.py); None for the others. Granted
+    for every tenant in every test database (``template_database``); tests of the rule
+    itself grant their own."""
+    return STANDING_APPROVALS.get(job_name)
+
+
+def approval_config(job_name: str) -> dict[str, str]:
+    """``{"approval": …}`` for a destructive job's Dagster run config, else ``{}``."""
+    found = standing_approval(job_name)
+    return {"approval": found} if found else {}
+
+
+def approval_args(job_name: str) -> list[str]:
+    """``["--approval", …]`` for a destructive job's ``qo-ops run``, else ``[]``."""
+    found = standing_approval(job_name)
+    return ["--approval", found] if found else []
 
 
 @dataclass

@@ -289,8 +289,8 @@ def test_status_shows_lease_holder_and_backlog(demo, cli):
     text = cli("status")
     assert text.code == 0, text.stderr
     assert "job status" in text.stdout
-    headers = ("job", "scope", "last run", "status", "last success", "lease holder", "backlog")
-    for header in (*headers, "checkpoint age"):
+    headers = ("job", "tenant", "last run", "mode", "status", "last success", "lease holder")
+    for header in (*headers, "stale", "backlog", "checkpoint age", "summary"):
         assert header in text.stdout
     line = next(ln for ln in text.stdout.splitlines() if ln.startswith(JOB) and f" {TENANT} " in ln)
     assert OTHER_OWNER in line
@@ -554,8 +554,11 @@ def test_demo_dagster_runs_every_catalog_job_through_dagster(db, pg_server, tmp_
         drop_database(pg_server, f"{db.url.database}_dagster")
     assert result.code == 0, (result.stdout, result.stderr)
     assert '"event.name"' not in result.stdout + result.stderr  # no JSON for a person
-    first, *lines, total, where = result.stdout.splitlines()
+    first, approved, *lines, total, where = result.stdout.splitlines()
     assert str(events_log) in first and str(events_log) in where
+    destructive = sorted(n for n, s in CATALOG.items() if s.destructive)
+    assert approved.startswith("approvals for the destructive jobs' executes")  # as any path
+    assert all(name in approved for name in destructive), approved
     assert total.startswith(f"{len(CATALOG)} Dagster runs, {len(CATALOG)} succeeded")
     heads = [line for line in lines if not line.startswith("  ")]
     assert len(lines) <= 3 * len(heads)  # a few lines a run
@@ -580,13 +583,16 @@ def test_demo_dagster_runs_every_catalog_job_through_dagster(db, pg_server, tmp_
     with db.engine.connect() as conn:  # every job ran for the tenant, executing
         ran = conn.execute(
             sa.text(
-                "SELECT id, job_name, scope, mode, trigger_type FROM job_run ORDER BY started_at"
+                "SELECT id, job_name, scope, mode, trigger_type, approval_id FROM job_run "
+                "ORDER BY started_at"
             )
         ).all()
     assert sorted({r.job_name for r in ran}) == sorted(CATALOG)
     assert {(r.scope.split("/")[0], r.mode, r.trigger_type) for r in ran} == {
         (TENANT, "execute", "manual")
     }
+    cited = sorted({r.job_name for r in ran if r.approval_id is not None})
+    assert cited == destructive  # each destructive execute cites the demo's approval
 
     # --json: one object (the log holds the second demo's events only: rewritten each time)
     assert again.code == 0, (again.stdout, again.stderr)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from bench import common
 from bench.nemesis.clean_end import CleanEnd, Reruns, measure_clean_end, reaped_after_kill
 from bench.nemesis.faults import FaultRecord, Injector
 from bench.nemesis.invariants import (
@@ -315,7 +316,8 @@ def _run(
     config: NemesisConfig, server: Server, work: Path, result: NemesisResult, say: Say
 ) -> None:
     with world(server, work, config.seed) as the_world:
-        launcher = Launcher(the_world.run_env(), work / "logs")
+        approvals = common.standing_approvals(the_world.engine)  # destructive executes cite one
+        launcher = Launcher(the_world.run_env(), work / "logs", approvals)
         nemesis = Nemesis(config, the_world, launcher, say)
         try:
             the_world.add_tenants(config.initial_tenants)

@@ -116,8 +116,8 @@ class Launcher:
     """Starts ``qo-ops run`` processes with the world's environment, each with its output
     in a file of its own under ``logs``."""
 
-    def __init__(self, env: dict[str, str], logs: Path) -> None:
-        self.env, self.logs = env, logs
+    def __init__(self, env: dict[str, str], logs: Path, approvals: dict[str, str]) -> None:
+        self.env, self.logs, self.approvals = env, logs, approvals
         self.logs.mkdir(parents=True, exist_ok=True)
         self.started: list[RunProcess] = []
 
@@ -128,6 +128,8 @@ class Launcher:
         output files are named by order, iteration (0: the final pass), job and why."""
         command = [QO_OPS, "run", target.job, "--tenant", target.tenant, "--mode", "execute"]
         command += ["--reason", reason, "--lease-ttl-s", str(limits.lease_ttl_s), "--json"]
+        if target.job in self.approvals:  # a destructive job's execute cites its approval
+            command += ["--approval", self.approvals[target.job]]
         if target.window is not None:
             first, last = target.window
             command += ["--from", first.isoformat(), "--to", last.isoformat()]

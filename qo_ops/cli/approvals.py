@@ -11,6 +11,7 @@ import typer
 from qo_ops.cli_support import (
     JsonOpt,
     emit_json,
+    parse_duration,
     plain_app,
     print_table,
     ready_engine,
@@ -28,22 +29,6 @@ approval_app = plain_app(
     "Approvals a destructive job's execute cites (CLI, Launchpad, backfill, API).",
     no_args_is_help=True,
 )
-
-_UNITS = {"s": 1, "m": 60, "h": 3600}
-
-
-def parse_duration(value: str, option: str) -> float:
-    """``90s``, ``30m``, ``2h`` (or plain seconds) as seconds; BadInput otherwise."""
-    text = value.strip().lower()
-    unit = _UNITS.get(text[-1:])
-    number = text[:-1] if unit else text
-    try:
-        seconds = float(number) * (unit or 1)
-    except ValueError:
-        raise BadInput(f"{option} must look like 90s, 30m or 2h, not {value!r}") from None
-    if seconds <= 0:
-        raise BadInput(f"{option} must be positive, not {value!r}")
-    return seconds
 
 
 @approval_app.command("grant")

@@ -249,6 +249,7 @@ def demo_dagster_command(
     from qo_ops.db.engine import resolve_target
     from qo_ops.definitions import build_definitions
     from qo_ops.jobs.catalog import CATALOG
+    from qo_ops.platform.approvals import Grant, grant
     from qo_ops.platform.partition_keys import partition_key_for
     from qo_ops.platform.spec import Scope
 
@@ -276,6 +277,20 @@ def demo_dagster_command(
             )
         if tenant not in instance.get_dynamic_partitions("tenants"):
             instance.add_dynamic_partitions("tenants", [tenant])
+        # the destructive jobs' executes cite an approval, as on every path: the demo plays
+        # the approver (qo-ops approval grant), one approval per job for this tenant
+        approved = {
+            spec.name: grant(
+                engine, spec, Grant(spec.name, [tenant], reason, "make demo (approver)", 900)
+            ).id
+            for spec in CATALOG.values()
+            if spec.destructive
+        }
+        if not as_json:
+            typer.echo(
+                f"approvals for the destructive jobs' executes ({', '.join(approved)}), "
+                "granted by the demo as their approver: " + ", ".join(approved.values())
+            )
         for spec in CATALOG.values():
             job = defs.resolve_job_def(spec.name)
             day = (
@@ -286,6 +301,7 @@ def demo_dagster_command(
             op_config = {
                 "mode": "execute",
                 "reason": reason,
+                **({"approval": approved[spec.name]} if spec.name in approved else {}),
                 **({"tenants": [tenant]} if day is not None else {}),
             }
             result = job.execute_in_process(

@@ -16,7 +16,9 @@ from qo_ops.cli_support import (
     SHORT_ID,
     JsonOpt,
     RequesterOpt,
+    age_text,
     emit_json,
+    parse_duration,
     print_table,
     ready_engine,
     resolve_requester,
@@ -38,34 +40,89 @@ SHORT_RUN_ID = re.compile(rf"[0-9a-f][0-9a-f-]{{{SHORT_ID - 1},34}}")  # a UUID'
 def status_command(
     job: Annotated[str | None, typer.Argument(help="One job (default: all).")] = None,
     tenant: Annotated[str | None, typer.Option(help="One tenant (default: all).")] = None,
+    failing: Annotated[
+        bool, typer.Option("--failing", help="Only tenants whose last run failed.")
+    ] = False,
+    stale: Annotated[
+        bool, typer.Option("--stale", help="Only tenants with no recent successful execute.")
+    ] = False,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="Every tenant's row, healthy ones too.")
+    ] = False,
+    limit: Annotated[int, typer.Option(help="At most this many rows (text).")] = 50,
     as_json: JsonOpt = False,
 ) -> None:
-    """Per job and tenant: last run, last success, lease holder, backlog; what is
-    suspended, by whom, since when and why; and a downstream breaker that is not closed."""
+    """A summary per job (tenants failing, stale, never run, running, suspended), then the
+    tenants that need a look (failing, stale, running or held; --all: every one) with their last
+    run, its mode and status, last success, lease holder and backlog; what is suspended; a
+    downstream breaker that is not closed."""
     from qo_ops.jobs.catalog import CATALOG, get_spec
     from qo_ops.platform.control import suspensions
-    from qo_ops.platform.status import breaker_status, job_status
+    from qo_ops.platform.spec import Scope
+    from qo_ops.platform.status import breaker_status, job_status, summarize, with_backlog
+    from qo_ops.platform.tenants import tenant_exists
 
     specs = [get_spec(job)] if job else list(CATALOG.values())
+    if not 1 <= limit <= 10_000:
+        raise BadInput("--limit must be between 1 and 10000")
+    if tenant is not None:
+        Scope(tenant)  # validates the id
     engine = ready_engine()
-    rows = [r for spec in specs for r in job_status(engine, spec, tenant)]
     with engine.connect() as conn:
+        if tenant is not None and not tenant_exists(conn, tenant):
+            raise BadInput(f"unknown tenant {tenant}")
         held = suspensions(conn, job, tenant)
         not_closed = [b for b in breaker_status(conn) if b.state != "closed"]
+    one = tenant is not None  # a tenant's rows: every job's, backlog counted
+    # backlog: a tenant's; with --json every tenant's when a job has few (job_status's
+    # rule); in text, the rows on screen only (below)
+    counted = [tenant] if tenant is not None else (None if as_json else ())
+    by_job = {s.name: job_status(engine, s, tenant, backlog_of=counted) for s in specs}
+    summary = [
+        summarize(name, rows, sum(1 for h in held if h.job_name == name))
+        for name, rows in by_job.items()
+    ]
+
+    def wanted(r: Any) -> bool:
+        if failing or stale:
+            return (failing and r.failing) or (stale and r.stale)
+        return one or show_all or as_json or r.attention  # --json: every row
+
+    chosen = [r for rows in by_job.values() for r in rows if wanted(r)]
     if as_json:
         emit_json(
             {
-                "status": [r.as_dict() for r in rows],
+                "summary": [s.as_dict() for s in summary],
+                "status": [r.as_dict() for r in chosen],
                 "suspended": [s.as_dict() for s in held],
                 "breakers_not_closed": [b.as_dict() for b in not_closed],
             }
         )
         return
+    shown = chosen[:limit]
+    shown = [  # the backlog of the rows on screen (one capped count each)
+        r
+        for spec in specs
+        for r in with_backlog(
+            engine,
+            spec,
+            [r for r in shown if r.job_name == spec.name],
+            [r.scope for r in shown if r.job_name == spec.name and r.backlog is None],
+        )
+    ]
     for b in not_closed:  # every job that calls it waits: say so before the table
         typer.echo(
             f"downstream {b.downstream}: circuit breaker {b.state} for {b.open_s:.0f} s "
             f"({b.reason or 'no reason'}); runs hold their calls: qo-ops downstream-status"
         )
+    print_table(
+        "summary" + (f" of {tenant}" if one else ""),
+        ["job", "tenants", "failing", "stale", "never run", "running", "suspended"],
+        [
+            [s.job_name, s.tenants, s.failing, s.stale, s.never_run, s.running, s.suspended]
+            for s in summary
+        ],
+    )
     if held:
         print_table(
             "suspended (qo-ops resume JOB [--tenant T] --reason …)",
@@ -81,14 +138,30 @@ def status_command(
                 for s in held
             ],
         )
+    what = (
+        " and ".join(w for w, on in (("failing", failing), ("stale", stale)) if on)
+        if failing or stale
+        else (
+            f"of {tenant}"
+            if one
+            else "every tenant"
+            if show_all
+            else "needing a look: failing, stale, running or held"
+        )
+    )
+    if not chosen:
+        typer.echo(f"no tenant {what}" if failing or stale else f"job status: no tenant {what}")
+        return
     print_table(
-        "job status",
+        f"job status ({what})",
         [
             "job",
-            "scope",
+            "tenant",
             "last run",
+            "mode",
             "status",
             "last success",
+            "stale",
             "lease holder",
             "backlog",
             "checkpoint age",
@@ -98,54 +171,70 @@ def status_command(
                 r.job_name,
                 r.scope,
                 when_text(r.last_run_at),
-                r.last_status or "-",
+                (r.last_mode or "-").replace("_", "-"),
+                (r.last_status or "-") + (" (running)" if r.running else ""),
                 when_text(r.last_success_at),
+                "STALE" if r.stale else "-",
                 r.lease_holder or "-",
                 "-" if r.backlog is None else r.backlog,
-                "-" if r.checkpoint_age_s is None else f"{r.checkpoint_age_s:.0f} s",
+                "-" if r.checkpoint_age_s is None else age_text(r.checkpoint_age_s),
             ]
-            for r in rows
+            for r in shown
         ],
     )
+    if len(chosen) > len(shown):
+        typer.echo(f"{len(chosen) - len(shown):,} more rows: --limit N, or --json for all")
 
 
 def runs_command(
-    job: Annotated[str, typer.Argument(help="Job name.")],
+    job: Annotated[str | None, typer.Argument(help="Job name (default: every job).")] = None,
     tenant: Annotated[
         str | None, typer.Option(help="One tenant (its windows too, for windowed jobs).")
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Only runs asked for in the last 30m, 1h, 2d …")
     ] = None,
     limit: Annotated[int, typer.Option(help="How many runs, newest first.")] = 20,
     as_json: JsonOpt = False,
 ) -> None:
-    """The run history of a job, newest first: ids in short (`qo-ops cancel` takes a running
-    run's), why each ended as it did and the reason it was asked for; --json has every field."""
+    """Run history, newest first — of one job, or of every job ("what ran in the last
+    hour?": qo-ops runs --since 1h): ids in short (`qo-ops cancel` takes a running run's),
+    why each ended as it did and the reason it was asked for; --json has every field."""
     from qo_ops.jobs.catalog import get_spec
     from qo_ops.platform.manners import DownstreamCalls
     from qo_ops.platform.runs import list_runs
     from qo_ops.platform.spec import Scope
 
-    spec = get_spec(job)
+    spec = get_spec(job) if job is not None else None
     if not 1 <= limit <= 1000:
         raise BadInput("--limit must be between 1 and 1000")
     if tenant is not None:
         Scope(tenant)  # validates the id
+    since_s = parse_duration(since, "--since") if since is not None else None
     engine = ready_engine()
-    history = list_runs(engine, spec.name, tenant, limit)
+    history = list_runs(engine, spec.name if spec else None, tenant, limit, since_s)
     if as_json:
         emit_json({"runs": [dataclasses.asdict(r) for r in history]})
         return
     calls = [DownstreamCalls.from_tally(r.tally) for r in history]
-    headers = ["run", "dagster", "scope", "started", "mode", "trigger", "status"]
-    headers += ["eligible", "processed", "failed"]
+    headers = ["run", "dagster", *([] if spec else ["job"]), "scope", "started", "mode"]
+    headers += ["trigger", "status", "eligible", "processed", "failed"]
     if any(calls):  # a job that calls the downstream: how its runs treated it
         headers += ["calls", "retry pressure"]
+    title = f"runs of {spec.name}" if spec else "runs of every job"
+    if since is not None:
+        title += f" asked for in the last {since}"
+    if not history:
+        typer.echo(f"{title}: none")
+        return
     print_table(
-        f"runs of {spec.name}",
+        title,
         headers,
         [
             [
                 short_id(r.id),
                 short_id(r.dagster_run_id),
+                *([] if spec else [r.job_name]),
                 r.scope,
                 r.started_at.astimezone(UTC).strftime("%Y-%m-%d %H:%MZ"),  # --json: to the µs
                 r.mode,

@@ -41,16 +41,11 @@ from qo_ops.dagster_defs.checks import (
 )
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
-from qo_ops.platform.spec import JobSpec, cadence_seconds
+from qo_ops.platform.freshness import STALE_FACTOR, job_due, stale_limit_s
+from qo_ops.platform.spec import JobSpec
 
 RECENT_SUCCESS_CHECK = "recent_success"
 RECENT_SUCCESS_JOB = "recent_success_job"
-STALE_FACTOR = 3
-
-
-def stale_limit_s(spec: JobSpec) -> float:
-    """Seconds without a success after which a tenant of ``spec`` is stale."""
-    return STALE_FACTOR * cadence_seconds(spec.cron_schedule)
 
 
 # Tenants with a success within the limit: a range of ix_job_run_job_finished (now(), not
@@ -93,16 +88,6 @@ _LAST_SUCCESS_WINDOWED = sa.text(
              LIMIT 1) r ON true
     """
 )
-# How long the job has been at work here: since its first finished run or evaluated tick
-# (ix_job_run_job_finished; job_schedule_tick keeps a job's first evaluation). NULL: never.
-_JOB_AGE = sa.text(
-    """
-    SELECT extract(epoch FROM now() - least(
-             (SELECT min(finished_at) FROM job_run
-               WHERE job_name = :job AND finished_at IS NOT NULL),
-             (SELECT min(scheduled_for) FROM job_schedule_tick WHERE job_name = :job)))
-    """
-)
 # Every tenant, how long it has existed, and the statement's clock (for the sensor's cursor).
 _TENANTS = sa.text(
     """
@@ -129,14 +114,6 @@ def all_tenants(conn: Connection) -> tuple[list[Tenant], float | None]:
     return [Tenant(r.id, float(r.age), float(r.created)) for r in rows], (
         float(rows[0].now) if rows else None
     )
-
-
-def job_due(conn: Connection, spec: JobSpec) -> bool:
-    """Whether ``spec`` has been at work for longer than its limit (a first run finished, or
-    a first tick evaluated, that long ago): before that no tenant of it is judged -- a daily
-    job is not stale on a fresh deployment before its first ticks."""
-    age = conn.execute(_JOB_AGE, {"job": spec.name}).scalar()
-    return age is not None and float(age) > stale_limit_s(spec)
 
 
 def recent_tenants(conn: Connection, spec: JobSpec) -> set[str]:

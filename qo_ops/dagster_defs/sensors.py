@@ -27,15 +27,12 @@ from qo_ops.dagster_defs.checks import outcome_asset_key
 from qo_ops.dagster_defs.freshness import (
     RECENT_SUCCESS_CHECK,
     RECENT_SUCCESS_JOB,
-    STALE_FACTOR,
     Freshness,
     Tenant,
     all_tenants,
     build_recent_success_job,
-    job_due,
     last_success_ages,
     recent_tenants,
-    stale_limit_s,
 )
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.pending import pending_work
@@ -44,6 +41,7 @@ from qo_ops.dagster_defs.schedules import chunk_run_request
 from qo_ops.dagster_defs.submission import REFUSED_PREFIX, REFUSED_TAG, refusal_audit
 from qo_ops.errors import first_few, one_line
 from qo_ops.platform.control import suspensions
+from qo_ops.platform.freshness import STALE_FACTOR, job_due, stale_limit_s
 from qo_ops.platform.overdue import backlog_scope, database_now
 from qo_ops.platform.partition_keys import JOB_RUN_TAG, SCOPE_TAG, chunk_tenants
 from qo_ops.platform.run_queue import QueueSample, record_run_queue

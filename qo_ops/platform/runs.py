@@ -392,19 +392,30 @@ class RunRow:
 
 
 def list_runs(
-    engine: Engine, job_name: str, scope: str | None = None, limit: int = 20
+    engine: Engine,
+    job_name: str | None,
+    scope: str | None = None,
+    limit: int = 20,
+    since_s: float | None = None,
 ) -> list[RunRow]:
-    """Most recent runs of a job (optionally of one tenant: its scope and, for windowed jobs,
-    every window of it), newest first."""
+    """Most recent runs of a job, or of every job (``job_name`` None), newest first:
+    optionally of one tenant (its scope and, for windowed jobs, every window of it), and
+    only those asked for in the last ``since_s`` seconds (``created_at``:
+    ix_job_run_created)."""
     query = (
         sa.select(*(job_run.c[f] for f in RunRow.__dataclass_fields__))
-        .where(job_run.c.job_name == job_name)
         .order_by(job_run.c.started_at.desc())
         .limit(limit)
     )
+    if job_name is not None:
+        query = query.where(job_run.c.job_name == job_name)
     if scope is not None:
         query = query.where(
             sa.or_(job_run.c.scope == scope, job_run.c.scope.startswith(f"{scope}/"))
+        )
+    if since_s is not None:
+        query = query.where(
+            job_run.c.created_at >= sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, since_s)
         )
     with engine.connect() as conn:
         return [RunRow(**row._mapping) for row in conn.execute(query)]

@@ -1,10 +1,12 @@
-"""Status for operators: per job and scope, the last run, last success, lease holder and
-backlog; and the downstream's circuit breakers."""
+"""Status for operators: per job and tenant, the last run (mode and status), last success,
+whether it is failing or stale, runs in progress, lease holder, backlog and checkpoint age,
+and per job a summary of them; and the downstream's circuit breakers."""
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -13,75 +15,176 @@ from sqlalchemy.engine import Engine
 
 from qo_ops.db.schema import downstream_breaker
 from qo_ops.platform.breaker import FAILED, BreakerSettings
+from qo_ops.platform.freshness import job_due, stale_limit_s
 from qo_ops.platform.liveness import RUN_GONE
-from qo_ops.platform.selection import count_eligible
+from qo_ops.platform.selection import capped_count
 from qo_ops.platform.spec import BatchContext, JobSpec, Scope
+
+FAILING_STATUSES = ("failed", "timeout")  # a tenant whose last run ended so is failing
+BACKLOG_ROWS = 200  # without a list of tenants, backlog is counted when a job has this few
+BACKLOG_CAP = 100_000  # a backlog is counted up to this (a capped count: bounded reads)
 
 
 @dataclass(frozen=True)
 class ScopeStatus:
-    """The state of one (job, scope)."""
+    """The state of one (job, tenant): a windowed job's windows are summed up per tenant."""
 
     job_name: str
-    scope: str
+    scope: str  # the tenant
     last_run_at: datetime | None
     last_status: str | None
     last_success_at: datetime | None
     lease_holder: str | None
-    backlog: int | None
+    backlog: int | None  # items eligible now (a tenant job; None: not counted)
     checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
+    last_mode: str | None = None  # dry_run | execute: what the last run was
+    running: int = 0  # runs of it in progress now
+    failing: bool = False  # its last run ended failed or timeout (or an unaccepted partial)
+    stale: bool = False  # no execute success within STALE_FACTOR cadences (freshness.py)
+    never_run: bool = True  # no run of the job for this tenant, ever
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def attention(self) -> bool:
+        """Whether an operator should look: failing, stale, running now or its scope held."""
+        return self.failing or self.stale or self.running > 0 or self.lease_holder is not None
+
+
+# Per tenant of one job (a windowed job's scopes are tenant/window: summed up per tenant),
+# set-based over every tenant: its last run (when, mode, status), last execute success,
+# runs in progress, live lease (its holder not gone) and checkpoint age; and how long the
+# tenant has existed. One walk of the job's runs (ix_job_run_history), not one per tenant.
+_STATUS = sa.text(
+    f"""
+    WITH t AS (SELECT id, extract(epoch FROM now() - created_at) AS age FROM tenant
+                WHERE CAST(:tenant AS text) IS NULL OR id = :tenant),
+         runs AS (SELECT split_part(scope, '/', 1) AS tenant, started_at, finished_at, mode,
+                         status
+                    FROM job_run WHERE job_name = :job
+                     AND (CAST(:tenant AS text) IS NULL OR scope = :tenant
+                          OR scope LIKE :tenant || '/%')),
+         last AS (SELECT DISTINCT ON (tenant) tenant, started_at, mode, status
+                    FROM runs WHERE status NOT IN ('awaiting_approval', 'accepted')
+                   ORDER BY tenant, started_at DESC),
+         ok AS (SELECT tenant, max(finished_at) AS at FROM runs
+                 WHERE mode = 'execute' AND status = ANY(CAST(:fresh AS text[]))
+                 GROUP BY tenant),
+         active AS (SELECT tenant, count(*) AS n FROM runs WHERE status = 'running'
+                     GROUP BY tenant),
+         lease AS (SELECT split_part(l.scope, '/', 1) AS tenant, min(l.owner_id) AS holder
+                     FROM job_lease l
+                    WHERE l.job_name = :job AND l.expires_at > clock_timestamp()
+                      AND NOT EXISTS (SELECT 1 FROM job_run r WHERE r.id = l.job_run_id
+                                         AND {RUN_GONE})
+                    GROUP BY 1),
+         ck AS (SELECT split_part(c.scope, '/', 1) AS tenant,
+                       min(extract(epoch FROM clock_timestamp() - c.updated_at)) AS age
+                  FROM job_checkpoint c WHERE c.job_name = :job GROUP BY 1)
+    SELECT t.id AS tenant, t.age AS tenant_age, last.started_at AS last_run_at,
+           last.mode AS last_mode, last.status AS last_status, ok.at AS last_success_at,
+           extract(epoch FROM now() - ok.at) AS success_age, coalesce(active.n, 0) AS running,
+           lease.holder AS lease_holder, ck.age AS checkpoint_age_s
+      FROM t
+      LEFT JOIN last ON last.tenant = t.id
+      LEFT JOIN ok ON ok.tenant = t.id
+      LEFT JOIN active ON active.tenant = t.id
+      LEFT JOIN lease ON lease.tenant = t.id
+      LEFT JOIN ck ON ck.tenant = t.id
+     ORDER BY t.id
+    """
+)
+
+
+def job_status(
+    engine: Engine,
+    spec: JobSpec,
+    tenant: str | None = None,
+    backlog_of: Collection[str] | None = None,
+) -> list[ScopeStatus]:
+    """Status rows of ``spec``, one per tenant (or only ``tenant``). Backlog is counted for
+    a tenant job's tenants in ``backlog_of``, or, when None, for every tenant if there are
+    at most :data:`BACKLOG_ROWS` (one capped count each)."""
+    limit_s = stale_limit_s(spec)
+    fresh = list(spec.fresh_statuses)
+    with engine.connect() as conn:
+        due = job_due(conn, spec)  # a job newer than its limit judges no tenant stale yet
+        found = conn.execute(_STATUS, {"job": spec.name, "tenant": tenant, "fresh": fresh}).all()
+        counted = set(backlog_of) if backlog_of is not None else (
+            {r.tenant for r in found} if len(found) <= BACKLOG_ROWS else set()
+        )  # fmt: skip
+        rows: list[ScopeStatus] = []
+        partial_fails = "partial_success" not in spec.fresh_statuses
+        for r in found:
+            rows.append(
+                ScopeStatus(
+                    spec.name,
+                    r.tenant,
+                    r.last_run_at,
+                    r.last_status,
+                    r.last_success_at,
+                    r.lease_holder,
+                    None,
+                    None if r.checkpoint_age_s is None else round(float(r.checkpoint_age_s), 1),
+                    last_mode=r.last_mode,
+                    running=int(r.running),
+                    failing=r.last_status in FAILING_STATUSES
+                    or (partial_fails and r.last_status == "partial_success"),
+                    stale=due
+                    and float(r.tenant_age) > limit_s
+                    and (r.success_age is None or float(r.success_age) > limit_s),
+                    never_run=r.last_run_at is None,
+                )
+            )
+    return with_backlog(engine, spec, rows, counted)
+
+
+def with_backlog(
+    engine: Engine, spec: JobSpec, rows: Sequence[ScopeStatus], tenants: Collection[str]
+) -> list[ScopeStatus]:
+    """``rows`` with the backlog of a tenant job's ``tenants`` among them counted (capped at
+    :data:`BACKLOG_CAP`, one selection each); the others as they were."""
+    if spec.partitioning != "tenant" or not tenants:
+        return list(rows)
+    wanted = set(tenants)
+    counted: list[ScopeStatus] = []
+    with engine.connect() as conn:
+        for row in rows:
+            if row.scope in wanted:
+                ctx = BatchContext(spec.name, Scope(row.scope), "dry_run", uuid.uuid4())
+                row = replace(row, backlog=capped_count(conn, spec.eligible(ctx), BACKLOG_CAP))
+            counted.append(row)
+    return counted
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One job over every tenant shown: how many fail, are stale, never ran, run now."""
+
+    job_name: str
+    tenants: int
+    failing: int
+    stale: int
+    never_run: int
+    running: int
+    suspended: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-# Last run, last success and live lease (its holder not gone) of every scope the job has
-# seen, plus every tenant.
-_STATUS = sa.text(
-    f"""
-    SELECT s.scope,
-           (SELECT started_at FROM job_run r WHERE r.job_name = :job AND r.scope = s.scope
-             ORDER BY started_at DESC LIMIT 1) AS last_run_at,
-           (SELECT status FROM job_run r WHERE r.job_name = :job AND r.scope = s.scope
-             ORDER BY started_at DESC LIMIT 1) AS last_status,
-           (SELECT max(finished_at) FROM job_run r WHERE r.job_name = :job AND r.scope = s.scope
-               AND r.status IN ('success', 'no_work') AND r.mode = 'execute') AS last_success_at,
-           (SELECT owner_id FROM job_lease l WHERE l.job_name = :job AND l.scope = s.scope
-               AND l.expires_at > clock_timestamp()
-               AND NOT EXISTS (SELECT 1 FROM job_run r WHERE r.id = l.job_run_id
-                                  AND {RUN_GONE})) AS lease_holder,
-           (SELECT extract(epoch FROM clock_timestamp() - c.updated_at) FROM job_checkpoint c
-             WHERE c.job_name = :job AND c.scope = s.scope) AS checkpoint_age_s
-      FROM (SELECT id AS scope FROM tenant
-            UNION SELECT DISTINCT scope FROM job_run WHERE job_name = :job) s
-     WHERE CAST(:tenant AS text) IS NULL OR s.scope = :tenant OR s.scope LIKE :tenant || '/%'
-     ORDER BY s.scope
-    """
-)
-
-
-def job_status(engine: Engine, spec: JobSpec, tenant: str | None = None) -> list[ScopeStatus]:
-    """Status rows of ``spec`` (one tenant, or all); backlog only for non-windowed scopes."""
-    rows: list[ScopeStatus] = []
-    with engine.connect() as conn:
-        for r in conn.execute(_STATUS, {"job": spec.name, "tenant": tenant}):
-            backlog = None
-            if spec.partitioning == "tenant" and "/" not in r.scope:
-                ctx = BatchContext(spec.name, Scope(r.scope), "dry_run", uuid.uuid4())
-                backlog = count_eligible(conn, spec, ctx)
-            rows.append(
-                ScopeStatus(
-                    spec.name,
-                    r.scope,
-                    r.last_run_at,
-                    r.last_status,
-                    r.last_success_at,
-                    r.lease_holder,
-                    backlog,
-                    None if r.checkpoint_age_s is None else round(float(r.checkpoint_age_s), 1),
-                )
-            )
-    return rows
+def summarize(job_name: str, rows: Sequence[ScopeStatus], suspended: int = 0) -> JobSummary:
+    """The summary line of one job's rows."""
+    return JobSummary(
+        job_name,
+        len(rows),
+        sum(r.failing for r in rows),
+        sum(r.stale for r in rows),
+        sum(r.never_run for r in rows),
+        sum(r.running for r in rows),
+        suspended,
+    )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, MODE_TAG, REASON_TAG
+from qo_ops_tests.conftest import approval_config
 
 SPECS = sorted(CATALOG)
 
@@ -109,7 +110,12 @@ def test_dry_run_partition_changes_nothing_and_reports(defs, instance, loaded, j
 
 @pytest.mark.parametrize("job_name", SPECS)
 def test_execute_partition_records_passing_checks(defs, instance, loaded, job_name):
-    result = _run(defs, instance, job_name, {"mode": "execute", "reason": "test", "batch_size": 25})
+    result = _run(
+        defs,
+        instance,
+        job_name,
+        {"mode": "execute", "reason": "test", "batch_size": 25, **approval_config(job_name)},
+    )
     assert result.success
     summary = _summary(result, job_name)
     # every eligible item handled; planted poison deliveries make delivery_retry a partial success

@@ -23,6 +23,7 @@ from dagster._core.definitions.partitions.context import partition_loading_conte
 
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.jobs.catalog import CATALOG
+from qo_ops_tests.conftest import approval_config
 from qo_ops_tests.dagster.event_metadata import event_values, find_leaks, forbidden_values
 from qo_ops_tests.dagster.test_jobs import tenant_config, work_partition
 
@@ -66,7 +67,12 @@ def test_no_report_or_observation_carries_personal_data(defs, instance, loaded):
         partition = work_partition(loaded, job_name)
         for config in (
             {"mode": "dry_run"},
-            {"mode": "execute", "reason": f"privacy test: {job_name}", "batch_size": 25},
+            {
+                "mode": "execute",
+                "reason": f"privacy test: {job_name}",
+                "batch_size": 25,
+                **approval_config(job_name),
+            },
         ):
             config |= tenant_config(job_name)  # a windowed job's day names its tenant
             results.append(_execute(defs, instance, job_name, config, partition_key=partition))

@@ -52,6 +52,7 @@ from qo_ops.platform.overdue import (
 from qo_ops.platform.partition_keys import partition_key_for
 from qo_ops.platform.runner import count_eligible, run_job
 from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope
+from qo_ops_tests.conftest import approval_config, standing_approval
 
 TENANT = "tenant-001"
 RANGE = {  # one run over both tenants' partitions
@@ -124,7 +125,12 @@ def heal(env: Env, spec: JobSpec) -> None:
             summary = run_job(
                 spec,
                 backlog_scope(spec, tenant, now),
-                RunOptions(mode="execute", reason="test: heal every day", batch_size=2000),
+                RunOptions(
+                    mode="execute",
+                    reason="test: heal every day",
+                    batch_size=2000,
+                    approval=standing_approval(spec.name),
+                ),
                 engine=env.engine,
             )
             assert summary.status in ("success", "no_work", "partial_success"), summary
@@ -213,6 +219,7 @@ def run_partition(
                     "config": {
                         "mode": "execute",
                         "reason": own_reason(),
+                        **approval_config(spec.name),
                         **tenant_config(spec),
                         **config,
                     }
@@ -741,7 +748,12 @@ def test_a_run_over_many_tenants_fails_the_check_naming_the_broken_one(env, brea
         run_config={
             "ops": {
                 f"{spec.name}_op": {
-                    "config": {"mode": "execute", "reason": own_reason(), **breakage.run_config}
+                    "config": {
+                        "mode": "execute",
+                        "reason": own_reason(),
+                        **approval_config(spec.name),
+                        **breakage.run_config,
+                    }
                 }
             }
         },
@@ -860,7 +872,12 @@ def test_a_windowed_run_plots_the_tenants_whole_backlog(env, job_name):
         run_config={
             "ops": {
                 f"{job_name}_op": {
-                    "config": {"mode": "execute", "reason": own_reason(), **tenant_config(spec)}
+                    "config": {
+                        "mode": "execute",
+                        "reason": own_reason(),
+                        **approval_config(spec.name),
+                        **tenant_config(spec),
+                    }
                 }
             }
         },

@@ -15,6 +15,7 @@ from qo_ops.platform.partition_keys import MODE_TAG, scope_from_partition_key
 from qo_ops.platform.report import REPORT_SAMPLE
 from qo_ops.platform.selection import count_eligible
 from qo_ops.platform.spec import BatchContext
+from qo_ops_tests.conftest import approval_config
 from qo_ops_tests.dagster.test_jobs import SPECS, _run, _summary, work_partition
 
 # what a job's own report rows add up to, on an execute run over a partition with work
@@ -99,7 +100,7 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
 ):
     spec = CATALOG[job_name]
     partition = work_partition(loaded, job_name)
-    config = {"mode": "execute", "reason": "test", "batch_size": 25}
+    config = {"mode": "execute", "reason": "test", "batch_size": 25, **approval_config(job_name)}
     result = _run(defs, instance, job_name, config, partition=partition)
     assert result.success
     summary = _summary(result, job_name)

@@ -48,7 +48,7 @@ from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.partition_keys import MODE_TAG, chunk_scope_tag, scope_tag
 from qo_ops_tests.conftest import TestDatabase as Database
-from qo_ops_tests.conftest import _test_database
+from qo_ops_tests.conftest import _test_database, approval_config
 from qo_ops_tests.dagster.browser import chromium_page, require_chromium, save_screenshot
 from qo_ops_tests.dagster.conftest import AS_OF
 from qo_ops_tests.dagster.event_metadata import event_values, find_leaks, forbidden_values
@@ -181,7 +181,12 @@ def deployment(pg_server, template_database, tmp_path_factory) -> Iterator[Deplo
                     "window",
                     WINDOWED,
                     window_partition,
-                    {"mode": "execute", "reason": "UI test: clean one day", "tenants": [TENANT]},
+                    {
+                        "mode": "execute",
+                        "reason": "UI test: clean one day",
+                        "tenants": [TENANT],
+                        **approval_config(WINDOWED),
+                    },
                     success,
                 ),
                 # it fails: STALE missed its blocking outcome check

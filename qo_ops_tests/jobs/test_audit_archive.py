@@ -39,7 +39,9 @@ from qo_ops.jobs.audit_archive import (
 from qo_ops.platform.faults import CRASH_ENV, CRASH_POINTS
 from qo_ops.platform.runner import count_eligible, run_job
 from qo_ops.platform.spec import BatchContext, RunOptions, Scope
-from qo_ops_tests.conftest import base_env, modules_loaded_by, run_cli
+from qo_ops_tests.conftest import base_env, modules_loaded_by, run_cli, standing_approval
+
+APPROVAL = standing_approval(SPEC.name)  # a destructive execute cites one
 
 TENANT = "tenant-001"
 DAY = date(2024, 6, 1)  # far past any retention
@@ -147,7 +149,13 @@ def _archived_ids(home: Path, engine: sa.Engine) -> list[int]:
 
 
 def _execute(engine: sa.Engine, scope: Scope = WINDOW, **options):
-    opts = {"mode": "execute", "reason": "test", "progress_interval_s": 3600, **options}
+    opts = {
+        "mode": "execute",
+        "reason": "test",
+        "progress_interval_s": 3600,
+        "approval": APPROVAL,
+        **options,
+    }
     return run_job(SPEC, scope, RunOptions(**opts), engine=engine)
 
 
@@ -701,7 +709,7 @@ day = date.fromisoformat(sys.argv[1])
 summary = run_job(
     SPEC,
     Scope(sys.argv[2], day, day + timedelta(days=1)),
-    RunOptions(mode="execute", reason="crash test", batch_size=int(sys.argv[3]), lease_ttl_s=2,
+    RunOptions(mode="execute", reason="crash test", batch_size=int(sys.argv[3]), lease_ttl_s=2, approval="apr-test-audit_archive",
                progress_interval_s=3600),
     engine=get_engine(),
 )
@@ -733,6 +741,8 @@ def _launch(launcher: str, env: dict[str, str], batch_size: int) -> tuple[int, s
             "execute",
             "--reason",
             "x",
+            "--approval",
+            APPROVAL,
             "--lease-ttl-s",
             "2",
             "--batch-size",
@@ -873,7 +883,9 @@ def test_cli_dry_run_then_execute(seeded, home):
     with db.engine.connect() as conn:
         assert database_digest(conn, BUSINESS_TABLES) == before
     assert not (home / "archive").exists()
-    done = run_cli([*base, "--mode", "execute", "--reason", "retention"], env)
+    done = run_cli(
+        [*base, "--mode", "execute", "--reason", "retention", "--approval", APPROVAL], env
+    )
     assert done.code == 0, done.stderr[-800:]
     assert "status=success" in done.stdout and "succeeded_count=1234" in done.stdout
     assert "check.archive_accounts_for_every_record=passed" in done.stdout
@@ -918,7 +930,7 @@ def test_an_execute_run_archives_with_pyarrow_and_never_loads_pandas(seeded, hom
         tmp_path,
         base_env(QO_OPS_DATABASE_URL=seeded.env_url, QO_OPS_HOME=str(home)),
         *("run", "audit_archive", "--tenant", TENANT, "--date", DAY.isoformat()),
-        *("--mode", "execute", "--reason", "test", "--json"),
+        *("--mode", "execute", "--reason", "test", "--approval", APPROVAL, "--json"),
     )
     assert proc.returncode == 0, proc.stderr[-800:]
     summary = json.loads(proc.stdout)

@@ -14,6 +14,9 @@ from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.read_model_repair import SPEC
 from qo_ops.platform.runner import run_job
 from qo_ops.platform.spec import BatchContext, RunOptions, Scope
+from qo_ops_tests.conftest import standing_approval
+
+APPROVAL = standing_approval(SPEC.name)  # a destructive execute cites one
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
 WINDOW = Scope("tenant-001", date(2026, 1, 30), date(2026, 3, 2))  # every order of the load
@@ -57,14 +60,19 @@ def test_repairs_exactly_the_drift_of_its_window_and_is_idempotent(db):
     assert by_kind["drifted_rows"] == drifted
 
     done = run_job(
-        SPEC, WINDOW, RunOptions(mode="execute", reason="test", batch_size=7), engine=db.engine
+        SPEC,
+        WINDOW,
+        RunOptions(mode="execute", reason="test", approval=APPROVAL, batch_size=7),
+        engine=db.engine,
     )
     assert (done.status, done.counts.succeeded) == ("success", drifted)
     assert _drift(db.engine, "tenant-001") == 0
     assert _drift(db.engine, "tenant-002") == other_tenant  # another tenant's drift is not ours
     assert all(c.passed for c in done.checks)
 
-    again = run_job(SPEC, WINDOW, RunOptions(mode="execute", reason="test"), engine=db.engine)
+    again = run_job(
+        SPEC, WINDOW, RunOptions(mode="execute", reason="test", approval=APPROVAL), engine=db.engine
+    )
     assert (again.status, again.counts.succeeded) == ("no_work", 0)
 
 
@@ -81,7 +89,9 @@ def test_only_the_window_is_repaired(db):
     in_day = run_job(SPEC, day, RunOptions(mode="dry_run"), engine=db.engine).eligible_count
     assert in_day > 0
     total = _drift(db.engine, "tenant-001")
-    result = run_job(SPEC, day, RunOptions(mode="execute", reason="test"), engine=db.engine)
+    result = run_job(
+        SPEC, day, RunOptions(mode="execute", reason="test", approval=APPROVAL), engine=db.engine
+    )
     assert result.counts.succeeded == in_day
     assert _drift(db.engine, "tenant-001") == total - in_day
 
@@ -99,7 +109,7 @@ def test_a_run_stopped_midway_resumes_and_its_check_sees_what_is_left(db):
         part = run_job(
             SPEC,
             WINDOW,
-            RunOptions(mode="execute", reason="test", batch_size=3, max_items=6),
+            RunOptions(mode="execute", reason="test", approval=APPROVAL, batch_size=3, max_items=6),
             engine=db.engine,
         )
     assert part.counts.succeeded == 6 and part.batches == 2
@@ -107,7 +117,10 @@ def test_a_run_stopped_midway_resumes_and_its_check_sees_what_is_left(db):
     assert not check.passed and check.metadata["drifted_rows"] == drifted - 6
     assert part.backlog == drifted - 6  # the check's count of the selection is the backlog
     rest = run_job(
-        SPEC, WINDOW, RunOptions(mode="execute", reason="test", batch_size=4), engine=db.engine
+        SPEC,
+        WINDOW,
+        RunOptions(mode="execute", reason="test", approval=APPROVAL, batch_size=4),
+        engine=db.engine,
     )
     assert (rest.status, rest.counts.succeeded) == ("success", drifted - 6)
     assert _drift(db.engine, "tenant-001") == 0 and all(c.passed for c in rest.checks)
@@ -134,7 +147,7 @@ def test_a_row_held_during_its_batch_is_repaired_by_the_last_pass(db):
         run = run_job(
             replace(SPEC, transition=repair_then_free_the_held_row),
             WINDOW,
-            RunOptions(mode="execute", reason="test", batch_size=3),
+            RunOptions(mode="execute", reason="test", approval=APPROVAL, batch_size=3),
             engine=db.engine,
         )
     assert (run.status, run.counts.succeeded) == ("success", drifted)

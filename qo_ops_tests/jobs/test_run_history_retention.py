@@ -25,7 +25,9 @@ from qo_ops.jobs.run_history_retention import (
 from qo_ops.platform import runs
 from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.spec import RunOptions, Scope
-from qo_ops_tests.conftest import base_env, run_cli
+from qo_ops_tests.conftest import base_env, run_cli, standing_approval
+
+APPROVAL = standing_approval("run_history_retention")  # a destructive execute cites one
 
 TENANT, OTHER = "tenant-001", "tenant-002"
 WINDOW = f"{TENANT}/2026-01-01..2026-01-02"
@@ -207,7 +209,7 @@ def run_ids(engine: sa.Engine) -> set[uuid.UUID]:
 
 def execute(engine: sa.Engine, **limits: Any) -> RunSummary:
     options = RunOptions(mode="execute", trigger="manual", requester="ops-bob",
-                         reason="INC-9 run history", **limits)  # fmt: skip
+                         reason="INC-9 run history", approval=APPROVAL, **limits)  # fmt: skip
     return run_job(SPEC, Scope(TENANT), options, engine=engine)
 
 
@@ -321,7 +323,21 @@ def test_a_bad_period_through_the_cli_exits_2_with_one_line(db):
     plant(db.engine)
     count = scalar(db.engine, "SELECT count(*) FROM job_run")
     env = base_env(QO_OPS_DATABASE_URL=db.env_url, **{DAYS_ENV: "3"})
-    result = run_cli(["run", JOB, "--tenant", TENANT, "--mode", "execute", "--reason", "x"], env)
+    result = run_cli(
+        [
+            "run",
+            JOB,
+            "--tenant",
+            TENANT,
+            "--mode",
+            "execute",
+            "--reason",
+            "x",
+            "--approval",
+            APPROVAL,
+        ],
+        env,
+    )
     assert result.code == 2, result
     assert len(result.stderr.strip().splitlines()) == 1 and DAYS_ENV in result.stderr
     assert scalar(db.engine, "SELECT count(*) FROM job_run") == count

@@ -31,7 +31,9 @@ from qo_ops.platform import objects
 from qo_ops.platform.runner import RunSummary, run_job
 from qo_ops.platform.runs import reap_orphans
 from qo_ops.platform.spec import BatchContext, RunOptions, Scope
-from qo_ops_tests.conftest import base_env, run_cli
+from qo_ops_tests.conftest import base_env, run_cli, standing_approval
+
+APPROVAL = standing_approval(SPEC.name)  # a destructive execute cites one
 
 TENANT, OTHER = "tenant-001", "tenant-002"
 CHECKS = {
@@ -151,6 +153,7 @@ def run(engine: sa.Engine, scope: Scope, **options: Any) -> RunSummary:
     options.setdefault("requester", "test:temp-file-cleanup")
     if options["mode"] == "execute" and options.get("trigger", "manual") == "manual":
         options.setdefault("reason", "test cleanup")
+        options.setdefault("approval", APPROVAL)
     return run_job(SPEC, scope, RunOptions(**options), engine=engine)
 
 
@@ -360,7 +363,10 @@ def test_a_hold_put_on_between_decision_and_removal_is_respected(loaded):
 
     racing = dataclasses.replace(SPEC, external=put_on_hold)
     done = run_job(
-        racing, scope, RunOptions(mode="execute", reason="test", batch_size=4), engine=db.engine
+        racing,
+        scope,
+        RunOptions(mode="execute", reason="test", batch_size=4, approval=APPROVAL),
+        engine=db.engine,
     )
 
     assert done.status == "success"
@@ -505,7 +511,7 @@ from qo_ops.platform.spec import RunOptions, Scope
 engine = sa.create_engine(sys.argv[1])
 scope = Scope(sys.argv[2], date.fromisoformat(sys.argv[3]), date.fromisoformat(sys.argv[4]))
 run_job(SPEC, scope, RunOptions(mode="execute", reason="crash test", batch_size=4,
-        lease_ttl_s=1), engine=engine)
+        lease_ttl_s=1, approval="apr-test-temp_file_cleanup"), engine=engine)
 """
 
 
@@ -902,6 +908,8 @@ def test_cli_dry_run_then_execute(loaded):
         "execute",
         "--reason",
         "cli test",
+        "--approval",
+        APPROVAL,
     )
     assert done.code == 0, done.stderr
     summary = json.loads(done.stdout)
@@ -926,6 +934,8 @@ def test_cli_killed_after_the_object_delete_then_rerun_converges(loaded):
         "execute",
         "--reason",
         "cli crash",
+        "--approval",
+        APPROVAL,
     ]
     killed = _cli(
         db,

@@ -25,7 +25,7 @@ from qo_ops.jobs.catalog import CATALOG
 from qo_ops.metrics.exporter import JobCollector
 from qo_ops.platform.lease import acquire
 from qo_ops.platform.spec import cadence_seconds, cron_ticks
-from qo_ops_tests.conftest import QO_OPS_BIN, base_env, run_cli
+from qo_ops_tests.conftest import QO_OPS_BIN, approval_args, base_env, run_cli
 from qo_ops_tests.dagster.conftest import AS_OF
 from qo_ops_tests.dagster.stack import free_port
 
@@ -166,6 +166,7 @@ def test_every_seed_metric_follows_the_run_records(db, downstream_factory, expor
     def run(job: str, tenant: str, downstream_url: str | None = None) -> int:
         extra = {"QO_OPS_DOWNSTREAM_URL": downstream_url} if downstream_url else {}
         args = ["run", job, "--tenant", tenant, "--mode", "execute", "--reason", "metrics test"]
+        args += approval_args(job)
         return run_cli(args, {**env, **extra}).code
 
     assert run("quote_expiration", "tenant-001") == 0  # success

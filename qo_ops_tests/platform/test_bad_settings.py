@@ -27,7 +27,7 @@ from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.partition_keys import scope_from_partition_key
 from qo_ops.platform.retry import RetryPolicy, policy_from_env
 from qo_ops.platform.spec import LAST_DAY, Scope
-from qo_ops_tests.conftest import DownstreamServer, _test_database, base_env, run_cli
+from qo_ops_tests.conftest import DownstreamServer, _test_database, approval_args, base_env, run_cli
 
 if TYPE_CHECKING:
     from qo_ops_tests.conftest import TestDatabase
@@ -100,7 +100,7 @@ def _env(db: TestDatabase, simulator: DownstreamServer, home: Path, **changes: s
 def _execute(job: str, *extra: str) -> list[str]:
     window = ["--date", DAY] if CATALOG[job].partitioning == "tenant_day" else []
     return ["run", job, "--tenant", TENANT, "--mode", "execute", "--reason", "drill",
-            *window, *extra]  # fmt: skip
+            *approval_args(job), *window, *extra]  # fmt: skip
 
 
 def _claims(db: TestDatabase) -> tuple[int, int, int]:
@@ -257,6 +257,7 @@ EDGE_DATES = {
 def test_a_day_at_the_edge_of_the_calendar_is_refused(demo, simulator, home, job, window):
     before = _digest(demo)
     args = ["run", job, "--tenant", TENANT, "--mode", "execute", "--reason", "drill", *window]
+    args += approval_args(job)
     result = run_cli(args, _env(demo, simulator, home))
     _assert_refused(result, "--" if "10000" in window[-1] else "a window's days must lie")
     assert _digest(demo) == before
