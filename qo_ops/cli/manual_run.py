@@ -4,9 +4,12 @@ as ``key=value`` lines or one JSON object, its exit code saying how the run ende
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import uuid
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -23,7 +26,9 @@ from qo_ops.errors import BadInput
 from qo_ops.platform.counts import COLUMNS, REPORTED_ALWAYS
 
 if TYPE_CHECKING:
-    from qo_ops.platform.spec import Scope
+    from sqlalchemy.engine import Engine
+
+    from qo_ops.platform.spec import JobSpec, Scope
 
 # The catalog, the runner and SQLAlchemy are imported inside the command (qo_ops.cli_support).
 
@@ -43,6 +48,30 @@ SUMMARY_KEYS = (
     *(COLUMNS[name] for name in REPORTED_ALWAYS),
     "duration_ms",
 )
+
+
+@contextlib.contextmanager
+def _demo_downstream(spec: JobSpec, engine: Engine) -> Iterator[None]:
+    """On the embedded demo database with no QO_OPS_DOWNSTREAM_URL, a job that calls the
+    downstream calls the local simulator (seeded from the demo data, as `make demo` does),
+    and says so on stderr; anywhere else the URL is the operator's to give."""
+    if not spec.calls_downstream:
+        yield
+        return
+    from qo_ops.config import DATABASE_URL_ENV
+    from qo_ops.downstream.client import DOWNSTREAM_URL_ENV
+
+    if os.environ.get(DOWNSTREAM_URL_ENV, "").strip() or os.environ.get(DATABASE_URL_ENV, ""):
+        yield
+        return
+    from qo_ops.downstream.local import downstream_for_demo
+
+    with downstream_for_demo(engine) as downstream:
+        sys.stderr.write(
+            f"{DOWNSTREAM_URL_ENV} is not set: {spec.name} calls the local simulator at "
+            f"{downstream.url} (the demo's downstream)\n"
+        )
+        yield
 
 
 def _scope(tenant: str, day: str | None, start: str | None, end: str | None) -> Scope:
@@ -150,7 +179,8 @@ def run_command(
         logging.getLogger(EVENT_LOGGER).propagate = False
     else:
         configure_event_logging()
-    summary = run_job(spec, scope, options, engine=engine)
+    with _demo_downstream(spec, engine):
+        summary = run_job(spec, scope, options, engine=engine)
     if sys.stderr.isatty() and not as_json:
         sys.stderr.write("\n")
     if as_json:
@@ -167,6 +197,9 @@ def run_command(
             typer.echo(f"downstream={calls.line()}")
         if summary.sample_ids:
             typer.echo(f"sample_ids={','.join(summary.sample_ids)}")
+        for row in summary.report:  # the job's own counts (order_reconciliation: by mismatch)
+            if row["kind"] == "tally":
+                typer.echo(f"tally.{row['name']}={row['count']}")
         for check in summary.checks:
             typer.echo(f"check.{check.name}={'passed' if check.passed else 'FAILED'}")
     raise typer.Exit(EXIT_BY_STATUS[summary.status])

@@ -212,6 +212,7 @@ def dead_lettered(conn: Connection) -> int:
 
 SPEC = JobSpec(
     name="delivery_retry",
+    calls_downstream=True,
     kind="sweep",
     description="Send due fulfilment deliveries with their idempotency key; retry with backoff or dead-letter",
     partitioning="tenant",

@@ -194,6 +194,7 @@ def check_outbox(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
 
 SPEC = JobSpec(
     name="notification_publish",
+    calls_downstream=True,
     kind="relay",
     description="Publish due outbox events (delayed ones included) to the notification sink, deduped by event id",
     partitioning="tenant",

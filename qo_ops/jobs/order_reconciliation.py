@@ -538,6 +538,7 @@ def check_reconciliation(conn: Connection, ctx: BatchContext) -> list[OutcomeChe
 
 SPEC = JobSpec(
     name="order_reconciliation",
+    calls_downstream=True,
     kind="reconciliation",
     description="Compare in-flight orders of a day with the fulfilment system; repair or flag each mismatch",
     partitioning="tenant_day",

@@ -515,6 +515,7 @@ class JobSpec:
         100  # measured at 1,000 tenants: 20 → 0.09, 50 → 0.12, 100 → 0.21 of in-process
     )
     destructive: bool = False
+    calls_downstream: bool = False  # its runs need QO_OPS_DOWNSTREAM_URL (the fulfilment API)
     uses_checkpoint: bool = False
     compete_with_skip_locked: bool = True  # lock selected rows FOR UPDATE SKIP LOCKED
     lock_of: sa.Table | None = None  # the table whose rows a joined selection locks

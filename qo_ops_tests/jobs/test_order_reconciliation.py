@@ -11,6 +11,7 @@ Bad budget settings are one line, exit 2, and nothing written.
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -459,3 +460,19 @@ def test_a_reconciliation_stopped_mid_batch_keeps_its_checkpoint_before_unchecke
     downstream.client.set_faults(latency_ms=0)
     rerun = reconcile(db)
     assert rerun.checkpoint_before is not None and str(last_id) in rerun.checkpoint_before
+
+
+def test_a_dry_run_prints_its_mismatches_by_type_as_text_too(world):
+    """What the README promises of `qo-ops run order_reconciliation` (a dry run): the
+    mismatches by type, as `tally.<type>=n` lines, the same counts --json has."""
+    db, downstream = world
+    args = ["run", "order_reconciliation", "--tenant", TENANT, "--from", str(SCOPE.window_start),
+            "--to", str(SCOPE.window_end - timedelta(days=1))]  # fmt: skip
+    env = base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_DOWNSTREAM_URL=downstream.url)
+    text = run_cli(args, env)
+    as_json = run_cli([*args, "--json"], env)
+    assert text.code == 0 and as_json.code == 0, (text.stderr, as_json.stderr)
+    lines = dict(ln.split("=", 1) for ln in text.stdout.splitlines() if ln.startswith("tally."))
+    tally = json.loads(as_json.stdout.splitlines()[-1])["tally"]
+    assert tally and lines == {f"tally.{k}": str(v) for k, v in tally.items()}
+    assert "missing_downstream" in tally  # the demo's missing orders, by their type
