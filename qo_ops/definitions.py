@@ -20,6 +20,7 @@ from qo_ops.dagster_defs.schedules import build_schedule
 from qo_ops.dagster_defs.sensors import (
     build_backlog_sensor,
     build_checkpoint_age_sensor,
+    build_outside_runs_sensor,
     build_run_queue_sensor,
     build_stale_success_sensor,
     run_failure_recorder,
@@ -48,6 +49,7 @@ def build_definitions() -> dg.Definitions:
             build_stale_success_sensor(specs),
             build_checkpoint_age_sensor(specs),
             build_run_queue_sensor(specs),
+            build_outside_runs_sensor(specs),
             build_backfill_sensor(specs, list(jobs.values())),
             run_failure_recorder,
         ],

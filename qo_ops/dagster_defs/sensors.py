@@ -5,6 +5,8 @@
 - ``stale_success_sensor``: marks each tenant partition whose job has not succeeded for 3× its
   cadence (``recent_success`` check, ``freshness.py``) and names them;
 - ``checkpoint_age_sensor``: says which windowed job's checkpoint stopped advancing;
+- ``outside_runs_sensor``: records each run started outside Dagster (``qo-ops run``) on its
+  tenant's partition of the outcome asset, as a Dagster run's op does;
 - ``run_failure_recorder``: records every failed Dagster run of a catalog job, with its cause.
 """
 
@@ -34,6 +36,7 @@ from qo_ops.dagster_defs.freshness import (
     last_success_ages,
     recent_tenants,
 )
+from qo_ops.dagster_defs.jobs import outcome_event
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.pending import pending_work
 from qo_ops.dagster_defs.resources import QoOpsDatabase
@@ -41,12 +44,13 @@ from qo_ops.dagster_defs.schedules import chunk_run_request
 from qo_ops.dagster_defs.submission import REFUSED_PREFIX, REFUSED_TAG, refusal_audit
 from qo_ops.errors import first_few, one_line
 from qo_ops.platform.control import suspensions
+from qo_ops.platform.counts import Counts
 from qo_ops.platform.freshness import STALE_FACTOR, job_due, stale_limit_s
-from qo_ops.platform.overdue import backlog_scope, database_now
+from qo_ops.platform.overdue import backlog_scope, database_now, tenant_backlog
 from qo_ops.platform.partition_keys import JOB_RUN_TAG, SCOPE_TAG, chunk_tenants
 from qo_ops.platform.run_queue import QueueSample, record_run_queue
 from qo_ops.platform.runs import AuditEntry, append_audit, finish_unstarted
-from qo_ops.platform.spec import BatchContext, JobSpec
+from qo_ops.platform.spec import BatchContext, JobSpec, RunSummary, Scope, tenant_of
 
 MAX_TENANTS_PER_TICK = (
     1000  # a tick counts at most this many tenants (~0.75 ms each); the cursor rotates
@@ -463,6 +467,106 @@ def build_checkpoint_age_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition
         return dg.SkipReason("every running checkpointed job advanced within the hour")
 
     return checkpoint_age_sensor
+
+
+OUTSIDE_RUNS_PER_TICK = 200  # runs recorded a tick (each: one backlog count of its tenant)
+OUTSIDE_RUNS_SINCE_H = 24  # a first tick records the runs that finished this long ago at most
+
+# Runs that finished outside Dagster (the CLI: no Dagster run id) since the cursor, oldest
+# first; ix_job_run_created bounds the scan (a run finishes after it is created).
+_OUTSIDE_RUNS = sa.text(
+    """
+    SELECT id, job_name, scope, window_start, window_end, mode, trigger_type, requester,
+           status, eligible_count, succeeded_count, failed_count, finished_at
+      FROM job_run
+     WHERE dagster_run_id IS NULL AND finished_at IS NOT NULL
+       AND created_at > CAST(:since AS timestamptz) - interval '1 day'
+       AND (finished_at, id) > (CAST(:since AS timestamptz), CAST(:after AS uuid))
+     ORDER BY finished_at, id
+     LIMIT :limit
+    """
+)
+
+
+def build_outside_runs_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
+    """``outside_runs_sensor``: puts each run that did not run in Dagster (``qo-ops run``)
+    on its tenant's partition of the job's outcome asset, as a Dagster run's op does: a
+    materialization when an execute kept the outcome, an observation otherwise (a dry run, a
+    failure), with the run's status, mode, counts and the tenant's backlog now. So the
+    Partitions tab shows a tenant fixed from the CLI as materialized, and the backlog plots
+    move with every run, whoever started it."""
+    by_name = {s.name: s for s in specs}
+
+    @dg.sensor(
+        name="outside_runs_sensor",
+        minimum_interval_seconds=30,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=(
+            "Records runs started outside Dagster (qo-ops run) on their tenant's partition of "
+            "the outcome asset: a materialization for an execute that kept the outcome, an "
+            "observation otherwise"
+        ),
+    )
+    def outside_runs_sensor(
+        context: dg.SensorEvaluationContext, database: QoOpsDatabase
+    ) -> dg.SensorResult:
+        state = json.loads(context.cursor) if context.cursor else {}
+        events: list[dg.AssetMaterialization | dg.AssetObservation] = []
+        with database.engine().connect() as conn:
+            since = (
+                state.get("since")
+                or conn.execute(
+                    sa.text("SELECT now() - make_interval(hours => :h)"),
+                    {"h": OUTSIDE_RUNS_SINCE_H},
+                ).scalar_one()
+            )
+            rows = conn.execute(
+                _OUTSIDE_RUNS,
+                {
+                    "since": since,
+                    "after": state.get("after", str(uuid.UUID(int=0))),
+                    "limit": OUTSIDE_RUNS_PER_TICK,
+                },
+            ).all()
+            for row in rows:
+                spec = by_name.get(row.job_name)
+                if spec is not None and spec.outcome_asset:
+                    events.append(_outside_event(conn, spec, row))
+        if rows:
+            last = rows[-1]
+            state = {"since": last.finished_at.isoformat(), "after": str(last.id)}
+        elif "since" not in state:
+            state = {"since": since.isoformat(), "after": str(uuid.UUID(int=0))}
+        return dg.SensorResult(
+            asset_events=events,
+            cursor=json.dumps(state),
+            skip_reason=None if events else "no run outside Dagster finished since the last tick",
+        )
+
+    return outside_runs_sensor
+
+
+def _outside_event(
+    conn: sa.Connection, spec: JobSpec, row: Any
+) -> dg.AssetMaterialization | dg.AssetObservation:
+    """The outcome event of one run outside Dagster, as its op would have yielded it."""
+    summary = RunSummary(
+        job_run_id=str(row.id),
+        job_name=row.job_name,
+        status=row.status,
+        mode=row.mode,
+        scope=row.scope,
+        trigger=row.trigger_type,
+        requester=row.requester,
+        eligible_count=int(row.eligible_count),
+        counts=Counts(succeeded=int(row.succeeded_count), failed=int(row.failed_count)),
+    )
+    scope = Scope(tenant_of(row.scope), row.window_start, row.window_end)
+    event = outcome_event(
+        outcome_asset_key(spec), summary, scope, tenant_backlog(conn, spec, scope.tenant_id)
+    )
+    metadata = {**event.metadata, "recorded_by": "outside_runs_sensor", "trigger": row.trigger_type}
+    return type(event)(asset_key=event.asset_key, partition=event.partition, metadata=metadata)
 
 
 def _job_run_id(tag: str | None) -> uuid.UUID | None:
