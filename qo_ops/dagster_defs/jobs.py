@@ -462,14 +462,20 @@ def job_description(spec: JobSpec) -> str:
     )
     if spec.destructive:
         lines.append(
-            "Destructive: dry-run first, and read the report's sample. A backfill only "
-            "dry-runs it: to execute, use the operator API's approval flow."
+            "Destructive: dry-run first, and read the report's sample. Its execute cites an "
+            "approval an approver granted (qo-ops approval grant): config approval, or the "
+            "tag qo_ops/approval on a backfill."
         )
-    else:
+    lines.append(
+        "To execute a backfill: Launch backfill over the partitions with the tags "
+        "qo_ops/mode=execute and qo_ops/reason=<why> (Dagster cannot pass run config to a "
+        "backfill); schedules and sensors execute."
+    )
+    if spec.partitioning == "tenant_day":
         lines.append(
-            "To execute a backfill: Materialize/Backfill the partitions with the tags "
-            "qo_ops/mode=execute and qo_ops/reason=<why> (Dagster cannot pass run config to a "
-            "backfill); schedules and sensors execute."
+            "Its partitions are days: a backfill's day run covers every tenant, or those of "
+            "the tag qo_ops/backfill_tenants=tenant-001,tenant-002; launched by hand, name "
+            "the tenants in config."
         )
     return " ".join(lines)
 
@@ -490,7 +496,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
                 scope, options = adopted_run(spec, engine, tags[JOB_RUN_TAG], context)
                 scopes = [scope]
             else:
-                scopes = requested_scopes(spec, context, config.tenants, tags)
+                scopes = requested_scopes(spec, context, config.tenants, tags, engine)
                 options = run_options(dict(config), tags, context.run_id)
                 options = with_run_facts(options, context.instance, context.run_id)
                 if len(scopes) > 1:  # refuse once, not once per tenant (run_job checks again)

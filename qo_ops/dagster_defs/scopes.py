@@ -6,12 +6,17 @@ accepted, the scope and options of its job_run row."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from datetime import date
 from typing import Any
 
 import dagster as dg
 
-from qo_ops.dagster_defs.submission import PARENT_RUN_TAG
+from qo_ops.dagster_defs.submission import (
+    BACKFILL_TENANTS_TAG,
+    PARENT_RUN_TAG,
+    trigger_from_tags,
+)
 from qo_ops.errors import BadInput, QoOpsError
 from qo_ops.platform import runs
 from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, JOB_RUN_TAG, scope_from_partition_key
@@ -20,6 +25,22 @@ from qo_ops.platform.tenants import tenant_ids
 
 MAX_TENANTS_PER_RUN = 1000  # a run naming more tenants is refused: split it (ticks chunk by 50)
 MAX_NAMED = 50  # tenants named in a run's failure description and metadata
+
+
+def backfill_tenants(spec: JobSpec, tags: Mapping[str, str], engine: Any) -> list[str]:
+    """The tenants of a windowed job's run that names none in run config: in a Dagster
+    backfill of its days, those of the tag ``qo_ops/backfill_tenants`` (comma-separated),
+    else every tenant; any other run must name them (BadInput)."""
+    if trigger_from_tags(tags) != "backfill":
+        raise BadInput(
+            f"{spec.name} is windowed: name its tenants in run config (tenants), or launch a "
+            "backfill of its days (every tenant, or those of the tag qo_ops/backfill_tenants)"
+        )
+    named = [t.strip() for t in tags.get(BACKFILL_TENANTS_TAG, "").split(",") if t.strip()]
+    if BACKFILL_TENANTS_TAG in tags and not named:
+        raise BadInput(f"tag {BACKFILL_TENANTS_TAG} names no tenant (tenant-001,tenant-002)")
+    with engine.connect() as conn:
+        return named if named else tenant_ids(conn)
 
 
 def adopted_run(
@@ -88,23 +109,31 @@ def _parent_failed_tenants(context: dg.OpExecutionContext, tags: dict[str, str])
 
 
 def requested_scopes(
-    spec: JobSpec, context: dg.OpExecutionContext, tenants: list[str] | None, tags: dict[str, str]
+    spec: JobSpec,
+    context: dg.OpExecutionContext,
+    tenants: list[str] | None,
+    tags: dict[str, str],
+    engine: Any,
 ) -> list[Scope]:
     """The scopes a run covers, validated before any is claimed: its tenants (run config, or
     the tenant partition(s) of a tenant job) and, for a windowed job, its day partition(s)
-    as one window. A re-execution narrows them to the tenants its parent failed."""
+    as one window. A windowed job's run in a Dagster backfill of its days (which cannot pass
+    run config) covers the tenants its tag ``qo_ops/backfill_tenants`` names, else every
+    tenant. A re-execution narrows them to the tenants its parent failed."""
     if tenants and spec.partitioning == "tenant" and context.has_partition_key:
         raise BadInput("give either a tenant partition or config tenants, not both")
+    every = False
     if not tenants:
         if spec.partitioning == "tenant_day":
-            raise BadInput(
-                f"{spec.name} is windowed: name its tenants in run config (tenants), or "
-                "backfill tenants × days with tenant_backfill_job"
-            )
-        if not context.has_partition_key_range and not context.has_partition_key:
-            raise BadInput(f"{spec.name}: pick a tenant partition or name tenants in run config")
-        tenants = list(context.partition_keys)
-    if len(tenants) > MAX_TENANTS_PER_RUN:
+            tenants = backfill_tenants(spec, tags, engine)
+            every = BACKFILL_TENANTS_TAG not in tags
+        else:
+            if not context.has_partition_key_range and not context.has_partition_key:
+                raise BadInput(
+                    f"{spec.name}: pick a tenant partition or name tenants in run config"
+                )
+            tenants = list(context.partition_keys)
+    if len(tenants) > MAX_TENANTS_PER_RUN and not every:
         raise BadInput(f"a run covers at most {MAX_TENANTS_PER_RUN} tenants, got {len(tenants)}")
     if len(set(tenants)) != len(tenants):
         raise BadInput("config tenants names a tenant twice")

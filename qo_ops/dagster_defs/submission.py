@@ -45,6 +45,7 @@ REFUSED_TAG = "qo_ops/refused"  # set by QoOpsRunCoordinator on a run it refused
 REFUSED_PREFIX = "refused before queueing: "  # its failure message (re-executions copy tags)
 SCHEDULED_FOR_TAG = "qo_ops/scheduled_for"  # set by the schedules: the tick's time
 BACKFILL_RUN_TAG = "qo_ops/backfill"  # a run of a tenant backfill: the launcher's run id
+BACKFILL_TENANTS_TAG = "qo_ops/backfill_tenants"  # a windowed job's day backfill: its tenants
 APPROVAL_TAG = "qo_ops/approval"  # the approval a destructive backfill (or re-execution) cites
 
 log = logging.getLogger(__name__)
@@ -187,10 +188,15 @@ def refusal_at_submission(run: dg.DagsterRun) -> tuple[str, str] | None:
         check_consent(
             options, destructive=tags.get(DESTRUCTIVE_TAG) == "true", job_name=run.job_name
         )
-        if tags.get(WINDOWED_TAG) == "true" and not config.get("tenants"):
+        if (
+            tags.get(WINDOWED_TAG) == "true"
+            and not config.get("tenants")
+            and options.trigger != "backfill"  # a backfill of its days: every tenant, or tagged
+        ):
             raise BadInput(
                 f"{run.job_name} is windowed: name its tenants in run config (tenants), or "
-                "backfill tenants × days with tenant_backfill_job"
+                "launch a backfill of its days (every tenant, or those of the tag "
+                f"{BACKFILL_TENANTS_TAG})"
             )
     except BadInput as refused:
         return getattr(refused, "error_code", "bad_input"), str(refused)
@@ -211,6 +217,8 @@ def refusal_in_database(run: dg.DagsterRun, engine: Engine) -> tuple[str, str] |
     tenants = list(config.get("tenants") or ())
     if not tenants and spec.partitioning == "tenant" and tags.get(PARTITION_TAG):
         tenants = [tags[PARTITION_TAG]]
+    if not tenants and tags.get(BACKFILL_TENANTS_TAG):  # a windowed job's day backfill
+        tenants = [t.strip() for t in tags[BACKFILL_TENANTS_TAG].split(",") if t.strip()]
     try:
         for tenant in tenants:
             check_approval(engine, spec, Scope(tenant), options)

@@ -175,19 +175,58 @@ def test_a_backfill_of_every_tenant_continues_over_ticks(defs, loaded, instance)
     assert json.loads(third.cursor).get("after")
 
 
-def test_a_day_backfill_of_a_windowed_job_without_tenants_is_refused_before_queueing(defs):
+def test_a_windowed_run_without_tenants_is_refused_by_hand_and_queued_in_a_day_backfill(defs):
+    """Dagster's own backfill of a windowed job's days cannot pass run config: its day runs
+    are queued (they cover every tenant, or the tag qo_ops/backfill_tenants's); a run a person
+    launches without tenants is refused before queueing, saying how."""
     from qo_ops_tests.dagster.test_submission import _coordinated_instance, _create, _submit
 
-    day = {"dagster/backfill": "b7", "dagster/partition": "2026-02-10"}
+    day = {"dagster/partition": "2026-02-10"}
     with _coordinated_instance() as instance:
-        refused = _submit(instance, defs, WINDOWED, {}, day)
+        refused = _submit(instance, defs, WINDOWED, {}, day)  # the Launchpad, no tenants
         assert refused.status == dg.DagsterRunStatus.CANCELED  # refused, not failed
         assert refused.tags[REFUSED_TAG] == "bad_input"
         (failure,) = instance.all_logs(refused.run_id, of_type=dg.DagsterEventType.RUN_CANCELED)
         message = failure.dagster_event.message
         assert message.startswith("refused before queueing: ") and "\n" not in message
-        assert "name its tenants in run config" in message and BACKFILL_JOB in message
+        assert "name its tenants in run config" in message and "backfill of its days" in message
+        backfill_day = _create(instance, defs, WINDOWED, {}, {"dagster/backfill": "b7", **day})
+        assert refusal_at_submission(backfill_day) is None
         named = _create(instance, defs, WINDOWED, {"tenants": ["tenant-001"]}, day)
         assert refusal_at_submission(named) is None
         tenant_job = _create(instance, defs, "quote_expiration", {}, {"dagster/partition": "t"})
         assert refusal_at_submission(tenant_job) is None  # its partition is the tenant
+
+
+def test_a_day_backfill_run_covers_every_tenant_or_the_tagged_ones(defs, loaded, instance):
+    """The day run of Dagster's own backfill, executed: each tenant run on its own scope of
+    the day; with qo_ops/backfill_tenants, only those; an empty tag is refused."""
+    job = defs.resolve_job_def(WINDOWED)
+    backfill = {"dagster/backfill": "b8"}
+    every = job.execute_in_process(
+        partition_key="2026-02-10", instance=instance, tags=backfill, raise_on_error=False
+    )
+    assert every.success, _failure(every)
+    tagged = job.execute_in_process(
+        partition_key="2026-02-11",
+        instance=instance,
+        tags={**backfill, "qo_ops/backfill_tenants": "tenant-002"},
+        raise_on_error=False,
+    )
+    assert tagged.success, _failure(tagged)
+    empty = job.execute_in_process(
+        partition_key="2026-02-12",
+        instance=instance,
+        tags={**backfill, "qo_ops/backfill_tenants": " , "},
+        raise_on_error=False,
+    )
+    assert not empty.success and "names no tenant" in _failure(empty)
+    with loaded.engine.connect() as conn:
+        ran = conn.execute(
+            sa.text("SELECT scope, trigger_type, mode FROM job_run ORDER BY scope")
+        ).all()
+    assert [tuple(r) for r in ran] == [
+        ("tenant-001/2026-02-10..2026-02-11", "backfill", "dry_run"),
+        ("tenant-002/2026-02-10..2026-02-11", "backfill", "dry_run"),
+        ("tenant-002/2026-02-11..2026-02-12", "backfill", "dry_run"),
+    ]

@@ -1,8 +1,9 @@
 """A real Dagster deployment on loopback: webserver + daemon over PostgreSQL storage, runs
 launched through the GraphQL API, the queue keeping one run per job and scope, a
 terminated run ending `cancelled` in job_run, a tenant partition backfill (each run
-audited), and a windowed job's backfill over tenants × days: Dagster's day backfill is
-refused before queueing (a day names no tenant), tenant_backfill_job's becomes chunk runs."""
+audited), and a windowed job's backfill over tenants × days: Dagster's own backfill of its
+days runs each day for every tenant (or those of the tag qo_ops/backfill_tenants),
+tenant_backfill_job's becomes chunk runs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sqlalchemy as sa
 from dagster_graphql import DagsterGraphQLClient
 
 from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
-from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, REFUSED_PREFIX, REFUSED_TAG
+from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
 
 
@@ -140,23 +141,39 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         ]
         assert {a.details["trigger"] for a in audited} == {"backfill"}
 
-        # a windowed job's partitions are days: Dagster's own backfill of them names no
-        # tenant, and every run is refused before queueing, pointing to tenant_backfill_job
-        days = ["2026-02-10", "2026-02-11", "2026-02-12"]
+        # a windowed job's partitions are days: Dagster's own Launch backfill over 3 days
+        # (no run config) runs each day for every tenant; with the tag
+        # qo_ops/backfill_tenants, for those tenants only
+        native_days = ["2026-02-20", "2026-02-21", "2026-02-22"]  # not the days below
         windowed_job = "pricing_snapshot_recalculation"
-        refused = _finished_backfill_runs(instance, _backfill(port, windowed_job, days), 3)
-        assert sorted(r.tags["dagster/partition"] for r in refused) == days
-        for run in refused:
-            assert (
-                run.status == dg.DagsterRunStatus.CANCELED and run.tags[REFUSED_TAG] == "bad_input"
-            )  # refused, not failed
-            assert instance.get_run_record_by_id(run.run_id).start_time is None  # never started
-            (failure,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_CANCELED)
-            message = failure.dagster_event.message
-            assert message.startswith(REFUSED_PREFIX) and "\n" not in message
-            assert "name its tenants" in message and BACKFILL_JOB in message
+        native = _finished_backfill_runs(instance, _backfill(port, windowed_job, native_days), 3)
+        assert sorted(r.tags["dagster/partition"] for r in native) == native_days
+        assert {r.status for r in native} == {dg.DagsterRunStatus.SUCCESS}
+        chosen = _finished_backfill_runs(
+            instance,
+            _backfill(
+                port, windowed_job, ["2026-02-23"], {"qo_ops/backfill_tenants": "tenant-002"}
+            ),
+            1,
+        )
+        assert {r.status for r in chosen} == {dg.DagsterRunStatus.SUCCESS}
+        with db.engine.connect() as conn:
+            covered = conn.execute(
+                sa.text(
+                    "SELECT dagster_run_id, scope, trigger_type FROM job_run "
+                    "WHERE dagster_run_id = ANY(:ids)"
+                ),
+                {"ids": [r.run_id for r in (*native, *chosen)]},
+            ).all()
+        by_run: dict[str, set[str]] = {}
+        for row in covered:
+            assert row.trigger_type == "backfill"
+            by_run.setdefault(row.dagster_run_id, set()).add(row.scope.split("/")[0])
+        assert [by_run[r.run_id] for r in native] == [{"tenant-001", "tenant-002"}] * 3
+        assert by_run[chosen[0].run_id] == {"tenant-002"}
 
         # tenant_backfill_job: both tenants × 3 days, executed, one run per chunk and day
+        days = ["2026-02-10", "2026-02-11", "2026-02-12"]
         launcher = client.submit_job_execution(
             BACKFILL_JOB,
             repository_location_name=LOCATION,
