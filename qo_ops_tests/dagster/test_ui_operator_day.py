@@ -1,0 +1,241 @@
+"""The operator's day in a real browser (issue 41): Dagster's webserver and daemon on
+loopback over PostgreSQL storage with demo data, pages opened in headless Chromium.
+
+- a tenant fixed from the CLI (``qo-ops run``, no Dagster run) shows Materialized on the
+  outcome asset's Partitions tab (``outside_runs_sensor``, running by default, put it there),
+  while a tenant nothing fixed shows Missing;
+- a destructive job's Launchpad execute without an approval is refused before queueing:
+  its run page says Canceled and why in one line, it is not among the Failure runs, and the
+  same execute citing an approver's approval runs;
+- Dagster's own Launch backfill over three days of a windowed job (no run config, no YAML)
+  is one entry in the Backfills list, its page shows it completed, and each day's run
+  covered every tenant.
+
+Runs and backfills are launched through the webserver's GraphQL API, the calls the UI's
+Launchpad and Launch backfill dialog make."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import dagster as dg
+import httpx
+import pytest
+import sqlalchemy as sa
+from dagster_graphql import DagsterGraphQLClient
+
+from qo_ops.demo.data import load_demo_data
+from qo_ops.jobs.catalog import CATALOG
+from qo_ops.platform import approvals
+from qo_ops.platform.runner import run_job
+from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops_tests.conftest import TestDatabase as Database
+from qo_ops_tests.dagster.browser import chromium_page, require_chromium, save_screenshot
+from qo_ops_tests.dagster.conftest import AS_OF
+from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
+from qo_ops_tests.dagster.test_ui_browser import _database, _partition_dot
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
+
+TENANTS = ("tenant-001", "tenant-002", "tenant-003")
+FIXED = "tenant-002"  # fixed from the CLI
+UNTOUCHED = "tenant-003"  # nothing ran for it
+QUOTES = dg.AssetKey(["qo_ops", "quotes"])
+DESTRUCTIVE = "run_history_retention"  # one tenant a partition
+WINDOWED = "pricing_snapshot_recalculation"
+DAYS = ["2026-02-10", "2026-02-11", "2026-02-12"]
+FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
+
+
+@dataclass
+class Day:
+    db: Database
+    instance: dg.DagsterInstance
+    url: str
+    refused: str  # the Launchpad execute without an approval
+    approved: str  # the same, citing one
+    backfill: str  # Dagster's own backfill of three days of WINDOWED
+
+
+def _launch(client: DagsterGraphQLClient, job: str, tenant: str, config: dict) -> str:
+    return client.submit_job_execution(
+        job,
+        repository_location_name=LOCATION,
+        run_config={"ops": {f"{job}_op": {"config": config}}},
+        tags={"dagster/partition": tenant, "qo_ops/scope": f"{job}:{tenant}"},
+    )
+
+
+def _status(instance: dg.DagsterInstance, run_id: str) -> dg.DagsterRunStatus:
+    run = instance.get_run_by_id(run_id)
+    assert run is not None
+    return run.status
+
+
+def _backfill(port: int, job: str, partitions: list[str]) -> str:
+    """What Launch backfill sends: the job's partition set, the days, no run config."""
+    answer = httpx.post(
+        f"http://127.0.0.1:{port}/graphql",
+        json={
+            "query": """
+            mutation($params: LaunchBackfillParams!) {
+              launchPartitionBackfill(backfillParams: $params) {
+                __typename
+                ... on LaunchBackfillSuccess { backfillId }
+                ... on PythonError { message }
+              }
+            }""",
+            "variables": {
+                "params": {
+                    "selector": {
+                        "partitionSetName": f"{job}_partition_set",
+                        "repositorySelector": {
+                            "repositoryLocationName": LOCATION,
+                            "repositoryName": "__repository__",
+                        },
+                    },
+                    "partitionNames": partitions,
+                }
+            },
+        },
+        timeout=60,
+    ).json()
+    launched = answer["data"]["launchPartitionBackfill"]
+    assert launched["__typename"] == "LaunchBackfillSuccess", launched
+    return str(launched["backfillId"])
+
+
+@pytest.fixture(scope="module")
+def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
+    home = tmp_path_factory.mktemp("ui-operator-day")
+    dagster_home = home / "dagster"
+    (dagster_home / ".nux").mkdir(parents=True)
+    (dagster_home / ".nux" / "nux.yaml").write_text("seen: 1\n")
+    with _database(pg_server, template_database) as db:
+        load_demo_data(db.engine, tenants=len(TENANTS), quotes=400, seed=9, as_of=AS_OF)
+        fixed = run_job(  # what `qo-ops run … --mode execute` hands the runner
+            CATALOG["quote_expiration"],
+            Scope(FIXED),
+            RunOptions(mode="execute", reason="INC-41 fixed from the CLI", progress_interval_s=60),
+            engine=db.engine,
+        )
+        assert fixed.status == "success" and fixed.counts.succeeded > 0
+        env = {"QO_OPS_HOME": str(home / "qo_ops")}
+        with dagster_stack(db, dagster_home, env=env) as (client, instance, port):
+            instance.add_dynamic_partitions("tenants", list(TENANTS))
+            execute = {"mode": "execute", "reason": "INC-41 old run history"}
+            refused = _launch(client, DESTRUCTIVE, "tenant-001", execute)
+            wait_for(lambda: _status(instance, refused) in FINISHED, 60, "the refusal")
+            granted = approvals.grant(
+                db.engine,
+                CATALOG[DESTRUCTIVE],
+                approvals.Grant(DESTRUCTIVE, ["tenant-001"], "INC-41 old run history", "ana"),
+            )
+            approved = _launch(
+                client, DESTRUCTIVE, "tenant-001", {**execute, "approval": granted.id}
+            )
+            wait_for(lambda: _status(instance, approved) in FINISHED, 180, "the approved run")
+            backfill = _backfill(port, WINDOWED, DAYS)
+
+            def backfill_runs() -> list[dg.DagsterRun]:
+                return instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill}))
+
+            wait_for(
+                lambda: (
+                    len(backfill_runs()) == len(DAYS)
+                    and all(r.status in FINISHED for r in backfill_runs())
+                ),
+                300,
+                "the backfill's day runs",
+            )
+            # outside_runs_sensor (every 30 s) puts the CLI's run on FIXED's partition
+            wait_for(lambda: FIXED in instance.get_materialized_partitions(QUOTES), 120, "it")
+            yield Day(db, instance, f"http://127.0.0.1:{port}", refused, approved, backfill)
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> Iterator[Page]:
+    require_chromium()
+    with chromium_page(tmp_path_factory.mktemp("chromium") / "profile") as opened:
+        yield opened
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("screenshots")
+
+
+def test_a_tenant_fixed_from_the_cli_shows_materialized_and_one_never_run_missing(
+    page: Page, day: Day, shots: Path
+):
+    from playwright.sync_api import expect
+
+    try:
+        page.goto(f"{day.url}/assets/qo_ops/quotes?view=partitions&partition={FIXED}")
+        expect(page.get_by_text("Materialized (1)", exact=True)).to_be_visible()
+        expect(_partition_dot(page, FIXED)).to_have_attribute("style", re.compile("green"))
+        expect(_partition_dot(page, UNTOUCHED)).not_to_have_attribute("style", re.compile("green"))
+        expect(page.get_by_text("outside_runs_sensor").first).to_be_visible()  # who put it
+    finally:
+        save_screenshot(page, shots, "asset-partition-cli-run")
+
+
+def test_a_destructive_launchpad_execute_without_approval_is_refused_not_failed(
+    page: Page, day: Day, shots: Path
+):
+    from playwright.sync_api import expect
+
+    assert _status(day.instance, day.refused) == dg.DagsterRunStatus.CANCELED
+    assert _status(day.instance, day.approved) == dg.DagsterRunStatus.SUCCESS
+    failures = day.instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE]))
+    assert day.refused not in {r.run_id for r in failures}  # not a Failure run
+    with day.db.engine.connect() as conn:
+        cited = conn.execute(
+            sa.text("SELECT approval_id FROM job_run WHERE dagster_run_id = :r"),
+            {"r": day.approved},
+        ).scalar_one()
+    assert cited is not None and cited.startswith("apr-")
+    try:
+        page.goto(f"{day.url}/runs/{day.refused}")
+        expect(page.get_by_text("Canceled").first).to_be_visible()
+        expect(page.get_by_text(re.compile("refused before queueing: executing "
+                                           f"{DESTRUCTIVE} \\(destructive\\) needs an approval")).first).to_be_visible()  # fmt: skip
+        expect(page.get_by_text(re.compile("Traceback"))).to_have_count(0)
+        save_screenshot(page, shots, "run-refused-approval")
+        page.goto(f"{day.url}/runs?q%5B0%5D=status%3AFAILURE")  # Runs filtered to Failure
+        expect(page.get_by_text(day.refused[:8], exact=True)).to_have_count(0)
+    finally:
+        save_screenshot(page, shots, "runs-failure-filter", publish=False)
+
+
+def test_a_days_backfill_of_a_windowed_job_is_one_backfill_covering_every_tenant(
+    page: Page, day: Day, shots: Path
+):
+    from playwright.sync_api import expect
+
+    runs = day.instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": day.backfill}))
+    assert {r.status for r in runs} == {dg.DagsterRunStatus.SUCCESS}
+    with day.db.engine.connect() as conn:
+        scopes = conn.execute(
+            sa.text("SELECT scope FROM job_run WHERE dagster_run_id = ANY(:ids)"),
+            {"ids": [r.run_id for r in runs]},
+        ).scalars()
+        covered = {s.split("/")[0] for s in scopes}
+    assert covered == set(TENANTS)
+    try:
+        page.goto(f"{day.url}/overview/backfills")
+        expect(page.get_by_text(day.backfill, exact=True).first).to_be_visible()
+        page.goto(f"{day.url}/runs/b/{day.backfill}")
+        expect(page.get_by_text(WINDOWED).first).to_be_visible()
+        expect(page.get_by_text("100% completed").first).to_be_visible()  # its progress
+        row = page.get_by_role("row").filter(has_text=f"{WINDOWED}_partition_set")
+        expect(row.get_by_role("cell")).to_have_text(
+            [re.compile(WINDOWED), "3", "0", "3", "0"]  # targeted, in progress, done, failed
+        )
+    finally:
+        save_screenshot(page, shots, "backfill-days")
