@@ -52,6 +52,7 @@ from qo_ops.platform.stopping import TERMINATED
 from qo_ops.platform.telemetry import EVENT_LOGGER
 
 FAILING_STATUSES = ("failed", "timeout", "cancelled")
+TENANT_TAG = "qo_ops/tenant"  # on a run of one tenant (a chunk names its range in qo_ops/scope)
 KEPT_RIGHT = ("success", "no_work", "partial_success")  # an execute run that kept its outcome
 
 
@@ -503,7 +504,10 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
                     options.validated()
                     check_consent(options, destructive=spec.destructive, job_name=spec.name)
                     scopes = known_tenants(engine, scopes, trigger, context)
-            context.instance.add_run_tags(context.run_id, {MODE_TAG: options.mode})
+            run_tags = {MODE_TAG: options.mode}
+            if len(scopes) == 1:  # the Runs list filters by tenant: qo_ops/tenant=<tenant>
+                run_tags[TENANT_TAG] = scopes[0].tenant_id
+            context.instance.add_run_tags(context.run_id, run_tags)
         except QoOpsError as exc:  # bad input: refused before anything was written
             if trigger == "api":  # the accepted row must not wait forever
                 refuse_accepted(engine, tags[JOB_RUN_TAG], exc)

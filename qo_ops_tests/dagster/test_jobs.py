@@ -106,6 +106,8 @@ def test_dry_run_partition_changes_nothing_and_reports(defs, instance, loaded, j
     after = _counts(loaded)
     assert after[0] == before[0] + 1 and after[1] == before[1]  # one run row, no business change
     assert result.get_asset_check_evaluations() == []  # checks follow execute runs only
+    run_tags = instance.get_run_by_id(result.run_id).tags
+    assert run_tags["qo_ops/tenant"] == "tenant-001"  # the Runs list filters by tenant
 
 
 @pytest.mark.parametrize("job_name", SPECS)
@@ -296,6 +298,7 @@ def test_a_partition_range_run_fails_at_the_end_when_a_tenant_fails(defs, instan
     )
     # re-executing the run runs only the tenant whose outcome was not met
     assert instance.get_run_by_id(result.run_id).tags[FAILED_TENANTS_TAG] == "tenant-001"
+    assert "qo_ops/tenant" not in instance.get_run_by_id(result.run_id).tags  # two tenants
     with loaded.engine.connect() as conn:  # tenant-002 was still done
         done = conn.execute(
             sa.text(
