@@ -33,6 +33,7 @@ from qo_ops_tests.approval_cases import (
     plant,
     run_rows,
 )
+from qo_ops_tests.dagster.test_submission import _coordinated_instance
 
 # ------------------------------------------------------------------------------------- CLI
 
@@ -96,18 +97,6 @@ def test_granting_refuses_what_cannot_be_right_and_writes_nothing(loaded, cli):
 
 
 # ------------------------------------------- the Launchpad and backfills (the coordinator)
-
-
-def _coordinated_instance():
-    return dg.instance_for_test(
-        overrides={
-            "run_coordinator": {
-                "module": "qo_ops.dagster_defs.submission",
-                "class": "QoOpsRunCoordinator",
-                "config": {"max_concurrent_runs": 1},
-            }
-        }
-    )
 
 
 def _create(instance, defs, config: dict, tags: dict) -> dg.DagsterRun:

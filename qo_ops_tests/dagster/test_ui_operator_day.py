@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
-import httpx
 import pytest
 import sqlalchemy as sa
 from dagster_graphql import DagsterGraphQLClient
@@ -37,6 +36,7 @@ from qo_ops_tests.conftest import TestDatabase as Database
 from qo_ops_tests.dagster.browser import chromium_page, require_chromium, save_screenshot
 from qo_ops_tests.dagster.conftest import AS_OF
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
+from qo_ops_tests.dagster.test_instance import _backfill
 from qo_ops_tests.dagster.test_ui_browser import _database, _partition_dot
 
 if TYPE_CHECKING:
@@ -77,39 +77,6 @@ def _status(instance: dg.DagsterInstance, run_id: str) -> dg.DagsterRunStatus:
     return run.status
 
 
-def _backfill(port: int, job: str, partitions: list[str]) -> str:
-    """What Launch backfill sends: the job's partition set, the days, no run config."""
-    answer = httpx.post(
-        f"http://127.0.0.1:{port}/graphql",
-        json={
-            "query": """
-            mutation($params: LaunchBackfillParams!) {
-              launchPartitionBackfill(backfillParams: $params) {
-                __typename
-                ... on LaunchBackfillSuccess { backfillId }
-                ... on PythonError { message }
-              }
-            }""",
-            "variables": {
-                "params": {
-                    "selector": {
-                        "partitionSetName": f"{job}_partition_set",
-                        "repositorySelector": {
-                            "repositoryLocationName": LOCATION,
-                            "repositoryName": "__repository__",
-                        },
-                    },
-                    "partitionNames": partitions,
-                }
-            },
-        },
-        timeout=60,
-    ).json()
-    launched = answer["data"]["launchPartitionBackfill"]
-    assert launched["__typename"] == "LaunchBackfillSuccess", launched
-    return str(launched["backfillId"])
-
-
 @pytest.fixture(scope="module")
 def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
     home = tmp_path_factory.mktemp("ui-operator-day")
@@ -140,7 +107,7 @@ def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
                 client, DESTRUCTIVE, "tenant-001", {**execute, "approval": granted.id}
             )
             wait_for(lambda: _status(instance, approved) in FINISHED, 180, "the approved run")
-            backfill = _backfill(port, WINDOWED, DAYS)
+            backfill = _backfill(port, WINDOWED, DAYS, {})  # Launch backfill: no tags, no config
 
             def backfill_runs() -> list[dg.DagsterRun]:
                 return instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill}))
