@@ -504,7 +504,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
                     options.validated()
                     check_consent(options, destructive=spec.destructive, job_name=spec.name)
                     scopes = known_tenants(engine, scopes, trigger, context)
-            run_tags = {MODE_TAG: options.mode}
+            run_tags: dict[str, str] = {MODE_TAG: options.mode}
             if len(scopes) == 1:  # the Runs list filters by tenant: qo_ops/tenant=<tenant>
                 run_tags[TENANT_TAG] = scopes[0].tenant_id
             context.instance.add_run_tags(context.run_id, run_tags)
