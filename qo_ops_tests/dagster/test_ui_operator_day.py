@@ -120,6 +120,11 @@ def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
                 300,
                 "the backfill's day runs",
             )
+            wait_for(  # the daemon marks the backfill done after its runs end
+                lambda: instance.get_backfill(backfill).status.value == "COMPLETED_SUCCESS",
+                120,
+                "the backfill to be marked completed",
+            )
             # outside_runs_sensor (every 30 s) puts the CLI's run on FIXED's partition
             wait_for(lambda: FIXED in instance.get_materialized_partitions(QUOTES), 120, "it")
             yield Day(db, instance, f"http://127.0.0.1:{port}", refused, approved, backfill)
@@ -200,6 +205,8 @@ def test_a_days_backfill_of_a_windowed_job_is_one_backfill_covering_every_tenant
         page.goto(f"{day.url}/runs/b/{day.backfill}")
         expect(page.get_by_text(WINDOWED).first).to_be_visible()
         expect(page.get_by_text("100% completed").first).to_be_visible()  # its progress
+        status = page.locator("div", has_text=re.compile(r"Status\s*Succeeded")).first
+        expect(status).to_be_visible()  # the backfill's own status, not "In progress"
         row = page.get_by_role("row").filter(has_text=f"{WINDOWED}_partition_set")
         expect(row.get_by_role("cell")).to_have_text(
             [re.compile(WINDOWED), "3", "0", "3", "0"]  # targeted, in progress, done, failed
