@@ -57,3 +57,15 @@ def test_the_api_gives_the_rule_s_answer_for_every_case(db, api):
     with loaded.engine.connect() as conn:
         cites = conn.scalar(sa.select(job_run.c.approval_id).where(job_run.c.scope == "tenant-002"))
     assert cites == made.json()["approvalId"]
+
+    # an approver's own execute, citing nothing: the API grants the approval its run cites
+    own = api.post(path, ana, json=other)
+    assert own.status_code in (202, 503), own.text
+    with loaded.engine.connect() as conn:
+        granted = conn.execute(
+            sa.text(
+                "SELECT a.granted_by, a.tenants, a.job_name FROM job_run r "
+                "JOIN run_approval a ON a.id = r.approval_id WHERE r.requester = 'ana'"
+            )
+        ).one()  # the run ana's request created (a 503 answer names no run: Dagster is absent)
+    assert tuple(granted) == ("ana", ["tenant-002"], JOB)
