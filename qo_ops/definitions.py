@@ -35,13 +35,14 @@ def build_definitions() -> dg.Definitions:
     configure_from_env()  # run workers trace their runs when QO_OPS_OTLP_ENDPOINT is set
     specs = list(CATALOG.values())
     jobs = {spec.name: build_job(spec) for spec in specs}
+    checks_job = build_outcome_checks_job(specs)
     database = QoOpsDatabase(
         url=dg.EnvVar(DATABASE_URL_ENV) if os.environ.get(DATABASE_URL_ENV) else None
     )
     return dg.Definitions(
         assets=build_outcome_assets(specs),
         asset_checks=[*build_outcome_checks(specs), *build_recent_success_checks(specs)],
-        jobs=[*jobs.values(), build_backfill_job(specs), build_outcome_checks_job(specs)],
+        jobs=[*jobs.values(), build_backfill_job(specs), checks_job],
         schedules=[build_schedule(spec, jobs[spec.name]) for spec in specs],
         sensors=[
             tenants_sensor,
@@ -49,7 +50,7 @@ def build_definitions() -> dg.Definitions:
             build_stale_success_sensor(specs),
             build_checkpoint_age_sensor(specs),
             build_run_queue_sensor(specs),
-            build_outside_runs_sensor(specs),
+            build_outside_runs_sensor(specs, checks_job),
             build_backfill_sensor(specs, list(jobs.values())),
             run_failure_recorder,
         ],

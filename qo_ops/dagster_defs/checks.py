@@ -89,7 +89,7 @@ def _asset_description(jobs: Sequence[JobSpec]) -> str:
     )
 
 
-def _severity(check: CheckSpec) -> dg.AssetCheckSeverity:
+def check_severity(check: CheckSpec) -> dg.AssetCheckSeverity:
     return dg.AssetCheckSeverity.ERROR if check.blocking else dg.AssetCheckSeverity.WARN
 
 
@@ -138,7 +138,7 @@ def declared_evaluations(
             for check in selected:
                 yield dg.AssetCheckEvaluation(
                     asset_key=asset, check_name=check.name, passed=False, partition=tenant,
-                    severity=_severity(check), description=cause,
+                    severity=check_severity(check), description=cause,
                 )  # fmt: skip
         raise dg.Failure(description=cause, allow_retries=False) from None
     for tenant, check, result, days in judged:
@@ -149,7 +149,7 @@ def declared_evaluations(
             partition=tenant,
             target_materialization_data=judged_materialization(instance, asset, tenant),
             metadata={**result.metadata, **days},
-            severity=_severity(check),
+            severity=check_severity(check),
             description=result.description,
         )
         if not result.passed:

@@ -6,7 +6,8 @@
   cadence (``recent_success`` check, ``freshness.py``) and names them;
 - ``checkpoint_age_sensor``: says which windowed job's checkpoint stopped advancing;
 - ``outside_runs_sensor``: records each run started outside Dagster (``qo-ops run``) on its
-  tenant's partition of the outcome asset, as a Dagster run's op does;
+  tenant's partition of the outcome asset, as a Dagster run's op does, and asks an
+  ``outcome_checks_job`` run to judge the checks of the tenants it executed;
 - ``run_failure_recorder``: records every failed Dagster run of a catalog job, with its cause.
 """
 
@@ -36,7 +37,7 @@ from qo_ops.dagster_defs.freshness import (
     last_success_ages,
     recent_tenants,
 )
-from qo_ops.dagster_defs.jobs import outcome_event
+from qo_ops.dagster_defs.jobs import TENANT_TAG, outcome_event
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.pending import pending_work
 from qo_ops.dagster_defs.resources import QoOpsDatabase
@@ -488,23 +489,34 @@ _OUTSIDE_RUNS = sa.text(
 )
 
 
-def build_outside_runs_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
-    """``outside_runs_sensor``: puts each run that did not run in Dagster (``qo-ops run``)
-    on its tenant's partition of the job's outcome asset, as a Dagster run's op does: a
-    materialization when an execute kept the outcome, an observation otherwise (a dry run, a
-    failure), with the run's status, mode, counts and the tenant's backlog now. So the
-    Partitions tab shows a tenant fixed from the CLI as materialized, and the backlog plots
-    move with every run, whoever started it."""
+def build_outside_runs_sensor(
+    specs: Sequence[JobSpec], checks_job: dg.JobDefinition
+) -> dg.SensorDefinition:
+    """``outside_runs_sensor``: puts each run that did not run in Dagster (``qo-ops run``, an
+    API run outside Dagster) on its tenant's partition of the job's outcome asset, as a
+    Dagster run's op does: a materialization when an execute kept the outcome, an observation
+    otherwise (a dry run, a failure), with the run's status, mode, counts and the tenant's
+    backlog now. Then the tenant's checks, as the op judges them after an execute: one
+    ``outcome_checks_job`` run per job and tick judges the declared checks of the tenants
+    whose last run outside Dagster was an execute, on their partitions. So the Partitions tab
+    shows a tenant fixed from the CLI as materialized, the check's partitions say which
+    tenants are healthy and which failing, and the backlog plots move with every run.
+
+    The checks go through a run, not the tick's own events: Dagster 1.13 stores a runless
+    check evaluation under one run id for every partition (``asset_check_executions`` is
+    unique on check, run and partition), so a tenant's second runless evaluation fails."""
     by_name = {s.name: s for s in specs}
 
     @dg.sensor(
         name="outside_runs_sensor",
         minimum_interval_seconds=30,
         default_status=dg.DefaultSensorStatus.RUNNING,
+        job=checks_job,
         description=(
             "Records runs started outside Dagster (qo-ops run) on their tenant's partition of "
             "the outcome asset: a materialization for an execute that kept the outcome, an "
-            "observation otherwise"
+            "observation otherwise; after an execute, an outcome_checks_job run judges the "
+            "tenant's checks"
         ),
     )
     def outside_runs_sensor(
@@ -512,6 +524,7 @@ def build_outside_runs_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
     ) -> dg.SensorResult:
         state = json.loads(context.cursor) if context.cursor else {}
         events: list[dg.AssetMaterialization | dg.AssetObservation] = []
+        judge: dict[str, dict[str, bool]] = {}  # job -> tenant -> judge its checks
         with database.engine().connect() as conn:
             since = (
                 state.get("since")
@@ -532,18 +545,45 @@ def build_outside_runs_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
                 spec = by_name.get(row.job_name)
                 if spec is not None and spec.outcome_asset:
                     events.append(_outside_event(conn, spec, row))
+                    executed = row.mode == "execute" and row.status != "skipped"
+                    judge.setdefault(spec.name, {})[tenant_of(row.scope)] = executed
         if rows:
             last = rows[-1]
             state = {"since": last.finished_at.isoformat(), "after": str(last.id)}
         elif "since" not in state:
             state = {"since": since.isoformat(), "after": str(uuid.UUID(int=0))}
+        requests = [
+            _checks_request(by_name[job], sorted(t for t, yes in tenants.items() if yes), state)
+            for job, tenants in sorted(judge.items())
+            if by_name[job].checks and any(tenants.values())
+        ]
         return dg.SensorResult(
             asset_events=events,
+            run_requests=requests,
             cursor=json.dumps(state),
             skip_reason=None if events else "no run outside Dagster finished since the last tick",
         )
 
     return outside_runs_sensor
+
+
+OUTSIDE_CHECKS_TAG = "qo_ops/checks_after"  # on an outcome_checks_job run the sensor asked for
+
+
+def _checks_request(spec: JobSpec, tenants: list[str], state: dict[str, str]) -> dg.RunRequest:
+    """One ``outcome_checks_job`` run: ``spec``'s declared checks on ``tenants`` now."""
+    return dg.RunRequest(
+        run_key=f"{spec.name}:{state['since']}:{state['after']}",
+        run_config={
+            "ops": {"outcome_checks_op": {"config": {"job": spec.name, "tenants": tenants}}}
+        },
+        tags={OUTSIDE_CHECKS_TAG: f"{spec.name} run outside Dagster", **_tenant_tag(tenants)},
+    )
+
+
+def _tenant_tag(tenants: list[str]) -> dict[str, str]:
+    """The tenant tag of a run of one tenant (the Runs list filters by it)."""
+    return {TENANT_TAG: tenants[0]} if len(tenants) == 1 else {}
 
 
 def _outside_event(

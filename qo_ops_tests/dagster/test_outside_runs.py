@@ -2,13 +2,21 @@
 that did not run in Dagster on its tenant's partition of the outcome asset, as the job's op
 does for a Dagster run — a materialization for an execute that kept the outcome, an
 observation for a dry run — with the run's figures and the tenant's backlog now; each run
-once, Dagster's own runs never (their op recorded them). Real PostgreSQL, real runs through
+once, Dagster's own runs never (their op recorded them). After an execute, the tick asks for
+an ``outcome_checks_job`` run that judges the tenant's checks on its partition: a tenant left
+behind fails there, a fixed one passes, each judging its latest materialization. Real PostgreSQL, real runs through
 the runner, the real sensor and a real Dagster instance."""
 
 from __future__ import annotations
 
 import dagster as dg
+from dagster._core.storage.asset_check_execution_record import (
+    AssetCheckExecutionRecordStatus,
+    AssetCheckPartitionInfo,
+)
 
+from qo_ops.dagster_defs.checks import OUTCOME_CHECKS_JOB
+from qo_ops.dagster_defs.sensors import OUTSIDE_CHECKS_TAG
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.runner import run_job
 from qo_ops.platform.spec import RunOptions, Scope
@@ -61,11 +69,55 @@ def test_a_tenant_fixed_from_the_cli_is_materialized_on_its_partition(defs, load
             instance.report_runless_asset_event(event)
         assert instance.get_materialized_partitions(ASSET) == {"tenant-002"}
 
+        # the fixed tenant's checks, judged now by the run the tick asks for (not the dry
+        # run's tenant: a dry run changed nothing), judging the materialization just recorded
+        assert _judge(defs, instance, first) == {"tenant-002"}
+        checks = _checks(instance)
+        assert set(checks) == {(c.name, "tenant-002") for c in QE.checks}
+        for name, info in checks.items():
+            assert info.latest_execution_status == AssetCheckExecutionRecordStatus.SUCCEEDED, name
+            assert info.is_current, name  # else the UI shows the check Missing there
+
         again = _tick(defs, instance, loaded, first.cursor)  # each run once
-        assert again.asset_events == []
-        later = _cli(loaded, "tenant-001", "execute")
+        assert again.asset_events == [] and again.run_requests == []
+
+        # a tenant left behind by a CLI execute: its check fails on its partition
+        stuck = _cli(loaded, "tenant-001", "execute", max_items=1)
         third = _tick(defs, instance, loaded, again.cursor)
-        assert [e.metadata["job_run_id"].value for e in third.asset_events] == [later.job_run_id]
+        assert [e.metadata["job_run_id"].value for e in third.asset_events] == [stuck.job_run_id]
         for event in third.asset_events:
             instance.report_runless_asset_event(event)
+        assert _judge(defs, instance, third, succeeds=False) == {"tenant-001"}
+        failing = _checks(instance)[("no_overdue_active_quotes", "tenant-001")]
+        assert failing.latest_execution_status == AssetCheckExecutionRecordStatus.FAILED
+        assert failing.is_current
+
+        later = _cli(loaded, "tenant-001", "execute")  # fixed from the CLI: it passes
+        fourth = _tick(defs, instance, loaded, third.cursor)
+        assert [e.metadata["job_run_id"].value for e in fourth.asset_events] == [later.job_run_id]
+        for event in fourth.asset_events:
+            instance.report_runless_asset_event(event)
+        assert _judge(defs, instance, fourth) == {"tenant-001"}
+        healed = _checks(instance)[("no_overdue_active_quotes", "tenant-001")]
+        assert healed.latest_execution_status == AssetCheckExecutionRecordStatus.SUCCEEDED
+        assert healed.is_current
         assert instance.get_materialized_partitions(ASSET) == {"tenant-001", "tenant-002"}
+
+
+def _judge(defs, instance, tick: dg.SensorResult, succeeds: bool = True) -> set[str]:
+    """Run what the tick asked for, as the daemon would: one outcome_checks_job run of
+    quote_expiration's checks; the tenants it judged. A blocking check failing fails it."""
+    (request,) = tick.run_requests
+    assert request.tags[OUTSIDE_CHECKS_TAG] == "quote_expiration run outside Dagster"
+    result = defs.resolve_job_def(OUTCOME_CHECKS_JOB).execute_in_process(
+        instance=instance, run_config=request.run_config, tags=request.tags, raise_on_error=False
+    )
+    assert result.success is succeeds
+    return {e.partition for e in result.get_asset_check_evaluations()}
+
+
+def _checks(instance) -> dict[tuple[str, str | None], AssetCheckPartitionInfo]:
+    """The latest evaluation of each of quote_expiration's checks, by tenant."""
+    keys = [dg.AssetCheckKey(ASSET, c.name) for c in QE.checks]
+    infos = instance.event_log_storage.get_asset_check_partition_info(keys)
+    return {(i.check_key.name, i.partition_key): i for i in infos}

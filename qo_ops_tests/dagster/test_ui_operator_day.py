@@ -3,10 +3,15 @@ loopback over PostgreSQL storage with demo data, pages opened in headless Chromi
 
 - a tenant fixed from the CLI (``qo-ops run``, no Dagster run) shows Materialized on the
   outcome asset's Partitions tab (``outside_runs_sensor``, running by default, put it there),
-  while a tenant nothing fixed shows Missing;
+  while a tenant nothing fixed shows Missing; on the check's Partitions tab the fixed tenant
+  is Passed and a tenant a CLI execute left behind (``--max-items 1``) Failed, judged by the
+  ``outcome_checks_job`` run the sensor launched;
 - a destructive job's Launchpad execute without an approval is refused before queueing:
   its run page says Canceled and why in one line, it is not among the Failure runs, and the
   same execute citing an approver's approval runs;
+- "Execute all" on the Checks tab of every outcome asset (clicked in the browser) runs each
+  of its checks on every tenant's partition and never crashes: a failing check is a judged
+  tenant, not a stack trace;
 - Dagster's own Launch backfill over three days of a windowed job (no run config, no YAML)
   is one entry in the Backfills list, its page shows it completed, and each day's run
   covered every tenant.
@@ -27,6 +32,8 @@ import pytest
 import sqlalchemy as sa
 from dagster_graphql import DagsterGraphQLClient
 
+from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
+from qo_ops.dagster_defs.sensors import OUTSIDE_CHECKS_TAG
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform import approvals
@@ -37,13 +44,18 @@ from qo_ops_tests.dagster.browser import chromium_page, require_chromium, save_s
 from qo_ops_tests.dagster.conftest import AS_OF
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
 from qo_ops_tests.dagster.test_instance import _backfill
-from qo_ops_tests.dagster.test_ui_browser import _database, _partition_dot
+from qo_ops_tests.dagster.test_ui_browser import (
+    _database,
+    _partition_dot,
+    expect_check_on_partition,
+)
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
 
 TENANTS = ("tenant-001", "tenant-002", "tenant-003")
 FIXED = "tenant-002"  # fixed from the CLI
+BEHIND = "tenant-001"  # a CLI execute of one item left it with overdue quotes
 UNTOUCHED = "tenant-003"  # nothing ran for it
 QUOTES = dg.AssetKey(["qo_ops", "quotes"])
 DESTRUCTIVE = "run_history_retention"  # one tenant a partition
@@ -92,6 +104,13 @@ def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
             engine=db.engine,
         )
         assert fixed.status == "success" and fixed.counts.succeeded > 0
+        behind = run_job(
+            CATALOG["quote_expiration"],
+            Scope(BEHIND),
+            RunOptions(mode="execute", reason="INC-41 one quote", max_items=1),
+            engine=db.engine,
+        )
+        assert behind.counts.succeeded == 1 and not all(c.passed for c in behind.checks)
         env = {"QO_OPS_HOME": str(home / "qo_ops")}
         with dagster_stack(db, dagster_home, env=env) as (client, instance, port):
             instance.add_dynamic_partitions("tenants", list(TENANTS))
@@ -127,6 +146,17 @@ def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
             )
             # outside_runs_sensor (every 30 s) puts the CLI's run on FIXED's partition
             wait_for(lambda: FIXED in instance.get_materialized_partitions(QUOTES), 120, "it")
+            judged = dg.RunsFilter(
+                tags={OUTSIDE_CHECKS_TAG: "quote_expiration run outside Dagster"}
+            )
+            wait_for(  # and launched the run that judges both tenants' checks
+                lambda: (
+                    [r.status for r in instance.get_runs(filters=judged)]
+                    == [dg.DagsterRunStatus.FAILURE]
+                ),  # BEHIND's blocking check failed
+                180,
+                "the checks of the tenants executed from the CLI",
+            )
             yield Day(db, instance, f"http://127.0.0.1:{port}", refused, approved, backfill)
 
 
@@ -149,12 +179,26 @@ def test_a_tenant_fixed_from_the_cli_shows_materialized_and_one_never_run_missin
 
     try:
         page.goto(f"{day.url}/assets/qo_ops/quotes?view=partitions&partition={FIXED}")
-        expect(page.get_by_text("Materialized (1)", exact=True)).to_be_visible()
+        # FIXED and BEHIND: each had an execute that ended success (BEHIND's checks fail)
+        expect(page.get_by_text("Materialized (2)", exact=True)).to_be_visible()
         expect(_partition_dot(page, FIXED)).to_have_attribute("style", re.compile("green"))
         expect(_partition_dot(page, UNTOUCHED)).not_to_have_attribute("style", re.compile("green"))
         expect(page.get_by_text("outside_runs_sensor").first).to_be_visible()  # who put it
     finally:
         save_screenshot(page, shots, "asset-partition-cli-run")
+
+
+def test_the_check_partitions_show_the_cli_fixed_tenant_passing_and_the_one_left_behind_failing(
+    page: Page, day: Day, shots: Path
+):
+    try:
+        expect_check_on_partition(page, day, "no_overdue_active_quotes", FIXED, "Passed")
+        pane = expect_check_on_partition(page, day, "no_overdue_active_quotes", BEHIND, "Failed")
+        from playwright.sync_api import expect
+
+        expect(pane.get_by_text("overdue", exact=False).first).to_be_visible()  # its figures
+    finally:
+        save_screenshot(page, shots, "check-partitions-cli-runs")
 
 
 def test_a_destructive_launchpad_execute_without_approval_is_refused_not_failed(
@@ -213,3 +257,82 @@ def test_a_days_backfill_of_a_windowed_job_is_one_backfill_covering_every_tenant
         )
     finally:
         save_screenshot(page, shots, "backfill-days")
+
+
+def _outcome_assets() -> dict[str, list[str]]:
+    """Each outcome asset and the checks on it: the declared ones and recent_success."""
+    assets: dict[str, list[str]] = {}
+    for spec in CATALOG.values():
+        if spec.outcome_asset:
+            names = [c.name for c in spec.checks] + [RECENT_SUCCESS_CHECK]
+            assets.setdefault(spec.outcome_asset, []).extend(names)
+    return assets
+
+
+def test_execute_all_on_every_assets_checks_judges_every_tenant_and_never_crashes(
+    page: Page, day: Day, shots: Path
+):
+    from playwright.sync_api import expect
+
+    launched: dict[str, str] = {}
+    try:
+        for asset in _outcome_assets():
+            before = {r.run_id for r in day.instance.get_runs()}
+            page.goto(f"{day.url}/assets/qo_ops/{asset}?view=checks")
+            button = page.get_by_role("button", name="Execute all")
+            expect(button).to_be_enabled()
+            button.click()
+
+            def new_run(before: set[str] = before) -> str | None:
+                runs = [r for r in day.instance.get_runs(limit=5) if r.run_id not in before]
+                return runs[0].run_id if runs else None
+
+            wait_for(lambda: new_run() is not None, 60, f"the run Execute all on {asset} starts")
+            launched[asset] = new_run()  # type: ignore[assignment]
+        for asset, run_id in launched.items():
+            wait_for(
+                lambda run_id=run_id: _status(day.instance, run_id) in FINISHED,
+                300,
+                f"{asset}'s checks",
+            )
+    finally:
+        save_screenshot(page, shots, "execute-all", publish=False)
+    for asset, checks in _outcome_assets().items():
+        run_id = launched[asset]
+        events = day.instance.all_logs(run_id)
+        crashes = [
+            e.dagster_event.step_failure_data.error.cls_name  # type: ignore[union-attr]
+            for e in events
+            if e.dagster_event is not None
+            and e.dagster_event.is_step_failure
+            and e.dagster_event.step_failure_data.error is not None  # type: ignore[union-attr]
+        ]
+        assert set(crashes) <= {"Failure"}, (asset, crashes)  # a judged failure, no crash
+        judged = {
+            (
+                e.dagster_event.event_specific_data.check_name,
+                e.dagster_event.event_specific_data.partition,
+            )  # type: ignore[union-attr]
+            for e in events
+            if e.dagster_event is not None
+            and e.dagster_event.event_type_value == "ASSET_CHECK_EVALUATION"
+        }
+        assert judged >= {(c, t) for c in checks for t in TENANTS}, asset
+        if _status(day.instance, run_id) == dg.DagsterRunStatus.FAILURE:
+            failed = {
+                (c, t) for c, t in judged if t is not None and not _evaluation_passed(events, c, t)
+            }
+            assert failed, f"{asset}: the run failed but every check passed on every tenant"
+
+
+def _evaluation_passed(events: list, check: str, tenant: str) -> bool:
+    """Whether the run's last evaluation of ``check`` on ``tenant`` passed."""
+    found = [
+        e.dagster_event.event_specific_data
+        for e in events
+        if e.dagster_event is not None
+        and e.dagster_event.event_type_value == "ASSET_CHECK_EVALUATION"
+        and e.dagster_event.event_specific_data.check_name == check
+        and e.dagster_event.event_specific_data.partition == tenant
+    ]
+    return bool(found[-1].passed)
