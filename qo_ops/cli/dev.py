@@ -86,8 +86,11 @@ def dev_command(
             cwd=REPO,
             start_new_session=True,
         )
-        code = _wait_for_dagster_dev(dev, _watch(downstream.simulator))
-    raise typer.Exit(code)
+        code, asked = _wait_for_dagster_dev(dev, _watch(downstream.simulator))
+    if asked:  # a stop asked for (Ctrl-C, SIGTERM) and done: a clean end, exit 0
+        typer.echo("Dagster and the simulator stopped", err=True)
+        raise typer.Exit(0)
+    raise typer.Exit(code)  # Dagster ended on its own: its exit code
 
 
 def _watch(simulator: SimulatorProcess | None) -> Callable[[], None]:
@@ -115,8 +118,8 @@ STOP_STEPS = ((signal.SIGINT, 6.0), (signal.SIGTERM, 2.5), (signal.SIGKILL, 1.0)
 
 def _wait_for_dagster_dev(
     dev: subprocess.Popen[bytes], every_second: Callable[[], None] = lambda: None
-) -> int:
-    """``dagster dev``'s exit code. On Ctrl-C, or a SIGINT, SIGTERM or SIGHUP to qo-ops alone,
+) -> tuple[int, bool]:
+    """``dagster dev``'s exit code, and whether a stop was asked for. On Ctrl-C, or a SIGINT, SIGTERM or SIGHUP to qo-ops alone,
     Dagster's whole process group is stopped (:data:`STOP_STEPS`) before qo-ops returns:
     nothing it started is left behind, whichever process got the signal and whatever was
     running (a run a sensor had just launched holds up a code server's own shutdown).
@@ -132,7 +135,7 @@ def _wait_for_dagster_dev(
     try:
         while True:
             with suppress(subprocess.TimeoutExpired):
-                return dev.wait(timeout=1.0)
+                return dev.wait(timeout=1.0), False
             every_second()
     except KeyboardInterrupt:
         typer.echo("stopping Dagster (webserver, daemon, code server)…", err=True)
@@ -146,7 +149,7 @@ def _wait_for_dagster_dev(
             break  # the group is gone
         if _group_gone(dev, grace_s):
             break
-    return dev.wait()
+    return dev.wait(), True
 
 
 def _group_gone(dev: subprocess.Popen[bytes], timeout_s: float) -> bool:
