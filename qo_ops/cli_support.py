@@ -31,6 +31,7 @@ import typer
 from typer._click import exceptions as click_exceptions  # typer vendors click
 
 from qo_ops.errors import EXIT_BAD_INPUT, BadInput, QoOpsError, one_line
+from qo_ops.errors import age_text as age_text  # re-exported: the CLI's tables use it
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -209,17 +210,6 @@ def parse_duration(value: str, option: str) -> float:
     if not 0 < seconds < 10 * 365 * 86400:
         raise BadInput(f"{option} must be positive (and under 10 years), not {value!r}")
     return seconds
-
-
-def age_text(seconds: float) -> str:
-    """A duration as a person reads it: ``45 s``, ``12 min``, ``3.5 h``, ``9.9 d``."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172_800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
 
 
 def short_id(value: uuid.UUID | str | None) -> str:

@@ -72,3 +72,14 @@ class SchemaNotReady(QoOpsError):
 
 class BadInput(QoOpsError):
     """A command-line or API argument is invalid; nothing was changed."""
+
+
+def age_text(seconds: float) -> str:
+    """A duration as a person reads it: ``45 s``, ``12 min``, ``3.5 h``, ``9.9 d``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"

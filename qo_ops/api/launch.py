@@ -45,7 +45,7 @@ def launch(
         SCOPE_TAG: f"{spec.name}:{scope.key}",
     }
     if scope.window_start is not None:
-        tags[WINDOW_TAG] = f"{scope.window_start}..{scope.window_end}"
+        tags[WINDOW_TAG] = scope.text.partition("/")[2]  # the days, the last included
     config = {  # mirrors the accepted row, so the launchpad shows what will run
         "mode": rr.mode,
         **({"reason": rr.reason} if rr.reason else {}),

@@ -148,7 +148,7 @@ def run_command(
     from qo_ops.jobs.catalog import get_spec
     from qo_ops.platform.manners import DownstreamCalls
     from qo_ops.platform.runner import run_job
-    from qo_ops.platform.spec import RunOptions
+    from qo_ops.platform.spec import RunOptions, scope_text
     from qo_ops.platform.telemetry import EVENT_LOGGER, configure_event_logging
 
     spec = get_spec(job)
@@ -187,6 +187,7 @@ def run_command(
         emit_json(summary.as_dict())
     else:
         data = summary.as_dict()
+        data["scope"] = scope_text(data["scope"])  # the days it covers, the last included
         for key in SUMMARY_KEYS:
             typer.echo(f"{key}={'' if data[key] is None else data[key]}")
         for key in ("status_reason", "error_code", "error_text"):

@@ -204,6 +204,7 @@ def checkpoint_show_command(
     """The tenant's checkpoints of JOB (within --from/--to), and whether a run holds each."""
     from qo_ops.jobs.catalog import get_spec
     from qo_ops.platform.recovery import Checkpoints, checkpoint_days, checkpoints
+    from qo_ops.platform.spec import scope_text
 
     spec = get_spec(job)
     if not tenant:
@@ -226,7 +227,7 @@ def checkpoint_show_command(
         ["scope", "saved", "by run", "run holds it", "cursor"],
         [
             [
-                r.scope,
+                scope_text(r.scope),
                 when_text(r.updated_at),
                 short_id(r.job_run_id),
                 "yes" if r.held else "no",

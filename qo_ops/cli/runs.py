@@ -58,7 +58,7 @@ def status_command(
     downstream breaker that is not closed."""
     from qo_ops.jobs.catalog import CATALOG, get_spec
     from qo_ops.platform.control import suspensions
-    from qo_ops.platform.spec import Scope
+    from qo_ops.platform.spec import Scope, scope_text
     from qo_ops.platform.status import breaker_status, job_status, summarize, with_backlog
     from qo_ops.platform.tenants import tenant_exists
 
@@ -169,7 +169,7 @@ def status_command(
         [
             [
                 r.job_name,
-                r.scope,
+                scope_text(r.scope),
                 when_text(r.last_run_at),
                 (r.last_mode or "-").replace("_", "-"),
                 (r.last_status or "-") + (" (running)" if r.running else ""),
@@ -203,7 +203,7 @@ def runs_command(
     from qo_ops.jobs.catalog import get_spec
     from qo_ops.platform.manners import DownstreamCalls
     from qo_ops.platform.runs import list_runs
-    from qo_ops.platform.spec import Scope
+    from qo_ops.platform.spec import Scope, scope_text
 
     spec = get_spec(job) if job is not None else None
     if not 1 <= limit <= 1000:
@@ -235,7 +235,7 @@ def runs_command(
                 short_id(r.id),
                 short_id(r.dagster_run_id),
                 *([] if spec else [r.job_name]),
-                r.scope,
+                scope_text(r.scope),
                 r.started_at.astimezone(UTC).strftime("%Y-%m-%d %H:%MZ"),  # --json: to the µs
                 r.mode,
                 r.trigger_type,

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 # (no `from __future__ import annotations`: Dagster reads these annotations at decoration time)
 from typing import Any
@@ -36,7 +37,7 @@ from qo_ops.dagster_defs.submission import (
     with_run_facts,
 )
 from qo_ops.db.availability import is_unavailable
-from qo_ops.errors import QoOpsError, one_line
+from qo_ops.errors import QoOpsError, age_text, one_line
 from qo_ops.platform.counts import COLUMNS
 from qo_ops.platform.manners import DownstreamCalls
 from qo_ops.platform.overdue import Backlog, tenant_backlog
@@ -47,6 +48,7 @@ from qo_ops.platform.spec import (
     RunOptions,
     Scope,
     check_consent,
+    scope_text,
 )
 from qo_ops.platform.stopping import TERMINATED
 from qo_ops.platform.telemetry import EVENT_LOGGER
@@ -57,6 +59,20 @@ KEPT_RIGHT = ("success", "no_work", "partial_success")  # an execute run that ke
 
 
 REPORT_COLUMNS = (("kind", "string"), ("name", "string"), ("count", "int"), ("detail", "string"))
+
+
+AGES = {"oldest_due_age_s": "oldest_due_age", "checkpoint_age_s": "checkpoint_age"}
+
+
+def human_ages(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The ages in ``metadata`` in whole seconds (plotted run after run) and beside each the
+    same age as a person reads it: ``oldest_due_age_s 857693``, ``oldest_due_age 9.9 d``."""
+    ages: dict[str, Any] = {}
+    for key, text in AGES.items():
+        if isinstance(metadata.get(key), int | float):
+            ages[key] = round(metadata[key])
+            ages[text] = age_text(metadata[key])
+    return ages
 
 
 def report_table(summary: RunSummary) -> dg.TableMetadataValue:
@@ -101,9 +117,12 @@ def summary_metadata(summary: RunSummary, scope: Scope | None = None) -> dict[st
     )
     data = summary.as_dict()
     metadata: dict[str, Any] = {k: data[k] for k in keys if data.get(k) is not None}
-    if scope is not None and scope.window_start is not None:
-        metadata["window_start"] = scope.window_start.isoformat()
-        metadata["window_end"] = scope.window_end.isoformat() if scope.window_end else ""
+    if "scope" in metadata:  # as a person reads it: the days it covers, the last included
+        metadata["scope"] = scope_text(metadata["scope"])
+    if scope is not None and scope.window_start is not None and scope.window_end is not None:
+        metadata["first_day"] = scope.window_start.isoformat()
+        metadata["last_day"] = (scope.window_end - timedelta(days=1)).isoformat()
+    metadata |= human_ages(metadata)
     calls = DownstreamCalls.from_tally(summary.tally)
     if calls is not None:  # numbers, so that Dagster plots them run after run
         for key, value in calls.as_dict().items():
@@ -132,6 +151,7 @@ def outcome_event(
     if mismatches:
         figures["mismatches"] = sum(mismatches)
     metadata = {k: v for k, v in figures.items() if v is not None}
+    metadata |= human_ages(metadata)
     metadata |= {
         "status": summary.status,
         "job": summary.job_name,
@@ -143,7 +163,7 @@ def outcome_event(
         "failed_count": summary.counts.failed,
     }
     if scope.window_start is not None:
-        metadata["run_scope"] = scope.key  # the window the run itself covered
+        metadata["run_scope"] = scope.text  # the days the run itself covered
     kept_right = summary.mode == "execute" and summary.status in KEPT_RIGHT
     event = dg.AssetMaterialization if kept_right else dg.AssetObservation
     return event(asset_key=asset_key, partition=scope.tenant_id, metadata=metadata)

@@ -83,11 +83,34 @@ class Scope:
         )
 
     @property
+    def text(self) -> str:
+        """The scope as a person reads it (:func:`scope_text`): the last day included."""
+        return scope_text(self.key)
+
+    @property
     def key(self) -> str:
-        """The lease and checkpoint key: ``tenant-001`` or ``tenant-001/2026-01-01..2026-01-02``."""
+        """The lease and checkpoint key: ``tenant-001`` or ``tenant-001/2026-01-01..2026-01-02``
+        (end exclusive: the database's form; people read :attr:`text`)."""
         if self.window_start is None:
             return self.tenant_id
         return f"{self.tenant_id}/{self.window_start.isoformat()}..{self.window_end.isoformat()}"  # type: ignore[union-attr]
+
+
+def scope_text(scope_key: str) -> str:
+    """A scope key as a person reads it: the days it covers, the last one included, as
+    ``qo-ops run --from/--to`` and a backfill's plan write them. The key's end is exclusive
+    (``tenant-001/2026-12-01..2026-12-02`` covers one day), so it is shown
+    ``tenant-001/2026-12-01``; ``…/2026-11-20..2026-12-05`` is shown ``…/2026-11-20..2026-12-04``.
+    A key that is not a window (a tenant, a chunk) is shown as it is."""
+    tenant, _, window = scope_key.partition("/")
+    first, dots, end = window.partition("..")
+    try:
+        start, last = date.fromisoformat(first), date.fromisoformat(end) - timedelta(days=1)
+    except ValueError:
+        return scope_key
+    if not dots or last < start:
+        return scope_key
+    return f"{tenant}/{start.isoformat()}" + ("" if last == start else f"..{last.isoformat()}")
 
 
 def tenant_of(scope_key: str) -> str:

@@ -111,7 +111,7 @@ def test_runs_launched_through_the_api_execute_in_dagster(loaded, logins, api_fa
         # the run's partition is the window's first day; its tenant is in run config
         priced_run = instance.get_run_by_id(priced_row.dagster_run_id)
         assert priced_run.tags["dagster/partition"] == "2026-02-01"
-        assert priced_run.tags["qo_ops/window"] == "2026-02-01..2026-02-03"
+        assert priced_run.tags["qo_ops/window"] == "2026-02-01..2026-02-02"  # the last included
         priced_config = priced_run.run_config["ops"]["pricing_snapshot_recalculation_op"]["config"]
         assert priced_config["tenants"] == ["tenant-002"]
 

@@ -51,7 +51,7 @@ from qo_ops.platform.overdue import (
 )
 from qo_ops.platform.partition_keys import partition_key_for
 from qo_ops.platform.runner import count_eligible, run_job
-from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope
+from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope, scope_text
 from qo_ops_tests.conftest import approval_config, standing_approval
 
 TENANT = "tenant-001"
@@ -896,6 +896,6 @@ def test_a_windowed_run_plots_the_tenants_whole_backlog(env, job_name):
     ]
     assert point.metadata["backlog"].value == left
     assert point.partition == TENANT
-    assert point.metadata["run_scope"].value == summary["scope"]
+    assert point.metadata["run_scope"].value == scope_text(summary["scope"])
     if spec.lag is not None:  # and its age is the oldest of them, however old its day
         assert point.metadata["oldest_due_age_s"].value > (last_due - day).days * 86400

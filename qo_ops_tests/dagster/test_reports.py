@@ -14,7 +14,7 @@ from qo_ops.platform.overdue import backlog_scope, database_now
 from qo_ops.platform.partition_keys import MODE_TAG, scope_from_partition_key
 from qo_ops.platform.report import REPORT_SAMPLE
 from qo_ops.platform.selection import count_eligible
-from qo_ops.platform.spec import BatchContext
+from qo_ops.platform.spec import BatchContext, scope_text
 from qo_ops_tests.conftest import approval_config
 from qo_ops_tests.dagster.test_jobs import SPECS, _run, _summary, work_partition
 
@@ -88,7 +88,10 @@ def test_a_dry_run_reports_its_sample_with_the_change_execute_would_make(
     for name in ("fencing_token", "duration_ms", "eligible_count"):
         assert name not in metadata or isinstance(metadata[name].value, (int, float))
     if spec.partitioning == "tenant_day":
-        assert metadata["window_start"].value < metadata["window_end"].value
+        # one day's partition: its first and last day are that day (the last included)
+        partition = work_partition(loaded, job_name)  # what _run ran
+        assert metadata["first_day"].value == metadata["last_day"].value == partition
+        assert metadata["scope"].value == f"tenant-001/{partition}"
     (outcome,) = _outcome_events(result, instance, job_name)  # a dry run changes nothing:
     assert isinstance(outcome, dg.AssetObservation)  # observed, not materialized
     assert outcome.partition == "tenant-001"
@@ -131,7 +134,9 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
     assert figures["status"].value == summary["status"]
     assert figures["job_run_id"].value == summary["job_run_id"]
     if spec.partitioning == "tenant_day":
-        assert figures["run_scope"].value == summary["scope"]
+        assert (
+            figures["run_scope"].value == scope_text(summary["scope"]) == f"tenant-001/{partition}"
+        )
     if not spec.uses_checkpoint and not spec.dry_run_scans:
         # what is still due for the tenant, every day of it, from the job's own selection
         with loaded.engine.connect() as conn:

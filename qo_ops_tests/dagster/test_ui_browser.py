@@ -400,9 +400,11 @@ def test_windowed_run_page_shows_its_window_and_report(
     try:
         dialog = _open_report(page, deployment, "window")
         day = deployment.window_partition  # a windowed job's partition is its day
-        for key in ("window_start", "window_end", "fencing_token"):
+        for key in ("first_day", "last_day", "fencing_token"):
             expect(dialog.get_by_text(key, exact=True)).to_be_visible()
-        expect(_metadata_value(dialog, "window_start")).to_contain_text(day)
+        # one day: the first and the last day are that day (the last included)
+        expect(_metadata_value(dialog, "first_day")).to_have_text(day)
+        expect(_metadata_value(dialog, "last_day")).to_have_text(day)
         table = _report_table(dialog)
         _centre(table)
         expect(table.locator("td", has_text=_exact(day)).first).to_be_visible()  # per-day rows

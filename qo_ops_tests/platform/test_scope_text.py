@@ -1,0 +1,41 @@
+"""One way to write a date range where a person reads it: the days covered, the last one
+included (as `qo-ops run --from/--to` and a backfill's plan take them), while the database
+keeps its end-exclusive scope keys."""
+
+from datetime import date
+
+import pytest
+
+from qo_ops.errors import age_text
+from qo_ops.platform.spec import Scope, scope_text
+
+
+@pytest.mark.parametrize(
+    ("key", "shown"),
+    [
+        ("tenant-001", "tenant-001"),  # a tenant job's scope
+        ("tenant-001/2026-12-01..2026-12-02", "tenant-001/2026-12-01"),  # `--date 2026-12-01`
+        ("tenant-001/2026-11-20..2026-12-05", "tenant-001/2026-11-20..2026-12-04"),
+        ("tenant-001/2026-12-31..2027-01-01", "tenant-001/2026-12-31"),  # across a year
+        ("2: tenant-001..tenant-002", "2: tenant-001..tenant-002"),  # a chunk: not a window
+        ("tenant-001/not-a-day..2026-12-02", "tenant-001/not-a-day..2026-12-02"),
+    ],
+)
+def test_a_scope_key_reads_as_the_days_it_covers(key, shown):
+    assert scope_text(key) == shown
+
+
+def test_a_scope_of_days_reads_as_the_days_it_was_given():
+    first, last = date(2026, 11, 20), date(2026, 12, 4)
+    scope = Scope.days("tenant-001", first, last)
+    assert scope.key == "tenant-001/2026-11-20..2026-12-05"  # the database's form, unchanged
+    assert scope.text == "tenant-001/2026-11-20..2026-12-04"
+    assert Scope.days("tenant-001", first, first).text == "tenant-001/2026-11-20"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(45.4, "45 s"), (720, "12 min"), (12_600, "3.5 h"), (857_692.626891, "9.9 d")],
+)
+def test_an_age_reads_in_a_unit_a_person_reads(seconds, text):
+    assert age_text(seconds) == text
