@@ -533,6 +533,27 @@ def _events(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _demo_runs_by_location(db) -> dict[str, tuple[str | None, int]]:
+    """Each job's demo runs as the UI finds them: the runs carrying the code location's tag
+    (the job's Runs tab filters on it), and the location of their origin (the timeline's)."""
+    import dagster as dg
+
+    from qo_ops.dagster_defs.instance import local_location_tags
+    from qo_ops.db.engine import DatabaseTarget
+
+    storage = DatabaseTarget(db.url).dagster_storage_url()
+    found: dict[str, tuple[str | None, int]] = {}
+    with dg.instance_for_test(
+        overrides={"storage": {"postgres": {"postgres_url": storage}}}
+    ) as instance:
+        for run in instance.get_runs(filters=dg.RunsFilter(tags=local_location_tags())):
+            origin = run.remote_job_origin
+            where = origin.repository_origin.code_location_origin.location_name if origin else None
+            seen = found.get(run.job_name, (where, 0))
+            found[run.job_name] = (where if seen[0] == where else "mixed", seen[1] + 1)
+    return found
+
+
 def test_demo_dagster_runs_every_catalog_job_through_dagster(db, pg_server, tmp_path):
     """`make demo`'s Dagster step: every catalog job executed through real Dagster for one
     tenant (a windowed job: its latest day with work, the tenant in run config), each run a
@@ -550,6 +571,7 @@ def test_demo_dagster_runs_every_catalog_job_through_dagster(db, pg_server, tmp_
         again = run_cli(
             ["demo-dagster", "--tenant", TENANT, "--json", "--verbose"], env, timeout=600
         )
+        placed = _demo_runs_by_location(db)
     finally:  # the Dagster storage it created next to the test's database
         drop_database(pg_server, f"{db.url.database}_dagster")
     assert result.code == 0, (result.stdout, result.stderr)
@@ -588,6 +610,9 @@ def test_demo_dagster_runs_every_catalog_job_through_dagster(db, pg_server, tmp_
             )
         ).all()
     assert sorted({r.job_name for r in ran}) == sorted(CATALOG)
+    # each Dagster run is in the code location the UI serves (workspace.yaml's): the job's
+    # Runs tab (by its tag) and the Overview timeline (by its origin) show it
+    assert placed == {name: ("qo_ops.definitions", 2) for name in CATALOG}
     assert {(r.scope.split("/")[0], r.mode, r.trigger_type) for r in ran} == {
         (TENANT, "execute", "manual")
     }

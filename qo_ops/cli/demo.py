@@ -153,6 +153,8 @@ class DemoRun:
     error: str | None  # the failed step's one line, when the Dagster run failed
 
     def lines(self) -> list[str]:
+        from qo_ops.platform.spec import scope_text
+
         """Two or three lines: what ran and how it ended, its counts, its checks."""
         counts = (
             f"eligible {self.eligible_count:,}, processed {self.processed_count:,}, "
@@ -162,7 +164,7 @@ class DemoRun:
             else "no counts: the runner did not finish"
         )
         out = [
-            f"{self.job_name} · {self.scope} · {self.mode}: {self.status}"
+            f"{self.job_name} · {scope_text(self.scope)} · {self.mode}: {self.status}"
             f" (dagster run {self.dagster_run_id[:SHORT_ID]}"
             f"{'' if self.dagster_success else ' FAILED'})",
             f"  {counts}",
@@ -245,7 +247,11 @@ def demo_dagster_command(
     import dagster as dg
 
     from qo_ops.config import load_settings
-    from qo_ops.dagster_defs.instance import prepare_dagster_home
+    from qo_ops.dagster_defs.instance import (
+        local_location_tags,
+        place_in_local_location,
+        prepare_dagster_home,
+    )
     from qo_ops.db.engine import resolve_target
     from qo_ops.definitions import build_definitions
     from qo_ops.jobs.catalog import CATALOG
@@ -311,8 +317,10 @@ def demo_dagster_command(
                     "ops": {f"{spec.name}_op": {"config": op_config}},
                     **({} if verbose else {"loggers": QUIET_CONSOLE}),
                 },
+                tags=local_location_tags(),  # the job's Runs tab counts it
                 raise_on_error=False,
             )
+            place_in_local_location(instance, result.run_id)  # and the Overview timeline
             runs.append(_demo_run(spec, tenant, result))
             if not as_json:
                 for line in runs[-1].lines():

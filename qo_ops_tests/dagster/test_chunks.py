@@ -74,3 +74,20 @@ def test_a_person_naming_an_unknown_tenant_is_refused_before_any_tenant_runs(
     )
     with loaded.engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM job_run").scalar() == 0
+
+
+def test_a_tenant_inside_a_chunk_is_found_by_qo_ops_runs(defs, loaded, instance):
+    """A chunk's tags name its range, not each tenant (lean tags): `qo-ops runs --tenant T`
+    finds the tenant's run inside the chunk, with the chunk's Dagster run id (short, as the
+    Runs list shows it) to open in the UI."""
+    from qo_ops_tests.conftest import base_env, run_cli
+
+    result = _chunk(defs, instance, ["tenant-001", "tenant-002"])
+    assert result.success
+    env = base_env(QO_OPS_DATABASE_URL=loaded.env_url)
+    found = run_cli(["runs", "--tenant", "tenant-002"], env)
+    assert found.code == 0, found.stderr
+    rows = [line for line in found.stdout.splitlines() if result.run_id[:8] in line]
+    assert len(rows) == 1 and "tenant-002" in rows[0] and JOB in rows[0], found.stdout
+    other = run_cli(["runs", "--tenant", "tenant-003"], env)  # not in the chunk
+    assert other.code == 0 and result.run_id[:8] not in other.stdout

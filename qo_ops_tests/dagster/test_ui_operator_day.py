@@ -12,6 +12,8 @@ loopback over PostgreSQL storage with demo data, pages opened in headless Chromi
 - "Execute all" on the Checks tab of every outcome asset (clicked in the browser) runs each
   of its checks on every tenant's partition and never crashes: a failing check is a judged
   tenant, not a stack trace;
+- a run executed in process as `make demo` does is on its job's Runs tab and the Overview
+  timeline;
 - Dagster's own Launch backfill over three days of a windowed job (no run config, no YAML)
   is one entry in the Backfills list, its page shows it completed, and each day's run
   covered every tenant.
@@ -72,6 +74,7 @@ class Day:
     refused: str  # the Launchpad execute without an approval
     approved: str  # the same, citing one
     backfill: str  # Dagster's own backfill of three days of WINDOWED
+    in_process: str  # a run executed in process as `make demo` does, placed in the location
 
 
 def _launch(client: DagsterGraphQLClient, job: str, tenant: str, config: dict) -> str:
@@ -144,6 +147,7 @@ def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
                 120,
                 "the backfill to be marked completed",
             )
+            in_process = _as_the_demo_runs(db, instance)
             # outside_runs_sensor (every 30 s) puts the CLI's run on FIXED's partition
             wait_for(lambda: FIXED in instance.get_materialized_partitions(QUOTES), 120, "it")
             judged = dg.RunsFilter(
@@ -157,7 +161,28 @@ def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
                 180,
                 "the checks of the tenants executed from the CLI",
             )
-            yield Day(db, instance, f"http://127.0.0.1:{port}", refused, approved, backfill)
+            url = f"http://127.0.0.1:{port}"
+            yield Day(db, instance, url, refused, approved, backfill, in_process)
+
+
+def _as_the_demo_runs(db: Database, instance: dg.DagsterInstance) -> str:
+    """A dry run of quote_expiration for UNTOUCHED executed in this process, as `make demo`
+    executes its runs (``qo_ops/cli/demo.py``), placed in the code location the same way."""
+    from qo_ops.dagster_defs.instance import local_location_tags, place_in_local_location
+    from qo_ops.dagster_defs.resources import QoOpsDatabase
+    from qo_ops.definitions import build_definitions
+
+    job = build_definitions().resolve_job_def("quote_expiration")
+    result = job.execute_in_process(
+        partition_key=UNTOUCHED,
+        instance=instance,
+        run_config={"ops": {"quote_expiration_op": {"config": {"mode": "dry_run"}}}},
+        resources={"database": QoOpsDatabase(url=db.env_url)},
+        tags=local_location_tags(),
+    )
+    assert result.success
+    place_in_local_location(instance, result.run_id)
+    return result.run_id
 
 
 @pytest.fixture(scope="module")
@@ -336,3 +361,22 @@ def _evaluation_passed(events: list, check: str, tenant: str) -> bool:
         and e.dagster_event.event_specific_data.partition == tenant
     ]
     return bool(found[-1].passed)
+
+
+def test_a_run_executed_in_process_as_the_demo_does_is_on_its_jobs_runs_tab_and_the_timeline(
+    page: Page, day: Day, shots: Path
+):
+    """`make demo` executes its runs in process; they were missing from the job's Runs tab
+    and the Overview timeline ("No runs or scheduled ticks"), which find a run by its code
+    location."""
+    from playwright.sync_api import expect
+
+    short = day.in_process[:8]
+    try:
+        page.goto(f"{day.url}/locations/qo_ops.definitions/jobs/quote_expiration/runs")
+        expect(page.get_by_text(short, exact=True).first).to_be_visible()
+        page.goto(f"{day.url}/overview/activity/timeline")
+        expect(page.get_by_text("No runs or scheduled ticks")).to_have_count(0)
+        expect(page.get_by_text("quote_expiration", exact=True).first).to_be_visible()
+    finally:
+        save_screenshot(page, shots, "timeline-demo-runs", publish=False)
