@@ -466,6 +466,22 @@ def finish_single(spec: JobSpec, outcome: TenantOutcome) -> dg.Output[dict[str, 
     return dg.Output(summary.as_dict(), metadata=metadata)
 
 
+def launchpad_config(spec: JobSpec) -> dict[str, Any]:
+    """The config the Launchpad shows once a partition is picked: the mode the run will have
+    (a dry run, until a person writes ``execute``) and, empty, what an execute needs (a
+    reason; a destructive job's approval; a windowed job's tenants). Dagster's "Scaffold
+    missing config" adds only required fields, and every field here is optional. Schedules,
+    sensors and qo-ops's own backfills give their runs config of their own; a backfill
+    launched from Dagster's dialog gets this, and its ``qo_ops/mode`` tag decides
+    (``resolve_mode``)."""
+    config: dict[str, Any] = {"mode": "dry_run", "reason": None}
+    if spec.destructive:
+        config["approval"] = None
+    if spec.partitioning == "tenant_day":
+        config["tenants"] = None
+    return {"ops": {f"{spec.name}_op": {"config": config}}}
+
+
 def job_description(spec: JobSpec) -> str:
     """The job's description in the UI: what it does, its safe default, how to execute."""
     lines = [spec.description + "."]
@@ -550,7 +566,7 @@ def build_job(spec: JobSpec) -> dg.JobDefinition:
         partitions_def=partitions_def,
         config=dg.PartitionedConfig(
             partitions_def=partitions_def,
-            run_config_for_partition_key_fn=lambda _key: {},
+            run_config_for_partition_key_fn=lambda _key: launchpad_config(spec),
             tags_for_partition_key_fn=lambda key: scope_tag(spec, key),
         ),
         executor_def=dg.in_process_executor,

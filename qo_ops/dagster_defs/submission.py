@@ -75,8 +75,12 @@ def trigger_from_tags(tags: Mapping[str, str]) -> Trigger:
 
 
 def resolve_mode(config_mode: str | None, tags: Mapping[str, str], trigger: Trigger) -> str:
-    """Config wins, then the mode tag (backfills; a retry has its parent's), then: schedules
-    and sensors execute, everything a person started is a dry run."""
+    """A backfill's mode tag first: Dagster gives a backfill's runs no run config but the
+    partition's own, whose ``mode: dry_run`` is the Launchpad's default (``launchpad_config``),
+    not a person's choice (dagster#10079). Otherwise config wins, then the mode tag (a retry
+    has its parent's), then: schedules and sensors execute, what a person started dry-runs."""
+    if trigger == "backfill" and tags.get(MODE_TAG) in ("dry_run", "execute"):
+        return tags[MODE_TAG]
     if config_mode is not None:
         return config_mode
     if tags.get(MODE_TAG) in ("dry_run", "execute"):

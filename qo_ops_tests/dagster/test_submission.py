@@ -83,6 +83,36 @@ def test_a_retry_of_a_persons_run_is_that_persons_dry_run_unless_its_parent_exec
     assert kept.validated().reason == "INC-2"
 
 
+def test_the_launchpad_shows_the_mode_a_partition_will_run_in_and_a_backfill_tag_decides():
+    """Picking a partition in the Launchpad loads the partition's config: ``mode: dry_run``
+    and, empty, what an execute needs (issue 41: the mode was invisible before launch, and
+    "Scaffold missing config" adds only required fields). A run a person launches with it
+    dry-runs; one whose config says execute executes. A run of Dagster's own backfill gets the
+    same partition config (no run config, dagster#10079): its ``qo_ops/mode`` tag decides."""
+    from qo_ops.definitions import build_definitions
+    from qo_ops.jobs.catalog import CATALOG
+
+    defs = build_definitions()
+    for spec in CATALOG.values():
+        job = defs.resolve_job_def(spec.name)
+        key = "2026-12-01" if spec.partitioning == "tenant_day" else "tenant-001"
+        shown = job.partitioned_config.get_run_config_for_partition_key(key)  # type: ignore[union-attr]
+        config = shown["ops"][f"{spec.name}_op"]["config"]
+        assert config["mode"] == "dry_run" and config["reason"] is None, spec.name
+        assert ("approval" in config) is spec.destructive, spec.name
+        assert ("tenants" in config) is (spec.partitioning == "tenant_day"), spec.name
+        dg.validate_run_config(job, shown)  # the Launchpad launches it as shown
+    as_shown = {"mode": "dry_run", "reason": None}
+    assert run_options(as_shown, {}, "r1").mode == "dry_run"  # the Launchpad, unchanged
+    assert run_options({**as_shown, "mode": "execute"}, {}, "r1").mode == "execute"
+    backfill = {"dagster/backfill": "b1"}
+    assert run_options(as_shown, {**backfill, MODE_TAG: "execute"}, "r1").mode == "execute"
+    assert run_options(as_shown, backfill, "r1").mode == "dry_run"  # untagged: a dry run
+    # a retry of a person's run copies the config the person launched, not a tag: config wins
+    retried = {**PARENT, "dagster/retry_number": "1", MODE_TAG: "execute"}
+    assert run_options(as_shown, retried, "r3").mode == "dry_run"
+
+
 def _coordinated_instance():
     return dg.instance_for_test(
         overrides={

@@ -380,3 +380,44 @@ def test_a_run_executed_in_process_as_the_demo_does_is_on_its_jobs_runs_tab_and_
         expect(page.get_by_text("quote_expiration", exact=True).first).to_be_visible()
     finally:
         save_screenshot(page, shots, "timeline-demo-runs", publish=False)
+
+
+def test_the_launchpad_shows_the_mode_once_a_tenant_is_picked_and_launches_a_dry_run(
+    page: Page, day: Day, shots: Path
+):
+    """Launchpad, clicked as a person does: picking a tenant fills the editor with the
+    partition's config, ``mode: dry_run`` and the empty ``reason``; Launch Run as shown runs
+    a dry run (nothing changes for UNTOUCHED)."""
+    from playwright.sync_api import expect
+
+    try:
+        page.goto(f"{day.url}/locations/qo_ops.definitions/jobs/quote_expiration/playground")
+        editor = page.locator(".CodeMirror").first
+        expect(editor).not_to_contain_text("mode:")  # no partition yet: nothing to show
+        picker = page.get_by_role("combobox", name="Partition")
+        picker.click()
+        picker.fill(UNTOUCHED)
+        picker.press("Enter")
+        expect(editor).to_contain_text(re.compile(r"mode: '?dry_run'?"))  # YAML may quote it
+        expect(editor).to_contain_text("reason: null")
+        expect(page.get_by_text("No errors")).to_be_visible()
+        save_screenshot(page, shots, "launchpad-mode")
+        before = {r.run_id for r in day.instance.get_runs()}
+        page.get_by_role("button", name="Launch Run").click()
+
+        def launched() -> list[dg.DagsterRun]:
+            return [r for r in day.instance.get_runs(limit=5) if r.run_id not in before]
+
+        wait_for(lambda: len(launched()) == 1, 60, "the Launchpad's run")
+        (run,) = launched()
+        assert run.job_name == "quote_expiration" and run.tags["dagster/partition"] == UNTOUCHED
+        wait_for(lambda: _status(day.instance, run.run_id) in FINISHED, 180, "the dry run")
+        assert _status(day.instance, run.run_id) == dg.DagsterRunStatus.SUCCESS
+    finally:
+        save_screenshot(page, shots, "launchpad-launched", publish=False)
+    with day.db.engine.connect() as conn:
+        mode, trigger, scope = conn.execute(
+            sa.text("SELECT mode, trigger_type, scope FROM job_run WHERE dagster_run_id = :r"),
+            {"r": run.run_id},
+        ).one()
+    assert (mode, trigger, scope) == ("dry_run", "manual", UNTOUCHED)
