@@ -217,7 +217,9 @@ def test_the_archive_volume_is_shared_by_every_run():
 
 @pytest.fixture(scope="module")
 def catalog_jobs():
-    defs = build_definitions()
+    with pytest.MonkeyPatch.context() as env:  # a code location in the chart's pod
+        env.setenv("K8S_POD_NAME", "qo-ops-code-location-0")
+        defs = build_definitions()
     return {name: defs.resolve_job_def(name) for name in CATALOG}
 
 

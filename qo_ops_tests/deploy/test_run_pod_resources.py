@@ -28,7 +28,9 @@ TAG_KEYS = {
 
 @pytest.fixture(scope="module")
 def run_tags():
-    defs = build_definitions()
+    with pytest.MonkeyPatch.context() as env:  # a code location in the chart's pod
+        env.setenv("K8S_POD_NAME", "qo-ops-code-location-0")
+        defs = build_definitions()
     return {name: dict(defs.resolve_job_def(name).run_tags) for name in CATALOG}
 
 
@@ -86,3 +88,17 @@ def test_run_resources_refuse_what_kubernetes_would_refuse():
         RunResources(memory_request="2Gi", memory_limit="1Gi")
     assert memory_bytes("1536Mi") == memory_bytes("1Gi") + 512 * 2**20
     assert RunResources(cpu_request="1.5").cpu_request == "1.5"
+
+
+def test_outside_a_kubernetes_pod_runs_carry_no_pod_size(monkeypatch):
+    """`make ui` and the demo: no dagster-k8s/config JSON on every row of the Runs list
+    (issue 41); no run launcher there reads it."""
+    for name in ("K8S_POD_NAME", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    defs = build_definitions()
+    for name in CATALOG:
+        tags = defs.resolve_job_def(name).run_tags
+        assert K8S_CONFIG_TAG not in tags and tags["qo_ops/job"] == name, name
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # any pod, chart or not
+    tags = build_definitions().resolve_job_def("quote_expiration").run_tags
+    assert K8S_CONFIG_TAG in tags
