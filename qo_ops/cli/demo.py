@@ -153,9 +153,9 @@ class DemoRun:
     error: str | None  # the failed step's one line, when the Dagster run failed
 
     def lines(self) -> list[str]:
+        """Two or three lines: what ran and how it ended, its counts, its checks."""
         from qo_ops.platform.spec import scope_text
 
-        """Two or three lines: what ran and how it ended, its counts, its checks."""
         counts = (
             f"eligible {self.eligible_count:,}, processed {self.processed_count:,}, "
             f"changed {self.succeeded_count:,}, failed {self.failed_count:,}"

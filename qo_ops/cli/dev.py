@@ -119,10 +119,11 @@ STOP_STEPS = ((signal.SIGINT, 6.0), (signal.SIGTERM, 2.5), (signal.SIGKILL, 1.0)
 def _wait_for_dagster_dev(
     dev: subprocess.Popen[bytes], every_second: Callable[[], None] = lambda: None
 ) -> tuple[int, bool]:
-    """``dagster dev``'s exit code, and whether a stop was asked for. On Ctrl-C, or a SIGINT, SIGTERM or SIGHUP to qo-ops alone,
-    Dagster's whole process group is stopped (:data:`STOP_STEPS`) before qo-ops returns:
-    nothing it started is left behind, whichever process got the signal and whatever was
-    running (a run a sensor had just launched holds up a code server's own shutdown).
+    """``dagster dev``'s exit code, and whether a stop was asked for. On Ctrl-C, or a SIGINT,
+    SIGTERM or SIGHUP to qo-ops alone, Dagster's whole process group is stopped
+    (:data:`STOP_STEPS`) before qo-ops returns: nothing it started is left behind, whichever
+    process got the signal and whatever was running (a run a sensor had just launched holds
+    up a code server's own shutdown).
     While it runs, ``every_second`` is called once a second (the simulator's watch)."""
 
     def stop(signum: int, frame: Any) -> None:  # Ctrl-C, a supervisor's SIGTERM, a closed terminal
