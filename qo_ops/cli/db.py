@@ -21,10 +21,26 @@ db_app = typer.Typer(help="Create, upgrade or downgrade the qo-ops schema.", no_
 @db_app.command("upgrade")
 def db_upgrade(
     revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
+    contract: Annotated[
+        bool,
+        typer.Option(
+            "--contract",
+            help="Also apply contract steps (they remove what older releases use): refused "
+            "while a run of older code holds a lease or is running.",
+        ),
+    ] = False,
+    reason: Annotated[str | None, typer.Option(help="Why (recorded with the upgrade).")] = None,
+    requester: Annotated[
+        str | None, typer.Option(help="Who asks (default: os:<login name>).")
+    ] = None,
 ) -> None:
-    """Migrate the schema up (idempotent: a no-op when already at the target)."""
+    """Migrate the schema up, one short transaction per migration, while qo-ops runs.
+
+    Expand steps only (the previous release keeps working); contract steps with --contract.
+    Idempotent: a no-op when already at the target."""
     import sqlalchemy as sa
 
+    from qo_ops.cli_support import resolve_requester
     from qo_ops.db import migrate
     from qo_ops.db.engine import ensure_database, get_engine, resolve_target
 
@@ -38,11 +54,91 @@ def db_upgrade(
             typer.echo(
                 f"note: could not create database {dagster_db} for Dagster's storage", err=True
             )
-    before = migrate.current_revision(engine)
-    migrate.upgrade(engine, revision)
-    after = migrate.current_revision(engine)
+    report = migrate.upgrade(
+        engine,
+        revision,
+        contract=contract,
+        requested_by=resolve_requester(requester),
+        reason=reason,
+    )
+    before, after = report.before, report.after
     change = "already at" if before == after else f"upgraded from {before or 'empty'} to"
-    typer.echo(f"schema {change} {after} (head {migrate.head_revision()})")
+    waits = f", {report.lock_timeouts} lock timeout(s) retried" if report.lock_timeouts else ""
+    typer.echo(
+        f"schema {change} {after} (head {migrate.head_revision()}, "
+        f"{report.duration_s:.1f} s{waits})"
+    )
+    if report.pending_contract:
+        typer.echo(
+            f"contract step(s) {', '.join(report.pending_contract)} not applied: they remove "
+            "what older releases use; once no older release runs, `qo-ops db upgrade --contract`"
+        )
+
+
+@db_app.command("status")
+def db_status(as_json: JsonOpt = False) -> None:
+    """The schema's revision, the oldest code it serves, pending steps and recent upgrades."""
+    from qo_ops.db import migrate
+    from qo_ops.db.engine import get_engine
+
+    engine = get_engine()
+    current = migrate.current_revision(engine)
+    serves = migrate.serves_from(engine)
+    pending = migrate.pending_steps(engine)
+    history = migrate.applied_migrations(engine)
+    try:
+        migrate.require_current(engine)
+        verdict = "this code runs on it"
+    except QoOpsError as exc:
+        verdict = str(exc)
+    if as_json:
+        emit_json(
+            {
+                "schema_revision": current,
+                "serves_code_from": serves,
+                "code_revision": migrate.head_revision(),
+                "code_needs": migrate.required_revision(),
+                "pending_expand": [s.revision for s in pending if not s.contract],
+                "pending_contract": [s.revision for s in pending if s.contract],
+                "verdict": verdict,
+                "recent_upgrades": [
+                    {
+                        k: (v.isoformat() if hasattr(v, "isoformat") else v)
+                        for k, v in r._mapping.items()
+                    }
+                    for r in history
+                ],
+            }
+        )
+        return
+    typer.echo(f"schema:      {current or 'empty'}")
+    typer.echo(f"serves code: {serves or '-'} and newer (the oldest release that may still run)")
+    typer.echo(
+        f"this code:   {migrate.head_revision()} (needs {migrate.required_revision()} or "
+        f"newer): {verdict}"
+    )
+    expand = [s.revision for s in pending if not s.contract]
+    contract = [s.revision for s in pending if s.contract]
+    typer.echo(
+        f"pending:     expand {', '.join(expand) or 'none'}; contract {', '.join(contract) or 'none'}"
+    )
+    if history:
+        print_table(
+            "recent upgrades",
+            ["started", "from", "to", "outcome", "by", "lock timeouts", "took"],
+            [
+                [
+                    f"{r.started_at:%Y-%m-%d %H:%M:%S}",
+                    r.from_revision or "empty",
+                    r.to_revision or "empty",
+                    r.outcome,
+                    r.requested_by or "-",
+                    r.lock_timeouts,
+                    f"{r.duration_ms / 1000:.1f} s",
+                ]
+                for r in history
+            ],
+        )
 
 
 @db_app.command("downgrade")
@@ -97,7 +193,12 @@ def info_command(as_json: JsonOpt = False) -> None:
     target = resolve_target()
     engine = get_engine(target)
     current, head = migrate.current_revision(engine), migrate.head_revision()
-    counts = _row_counts(engine) if current == head else {}
+    try:
+        migrate.require_current(engine)
+        ready = True
+    except QoOpsError:
+        ready = False
+    counts = _row_counts(engine) if ready else {}
     if as_json:
         emit_json(
             {
@@ -110,7 +211,13 @@ def info_command(as_json: JsonOpt = False) -> None:
         )
         return
     typer.echo(f"database: {target.display()}")
-    state = "up to date" if current == head else "run `qo-ops db upgrade`"
+    state = (
+        "up to date"
+        if current == head
+        else "runs this code"
+        if ready
+        else "run `qo-ops db upgrade`"
+    )
     typer.echo(f"schema:   {current or 'empty'} (head {head}, {state})")
     if counts:
         print_table("rows per table", ["table", "rows"], [[k, v] for k, v in counts.items()])

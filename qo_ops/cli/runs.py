@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 # The catalog, the platform and SQLAlchemy are imported inside each command (qo_ops.cli_support).
 
+OLD_CODE = "before 0018"  # a run recorded before runs named the code that ran them
 NOTE_FIELD_LIMIT = 100  # characters of one field of a note
 SHORT_RUN_ID = re.compile(rf"[0-9a-f][0-9a-f-]{{{SHORT_ID - 1},34}}")  # a UUID's beginning
 
@@ -165,6 +166,7 @@ def status_command(
             "lease holder",
             "backlog",
             "checkpoint age",
+            "code",
         ],
         [
             [
@@ -178,6 +180,7 @@ def status_command(
                 r.lease_holder or "-",
                 "-" if r.backlog is None else r.backlog,
                 "-" if r.checkpoint_age_s is None else age_text(r.checkpoint_age_s),
+                r.last_code or ("-" if r.last_run_at is None else OLD_CODE),
             ]
             for r in shown
         ],

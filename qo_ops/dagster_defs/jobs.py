@@ -37,6 +37,7 @@ from qo_ops.dagster_defs.submission import (
     with_run_facts,
 )
 from qo_ops.db.availability import is_unavailable
+from qo_ops.db.migrate import code_version
 from qo_ops.errors import QoOpsError, age_text, one_line
 from qo_ops.platform.counts import COLUMNS
 from qo_ops.platform.manners import DownstreamCalls
@@ -123,6 +124,7 @@ def summary_metadata(summary: RunSummary, scope: Scope | None = None) -> dict[st
         metadata["first_day"] = scope.window_start.isoformat()
         metadata["last_day"] = (scope.window_end - timedelta(days=1)).isoformat()
     metadata |= human_ages(metadata)
+    metadata["code_version"] = code_version()  # which release ran it (a rollout has two)
     calls = DownstreamCalls.from_tally(summary.tally)
     if calls is not None:  # numbers, so that Dagster plots them run after run
         for key, value in calls.as_dict().items():

@@ -1,35 +1,109 @@
-"""Schema migrations (Alembic), driven from code: no alembic.ini to find or misconfigure.
+"""Schema migrations (Alembic), driven from code, safe to run while qo-ops runs.
 
-Checking the schema (:func:`require_current`, which every command runs first) needs no
-Alembic: the revision the database is at is one row of the version table, and the revision
-this code needs is :data:`HEAD_REVISION`. Alembic, slow to import, is loaded only to migrate.
+**Two versions side by side.** Each migration is *expand* (the previous release keeps
+working on it: new tables, new nullable columns, indexes built concurrently) or *contract*
+(it removes what an older release uses). ``qo-ops db upgrade`` applies expand steps and
+stops before the first contract step; ``qo-ops db upgrade --contract`` applies contract
+steps, refused while a run of older code still holds a lease or is running. Code refuses
+only a schema older than it needs, or one a contract step made too new for it
+(:func:`require_current`, which every command runs first).
+
+**Two version tables.** Alembic records the revision in ``qo_ops_schema_version``. The old
+table ``qo_ops_alembic_version`` holds *the oldest code revision the schema still serves*:
+releases up to 0017 checked that it equals their own head, so while only expand steps
+follow 0017 it stays ``0017`` and those releases keep running on a newer schema. A contract
+step raises it to its own revision.
+
+**Never stop the business.** One transaction per migration, its version row in the same
+transaction; ``lock_timeout`` and ``statement_timeout`` on every one; a lock timeout rolls
+the migration back (nothing of it applied) and is retried with backoff, a bounded number of
+times, then fails with one line. Indexes on existing tables are built ``CONCURRENTLY``
+outside a transaction (:mod:`qo_ops.db.migrations.safe`). Each ``db upgrade`` is recorded
+in ``schema_migration`` (who, why, from → to, duration, lock timeouts, outcome) once that
+table exists.
+
+Checking the schema needs no Alembic: the revisions are rows of the version tables, and the
+revision this code needs is :data:`HEAD_REVISION`. Alembic, slow to import, is loaded only
+to migrate.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from qo_ops.errors import SchemaNotReady
+from qo_ops.errors import QoOpsError, SchemaNotReady
 
 if TYPE_CHECKING:
     from alembic.config import Config
+    from alembic.script import ScriptDirectory
     from sqlalchemy.engine import Connection
 
+log = logging.getLogger(__name__)
+
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
-VERSION_TABLE = "qo_ops_alembic_version"  # Dagster's storage has an alembic_version of its own
+VERSION_TABLE = "qo_ops_schema_version"  # Alembic's: the revision the schema is at
+SERVES_TABLE = "qo_ops_alembic_version"  # the oldest code revision the schema serves
 MIGRATION_LOCK_KEY = 0x716F6F7073  # advisory lock: two `db upgrade` at once run one after the other
 # The newest revision in migrations/versions/: a new migration moves it (a test holds it to
-# Alembic's head).
-HEAD_REVISION = "0017"
+# Alembic's head), and a contract step is named in CONTRACT_REVISIONS too (a test holds
+# that to each migration's ``phase``).
+HEAD_REVISION = "0018"
+CONTRACT_REVISIONS: frozenset[str] = frozenset()
+# Releases from this revision on check the schema as this module does, or (0017) check the
+# serves table for their own head; the expand steps after it keep serving them.
+FIRST_SIDE_BY_SIDE = "0017"
 
-# Whether the version table exists yet (an empty database has none). Read-only.
-VERSION_TABLE_EXISTS = sa.text("SELECT to_regclass('qo_ops_alembic_version') IS NOT NULL")
-# The revision(s) the database is at, as Alembic records them. Read-only.
-RECORDED_REVISIONS = sa.text("SELECT version_num FROM qo_ops_alembic_version")
+LOCK_TIMEOUT = "1s"  # a migration waits this long for a lock, then gives way to writers
+STATEMENT_TIMEOUT = "60s"  # one statement of a migration (a concurrent index build: safe.py)
+LOCK_ATTEMPTS = 6  # a migration's tries at its locks, backing off between them
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # waits between tries: 15.5 s in all
+RECENT_RUN = "15 minutes"  # a `running` run whose heartbeat is this recent is running
+
+# Whether a table exists yet (an empty database has none). Read-only.
+TABLE_EXISTS = sa.text("SELECT to_regclass(:name) IS NOT NULL")
+
+
+class MigrationBlocked(QoOpsError):
+    """A migration could not take its locks in time, or a contract step is not safe yet;
+    nothing of that migration was applied."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pending migration: its revision, whether it contracts, and what it says."""
+
+    revision: str
+    contract: bool
+    doc: str
+
+
+@dataclass
+class UpgradeReport:
+    """What one ``db upgrade`` did."""
+
+    before: str | None
+    after: str | None = None
+    applied: list[str] = field(default_factory=list)
+    pending_contract: list[str] = field(default_factory=list)
+    lock_timeouts: int = 0  # lock timeouts met (each retried, or the last one failed)
+    attempts: int = 0  # migrations tried, retries included
+    duration_s: float = 0.0
+    outcome: str = "ok"  # ok | failed | refused
+    error: str | None = None
+
+
+def _rev(revision: str | None) -> int:
+    return int(revision) if revision else 0
 
 
 def _config(connection: Connection) -> Config:
@@ -41,43 +115,349 @@ def _config(connection: Connection) -> Config:
     return cfg
 
 
+def script_directory() -> ScriptDirectory:
+    """Alembic's view of migrations/versions/ (imports Alembic)."""
+    from alembic.script import ScriptDirectory
+
+    cfg = _config(None)  # type: ignore[arg-type]
+    return ScriptDirectory.from_config(cfg)
+
+
 def head_revision() -> str:
     """The newest revision this code knows."""
     return HEAD_REVISION
 
 
-def current_revision(engine: Engine) -> str | None:
-    """The revision the database is at, or None for an empty database."""
-    with engine.connect() as conn:
-        if not conn.scalar(VERSION_TABLE_EXISTS):
-            return None
-        found = list(conn.scalars(RECORDED_REVISIONS))
+def code_version() -> str:
+    """This code as a rollout tells releases apart: ``<package version>/<schema revision>``
+    (``qo-ops status``, the Dagster run page, ``schema_migration``)."""
+    from qo_ops.platform.resource import package_version
+
+    return f"{package_version()}/{HEAD_REVISION}"
+
+
+def required_revision() -> str:
+    """The oldest revision this code runs on: its newest expand step (it is written to run
+    before and after its own contract steps)."""
+    expands = [r for r in range(1, _rev(HEAD_REVISION) + 1) if f"{r:04d}" not in CONTRACT_REVISIONS]
+    return f"{max(expands):04d}"
+
+
+def _exists(conn: Connection, table: str) -> bool:
+    return bool(conn.scalar(TABLE_EXISTS, {"name": table}))
+
+
+def _versions(conn: Connection, table: str) -> list[str]:
+    if not _exists(conn, table):
+        return []
+    return list(conn.scalars(sa.text(f"SELECT version_num FROM {table}")))  # noqa: S608 (a constant)
+
+
+def _one(found: list[str], table: str) -> str | None:
     if len(found) > 1:  # Alembic's own check: our history has one line, never branches
-        raise SchemaNotReady(f"database schema has several heads {sorted(found)}: repair it")
+        raise SchemaNotReady(f"{table} has several rows {sorted(found)}: repair it")
     return found[0] if found else None
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Migrate up to ``revision``; a no-op when already there."""
+def current_revision(engine: Engine) -> str | None:
+    """The revision the database is at, or None for an empty database. A database last
+    migrated by a release up to 0017 has it only in the serves table."""
+    with engine.connect() as conn:
+        return current_on(conn)
+
+
+def current_on(conn: Connection) -> str | None:
+    if _exists(conn, VERSION_TABLE):
+        return _one(_versions(conn, VERSION_TABLE), VERSION_TABLE)
+    return _one(_versions(conn, SERVES_TABLE), SERVES_TABLE)
+
+
+def serves_from(engine: Engine) -> str | None:
+    """The oldest code revision the schema still serves (None: an empty database)."""
+    with engine.connect() as conn:
+        return serves_on(conn)
+
+
+def serves_on(conn: Connection) -> str | None:
+    """:func:`serves_from` on an open connection."""
+    return _one(_versions(conn, SERVES_TABLE), SERVES_TABLE)
+
+
+def require_current(engine: Engine) -> None:
+    """Raise :class:`SchemaNotReady` unless this code can run on the database's schema: at
+    least the revision it needs, and not contracted past it. One line, both versions."""
+    with engine.connect() as conn:
+        current = current_on(conn)
+        serves = _one(_versions(conn, SERVES_TABLE), SERVES_TABLE)
+    needed = required_revision()
+    if current is None or _rev(current) < _rev(needed):
+        raise SchemaNotReady(
+            f"database schema is at {current or 'empty'}, this code needs {needed} or newer: "
+            "run `qo-ops db upgrade`"
+        )
+    if serves is not None and _rev(serves) > _rev(HEAD_REVISION):
+        raise SchemaNotReady(
+            f"database schema is at {current} and serves code from {serves} on; this code is "
+            f"at {HEAD_REVISION} (a contract step removed what it uses): deploy a release at "
+            f"{serves} or newer"
+        )
+
+
+def pending_steps(engine: Engine, revision: str = "head") -> list[Step]:
+    """The migrations between the database and ``revision``, oldest first."""
+    script = script_directory()
+    current = current_revision(engine)
+    target = script.get_current_head() if revision == "head" else revision
+    steps = []
+    for rev in script.iterate_revisions(target, current or "base"):
+        module = rev.module
+        steps.append(
+            Step(rev.revision, getattr(module, "phase", "expand") == "contract", rev.doc or "")
+        )
+    return list(reversed(steps))
+
+
+def _serves(current: str | None) -> str | None:
+    """The oldest code revision a schema at ``current`` serves: the newest contract step
+    applied, else the first release that runs beside newer expand steps (or ``current``
+    itself, below that release: those releases need their exact revision)."""
+    if current is None:
+        return None
+    contracts = [r for r in CONTRACT_REVISIONS if _rev(r) <= _rev(current)]
+    base = current if _rev(current) < _rev(FIRST_SIDE_BY_SIDE) else FIRST_SIDE_BY_SIDE
+    return max([base, *contracts], key=_rev)
+
+
+def write_serves(conn: Connection) -> None:
+    """Keep the serves table equal to what the schema serves (in the caller's transaction)."""
+    serves = _serves(_one(_versions(conn, VERSION_TABLE), VERSION_TABLE))
+    conn.exec_driver_sql(
+        f"CREATE TABLE IF NOT EXISTS {SERVES_TABLE} (version_num varchar(32) NOT NULL, "
+        f"CONSTRAINT {SERVES_TABLE}_pkc PRIMARY KEY (version_num))"
+    )
+    conn.exec_driver_sql(f"DELETE FROM {SERVES_TABLE}")  # noqa: S608 (a constant)
+    if serves is not None:
+        conn.execute(sa.text(f"INSERT INTO {SERVES_TABLE} VALUES (:v)"), {"v": serves})  # noqa: S608
+
+
+def _adopt_old_version_table(conn: Connection) -> None:
+    """A database last migrated by a release up to 0017 has its revision in the old table
+    only: copy it to Alembic's new one (once)."""
+    if _exists(conn, VERSION_TABLE):
+        return
+    old = _one(_versions(conn, SERVES_TABLE), SERVES_TABLE)
+    if old is None:
+        return
+    conn.exec_driver_sql(
+        f"CREATE TABLE {VERSION_TABLE} (version_num varchar(32) NOT NULL, "
+        f"CONSTRAINT {VERSION_TABLE}_pkc PRIMARY KEY (version_num))"
+    )
+    conn.execute(sa.text(f"INSERT INTO {VERSION_TABLE} VALUES (:v)"), {"v": old})  # noqa: S608
+
+
+@contextmanager
+def _migration_connection(engine: Engine) -> Iterator[Connection]:
+    """A connection holding the migration lock (session-level: it spans the per-migration
+    transactions), with the timeouts every migration runs under."""
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})")
+        conn.commit()
+        try:
+            yield conn
+        finally:
+            conn.rollback()
+            conn.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})")
+            conn.commit()
+
+
+def set_timeouts(conn: Connection) -> None:
+    """The timeouts of the migration about to run, on the session (each migration's SQL
+    starts with them: squawk's require-timeout-settings sees them there)."""
+    conn.exec_driver_sql(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
+    conn.exec_driver_sql(f"SET statement_timeout = '{STATEMENT_TIMEOUT}'")
+    conn.commit()
+
+
+def _is_lock_timeout(exc: BaseException) -> bool:
+    orig = getattr(exc, "orig", None)
+    return getattr(orig, "sqlstate", None) == "55P03"  # lock_not_available
+
+
+def older_code_busy(conn: Connection, revision: str) -> list[str]:
+    """Runs of code older than ``revision`` that hold a lease or are running (their code
+    revision is below it, or unknown: recorded before 0018). A contract step waits for them."""
+    rows = conn.execute(
+        sa.text(
+            "SELECT r.job_name, r.scope, coalesce(r.code_revision, 'before 0018') AS code "
+            "FROM job_run r WHERE (r.code_revision IS NULL OR r.code_revision < :rev) AND ("
+            "  EXISTS (SELECT 1 FROM job_lease l WHERE l.job_run_id = r.id"
+            "          AND l.expires_at > now())"
+            f"  OR (r.status = 'running' AND r.heartbeat_at > now() - interval '{RECENT_RUN}'))"
+            " ORDER BY r.started_at LIMIT 20"
+        ),
+        {"rev": revision},
+    )
+    return [f"{job} {scope} (code {code})" for job, scope, code in rows]
+
+
+def upgrade(
+    engine: Engine,
+    revision: str = "head",
+    *,
+    contract: bool = False,
+    requested_by: str | None = None,
+    reason: str | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> UpgradeReport:
+    """Migrate up to ``revision`` one migration (one transaction) at a time; a no-op when
+    already there. Expand steps only unless ``contract``; a contract step is refused while
+    older code runs. Raises :class:`MigrationBlocked` after the bounded retries of a lock
+    timeout, or for a contract step refused; what was applied before it stays applied."""
     from alembic import command  # Alembic only to migrate: see the module docstring
 
-    with engine.begin() as conn:
-        command.upgrade(_config(conn), revision)
+    started = time.monotonic()
+    with _migration_connection(engine) as conn:
+        _adopt_old_version_table(conn)
+        conn.commit()
+        report = UpgradeReport(before=current_on(conn))
+        steps = pending_steps(engine, revision)
+        log.info(
+            "migration.start",
+            extra={"from": report.before, "to": steps[-1].revision if steps else report.before},
+        )
+        try:
+            for step in steps:
+                if step.contract and not contract:
+                    report.pending_contract = [s.revision for s in steps if s.contract]
+                    break
+                if step.contract:
+                    busy = older_code_busy(conn, step.revision)
+                    conn.commit()
+                    if busy:
+                        report.outcome = "refused"
+                        raise MigrationBlocked(
+                            f"contract step {step.revision} refused: {len(busy)} run(s) of older "
+                            f"code still hold a lease or are running ({'; '.join(busy[:3])}); "
+                            "let them finish (or stop them), then retry"
+                        )
+                _apply(conn, command, step, report, sleep)
+        except BaseException as exc:
+            if report.outcome == "ok":
+                report.outcome = "failed"
+            report.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise
+        finally:
+            conn.rollback()
+            report.after = current_on(conn)
+            conn.rollback()
+            report.duration_s = time.monotonic() - started
+            _record(conn, report, requested_by, reason, contract)
+    return report
+
+
+def _apply(conn: Connection, command, step: Step, report: UpgradeReport, sleep) -> None:  # type: ignore[no-untyped-def]
+    """One migration in its own transaction, retried on a lock timeout with backoff."""
+    for attempt in range(1, LOCK_ATTEMPTS + 1):
+        report.attempts += 1
+        set_timeouts(conn)
+        try:
+            command.upgrade(_config(conn), step.revision)
+        except sa.exc.DBAPIError as exc:
+            conn.rollback()
+            if not _is_lock_timeout(exc):
+                raise
+            report.lock_timeouts += 1
+            if attempt == LOCK_ATTEMPTS:
+                raise MigrationBlocked(
+                    f"migration {step.revision} could not take its locks within {LOCK_TIMEOUT} "
+                    f"in {LOCK_ATTEMPTS} tries (a long transaction holds a table it alters?); "
+                    f"nothing of {step.revision} was applied: retry when it has ended"
+                ) from None
+            wait = BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)]
+            log.warning(
+                "migration.lock_timeout",
+                extra={"revision": step.revision, "attempt": attempt, "retry_in_s": wait},
+            )
+            sleep(wait)
+        else:
+            report.applied.append(step.revision)
+            return
+
+
+def _record(
+    conn: Connection,
+    report: UpgradeReport,
+    requested_by: str | None,
+    reason: str | None,
+    contract: bool,
+) -> None:
+    """The upgrade's row in schema_migration (once the table exists), and its end event."""
+    log.info(
+        "migration.end",
+        extra={
+            "from": report.before,
+            "to": report.after,
+            "outcome": report.outcome,
+            "lock_timeouts": report.lock_timeouts,
+            "duration_s": round(report.duration_s, 3),
+        },
+    )
+    if not report.applied and report.outcome == "ok":
+        return  # nothing to do, nothing to record
+    try:
+        with conn.begin():
+            if not _exists(conn, "schema_migration"):
+                return
+            conn.execute(
+                sa.text(
+                    "INSERT INTO schema_migration (id, from_revision, to_revision, applied, "
+                    "contract, requested_by, reason, outcome, error, lock_timeouts, attempts, "
+                    "duration_ms, code_version) VALUES (:id, :from_rev, :to_rev, :applied, "
+                    ":contract, :who, :reason, :outcome, :error, :lock_timeouts, :attempts, "
+                    ":duration_ms, :code_version)"
+                ),
+                {
+                    "id": uuid.uuid4(),
+                    "from_rev": report.before,
+                    "to_rev": report.after,
+                    "applied": report.applied,
+                    "contract": contract,
+                    "who": requested_by,
+                    "reason": reason,
+                    "outcome": report.outcome,
+                    "error": report.error,
+                    "lock_timeouts": report.lock_timeouts,
+                    "attempts": report.attempts,
+                    "duration_ms": int(report.duration_s * 1000),
+                    "code_version": code_version(),
+                },
+            )
+    except sa.exc.DBAPIError:  # recording must not hide what happened: the log has it
+        log.warning("migration.record_failed", exc_info=True)
 
 
 def downgrade(engine: Engine, revision: str = "-1") -> None:
     """Migrate down to ``revision`` (``base`` drops every qo-ops table)."""
     from alembic import command  # Alembic only to migrate: see the module docstring
 
-    with engine.begin() as conn:
+    with _migration_connection(engine) as conn:
+        _adopt_old_version_table(conn)
+        conn.commit()
         command.downgrade(_config(conn), revision)
 
 
-def require_current(engine: Engine) -> None:
-    """Raise :class:`SchemaNotReady` unless the database is at the head revision."""
-    current, head = current_revision(engine), head_revision()
-    if current != head:
-        found = current or "empty"
-        raise SchemaNotReady(
-            f"database schema is at {found}, this code needs {head}: run `qo-ops db upgrade`"
+def applied_migrations(engine: Engine, limit: int = 5) -> Sequence[sa.Row[Any]]:
+    """The newest recorded upgrades (``qo-ops db status``)."""
+    with engine.connect() as conn:
+        if not _exists(conn, "schema_migration"):
+            return []
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT started_at, from_revision, to_revision, outcome, requested_by, "
+                    "reason, lock_timeouts, duration_ms, code_version FROM schema_migration "
+                    "ORDER BY started_at DESC LIMIT :n"
+                ),
+                {"n": limit},
+            )
         )

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from qo_ops.db.migrate import VERSION_TABLE
+from qo_ops.db.migrate import SERVES_TABLE, VERSION_TABLE
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 
 RUNNER = "qo_ops_runner"  # qo-ops run and the job commands; Dagster run workers and sensors
@@ -46,7 +46,7 @@ SIUD = _p("SELECT INSERT UPDATE DELETE")
 # The tables of qo_ops.db.schema, plus Alembic's version table (which the migrations create).
 PLATFORM_TABLE_NAMES = tuple(t.name for t in PLATFORM_TABLES)
 BUSINESS_TABLE_NAMES = tuple(t.name for t in BUSINESS_TABLES)
-TABLE_NAMES = (*PLATFORM_TABLE_NAMES, *BUSINESS_TABLE_NAMES, VERSION_TABLE)
+TABLE_NAMES = (*PLATFORM_TABLE_NAMES, *BUSINESS_TABLE_NAMES, VERSION_TABLE, SERVES_TABLE)
 
 # Why each write: ``SELECT … FOR UPDATE`` (the runner's batch selection, archive and
 # cleanup locks) needs UPDATE on the locked table, which is why the runner may UPDATE
@@ -86,6 +86,8 @@ EXPECTED: Matrix = {
         "order_resubmission": SI,  # order_reconciliation appends one row per re-submission
         "temp_file_tombstone": SIUD,  # intents written, completed, dropped
         VERSION_TABLE: S,  # every command checks the schema revision
+        SERVES_TABLE: S,  # and the oldest code revision it serves
+        "schema_migration": S,  # upgrades are recorded by the migrating owner only
     },
     API: {
         "job_lease": SIU,  # a recovery action takes its scope's lease and gives it back
@@ -107,6 +109,8 @@ EXPECTED: Matrix = {
         "customer_order": SU,
         "order_resubmission": SI,
         VERSION_TABLE: S,
+        SERVES_TABLE: S,
+        "schema_migration": S,  # qo-ops db status
     },
     READONLY: {
         **dict.fromkeys(PLATFORM_TABLE_NAMES, S),
@@ -114,6 +118,7 @@ EXPECTED: Matrix = {
         "api_idempotency": NONE,
         **dict.fromkeys(BUSINESS_TABLE_NAMES, S),
         VERSION_TABLE: S,
+        SERVES_TABLE: S,
     },
 }
 

@@ -47,6 +47,7 @@ from qo_ops.metrics.gauges import (
     downstream_label,
     queue_families,
     run_families,
+    schema_families,
     suspended_tenants,
     suspension_families,
 )
@@ -115,6 +116,7 @@ class JobCollector:
                     *queue_families(self.specs, read_run_queue(conn)),
                     *suspension_families(self.specs, held, now),
                     *breaker_families(self.downstreams, breaker_status(conn)),
+                    *schema_families(conn),
                 ]
             self._up = 1.0
         except DBAPIError as exc:

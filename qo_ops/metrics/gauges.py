@@ -243,3 +243,49 @@ def breaker_families(downstreams: list[str], rows: list[BreakerStatus]) -> Itera
         open_s.add_metric([downstream], seconds)  # 0 when closed
     yield state
     yield open_s
+
+
+# During a rollout: the schema's revision, the oldest code it serves, and the running runs of
+# each code revision (a handful of values: releases, never free text). Index-backed:
+# ix_job_run_running.
+_SCHEMA = sa.text(
+    """
+    SELECT coalesce(code_revision, 'before 0018') AS code, count(*) AS n FROM job_run
+     WHERE status = 'running' GROUP BY 1
+    """
+)
+
+
+def schema_families(conn: Connection) -> Iterator[Metric]:
+    """``qo_ops_build_info`` (this exporter's code), ``qo_ops_schema_revision``,
+    ``qo_ops_schema_serves_code_from`` and ``job_runs_running_by_code``."""
+    from qo_ops.db import migrate
+    from qo_ops.platform.resource import package_version
+
+    info = GaugeMetricFamily(
+        "qo_ops_build_info",
+        "1, labelled with this process's service.version and the schema revision its code needs",
+        labels=["service_version", "code_revision"],
+    )
+    info.add_metric([package_version(), migrate.HEAD_REVISION], 1.0)
+    yield info
+    current, serves = migrate.current_on(conn), migrate.serves_on(conn)
+    revision = GaugeMetricFamily(
+        "qo_ops_schema_revision", "The revision the qo-ops schema is at (0: empty)"
+    )
+    revision.add_metric([], float(int(current or 0)))
+    yield revision
+    floor = GaugeMetricFamily(
+        "qo_ops_schema_serves_code_from",
+        "The oldest code revision the schema still serves (a contract step raises it)",
+    )
+    floor.add_metric([], float(int(serves or 0)))
+    yield floor
+    running = GaugeMetricFamily(
+        "job_runs_running_by_code",
+        "Runs in progress per code revision that started them (a rollout shows two)",
+        labels=["code_revision"],
+    )
+    for code, n in conn.execute(_SCHEMA):
+        running.add_metric([code], float(n))
+    yield running

@@ -80,6 +80,7 @@ class ProcessResource:
     rejected: tuple[str, ...] = ()
 
 
+@cache
 def package_version() -> str:
     """The installed qo-ops distribution's version (the source tree's when not installed)."""
     try:

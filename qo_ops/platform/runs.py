@@ -14,10 +14,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
 
+from qo_ops.db.migrate import HEAD_REVISION
 from qo_ops.db.schema import JOB_RUN_STATUSES, job_audit, job_run
 from qo_ops.errors import BadInput, one_line
 from qo_ops.platform.counts import COLUMNS, Counts
 from qo_ops.platform.liveness import RUN_GONE
+from qo_ops.platform.resource import package_version
 from qo_ops.platform.spec import RunOptions, RunSummary, Scope, tenant_of
 
 # A run's figures as its row holds them: what it found eligible, then the Counts' columns.
@@ -63,6 +65,9 @@ def create_run(
         "retry_number": options.retry_number,
         "retries_max": options.retries_max,
         "approval_id": options.approval,
+        # which release ran it: a contract step waits for older code (qo_ops/db/migrate.py)
+        "code_version": package_version(),
+        "code_revision": HEAD_REVISION,
         "owner_id": owner.owner_id,
         "options": resolved,
         "status": "running",

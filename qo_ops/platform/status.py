@@ -38,6 +38,7 @@ class ScopeStatus:
     backlog: int | None  # items eligible now (a tenant job; None: not counted)
     checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
     last_mode: str | None = None  # dry_run | execute: what the last run was
+    last_code: str | None = None  # the code that ran it: package/schema revision (0018)
     running: int = 0  # runs of it in progress now
     failing: bool = False  # its last run ended failed or timeout (or an unaccepted partial)
     stale: bool = False  # no execute success within STALE_FACTOR cadences (freshness.py)
@@ -61,11 +62,11 @@ _STATUS = sa.text(
     WITH t AS (SELECT id, extract(epoch FROM now() - created_at) AS age FROM tenant
                 WHERE CAST(:tenant AS text) IS NULL OR id = :tenant),
          runs AS (SELECT split_part(scope, '/', 1) AS tenant, started_at, finished_at, mode,
-                         status
+                         status, code_version || '/' || code_revision AS code
                     FROM job_run WHERE job_name = :job
                      AND (CAST(:tenant AS text) IS NULL OR scope = :tenant
                           OR scope LIKE :tenant || '/%')),
-         last AS (SELECT DISTINCT ON (tenant) tenant, started_at, mode, status
+         last AS (SELECT DISTINCT ON (tenant) tenant, started_at, mode, status, code
                     FROM runs WHERE status NOT IN ('awaiting_approval', 'accepted')
                    ORDER BY tenant, started_at DESC),
          ok AS (SELECT tenant, max(finished_at) AS at FROM runs
@@ -84,6 +85,7 @@ _STATUS = sa.text(
                   FROM job_checkpoint c WHERE c.job_name = :job GROUP BY 1)
     SELECT t.id AS tenant, t.age AS tenant_age, last.started_at AS last_run_at,
            last.mode AS last_mode, last.status AS last_status, ok.at AS last_success_at,
+           last.code AS last_code,
            extract(epoch FROM now() - ok.at) AS success_age, coalesce(active.n, 0) AS running,
            lease.holder AS lease_holder, ck.age AS checkpoint_age_s
       FROM t
@@ -128,6 +130,7 @@ def job_status(
                     None,
                     None if r.checkpoint_age_s is None else round(float(r.checkpoint_age_s), 1),
                     last_mode=r.last_mode,
+                    last_code=r.last_code,
                     running=int(r.running),
                     failing=r.last_status in FAILING_STATUSES
                     or (partial_fails and r.last_status == "partial_success"),

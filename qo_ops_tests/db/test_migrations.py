@@ -15,13 +15,19 @@ from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES, metadata
 def _schema_diff(engine: sa.Engine) -> list:
     with engine.connect() as conn:
         ctx = MigrationContext.configure(
-            conn, opts={"compare_server_default": False, "version_table": migrate.VERSION_TABLE}
+            conn,
+            opts={
+                "compare_server_default": False,
+                "version_table": migrate.VERSION_TABLE,
+                # the serves table is the migration runner's, like Alembic's version table
+                "include_name": lambda name, kind, _: name != migrate.SERVES_TABLE,
+            },
         )
         return compare_metadata(ctx, metadata)
 
 
 def _qo_ops_tables(engine: sa.Engine) -> set[str]:
-    return set(sa.inspect(engine).get_table_names()) - {migrate.VERSION_TABLE}
+    return set(sa.inspect(engine).get_table_names()) - {migrate.VERSION_TABLE, migrate.SERVES_TABLE}
 
 
 def test_up_down_up_builds_exactly_the_declared_schema(empty_db):

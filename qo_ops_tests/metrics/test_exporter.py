@@ -49,6 +49,7 @@ ALLOWED_LABELS = {  # SPEC §2 Telemetry: bounded sets declared in code
     "job_name", "status", "error_class", "side_effect", "result", "reason",
     "scope", "mismatch_type", "trigger",
     "downstream", "state", "to",  # a breaker's origin and state; a transition's target
+    "service_version", "code_revision",  # qo_ops_build_info, runs by code: releases only
 }  # fmt: skip
 
 

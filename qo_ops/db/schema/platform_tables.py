@@ -91,6 +91,10 @@ job_run = sa.Table(
     sa.Column("liveness_key", sa.BigInteger),
     sa.Column("liveness_since", TS),
     sa.Column("approval_id", sa.Text),  # the approval a destructive execute cited (0017)
+    # the code that ran it (0018): its package version and the schema revision it was built
+    # for; NULL: a release before 0018. A contract step waits for older code's runs.
+    sa.Column("code_version", sa.Text),
+    sa.Column("code_revision", sa.Text),
     status_check("status", JOB_RUN_STATUSES),
     status_check("mode", RUN_MODES),
     status_check("trigger_type", TRIGGER_TYPES),
@@ -338,6 +342,28 @@ job_run_queue = sa.Table(
     sa.Column("sampled_at", TS, nullable=False, server_default=NOW),
 )
 
+# Every `qo-ops db upgrade` that changed something or failed (migration 0018): who, why,
+# from → to, how long, the lock timeouts it met, and its outcome (qo_ops/db/migrate.py).
+schema_migration = sa.Table(
+    "schema_migration",
+    metadata,
+    sa.Column("id", UUID(as_uuid=True), primary_key=True),
+    sa.Column("started_at", TS, nullable=False, server_default=NOW),
+    sa.Column("from_revision", sa.Text),
+    sa.Column("to_revision", sa.Text),
+    sa.Column("applied", sa.ARRAY(sa.Text), nullable=False, server_default="{}"),
+    sa.Column("contract", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("requested_by", sa.Text),
+    sa.Column("reason", sa.Text),
+    sa.Column("outcome", sa.Text, nullable=False),
+    sa.Column("error", sa.Text),
+    sa.Column("lock_timeouts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("duration_ms", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("code_version", sa.Text),
+    status_check("outcome", ("ok", "failed", "refused")),
+)
+
 PLATFORM_TABLES = (
     job_lease,
     job_run,
@@ -352,4 +378,5 @@ PLATFORM_TABLES = (
     run_approval,
     job_schedule_tick,
     job_run_queue,
+    schema_migration,
 )

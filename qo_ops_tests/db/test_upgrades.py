@@ -1,0 +1,275 @@
+"""Upgrades while qo-ops runs (qo_ops/db/migrate.py): the code refuses only a schema older
+than it needs or contracted past it; a database an older release migrated is adopted and
+keeps serving that release; a migration queued behind a long transaction gives way to the
+business's writers (lock timeout), retries with backoff and succeeds once it ends, or fails
+after its bounded tries having applied nothing; a contract step waits for older code's runs.
+
+The previous release's own code against the new schema: test_previous_release.py."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from qo_ops.db import migrate
+from qo_ops.errors import SchemaNotReady
+
+# a writer's insert may wait this much beyond the lock timeout (a loaded 2-core CI machine);
+# BENCHMARKS.md measures the real figure
+MARGIN_S = 1.0
+
+
+def _set_version(engine: Engine, table: str, value: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {table} SET version_num = :v"), {"v": value})
+
+
+def _columns(engine: Engine, table: str) -> set[str]:
+    return {c["name"] for c in sa.inspect(engine).get_columns(table)}
+
+
+def test_every_migration_after_0017_says_expand_or_contract():
+    script = migrate.script_directory()
+    contract = set()
+    for rev in script.walk_revisions():
+        if int(rev.revision) <= int(migrate.FIRST_SIDE_BY_SIDE):
+            continue  # written before the rule; applied stop-the-world
+        phase = getattr(rev.module, "phase", None)
+        assert phase in ("expand", "contract"), f"{rev.revision}: phase = 'expand' or 'contract'"
+        if phase == "contract":
+            contract.add(rev.revision)
+    assert contract == set(migrate.CONTRACT_REVISIONS), "name it in migrate.CONTRACT_REVISIONS"
+
+
+def test_a_database_an_older_release_migrated_is_adopted_and_keeps_serving_it(empty_db):
+    engine = empty_db.engine
+    migrate.upgrade(engine, "0017")
+    with engine.begin() as conn:  # as the release at 0017 left it: its revision in the old table
+        conn.execute(sa.text(f"DROP TABLE {migrate.VERSION_TABLE}"))
+    assert migrate.current_revision(engine) == "0017"
+
+    report = migrate.upgrade(engine)
+
+    assert (report.before, report.after) == ("0017", migrate.HEAD_REVISION)
+    assert migrate.current_revision(engine) == migrate.HEAD_REVISION
+    # what the release at 0017 checks: the old table still says its own head
+    with engine.connect() as conn:
+        old_view = conn.scalars(sa.text(f"SELECT version_num FROM {migrate.SERVES_TABLE}")).all()
+    assert old_view == ["0017"]
+    assert {"code_version", "code_revision"} <= _columns(engine, "job_run")
+    migrate.require_current(engine)
+
+
+def test_the_code_refuses_only_an_older_schema_or_one_contracted_past_it(db, cli):
+    engine = db.engine
+    migrate.require_current(engine)  # at head
+    _set_version(engine, migrate.VERSION_TABLE, "0031")  # newer expand steps: fine (Oban's rule)
+    migrate.require_current(engine)
+    assert cli("status").code == 0
+
+    _set_version(engine, migrate.VERSION_TABLE, "0016")
+    with pytest.raises(SchemaNotReady) as older:
+        migrate.require_current(engine)
+    assert "at 0016" in str(older.value) and f"needs {migrate.HEAD_REVISION}" in str(older.value)
+
+    _set_version(engine, migrate.VERSION_TABLE, "0031")
+    _set_version(engine, migrate.SERVES_TABLE, "0030")  # a contract step at 0030 ran
+    result = cli("status")
+    assert result.code != 0 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert (
+        "serves code from 0030" in result.stderr and f"at {migrate.HEAD_REVISION}" in result.stderr
+    )
+
+
+def test_db_status_says_revision_served_code_and_pending_steps(cli):
+    upgraded = cli("db", "upgrade", "--reason", "weekly release")
+    assert upgraded.code == 0 and "already at" in upgraded.stdout
+    result = cli("db", "status")
+    assert result.code == 0, result.stderr
+    assert f"schema:      {migrate.HEAD_REVISION}" in result.stdout
+    assert "serves code: 0017 and newer" in result.stdout
+    assert "pending:     expand none; contract none" in result.stdout
+
+
+def _writer(engine: Engine, stop: threading.Event, waits: list[float]) -> None:
+    """The business's writes into the table the migration alters: one insert every 50 ms,
+    each timed."""
+    while not stop.is_set():
+        began = time.monotonic()
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, "
+                    "status) VALUES (:id, 'writer', 'tenant-001', 'dry_run', 'manual', "
+                    "'writer', 'success')"
+                ),
+                {"id": uuid.uuid4()},
+            )
+        waits.append(time.monotonic() - began)
+        stop.wait(0.05)
+
+
+def _long_transaction(engine: Engine, hold_s: float, started: threading.Event) -> None:
+    """A reader's transaction that keeps job_run locked (ACCESS SHARE) for ``hold_s``."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("SELECT count(*) FROM job_run"))
+        started.set()
+        time.sleep(hold_s)
+
+
+def test_a_migration_behind_a_long_transaction_gives_way_to_writers_then_succeeds(empty_db):
+    engine = empty_db.engine
+    migrate.upgrade(engine, "0017")
+    stop, started, waits = threading.Event(), threading.Event(), []
+    reader = threading.Thread(target=_long_transaction, args=(engine, 4.0, started))
+    writer = threading.Thread(target=_writer, args=(engine, stop, waits))
+    reader.start()
+    started.wait(10)
+    writer.start()
+    try:
+        report = migrate.upgrade(engine, requested_by="test", reason="behind a long reader")
+    finally:
+        stop.set()
+        reader.join()
+        writer.join()
+
+    assert report.applied == ["0018"] and report.outcome == "ok"
+    assert report.lock_timeouts >= 2  # it gave way at least twice in the 4 s the reader held
+    assert {"code_version", "code_revision"} <= _columns(engine, "job_run")
+    lock_timeout_s = float(migrate.LOCK_TIMEOUT.removesuffix("s"))
+    assert len(waits) > 20
+    assert max(waits) <= lock_timeout_s + MARGIN_S, sorted(waits)[-5:]
+    assert max(waits) > lock_timeout_s / 2  # they did queue behind the migration's attempts
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.text("SELECT outcome, lock_timeouts, reason, applied FROM schema_migration")
+        ).one()
+    assert (row.outcome, row.lock_timeouts, row.reason) == (
+        "ok",
+        report.lock_timeouts,
+        "behind a long reader",
+    )
+    assert row.applied == ["0018"]
+
+
+def test_a_migration_that_never_gets_its_locks_fails_in_one_line_having_applied_nothing(
+    empty_db, monkeypatch
+):
+    engine = empty_db.engine
+    migrate.upgrade(engine, "0017")
+    monkeypatch.setattr(migrate, "LOCK_ATTEMPTS", 3)
+    slept: list[float] = []
+    started = threading.Event()
+    reader = threading.Thread(target=_long_transaction, args=(engine, 6.0, started))
+    reader.start()
+    started.wait(10)
+    try:
+        with pytest.raises(migrate.MigrationBlocked) as blocked:
+            migrate.upgrade(engine, sleep=slept.append)
+    finally:
+        reader.join()
+    message = str(blocked.value)
+    assert "\n" not in message and "0018" in message and "nothing of 0018 was applied" in message
+    assert slept == [0.5, 1.0]  # backoff between the 3 tries
+    assert migrate.current_revision(engine) == "0017"
+    assert not {"code_version", "code_revision"} & _columns(engine, "job_run")
+    assert migrate.upgrade(engine).applied == ["0018"]  # the reader gone: it goes through
+
+
+CONTRACT_STEP = '''"""Contract (planted by the test): drops what the release at 0018 still reads.
+
+Revision ID: 0019
+Revises: 0018
+"""
+
+from alembic import op
+
+revision = "0019"
+down_revision = "0018"
+branch_labels = None
+depends_on = None
+phase = "contract"
+
+
+def upgrade() -> None:
+    op.execute("COMMENT ON COLUMN job_run.window_end IS 'unused since 0019'")
+
+
+def downgrade() -> None:
+    op.execute("COMMENT ON COLUMN job_run.window_end IS NULL")
+'''
+
+
+@pytest.fixture
+def with_contract_step(tmp_path: Path, monkeypatch) -> None:
+    """This code's migrations plus a contract step 0019, as the next release would ship."""
+    planted = tmp_path / "migrations"
+    shutil.copytree(migrate.MIGRATIONS_DIR, planted, ignore=shutil.ignore_patterns("__pycache__"))
+    (planted / "versions" / "0019_planted_contract.py").write_text(CONTRACT_STEP)
+    monkeypatch.setattr(migrate, "MIGRATIONS_DIR", planted)
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0019")
+    monkeypatch.setattr(migrate, "CONTRACT_REVISIONS", frozenset({"0019"}))
+
+
+def _older_run_holding_a_lease(engine: Engine) -> uuid.UUID:
+    run_id = uuid.uuid4()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, status, "
+                "code_revision) VALUES (:id, 'quote_expiration', 'tenant-001', 'execute', "
+                "'schedule', 'old-worker', 'running', '0018')"
+            ),
+            {"id": run_id},
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_lease (job_name, scope, owner_id, lease_token, fencing_token, "
+                "acquired_at, heartbeat_at, expires_at, job_run_id) VALUES ('quote_expiration', "
+                "'tenant-001', 'old-worker', 'lt', 7, now(), now(), now() + interval '5 minutes', :id)"
+            ),
+            {"id": run_id},
+        )
+    return run_id
+
+
+def test_a_contract_step_waits_for_older_codes_runs_then_retires_that_code(
+    db, with_contract_step, monkeypatch
+):
+    engine = db.engine
+    run_id = _older_run_holding_a_lease(engine)
+
+    expand_only = migrate.upgrade(engine)  # a plain `db upgrade` never contracts
+    assert expand_only.pending_contract == ["0019"] and expand_only.applied == []
+    with pytest.raises(migrate.MigrationBlocked) as refused:
+        migrate.upgrade(engine, contract=True, requested_by="sre", reason="retire 0018")
+    message = str(refused.value)
+    assert "\n" not in message and "contract step 0019 refused" in message
+    assert "quote_expiration tenant-001 (code 0018)" in message
+    assert migrate.current_revision(engine) == "0018"
+    with engine.connect() as conn:
+        asked = conn.execute(
+            sa.text("SELECT outcome, requested_by FROM schema_migration WHERE contract")
+        ).all()
+    assert [tuple(r) for r in asked] == [("refused", "sre")]
+
+    with engine.begin() as conn:  # the old run ends and gives its lease back
+        conn.execute(
+            sa.text("UPDATE job_run SET status = 'success' WHERE id = :id"), {"id": run_id}
+        )
+        conn.execute(sa.text("DELETE FROM job_lease"))
+    assert migrate.upgrade(engine, contract=True).applied == ["0019"]
+    assert migrate.serves_from(engine) == "0019"
+    migrate.require_current(engine)  # the release that shipped the contract step runs on
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0018")  # the release before it does not
+    monkeypatch.setattr(migrate, "CONTRACT_REVISIONS", frozenset())
+    with pytest.raises(SchemaNotReady, match="serves code from 0019 on; this code is at 0018"):
+        migrate.require_current(engine)
