@@ -43,7 +43,9 @@ def db_upgrade(
     from qo_ops.cli_support import resolve_requester
     from qo_ops.db import migrate
     from qo_ops.db.engine import ensure_database, get_engine, resolve_target
+    from qo_ops.platform.telemetry import configure_event_logging
 
+    configure_event_logging()  # migration.start/lock_timeout/end as JSON lines on stderr
     target = resolve_target()
     engine = get_engine(target)
     if not target.embedded:  # Dagster's storage wants a database of its own beside ours

@@ -321,9 +321,10 @@ def upgrade(
         conn.commit()
         report = UpgradeReport(before=current_on(conn))
         steps = pending_steps(engine, revision)
-        log.info(
+        _event(
+            logging.INFO,
             "migration.start",
-            extra={"from": report.before, "to": steps[-1].revision if steps else report.before},
+            **{"from": report.before, "to": steps[-1].revision if steps else report.before},
         )
         try:
             for step in steps:
@@ -374,9 +375,12 @@ def _apply(conn: Connection, command, step: Step, report: UpgradeReport, sleep) 
                     f"nothing of {step.revision} was applied: retry when it has ended"
                 ) from None
             wait = BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)]
-            log.warning(
+            _event(
+                logging.WARNING,
                 "migration.lock_timeout",
-                extra={"revision": step.revision, "attempt": attempt, "retry_in_s": wait},
+                revision=step.revision,
+                attempt=attempt,
+                retry_in_s=wait,
             )
             sleep(wait)
         else:
@@ -391,12 +395,15 @@ def _record(
     reason: str | None,
     contract: bool,
 ) -> None:
-    """The upgrade's row in schema_migration (once the table exists), and its end event."""
-    log.info(
+    """The upgrade's end event, its row in schema_migration and its audit entry (once the
+    table exists: 0018)."""
+    _event(
+        logging.INFO if report.outcome == "ok" else logging.ERROR,
         "migration.end",
-        extra={
+        **{
             "from": report.before,
             "to": report.after,
+            "applied": report.applied,
             "outcome": report.outcome,
             "lock_timeouts": report.lock_timeouts,
             "duration_s": round(report.duration_s, 3),
@@ -404,6 +411,8 @@ def _record(
     )
     if not report.applied and report.outcome == "ok":
         return  # nothing to do, nothing to record
+    from qo_ops.platform.runs import AuditEntry, append_audit
+
     try:
         with conn.begin():
             if not _exists(conn, "schema_migration"):
@@ -432,8 +441,31 @@ def _record(
                     "code_version": code_version(),
                 },
             )
+            append_audit(
+                conn,
+                AuditEntry(
+                    actor=requested_by or "unknown",
+                    action="schema_upgrade_contract" if contract else "schema_upgrade",
+                    decision=report.outcome,
+                    reason=reason,
+                    details={
+                        "from": report.before,
+                        "to": report.after,
+                        "applied": report.applied,
+                        "lock_timeouts": report.lock_timeouts,
+                        "error": report.error,
+                    },
+                ),
+            )
     except sa.exc.DBAPIError:  # recording must not hide what happened: the log has it
         log.warning("migration.record_failed", exc_info=True)
+
+
+def _event(level: int, name: str, /, **fields: object) -> None:
+    """A structured event of the upgrade (JSON where event logging is on)."""
+    from qo_ops.platform.telemetry import EVENT_LOGGER, log_event
+
+    log_event(logging.getLogger(f"{EVENT_LOGGER}.migrate"), level, name, **fields)
 
 
 def downgrade(engine: Engine, revision: str = "-1") -> None:
@@ -449,15 +481,20 @@ def downgrade(engine: Engine, revision: str = "-1") -> None:
 def applied_migrations(engine: Engine, limit: int = 5) -> Sequence[sa.Row[Any]]:
     """The newest recorded upgrades (``qo-ops db status``)."""
     with engine.connect() as conn:
-        if not _exists(conn, "schema_migration"):
-            return []
-        return list(
-            conn.execute(
-                sa.text(
-                    "SELECT started_at, from_revision, to_revision, outcome, requested_by, "
-                    "reason, lock_timeouts, duration_ms, code_version FROM schema_migration "
-                    "ORDER BY started_at DESC LIMIT :n"
-                ),
-                {"n": limit},
-            )
+        return applied_migrations_on(conn, limit)
+
+
+def applied_migrations_on(conn: Connection, limit: int) -> Sequence[sa.Row[Any]]:
+    """:func:`applied_migrations` on an open connection ([] before 0018)."""
+    if not _exists(conn, "schema_migration"):
+        return []
+    return list(
+        conn.execute(
+            sa.text(
+                "SELECT started_at, from_revision, to_revision, outcome, requested_by, "
+                "reason, lock_timeouts, duration_ms, code_version FROM schema_migration "
+                "ORDER BY started_at DESC LIMIT :n"
+            ),
+            {"n": limit},
         )
+    )

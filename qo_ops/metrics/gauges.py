@@ -289,3 +289,29 @@ def schema_families(conn: Connection) -> Iterator[Metric]:
     for code, n in conn.execute(_SCHEMA):
         running.add_metric([code], float(n))
     yield running
+    last = migrate.applied_migrations_on(conn, 1)
+    for name, text, value in (
+        (
+            "qo_ops_schema_upgrade_last_timestamp_seconds",
+            "When the last recorded `qo-ops db upgrade` started (0: none)",
+            _epoch(last[0].started_at) if last else 0.0,
+        ),
+        (
+            "qo_ops_schema_upgrade_last_duration_seconds",
+            "How long the last recorded upgrade took",
+            last[0].duration_ms / 1000 if last else 0.0,
+        ),
+        (
+            "qo_ops_schema_upgrade_last_lock_timeouts",
+            "Lock timeouts the last recorded upgrade met (each gave way to writers, then retried)",
+            float(last[0].lock_timeouts) if last else 0.0,
+        ),
+        (
+            "qo_ops_schema_upgrade_last_failed",
+            "1 if the last recorded upgrade failed or was refused",
+            1.0 if last and last[0].outcome != "ok" else 0.0,
+        ),
+    ):
+        family = GaugeMetricFamily(name, text)
+        family.add_metric([], value)
+        yield family

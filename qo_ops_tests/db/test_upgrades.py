@@ -8,6 +8,7 @@ The previous release's own code against the new schema: test_previous_release.py
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -20,6 +21,7 @@ from sqlalchemy.engine import Engine
 
 from qo_ops.db import migrate
 from qo_ops.errors import SchemaNotReady
+from qo_ops.metrics.exporter import JobCollector
 
 # a writer's insert may wait this much beyond the lock timeout (a loaded 2-core CI machine);
 # BENCHMARKS.md measures the real figure
@@ -92,6 +94,9 @@ def test_the_code_refuses_only_an_older_schema_or_one_contracted_past_it(db, cli
 def test_db_status_says_revision_served_code_and_pending_steps(cli):
     upgraded = cli("db", "upgrade", "--reason", "weekly release")
     assert upgraded.code == 0 and "already at" in upgraded.stdout
+    events = [json.loads(line) for line in upgraded.stderr.splitlines() if line.startswith("{")]
+    assert [e["event.name"] for e in events] == ["migration.start", "migration.end"]
+    assert events[1]["outcome"] == "ok" and events[1]["applied"] == []
     result = cli("db", "status")
     assert result.code == 0, result.stderr
     assert f"schema:      {migrate.HEAD_REVISION}" in result.stdout
@@ -152,6 +157,15 @@ def test_a_migration_behind_a_long_transaction_gives_way_to_writers_then_succeed
         row = conn.execute(
             sa.text("SELECT outcome, lock_timeouts, reason, applied FROM schema_migration")
         ).one()
+    samples = {  # the exporter's view of it
+        (m.name, tuple(sorted(smp.labels.items()))): smp.value
+        for m in JobCollector(engine, []).collect()
+        for smp in m.samples
+    }
+    assert samples[("qo_ops_schema_upgrade_last_lock_timeouts", ())] == report.lock_timeouts
+    assert samples[("qo_ops_schema_upgrade_last_failed", ())] == 0
+    assert samples[("qo_ops_schema_revision", ())] == int(migrate.HEAD_REVISION)
+    assert samples[("qo_ops_schema_serves_code_from", ())] == 17
     assert (row.outcome, row.lock_timeouts, row.reason) == (
         "ok",
         report.lock_timeouts,
@@ -246,6 +260,13 @@ def test_a_contract_step_waits_for_older_codes_runs_then_retires_that_code(
 ):
     engine = db.engine
     run_id = _older_run_holding_a_lease(engine)
+    running = [
+        (tuple(smp.labels.items()), smp.value)
+        for m in JobCollector(engine, []).collect()
+        for smp in m.samples
+        if smp.name == "job_runs_running_by_code"
+    ]
+    assert running == [((("code_revision", "0018"),), 1.0)]  # what a rollout's dashboard shows
 
     expand_only = migrate.upgrade(engine)  # a plain `db upgrade` never contracts
     assert expand_only.pending_contract == ["0019"] and expand_only.applied == []
@@ -260,6 +281,14 @@ def test_a_contract_step_waits_for_older_codes_runs_then_retires_that_code(
             sa.text("SELECT outcome, requested_by FROM schema_migration WHERE contract")
         ).all()
     assert [tuple(r) for r in asked] == [("refused", "sre")]
+    with engine.connect() as conn:
+        audited = conn.execute(
+            sa.text(
+                "SELECT actor, decision, reason FROM job_audit "
+                "WHERE action = 'schema_upgrade_contract'"
+            )
+        ).all()
+    assert [tuple(r) for r in audited] == [("sre", "refused", "retire 0018")]
 
     with engine.begin() as conn:  # the old run ends and gives its lease back
         conn.execute(
