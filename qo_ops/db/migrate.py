@@ -441,6 +441,8 @@ def _record(
                     "code_version": code_version(),
                 },
             )
+            if report.before is None:
+                return  # a new database: its creation is the row above; its audit starts empty
             append_audit(
                 conn,
                 AuditEntry(
