@@ -9,6 +9,7 @@ import uuid
 import dagster as dg
 import pytest
 
+from qo_ops.db import migrate
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.overdue import backlog_scope, database_now
 from qo_ops.platform.partition_keys import MODE_TAG, scope_from_partition_key
@@ -116,6 +117,7 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
     checks = {r["name"]: r["detail"] for r in rows if r["kind"] == "check"}
     assert checks == {c.name: "passed" for c in spec.checks}
     assert metadata["fencing_token"].value >= 1
+    assert metadata["code_version"].value == migrate.code_version()  # which release ran it
     kind, counter = JOB_ROWS.get(job_name, (None, None))
     if kind is not None:
         own = [r for r in rows if r["kind"] == kind]

@@ -302,3 +302,55 @@ def test_a_contract_step_waits_for_older_codes_runs_then_retires_that_code(
     monkeypatch.setattr(migrate, "CONTRACT_REVISIONS", frozenset())
     with pytest.raises(SchemaNotReady, match="serves code from 0019 on; this code is at 0018"):
         migrate.require_current(engine)
+
+
+def test_status_names_the_code_that_ran_each_tenants_last_run(cli, db):
+    assert cli("demo-data", "--tenants", "2", "--quotes", "50", "--seed", "1", "--reset").code == 0
+    ran = cli("run", "quote_expiration", "--tenant", "tenant-001", "--mode", "dry-run")
+    assert ran.code == 0, ran.stderr
+    with db.engine.begin() as conn:  # tenant-002's last run: by a release before 0018
+        conn.execute(
+            sa.text(
+                "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, status, "
+                "finished_at) VALUES (:id, 'quote_expiration', 'tenant-002', 'dry_run', "
+                "'manual', 'old', 'success', now())"
+            ),
+            {"id": uuid.uuid4()},
+        )
+    status = cli("status", "quote_expiration", "--all")
+    assert status.code == 0, status.stderr
+    rows = {ln.split()[1]: ln for ln in status.stdout.splitlines() if ln.startswith("quote_exp")}
+    assert rows["tenant-001"].rstrip().endswith(migrate.code_version())
+    assert rows["tenant-002"].rstrip().endswith("before 0018")
+
+
+def test_after_a_contract_step_a_bad_release_is_fixed_by_the_next_not_by_a_downgrade(
+    db, with_contract_step, monkeypatch, tmp_path
+):
+    """Roll forward (docs/deploy.md): the release at 0019 contracted; going back to 0018's
+    code is refused; the fix ships as 0020, an expand step, and both 0019 and 0020 run on
+    the schema while it rolls out."""
+    engine = db.engine
+    assert migrate.upgrade(engine, contract=True).applied == ["0019"]
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0018")  # "roll back" the code: refused
+    with pytest.raises(SchemaNotReady, match="deploy a release at 0019 or newer"):
+        migrate.require_current(engine)
+
+    fix = migrate.MIGRATIONS_DIR / "versions" / "0020_planted_fix.py"
+    fix.write_text(
+        CONTRACT_STEP.replace(
+            "Contract (planted by the test): drops what the release at 0018 still reads.",
+            "Expand: the fix of the release at 0019.",
+        )
+        .replace('revision = "0019"', 'revision = "0020"')
+        .replace('down_revision = "0018"', 'down_revision = "0019"')
+        .replace("Revision ID: 0019\nRevises: 0018", "Revision ID: 0020\nRevises: 0019")
+        .replace('phase = "contract"', 'phase = "expand"')
+        .replace("job_run.window_end", "job_run.window_start")
+    )
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0020")
+    report = migrate.upgrade(engine)  # the next release's expand step, no --contract needed
+    assert report.applied == ["0020"] and migrate.serves_from(engine) == "0019"
+    migrate.require_current(engine)  # the fixed release runs
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0019")
+    migrate.require_current(engine)  # and the bad one still runs beside it while it rolls out
