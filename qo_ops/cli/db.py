@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from qo_ops.cli_support import JsonOpt, emit_json, print_table
-from qo_ops.errors import BadInput, QoOpsError
+from qo_ops.errors import BadInput, QoOpsError, SchemaNotReady
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -71,9 +71,18 @@ def db_upgrade(
         f"{report.duration_s:.1f} s{waits})"
     )
     if report.pending_contract:
+        steps = ", ".join(report.pending_contract)
+        try:
+            migrate.require_current(engine)
+        except SchemaNotReady:  # expand steps of this code wait behind the contract step
+            raise SchemaNotReady(
+                f"schema stopped at {after}, before contract step(s) {steps}; this code needs "
+                f"{migrate.required_revision()}: once no release older than "
+                f"{report.pending_contract[0]} runs, `qo-ops db upgrade --contract`"
+            ) from None
         typer.echo(
-            f"contract step(s) {', '.join(report.pending_contract)} not applied: they remove "
-            "what older releases use; once no older release runs, `qo-ops db upgrade --contract`"
+            f"contract step(s) {steps} not applied: they remove what older releases use; "
+            "once no older release runs, `qo-ops db upgrade --contract`"
         )
 
 

@@ -203,6 +203,20 @@ def require_current(engine: Engine) -> None:
         )
 
 
+_CHECKED: dict[int, float] = {}  # id(engine) -> when it last passed require_current
+CHECK_EVERY_S = 60.0
+
+
+def require_current_cached(engine: Engine) -> None:
+    """:func:`require_current` at most once a minute per engine (every run checks: a chunk
+    run's tenants would otherwise check once each)."""
+    now = time.monotonic()
+    if now - _CHECKED.get(id(engine), -CHECK_EVERY_S) < CHECK_EVERY_S:
+        return
+    require_current(engine)
+    _CHECKED[id(engine)] = now
+
+
 def pending_steps(engine: Engine, revision: str = "head") -> list[Step]:
     """The migrations between the database and ``revision``, oldest first."""
     script = script_directory()
@@ -372,7 +386,8 @@ def _apply(conn: Connection, command, step: Step, report: UpgradeReport, sleep) 
                 raise MigrationBlocked(
                     f"migration {step.revision} could not take its locks within {LOCK_TIMEOUT} "
                     f"in {LOCK_ATTEMPTS} tries (a long transaction holds a table it alters?); "
-                    f"nothing of {step.revision} was applied: retry when it has ended"
+                    f"{step.revision} was rolled back (an index it built concurrently stays, "
+                    "valid or repaired on retry): retry when that transaction has ended"
                 ) from None
             wait = BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)]
             _event(

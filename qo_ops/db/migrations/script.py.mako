@@ -15,6 +15,10 @@ revision = ${repr(up_revision)}
 down_revision = ${repr(down_revision)}
 branch_labels = ${repr(branch_labels)}
 depends_on = ${repr(depends_on)}
+# expand: the previous release keeps working on it (new tables, nullable columns, indexes via
+# qo_ops.db.migrations.safe, constraints NOT VALID); contract: it removes what an older
+# release uses (also list it in qo_ops.db.migrate.CONTRACT_REVISIONS). docs/platform.md.
+phase = "expand"
 
 
 def upgrade() -> None:
