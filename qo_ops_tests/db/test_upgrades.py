@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 
 from qo_ops.cli import main
 from qo_ops.db import migrate
+from qo_ops.db.schema import job_run
 from qo_ops.errors import SchemaNotReady
 from qo_ops.metrics.exporter import JobCollector
 
@@ -105,20 +106,29 @@ def test_db_status_says_revision_served_code_and_pending_steps(cli):
     assert "pending:     expand none; contract none" in result.stdout
 
 
+def _insert_run(conn: sa.Connection, **values: object) -> uuid.UUID:
+    """A job_run row as a run (or the business's writer) leaves it; ``values`` override."""
+    row = {
+        "id": uuid.uuid4(),
+        "job_name": "quote_expiration",
+        "scope": "tenant-001",
+        "mode": "dry_run",
+        "trigger_type": "manual",
+        "owner_id": "test",
+        "status": "success",
+        **values,
+    }
+    conn.execute(sa.insert(job_run).values(row))
+    return row["id"]  # type: ignore[return-value]
+
+
 def _writer(engine: Engine, stop: threading.Event, waits: list[float]) -> None:
     """The business's writes into the table the migration alters: one insert every 50 ms,
     each timed."""
     while not stop.is_set():
         began = time.monotonic()
         with engine.begin() as conn:
-            conn.execute(
-                sa.text(
-                    "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, "
-                    "status) VALUES (:id, 'writer', 'tenant-001', 'dry_run', 'manual', "
-                    "'writer', 'success')"
-                ),
-                {"id": uuid.uuid4()},
-            )
+            _insert_run(conn, job_name="writer")
         waits.append(time.monotonic() - began)
         stop.wait(0.05)
 
@@ -235,15 +245,9 @@ def with_contract_step(tmp_path: Path, monkeypatch) -> None:
 
 
 def _older_run_holding_a_lease(engine: Engine) -> uuid.UUID:
-    run_id = uuid.uuid4()
     with engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, status, "
-                "code_revision) VALUES (:id, 'quote_expiration', 'tenant-001', 'execute', "
-                "'schedule', 'old-worker', 'running', '0018')"
-            ),
-            {"id": run_id},
+        run_id = _insert_run(
+            conn, mode="execute", trigger_type="schedule", status="running", code_revision="0018"
         )
         conn.execute(
             sa.text(
@@ -310,14 +314,7 @@ def test_status_names_the_code_that_ran_each_tenants_last_run(cli, db):
     ran = cli("run", "quote_expiration", "--tenant", "tenant-001", "--mode", "dry-run")
     assert ran.code == 0, ran.stderr
     with db.engine.begin() as conn:  # tenant-002's last run: by a release before 0018
-        conn.execute(
-            sa.text(
-                "INSERT INTO job_run (id, job_name, scope, mode, trigger_type, owner_id, status, "
-                "finished_at) VALUES (:id, 'quote_expiration', 'tenant-002', 'dry_run', "
-                "'manual', 'old', 'success', now())"
-            ),
-            {"id": uuid.uuid4()},
-        )
+        _insert_run(conn, scope="tenant-002", finished_at=sa.func.now())
     status = cli("status", "quote_expiration", "--all")
     assert status.code == 0, status.stderr
     rows = {ln.split()[1]: ln for ln in status.stdout.splitlines() if ln.startswith("quote_exp")}
@@ -376,3 +373,34 @@ def test_db_upgrade_fails_in_one_line_when_a_pending_contract_step_holds_back_th
     assert "before contract step(s) 0019" in line and "needs 0020" in line
     assert "db upgrade --contract" in line and "Traceback" not in err
     assert migrate.current_revision(db.engine) == "0018"
+
+
+def _index_valid(engine: Engine, name: str) -> bool | None:
+    with engine.connect() as conn:
+        return conn.scalar(
+            sa.text("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(:n)"),
+            {"n": name},
+        )
+
+
+def test_an_invalid_index_a_failed_concurrent_build_left_is_rebuilt_on_retry(empty_db):
+    """0013 builds its index on audit_record concurrently (qo_ops/db/migrations/safe.py); a
+    build that failed half-way (a lock or statement timeout, a cancel) leaves an INVALID
+    index of that name, which the retry drops and builds again, not keeps."""
+    engine = empty_db.engine
+    index = "ix_audit_record_tenant_day_id"
+    migrate.upgrade(engine, "0012")
+    with engine.begin() as conn:  # what the failed first attempt left
+        conn.execute(sa.text(f"CREATE INDEX {index} ON audit_record (tenant_id)"))
+        conn.execute(
+            sa.text("UPDATE pg_index SET indisvalid = false WHERE indexrelid = to_regclass(:n)"),
+            {"n": index},
+        )
+    assert _index_valid(engine, index) is False
+
+    assert migrate.upgrade(engine, "0013").applied == ["0013"]
+
+    assert _index_valid(engine, index) is True
+    with engine.connect() as conn:  # and it is 0013's index, not the leftover's definition
+        definition = conn.scalar(sa.text("SELECT pg_get_indexdef(to_regclass(:n))"), {"n": index})
+    assert "timezone('UTC'" in definition and definition.rstrip(")").endswith("id")

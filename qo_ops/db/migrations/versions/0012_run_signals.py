@@ -5,8 +5,10 @@ lease took (``lock_wait_ms``), and which of the trigger's retries it is (``retry
 0 for the first attempt, of ``retries_max``).
 
 Nullable or defaulted columns only: adding them rewrites nothing, and older code ignores
-them; one partial index for the Launchpad's reason rule. No new grants: the roles'
-grants on ``job_run`` cover its new columns.
+them; one partial index for the Launchpad's reason rule, built concurrently so that writers
+to ``job_run`` never wait for it (``qo_ops/db/migrations/safe.py``; it commits the columns
+first, so each statement is safe to run again). No new grants: the roles' grants on
+``job_run`` cover its new columns.
 
 Revision ID: 0012
 Revises: 0011
@@ -14,8 +16,9 @@ Revises: 0011
 
 from __future__ import annotations
 
-import sqlalchemy as sa
 from alembic import op
+
+from qo_ops.db.migrations.safe import create_index_concurrently, drop_index_concurrently
 
 revision = "0012"
 down_revision = "0011"
@@ -24,28 +27,31 @@ depends_on = None
 
 REASON_KEY = r"btrim(regexp_replace(lower(reason), '\s+', ' ', 'g'))"  # consent.normalized_reason
 
+# Each statement whole and safe to run again: the index below is built concurrently, outside
+# the transaction, which commits these first; a retry (a lock timeout) runs them again.
+COLUMNS = (
+    "ALTER TABLE job_run ADD COLUMN IF NOT EXISTS requested_at timestamptz",
+    "ALTER TABLE job_run ADD COLUMN IF NOT EXISTS lock_wait_ms integer",
+    "ALTER TABLE job_run ADD COLUMN IF NOT EXISTS retry_number integer DEFAULT 0 NOT NULL",
+    "ALTER TABLE job_run ADD COLUMN IF NOT EXISTS retries_max integer",
+)
+
 
 def upgrade() -> None:
-    op.add_column("job_run", sa.Column("requested_at", sa.DateTime(timezone=True), nullable=True))
-    op.add_column("job_run", sa.Column("lock_wait_ms", sa.Integer(), nullable=True))
-    op.add_column(
-        "job_run",
-        sa.Column("retry_number", sa.Integer(), server_default="0", nullable=False),
-    )
-    op.add_column("job_run", sa.Column("retries_max", sa.Integer(), nullable=True))
+    for statement in COLUMNS:
+        op.execute(statement)
     # the Launchpad rule (qo_ops/platform/consent.py): an earlier Dagster execute of the job
-    # with the same reason, found by lookup (a few rows: executes a person gave a reason)
-    op.create_index(
+    # with the same reason, found by lookup (a few rows: executes a person gave a reason).
+    # Concurrently, last (qo_ops/db/migrations/safe.py): job_run keeps taking writes.
+    create_index_concurrently(
         "ix_job_run_dagster_reason",
         "job_run",
-        ["job_name", sa.text(REASON_KEY)],
-        postgresql_where=sa.text(
-            "mode = 'execute' AND reason IS NOT NULL AND dagster_run_id IS NOT NULL"
-        ),
+        f"job_name, {REASON_KEY}",
+        where="mode = 'execute' AND reason IS NOT NULL AND dagster_run_id IS NOT NULL",
     )
 
 
 def downgrade() -> None:
-    op.drop_index("ix_job_run_dagster_reason", table_name="job_run")
     for column in ("retries_max", "retry_number", "lock_wait_ms", "requested_at"):
-        op.drop_column("job_run", column)
+        op.execute(f"ALTER TABLE job_run DROP COLUMN IF EXISTS {column}")
+    drop_index_concurrently("ix_job_run_dagster_reason")

@@ -2,7 +2,9 @@
 an index on (tenant_id, the record's UTC day, id) gives each batch its rows in that order
 without sorting the window's remaining records again per batch.
 
-An index only: nothing is rewritten, older code ignores it. No new grants.
+An index only: nothing is rewritten, older code ignores it. Built concurrently
+(``qo_ops/db/migrations/safe.py``): the plain CREATE INDEX it was held writes to
+audit_record for the whole build (up to 5.6 s at 3,000,000 rows). No new grants.
 
 Revision ID: 0013
 Revises: 0012
@@ -10,8 +12,7 @@ Revises: 0012
 
 from __future__ import annotations
 
-import sqlalchemy as sa
-from alembic import op
+from qo_ops.db.migrations.safe import create_index_concurrently, drop_index_concurrently
 
 revision = "0013"
 down_revision = "0012"
@@ -22,12 +23,10 @@ UTC_DAY = "CAST(timezone('UTC', occurred_at) AS date)"  # steps.archivable_recor
 
 
 def upgrade() -> None:
-    op.create_index(
-        "ix_audit_record_tenant_day_id",
-        "audit_record",
-        ["tenant_id", sa.text(UTC_DAY), "id"],
+    create_index_concurrently(
+        "ix_audit_record_tenant_day_id", "audit_record", f"tenant_id, {UTC_DAY}, id"
     )
 
 
 def downgrade() -> None:
-    op.drop_index("ix_audit_record_tenant_day_id", table_name="audit_record")
+    drop_index_concurrently("ix_audit_record_tenant_day_id")

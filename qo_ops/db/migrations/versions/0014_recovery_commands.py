@@ -10,7 +10,9 @@ requeue, review and checkpoint actions run the same statements as ``qo-ops reque
 - ``order_resubmission`` INSERT: a person's re-submission takes the next number.
 
 And an index for the manual-review queue: the flagged orders, per tenant, without reading
-every order (a partial index: flagged orders are few).
+every order (a partial index: flagged orders are few). Built concurrently, last, so that
+writers to customer_order never wait for it (``qo_ops/db/migrations/safe.py``); the grants
+before it commit first and are safe to run again.
 
 Revision ID: 0014
 Revises: 0013
@@ -18,8 +20,9 @@ Revises: 0013
 
 from __future__ import annotations
 
-import sqlalchemy as sa
 from alembic import op
+
+from qo_ops.db.migrations.safe import create_index_concurrently, drop_index_concurrently
 
 revision = "0014"
 down_revision = "0013"
@@ -35,17 +38,17 @@ GRANTS = (
 
 
 def upgrade() -> None:
-    op.create_index(
-        "ix_customer_order_needs_review",
-        "customer_order",
-        ["tenant_id", "id"],
-        postgresql_where=sa.text("needs_manual_review"),
-    )
     for grant in GRANTS:  # the roles exist since 0005
         op.execute(grant)
+    create_index_concurrently(
+        "ix_customer_order_needs_review",
+        "customer_order",
+        "tenant_id, id",
+        where="needs_manual_review",
+    )
 
 
 def downgrade() -> None:
     for grant in GRANTS:
         op.execute(grant.replace("GRANT", "REVOKE").replace(" TO ", " FROM "))
-    op.drop_index("ix_customer_order_needs_review", table_name="customer_order")
+    drop_index_concurrently("ix_customer_order_needs_review")

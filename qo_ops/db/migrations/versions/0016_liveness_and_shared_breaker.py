@@ -28,8 +28,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.execute("SET LOCAL lock_timeout = '2s'")
-    op.execute("SET LOCAL statement_timeout = '30s'")
+    # lock and statement timeouts: the migration runner's (qo_ops/db/migrate.py), 1 s and 60 s
     for statement in EXPAND:
         op.execute(statement)
     # the roles exist since 0005
