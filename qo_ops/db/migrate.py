@@ -71,6 +71,67 @@ RECENT_RUN = "15 minutes"  # a `running` run whose heartbeat is this recent is r
 
 # Whether a table exists yet (an empty database has none). Read-only.
 TABLE_EXISTS = sa.text("SELECT to_regclass(:name) IS NOT NULL")
+# The rows of each version table (one, or none). Read-only.
+VERSIONS = {
+    VERSION_TABLE: sa.text("SELECT version_num FROM qo_ops_schema_version"),
+    SERVES_TABLE: sa.text("SELECT version_num FROM qo_ops_alembic_version"),
+}
+# The serves table, for a database this code created (releases up to 0017 made it Alembic's).
+# Twice: IF NOT EXISTS; every upgrade runs it under the migration lock.
+CREATE_SERVES_TABLE = (
+    "CREATE TABLE IF NOT EXISTS qo_ops_alembic_version (version_num varchar(32) NOT NULL, "
+    "CONSTRAINT qo_ops_alembic_version_pkc PRIMARY KEY (version_num))"
+)
+# Twice: the serves table's one row rewritten to the value the schema serves, delete and
+# insert in the migration's transaction: a rerun writes the same row again.
+CLEAR_SERVES = sa.text("DELETE FROM qo_ops_alembic_version")
+# Twice: after CLEAR_SERVES in the same transaction (above).
+WRITE_SERVES = sa.text("INSERT INTO qo_ops_alembic_version (version_num) VALUES (:v)")
+# Alembic's version table, for a database a release up to 0017 migrated: created once.
+# Twice: only when to_regclass finds no such table, under the migration lock.
+CREATE_VERSION_TABLE = (
+    "CREATE TABLE qo_ops_schema_version (version_num varchar(32) NOT NULL, "
+    "CONSTRAINT qo_ops_schema_version_pkc PRIMARY KEY (version_num))"
+)
+# Twice: into the table created just before (above), in its transaction.
+ADOPT_VERSION = sa.text("INSERT INTO qo_ops_schema_version (version_num) VALUES (:v)")
+TAKE_MIGRATION_LOCK = sa.text("SELECT pg_advisory_lock(:key)")  # a session lock: see below
+GIVE_MIGRATION_LOCK = sa.text("SELECT pg_advisory_unlock(:key)")
+# The timeouts of every migration (SET takes no parameters; squawk reads them as written).
+SET_LOCK_TIMEOUT = "SET lock_timeout = '1s'"  # LOCK_TIMEOUT (a test holds them equal)
+SET_STATEMENT_TIMEOUT = "SET statement_timeout = '60s'"  # STATEMENT_TIMEOUT
+# Runs of code older than a contract step (its code revision below it, or unknown: before
+# 0018) that hold a lease or are running (heartbeat in the last RECENT_RUN). Read-only.
+OLDER_CODE_BUSY = sa.text(
+    """
+    SELECT r.job_name, r.scope, coalesce(r.code_revision, 'before 0018') AS code
+      FROM job_run r
+     WHERE (r.code_revision IS NULL OR r.code_revision < :rev)
+       AND (EXISTS (SELECT 1 FROM job_lease l
+                     WHERE l.job_run_id = r.id AND l.expires_at > now())
+            OR (r.status = 'running'
+                AND r.heartbeat_at > now() - CAST(:recent AS interval)))
+     ORDER BY r.started_at LIMIT 20
+    """
+)
+# Twice: one row per upgrade, a fresh id each: a second upgrade is another row.
+RECORD_UPGRADE = sa.text(
+    """
+    INSERT INTO schema_migration (id, from_revision, to_revision, applied, contract,
+        requested_by, reason, outcome, error, lock_timeouts, attempts, duration_ms,
+        code_version)
+    VALUES (:id, :from_rev, :to_rev, :applied, :contract, :who, :reason, :outcome, :error,
+        :lock_timeouts, :attempts, :duration_ms, :code_version)
+    """
+)
+# The newest recorded upgrades. Read-only.
+RECENT_UPGRADES = sa.text(
+    """
+    SELECT started_at, from_revision, to_revision, outcome, requested_by, reason,
+           lock_timeouts, duration_ms, code_version
+      FROM schema_migration ORDER BY started_at DESC LIMIT :n
+    """
+)
 
 
 class MigrationBlocked(QoOpsError):
@@ -150,7 +211,7 @@ def _exists(conn: Connection, table: str) -> bool:
 def _versions(conn: Connection, table: str) -> list[str]:
     if not _exists(conn, table):
         return []
-    return list(conn.scalars(sa.text(f"SELECT version_num FROM {table}")))  # noqa: S608 (a constant)
+    return list(conn.scalars(VERSIONS[table]))
 
 
 def _one(found: list[str], table: str) -> str | None:
@@ -245,13 +306,10 @@ def _serves(current: str | None) -> str | None:
 def write_serves(conn: Connection) -> None:
     """Keep the serves table equal to what the schema serves (in the caller's transaction)."""
     serves = _serves(_one(_versions(conn, VERSION_TABLE), VERSION_TABLE))
-    conn.exec_driver_sql(
-        f"CREATE TABLE IF NOT EXISTS {SERVES_TABLE} (version_num varchar(32) NOT NULL, "
-        f"CONSTRAINT {SERVES_TABLE}_pkc PRIMARY KEY (version_num))"
-    )
-    conn.exec_driver_sql(f"DELETE FROM {SERVES_TABLE}")  # noqa: S608 (a constant)
+    conn.exec_driver_sql(CREATE_SERVES_TABLE)
+    conn.execute(CLEAR_SERVES)
     if serves is not None:
-        conn.execute(sa.text(f"INSERT INTO {SERVES_TABLE} VALUES (:v)"), {"v": serves})  # noqa: S608
+        conn.execute(WRITE_SERVES, {"v": serves})
 
 
 def _adopt_old_version_table(conn: Connection) -> None:
@@ -262,11 +320,8 @@ def _adopt_old_version_table(conn: Connection) -> None:
     old = _one(_versions(conn, SERVES_TABLE), SERVES_TABLE)
     if old is None:
         return
-    conn.exec_driver_sql(
-        f"CREATE TABLE {VERSION_TABLE} (version_num varchar(32) NOT NULL, "
-        f"CONSTRAINT {VERSION_TABLE}_pkc PRIMARY KEY (version_num))"
-    )
-    conn.execute(sa.text(f"INSERT INTO {VERSION_TABLE} VALUES (:v)"), {"v": old})  # noqa: S608
+    conn.exec_driver_sql(CREATE_VERSION_TABLE)
+    conn.execute(ADOPT_VERSION, {"v": old})
 
 
 @contextmanager
@@ -274,21 +329,21 @@ def _migration_connection(engine: Engine) -> Iterator[Connection]:
     """A connection holding the migration lock (session-level: it spans the per-migration
     transactions), with the timeouts every migration runs under."""
     with engine.connect() as conn:
-        conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})")
+        conn.execute(TAKE_MIGRATION_LOCK, {"key": MIGRATION_LOCK_KEY})
         conn.commit()
         try:
             yield conn
         finally:
             conn.rollback()
-            conn.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})")
+            conn.execute(GIVE_MIGRATION_LOCK, {"key": MIGRATION_LOCK_KEY})
             conn.commit()
 
 
 def set_timeouts(conn: Connection) -> None:
     """The timeouts of the migration about to run, on the session (each migration's SQL
     starts with them: squawk's require-timeout-settings sees them there)."""
-    conn.exec_driver_sql(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
-    conn.exec_driver_sql(f"SET statement_timeout = '{STATEMENT_TIMEOUT}'")
+    conn.exec_driver_sql(SET_LOCK_TIMEOUT)
+    conn.exec_driver_sql(SET_STATEMENT_TIMEOUT)
     conn.commit()
 
 
@@ -300,17 +355,7 @@ def _is_lock_timeout(exc: BaseException) -> bool:
 def older_code_busy(conn: Connection, revision: str) -> list[str]:
     """Runs of code older than ``revision`` that hold a lease or are running (their code
     revision is below it, or unknown: recorded before 0018). A contract step waits for them."""
-    rows = conn.execute(
-        sa.text(
-            "SELECT r.job_name, r.scope, coalesce(r.code_revision, 'before 0018') AS code "
-            "FROM job_run r WHERE (r.code_revision IS NULL OR r.code_revision < :rev) AND ("
-            "  EXISTS (SELECT 1 FROM job_lease l WHERE l.job_run_id = r.id"
-            "          AND l.expires_at > now())"
-            f"  OR (r.status = 'running' AND r.heartbeat_at > now() - interval '{RECENT_RUN}'))"
-            " ORDER BY r.started_at LIMIT 20"
-        ),
-        {"rev": revision},
-    )
+    rows = conn.execute(OLDER_CODE_BUSY, {"rev": revision, "recent": RECENT_RUN})
     return [f"{job} {scope} (code {code})" for job, scope, code in rows]
 
 
@@ -433,13 +478,7 @@ def _record(
             if not _exists(conn, "schema_migration"):
                 return
             conn.execute(
-                sa.text(
-                    "INSERT INTO schema_migration (id, from_revision, to_revision, applied, "
-                    "contract, requested_by, reason, outcome, error, lock_timeouts, attempts, "
-                    "duration_ms, code_version) VALUES (:id, :from_rev, :to_rev, :applied, "
-                    ":contract, :who, :reason, :outcome, :error, :lock_timeouts, :attempts, "
-                    ":duration_ms, :code_version)"
-                ),
+                RECORD_UPGRADE,
                 {
                     "id": uuid.uuid4(),
                     "from_rev": report.before,
@@ -505,13 +544,4 @@ def applied_migrations_on(conn: Connection, limit: int) -> Sequence[sa.Row[Any]]
     """:func:`applied_migrations` on an open connection ([] before 0018)."""
     if not _exists(conn, "schema_migration"):
         return []
-    return list(
-        conn.execute(
-            sa.text(
-                "SELECT started_at, from_revision, to_revision, outcome, requested_by, "
-                "reason, lock_timeouts, duration_ms, code_version FROM schema_migration "
-                "ORDER BY started_at DESC LIMIT :n"
-            ),
-            {"n": limit},
-        )
-    )
+    return list(conn.execute(RECENT_UPGRADES, {"n": limit}))
