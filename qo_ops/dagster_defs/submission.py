@@ -28,11 +28,13 @@ from qo_ops.platform.partition_keys import (
     REASON_TAG,
     REQUESTER_TAG,
     SCOPE_TAG,
+    split_windowed_key,
 )
 from qo_ops.platform.runs import AuditEntry, append_audit
 from qo_ops.platform.spec import RunOptions, Scope, Trigger, check_consent
 
 PARTITION_TAG = "dagster/partition"
+RANGE_START_TAG = "dagster/asset_partition_range_start"
 USER_TAG = "dagster/user"  # the signed-in person (Dagster+; absent in the OSS webserver)
 BACKFILL_TAG = "dagster/backfill"
 PARENT_RUN_TAG = "dagster/parent_run_id"  # a re-execution (by a person, or an automatic retry)
@@ -195,16 +197,30 @@ def refusal_at_submission(run: dg.DagsterRun) -> tuple[str, str] | None:
         if (
             tags.get(WINDOWED_TAG) == "true"
             and not config.get("tenants")
-            and options.trigger != "backfill"  # a backfill of its days: every tenant, or tagged
+            and not _names_a_chunk(tags)  # a day × chunk partition: the chunk's tenants
+            and options.trigger != "backfill"  # a backfill of the old day-only keys: all
         ):
             raise BadInput(
-                f"{run.job_name} is windowed: name its tenants in run config (tenants), or "
-                "launch a backfill of its days (every tenant, or those of the tag "
-                f"{BACKFILL_TENANTS_TAG})"
+                f"{run.job_name} is windowed: pick a day and tenant chunk partition (its "
+                "tenants), or name its tenants in run config (tenants)"
             )
     except BadInput as refused:
         return getattr(refused, "error_code", "bad_input"), str(refused)
     return None
+
+
+def _names_a_chunk(tags: Mapping[str, str]) -> bool:
+    """Whether a windowed run's partition (or range) names a tenant chunk."""
+    keys = [tags.get(PARTITION_TAG), tags.get(RANGE_START_TAG)]
+    return any(k and split_windowed_key_or_none(k) for k in keys)
+
+
+def split_windowed_key_or_none(key: str) -> str | None:
+    """The tenant chunk a windowed partition key names, or None (a day-only key, or none)."""
+    try:
+        return split_windowed_key(key)[1]
+    except BadInput:
+        return None
 
 
 def refusal_in_database(run: dg.DagsterRun, engine: Engine) -> tuple[str, str] | None:

@@ -95,7 +95,7 @@ def test_the_launchpad_shows_the_mode_a_partition_will_run_in_and_a_backfill_tag
     defs = build_definitions()
     for spec in CATALOG.values():
         job = defs.resolve_job_def(spec.name)
-        key = "2026-12-01" if spec.partitioning == "tenant_day" else "tenant-001"
+        key = "2026-12-01|chunk-001" if spec.partitioning == "tenant_day" else "tenant-001"
         shown = job.partitioned_config.get_run_config_for_partition_key(key)  # type: ignore[union-attr]
         config = shown["ops"][f"{spec.name}_op"]["config"]
         assert config["mode"] == "dry_run" and config["reason"] is None, spec.name
@@ -148,7 +148,7 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
         scope = {SCOPE_TAG: "quote_expiration:tenant-001", "dagster/partition": "tenant-001"}
         no_reason = _submit(instance, defs, "quote_expiration", {"mode": "execute"}, scope)
         absurd = _submit(instance, defs, "quote_expiration", {"batch_size": 0}, scope)
-        destructive = _submit(  # Dagster's day backfill: the day's own scope tag, no tenants
+        destructive = _submit(  # Dagster's backfill: the day × chunk's own scope tag, no tenants
             instance,
             defs,
             "read_model_repair",
@@ -157,14 +157,14 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
                 "dagster/backfill": "b9",
                 MODE_TAG: "execute",
                 REASON_TAG: "INC-9",
-                SCOPE_TAG: "read_model_repair:2026-02-10",
-                "dagster/partition": "2026-02-10",
+                SCOPE_TAG: "read_model_repair:2026-02-10|chunk-001",
+                "dagster/partition": "2026-02-10|chunk-001",
             },
         )
         fine = _create(
             instance, defs, "quote_expiration", {"mode": "execute", "reason": "x"}, scope
         )
-        day = {"dagster/partition": "2026-02-10"}  # a windowed job's run names its tenants
+        day = {"dagster/partition": "2026-02-10|chunk-001"}  # a windowed run: day × chunk
         named = {"tenants": ["tenant-001"]}
         dry_backfill = _create(
             instance, defs, "read_model_repair", named, {"dagster/backfill": "b9", **day}
@@ -201,7 +201,7 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
          "tenant-001", "execute", None),
         (f"dagster-run:{absurd.run_id}", "trigger", "denied", "quote_expiration",
          "tenant-001", "dry_run", None),
-        ("backfill:b9", "trigger", "denied", "read_model_repair", "2026-02-10", "execute",
+        ("backfill:b9", "trigger", "denied", "read_model_repair", "2026-02-10|chunk-001", "execute",
          "INC-9"),
     ]  # fmt: skip
     assert rows[0].details["refused"] == "reason_required"
