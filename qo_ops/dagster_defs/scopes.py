@@ -22,12 +22,15 @@ from qo_ops.platform import runs
 from qo_ops.platform.partition_keys import (
     FAILED_TENANTS_TAG,
     JOB_RUN_TAG,
+    PARTITION_TAG,
     scope_from_partition_key,
     split_windowed_key,
 )
 from qo_ops.platform.spec import TRIGGERS_WITH_A_PERSON, JobSpec, RunOptions, Scope
 from qo_ops.platform.tenants import chunk_members, chunk_of, tenant_ids
 
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 MAX_TENANTS_PER_RUN = 1000  # a run naming more tenants is refused: split it (ticks chunk by 50)
 MAX_NAMED = 50  # tenants named in a run's failure description and metadata
 
@@ -74,22 +77,28 @@ def chunk_strays(engine: Any, chunk: str, tenants: list[str]) -> str | None:
     )
 
 
-def windowed_partition(
-    context: dg.OpExecutionContext, spec: JobSpec
-) -> tuple[date, date, str | None]:
+def windowed_partition(spec: JobSpec, tags: Mapping[str, str]) -> tuple[date, date, str | None]:
     """The first and last day of a windowed run's day partition(s) and its tenant chunk (None
-    for the old day-only keys); a range over several chunks is refused: a run is one chunk."""
-    if not (context.has_partition_key or context.has_partition_key_range):
+    for the old day-only keys), read from the run's tags: Dagster cannot parse an old
+    day-only key against today's day × chunk partitions. A range over several chunks is
+    refused: a run is one chunk."""
+    if PARTITION_TAG in tags:
+        first, chunk, _ = split_windowed_key(tags[PARTITION_TAG])
+        return first, first, chunk
+    if RANGE_START_TAG not in tags or RANGE_END_TAG not in tags:
         raise BadInput(f"{spec.name} is windowed: pick its day and tenant chunk partition(s)")
-    keys = [split_windowed_key(str(k)) for k in context.partition_keys]
-    chunks = {chunk for _, chunk, _ in keys}
-    if len(chunks) > 1:
+    first, chunk, _ = split_windowed_key(tags[RANGE_START_TAG])
+    last, last_chunk, _ = split_windowed_key(tags[RANGE_END_TAG])
+    if chunk != last_chunk:
         raise BadInput(
-            f"a run of {spec.name} covers one tenant chunk, got {len(chunks)}: launch a "
+            f"a run of {spec.name} covers one tenant chunk, got {chunk}..{last_chunk}: launch a "
             "backfill (one run per day and chunk)"
         )
-    days = sorted(day for day, _, _ in keys)
-    return days[0], days[-1], chunks.pop()
+    if last < first:
+        raise BadInput(
+            f"partition range {tags[RANGE_START_TAG]}..{tags[RANGE_END_TAG]} is reversed"
+        )
+    return first, last, chunk
 
 
 def adopted_run(
@@ -102,9 +111,10 @@ def adopted_run(
     except ValueError:
         raise BadInput(f"tag {JOB_RUN_TAG} is not a job run id") from None
     accepted = runs.load_accepted(engine, run_id, spec.name)
-    partition = scope_from_partition_key(spec, context.partition_key, accepted.scope.tenant_id)
+    key = context.run.tags.get(PARTITION_TAG, "")  # (Dagster cannot parse an old day-only key)
+    partition = scope_from_partition_key(spec, key, accepted.scope.tenant_id)
     if spec.partitioning == "tenant_day":
-        chunk = split_windowed_key(context.partition_key)[1]
+        chunk = split_windowed_key(key)[1]
         strays = chunk_strays(engine, chunk, [accepted.scope.tenant_id]) if chunk else None
         if strays is not None:
             raise BadInput(strays)
@@ -112,8 +122,7 @@ def adopted_run(
         partition.window_start is not None and partition.window_start != accepted.scope.window_start
     ):
         raise BadInput(
-            f"partition {context.partition_key} does not match accepted run {run_id} "
-            f"({accepted.scope.key})"
+            f"partition {key} does not match accepted run {run_id} ({accepted.scope.key})"
         )
     limits = accepted.options
     options = RunOptions(
@@ -181,7 +190,7 @@ def requested_scopes(
     window: tuple[date, date] | None = None
     chunk: str | None = None
     if spec.partitioning == "tenant_day":
-        first, last, chunk = windowed_partition(context, spec)
+        first, last, chunk = windowed_partition(spec, tags)
         window = (first, last)
     every = False
     if not tenants:

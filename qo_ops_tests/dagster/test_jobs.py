@@ -361,6 +361,28 @@ def test_a_windowed_run_covers_its_chunk_and_refuses_a_tenant_of_another_in_one_
     assert _counts(loaded) == before
 
 
+def test_a_run_of_an_old_day_only_key_naming_its_tenants_still_runs(defs, instance, loaded):
+    """A run queued before windowed jobs had tenant chunks (``dagster/partition`` a day only,
+    its tenants in config) starts on today's code: its key is read from the tag, which
+    Dagster itself cannot parse against the day × chunk partitions."""
+    result = defs.resolve_job_def("order_reconciliation").execute_in_process(
+        instance=instance,
+        run_config={
+            "ops": {
+                "order_reconciliation_op": {
+                    "config": {"mode": "dry_run", "tenants": ["tenant-001"]}
+                }
+            }
+        },
+        tags={"dagster/partition": "2026-02-10"},
+        raise_on_error=False,
+    )
+    assert result.success
+    with loaded.engine.connect() as conn:
+        scopes = conn.execute(sa.text("SELECT scope FROM job_run")).scalars().all()
+    assert scopes == ["tenant-001/2026-02-10..2026-02-11"]
+
+
 def test_a_run_record_says_when_its_dagster_run_was_created_and_which_retry_it_is(
     defs, instance, loaded
 ):
