@@ -17,6 +17,7 @@ from qo_ops.dagster_defs.submission import (
     REFUSED_TAG,
     QoOpsRunCoordinator,
     refusal_at_submission,
+    refusal_in_database,
     requester_from_tags,
     run_options,
     trigger_from_tags,
@@ -245,3 +246,33 @@ def test_every_destructive_job_and_only_those_tag_their_runs(defs):
     for name, spec in CATALOG.items():
         tags = defs.resolve_job_def(name).run_tags
         assert (tags.get(DESTRUCTIVE_TAG) == "true") is spec.destructive, name
+
+
+def test_a_destructive_chunk_backfill_needs_an_approval_covering_each_tenant_of_the_chunk(
+    defs, loaded
+):
+    """Dagster's backfill of a destructive windowed job over day × chunk names no tenant:
+    its approval is checked before queueing against each tenant of the chunk (those of the
+    tag qo_ops/backfill_tenants, when set), as the op would run them."""
+    from qo_ops.platform import approvals
+
+    spec = CATALOG["read_model_repair"]
+    one = approvals.grant(
+        loaded.engine, spec, approvals.Grant(spec.name, ["tenant-001"], "INC-41 chunk", "ana")
+    )
+    backfill = {
+        "dagster/backfill": "b41",
+        MODE_TAG: "execute",
+        REASON_TAG: "INC-41 chunk",
+        "qo_ops/approval": one.id,
+        "dagster/partition": "2026-02-10|chunk-001",  # tenant-001 and tenant-002
+    }
+    with _coordinated_instance() as instance:
+        whole = _create(instance, defs, spec.name, {}, backfill)
+        refusal = refusal_in_database(whole, loaded.engine)
+        assert refusal is not None and "tenant-002" in refusal[1] and "\n" not in refusal[1]
+        narrowed = {**backfill, "qo_ops/backfill_tenants": "tenant-001"}
+        assert (
+            refusal_in_database(_create(instance, defs, spec.name, {}, narrowed), loaded.engine)
+            is None
+        )
