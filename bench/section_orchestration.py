@@ -331,11 +331,15 @@ class Deployment:
         return str(data["run"]["runId"])
 
     def set_tenants(self, wanted: list[str]) -> None:
-        """The ``tenants`` partitions become exactly ``wanted``."""
-        have = set(self.instance.get_dynamic_partitions("tenants"))
-        for key in sorted(have - set(wanted)):
-            self.instance.delete_dynamic_partition("tenants", key)
-        self.instance.add_dynamic_partitions("tenants", [t for t in wanted if t not in have])
+        """The ``tenants`` partitions become exactly ``wanted`` (and ``tenant_chunks`` their
+        chunks), as ``tenants_sensor`` keeps them."""
+        from qo_ops.platform.partition_keys import chunk_keys
+
+        for name, keys in (("tenants", wanted), ("tenant_chunks", chunk_keys(len(wanted)))):
+            have = set(self.instance.get_dynamic_partitions(name))
+            for key in sorted(have - set(keys)):
+                self.instance.delete_dynamic_partition(name, key)
+            self.instance.add_dynamic_partitions(name, [k for k in keys if k not in have])
 
 
 LAUNCH_RUN = """

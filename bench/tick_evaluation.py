@@ -182,6 +182,8 @@ def _label(pd: Any) -> str:
         return f"{pd.name} (dynamic)"
     if isinstance(pd, dg.TimeWindowPartitionsDefinition):
         return f"days (daily from {pd.start.date().isoformat()})"
+    if isinstance(pd, dg.MultiPartitionsDefinition):
+        return " × ".join(_label(d.partitions_def) for d in pd.partitions_defs)
     return type(pd).__name__
 
 
@@ -240,9 +242,11 @@ def evaluate(tenants: int, repeats: int) -> dict[str, Any]:
     from dagster._core.definitions.partitions.context import partition_loading_context
     from dagster._utils.schedules import reverse_cron_string_iterator
 
+    from qo_ops.dagster_defs.partitions import days_partitions_def
     from qo_ops.dagster_defs.resources import QoOpsDatabase
     from qo_ops.definitions import build_definitions
     from qo_ops.jobs.catalog import CATALOG
+    from qo_ops.platform.partition_keys import chunk_keys
 
     keys = [tenant_key(k) for k in range(1, tenants + 1)]
     database = QoOpsDatabase(url=os.environ["QO_OPS_DATABASE_URL"])
@@ -262,12 +266,12 @@ def evaluate(tenants: int, repeats: int) -> dict[str, Any]:
     with dg.DagsterInstance.get() as instance:
         started = time.perf_counter()
         instance.add_dynamic_partitions("tenants", keys)
+        instance.add_dynamic_partitions("tenant_chunks", chunk_keys(len(keys)))
         out["add_partitions_s"] = time.perf_counter() - started
         defs = build_definitions()
         repo = defs.get_repository_def()
         out["partitions"] = count_partitions(repo, instance)
-        days = [p for name, p in out["partitions"].items() if name.startswith("days")]
-        out["days"] = days[0]["keys"] if days else 0
+        out["days"] = days_partitions_def.get_num_partitions()
         now = datetime.now(UTC)
         schedules: dict[str, Any] = {}
         for schedule in repo.schedule_defs:

@@ -311,6 +311,9 @@ def test_status_shows_lease_holder_and_backlog(demo, cli):
 
     one = cli("status", JOB, "--tenant", "tenant-002", "--json")
     assert [r["scope"] for r in json.loads(one.stdout)["status"]] == ["tenant-002"]
+    assert json.loads(one.stdout)["tenant_chunk"] == "chunk-001"  # its windowed partitions
+    text = cli("status", JOB, "--tenant", "tenant-002").stdout
+    assert text.splitlines()[0] == "summary of tenant-002 (windowed jobs: tenant chunk chunk-001)"
 
 
 def test_status_after_execute_shows_last_success_and_no_backlog(demo, cli):

@@ -18,8 +18,10 @@ from qo_ops.platform.partition_keys import (
     SCOPE_TAG,
     WINDOW_TAG,
     partition_key_for,
+    partition_tags,
 )
 from qo_ops.platform.telemetry import log_event
+from qo_ops.platform.tenants import chunk_of
 
 log = logging.getLogger("qo_ops.api")
 
@@ -37,8 +39,13 @@ def launch(
     """Launch the accepted run ``run_id`` in Dagster and link the two; if Dagster cannot
     take it, the run ends ``failed``/``launch_failed`` (audited) and this raises ``503``."""
     spec, scope = rr.spec, rr.scope
+    chunk = None
+    if spec.partitioning == "tenant_day":  # its partition: the day and the tenant's chunk
+        with api.engine.connect() as conn:
+            chunk = chunk_of(conn, scope.tenant_id)
+    key = partition_key_for(spec, scope.tenant_id, scope.window_start, chunk)
     tags = {
-        "dagster/partition": partition_key_for(spec, scope.tenant_id, scope.window_start),
+        **partition_tags(key),  # per dimension too, as on the runs Dagster creates itself
         JOB_RUN_TAG: str(run_id),
         MODE_TAG: rr.mode,
         REQUESTER_TAG: identity,

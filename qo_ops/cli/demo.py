@@ -258,6 +258,7 @@ def demo_dagster_command(
     from qo_ops.platform.approvals import Grant, grant
     from qo_ops.platform.partition_keys import partition_key_for
     from qo_ops.platform.spec import Scope
+    from qo_ops.platform.tenants import chunk_of
 
     Scope(tenant)
     target = resolve_target()
@@ -310,8 +311,16 @@ def demo_dagster_command(
                 **({"approval": approved[spec.name]} if spec.name in approved else {}),
                 **({"tenants": [tenant]} if day is not None else {}),
             }
+            chunk = None
+            if day is not None:  # a windowed run's partition: the day and the tenant's chunk
+                with engine.connect() as conn:
+                    chunk = chunk_of(conn, tenant)
+                if chunk is not None and chunk not in instance.get_dynamic_partitions(
+                    "tenant_chunks"
+                ):
+                    instance.add_dynamic_partitions("tenant_chunks", [chunk])
             result = job.execute_in_process(
-                partition_key=partition_key_for(spec, tenant, day),
+                partition_key=partition_key_for(spec, tenant, day, chunk),
                 instance=instance,
                 run_config={
                     "ops": {f"{spec.name}_op": {"config": op_config}},

@@ -61,7 +61,7 @@ def status_command(
     from qo_ops.platform.control import suspensions
     from qo_ops.platform.spec import Scope, scope_text
     from qo_ops.platform.status import breaker_status, job_status, summarize, with_backlog
-    from qo_ops.platform.tenants import tenant_exists
+    from qo_ops.platform.tenants import chunk_of, tenant_exists
 
     specs = [get_spec(job)] if job else list(CATALOG.values())
     if not 1 <= limit <= 10_000:
@@ -72,6 +72,8 @@ def status_command(
     with engine.connect() as conn:
         if tenant is not None and not tenant_exists(conn, tenant):
             raise BadInput(f"unknown tenant {tenant}")
+        # the windowed jobs' partition a tenant is in: <day>|<its chunk>
+        chunk = chunk_of(conn, tenant) if tenant is not None else None
         held = suspensions(conn, job, tenant)
         not_closed = [b for b in breaker_status(conn) if b.state != "closed"]
     one = tenant is not None  # a tenant's rows: every job's, backlog counted
@@ -93,6 +95,7 @@ def status_command(
     if as_json:
         emit_json(
             {
+                **({"tenant_chunk": chunk} if chunk else {}),
                 "summary": [s.as_dict() for s in summary],
                 "status": [r.as_dict() for r in chosen],
                 "suspended": [s.as_dict() for s in held],
@@ -117,7 +120,7 @@ def status_command(
             f"({b.reason or 'no reason'}); runs hold their calls: qo-ops downstream-status"
         )
     print_table(
-        "summary" + (f" of {tenant}" if one else ""),
+        "summary" + (f" of {tenant} (windowed jobs: tenant chunk {chunk})" if one else ""),
         ["job", "tenants", "failing", "stale", "never run", "running", "suspended"],
         [
             [s.job_name, s.tenants, s.failing, s.stale, s.never_run, s.running, s.suspended]

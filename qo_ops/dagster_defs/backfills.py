@@ -32,6 +32,8 @@ from qo_ops.platform.partition_keys import (
     REQUESTER_TAG,
     chunk_scope_tag,
     chunk_tenants,
+    chunks_of,
+    windowed_key,
 )
 from qo_ops.platform.runs import AuditEntry, append_audit
 from qo_ops.platform.spec import (
@@ -42,13 +44,15 @@ from qo_ops.platform.spec import (
     Scope,
     check_consent,
 )
-from qo_ops.platform.tenants import tenant_ids
+from qo_ops.platform.tenants import tenant_ids, tenants_in_chunk_order
 
 BACKFILL_JOB = "tenant_backfill_job"
 BACKFILL_OP = "plan_tenant_backfill"
 MAX_DAYS_PER_RUN = 366
 MAX_REQUESTS_PER_TICK = 500  # a bigger plan continues on the next tick (the cursor)
 MAX_BACKFILL_RUNS = 20_000
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 
 def _backfill_config(job_names: Sequence[str]) -> type[dg.Config]:
@@ -123,14 +127,32 @@ def backfill_windows(
 
 
 def backfill_run_requests(
-    spec: JobSpec, plan: dict[str, Any], tenants: Sequence[str], launcher_run_id: str
+    spec: JobSpec,
+    plan: dict[str, Any],
+    tenants: Sequence[str],
+    launcher_run_id: str,
+    chunks: dict[str, list[str]] | None = None,
 ) -> list[dg.RunRequest]:
     """Every run of a backfill: one per chunk of tenants × window, deterministic run keys
-    (a repeated tick requests nothing twice), each carrying mode, reason and who asked."""
+    (a repeated tick requests nothing twice), each carrying mode, reason and who asked. A
+    windowed job's runs follow its tenant chunks (``chunks``: key → members in order), each
+    run over one window's days of one chunk (a partition range ``first|chunk..last|chunk``),
+    split further when the plan asks for fewer tenants per run."""
     windows = [(date.fromisoformat(a), date.fromisoformat(b)) for a, b in plan["windows"]]
+    size = plan.get("tenants_per_run")
+    groups: list[tuple[str | None, list[str]]]
+    if windows:
+        chosen = set(tenants)
+        groups = [
+            (key, part)
+            for key, members in (chunks or {}).items()
+            for part in chunk_tenants(spec, [t for t in members if t in chosen], size)
+        ]
+    else:
+        groups = [(None, part) for part in chunk_tenants(spec, tenants, size)]
     requests = []
     each: list[tuple[date, date] | None] = list(windows) or [None]  # a tenant job: no days
-    for chunk in chunk_tenants(spec, tenants, plan.get("tenants_per_run")):
+    for chunk_key, chunk in groups:
         for window in each:
             tags = {
                 BACKFILL_RUN_TAG: launcher_run_id,
@@ -140,9 +162,9 @@ def backfill_run_requests(
                 **({APPROVAL_TAG: plan["approval"]} if plan.get("approval") else {}),
                 **chunk_scope_tag(spec, chunk, window[0] if window else None),
             }
-            if window is not None:  # one run over the window's days (a partition range)
-                tags["dagster/asset_partition_range_start"] = window[0].isoformat()
-                tags["dagster/asset_partition_range_end"] = window[1].isoformat()
+            if window is not None and chunk_key is not None:  # one run over the window's days
+                tags[RANGE_START_TAG] = windowed_key(window[0], chunk_key)
+                tags[RANGE_END_TAG] = windowed_key(window[1], chunk_key)
             config: dict[str, Any] = {"mode": plan["mode"], "tenants": chunk}
             for field in ("reason", "approval"):
                 if plan.get(field):
@@ -208,7 +230,15 @@ def build_backfill_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
                 check_approval(engine, spec, Scope(tenant), options)  # covers each, or none
             with engine.begin() as conn:
                 size = config.tenants_per_run or spec.tenants_per_run  # type: ignore[attr-defined]
-                runs = -(-len(tenants) // size) * max(len(windows), 1)
+                if windows:  # a windowed job's runs follow its tenant chunks
+                    chosen = set(tenants)
+                    per_chunk = [
+                        sum(t in chosen for t in members)
+                        for members in chunks_of(tenants_in_chunk_order(conn)).values()
+                    ]
+                    runs = sum(-(-n // size) for n in per_chunk) * len(windows)
+                else:
+                    runs = -(-len(tenants) // size)
                 if runs > MAX_BACKFILL_RUNS:
                     raise BadInput(
                         f"the backfill would be {runs} runs (at most {MAX_BACKFILL_RUNS}): "
@@ -335,7 +365,8 @@ def build_backfill_sensor(
             with database.engine().connect() as conn:
                 # the plan's tenants as they are now: those named that still exist, or all
                 tenants = tenant_ids(conn, plan["tenants"] or None)
-            every = backfill_run_requests(spec, plan, tenants, record.dagster_run.run_id)
+                chunks = chunks_of(tenants_in_chunk_order(conn)) if plan["windows"] else None
+            every = backfill_run_requests(spec, plan, tenants, record.dagster_run.run_id, chunks)
             start = state.get("next", 0) if state.get("run") == record.dagster_run.run_id else 0
             room = MAX_REQUESTS_PER_TICK - len(requests)
             requests.extend(every[start : start + room])

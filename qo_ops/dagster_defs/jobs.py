@@ -471,7 +471,8 @@ def finish_single(spec: JobSpec, outcome: TenantOutcome) -> dg.Output[dict[str, 
 def launchpad_config(spec: JobSpec) -> dict[str, Any]:
     """The config the Launchpad shows once a partition is picked: the mode the run will have
     (a dry run, until a person writes ``execute``) and, empty, what an execute needs (a
-    reason; a destructive job's approval; a windowed job's tenants). Dagster's "Scaffold
+    reason; a destructive job's approval; a windowed job's tenants, empty for its whole
+    chunk; the same for every key, day-only or day × chunk). Dagster's "Scaffold
     missing config" adds only required fields, and every field here is optional. Schedules,
     sensors and qo-ops's own backfills give their runs config of their own; a backfill
     launched from Dagster's dialog gets this, and its ``qo_ops/mode`` tag decides
@@ -512,9 +513,10 @@ def job_description(spec: JobSpec) -> str:
     )
     if spec.partitioning == "tenant_day":
         lines.append(
-            "Its partitions are days: a backfill's day run covers every tenant, or those of "
-            "the tag qo_ops/backfill_tenants=tenant-001,tenant-002; launched by hand, name "
-            "the tenants in config."
+            "Its partitions are a day × a tenant chunk (chunk-001: the first 100 tenants by "
+            "creation, …): a run covers its chunk's tenants, or those of them config "
+            "tenants names; Launch backfill over days and chunks makes one run per day and "
+            "chunk (the tag qo_ops/backfill_tenants=tenant-001,tenant-002 narrows it)."
         )
     return " ".join(lines)
 

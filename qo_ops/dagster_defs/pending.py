@@ -12,6 +12,7 @@ import dagster as dg
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.submission import op_config
 from qo_ops.errors import BadInput
+from qo_ops.platform.partition_keys import split_windowed_key
 from qo_ops.platform.spec import JobSpec, Scope
 
 PARTITION_TAG = "dagster/partition"
@@ -80,8 +81,11 @@ def _named(
         keys = [tags[PARTITION_TAG]]
     elif RANGE_START_TAG in tags and RANGE_END_TAG in tags:
         start, end = tags[RANGE_START_TAG], tags[RANGE_END_TAG]
-        if spec.partitioning == "tenant_day":
-            first, last = date.fromisoformat(start), date.fromisoformat(end)
+        if spec.partitioning == "tenant_day":  # day|chunk (or an old day-only key) each end
+            try:
+                first, last = split_windowed_key(start)[0], split_windowed_key(end)[0]
+            except BadInput:
+                first, last = date.min, date.min - timedelta(days=1)  # no day named
             keys = [(first + timedelta(days=n)).isoformat() for n in range((last - first).days + 1)]
         else:
             known = list(  # a range of dynamic keys runs in their order
@@ -100,7 +104,7 @@ def _named(
     days = []
     for key in keys:
         try:
-            days.append(date.fromisoformat(key))
-        except ValueError:
+            days.append(split_windowed_key(key)[0])
+        except BadInput:
             continue  # not a day partition: names no scope the schedule would ask for
     return tenants, days

@@ -1,16 +1,19 @@
 """One schedule per catalog job at its declared cadence, fanning out over every tenant in
 chunks (``JobSpec.tenants_per_run`` tenants per run, deterministic run keys). Windowed jobs run one day: yesterday, or for retention jobs the
-day that has just aged past retention (``JobSpec.scheduled_window_age_days``)."""
+day that has just aged past retention (``JobSpec.scheduled_window_age_days``), one run per
+tenant chunk of their day × chunk partitions (``qo_ops.platform.partition_keys``)."""
 
-from collections.abc import Iterator
-from datetime import date, timedelta
+from collections.abc import Iterator, Sequence
+from datetime import date, datetime, timedelta
 
 import dagster as dg
 
 from qo_ops.dagster_defs.partitions import (
     PARTITION_START_ENV,
     days_partitions_def,
+    tenant_chunks_partitions_def,
     tenants_partitions_def,
+    windowed_partition_key,
 )
 from qo_ops.dagster_defs.pending import ACTIVE, QUEUED, pending_work
 from qo_ops.dagster_defs.resources import QoOpsDatabase
@@ -19,11 +22,16 @@ from qo_ops.errors import QoOpsError, first_few
 from qo_ops.platform.control import suspensions
 from qo_ops.platform.lease import held_scopes
 from qo_ops.platform.missed import expected_scope, record_tick
-from qo_ops.platform.partition_keys import chunk_scope_tag, chunk_tenants
+from qo_ops.platform.partition_keys import (
+    chunk_scope_tag,
+    chunk_tenants,
+    chunks_of,
+    partition_tags,
+)
 from qo_ops.platform.spec import JobSpec
+from qo_ops.platform.tenants import tenants_in_chunk_order
 
 SCHEDULE_TIMEZONE = "UTC"
-PARTITION_TAG = "dagster/partition"  # Dagster's own tag of a run's partition
 
 
 def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinition:
@@ -104,6 +112,9 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
                     "no run requested"
                 )
                 return
+        if day is not None:  # a windowed job: one run per tenant chunk of the day
+            yield from _chunk_requests(context, spec, database, tenants, day, scheduled)
+            return
         for chunk in chunk_tenants(spec, tenants):
             yield chunk_run_request(
                 spec,
@@ -116,20 +127,69 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
     return catalog_schedule
 
 
+def _chunk_requests(
+    context: dg.ScheduleEvaluationContext,
+    spec: JobSpec,
+    database: QoOpsDatabase,
+    eligible: Sequence[str],
+    day: date,
+    scheduled: datetime,
+) -> Iterator[dg.RunRequest | dg.SkipReason]:
+    """A windowed job's tick: one run per tenant chunk (partition ``day|chunk-NNN``) naming
+    the chunk's eligible tenants; a chunk the tenants sensor has not added yet waits for it."""
+    with database.engine().connect() as conn:
+        chunks = chunks_of(tenants_in_chunk_order(conn))
+    known = set(
+        tenant_chunks_partitions_def.get_partition_keys(dynamic_partitions_store=context.instance)
+    )
+    wanted = set(eligible)
+    waiting = [c for c in chunks if c not in known and wanted & set(chunks[c])]
+    if waiting:
+        context.log.info(
+            f"{spec.name}: chunks not yet partitions, left for the next tick: {', '.join(waiting)}"
+        )
+    requested = False
+    for chunk, members in chunks.items():
+        tenants = [t for t in members if t in wanted]
+        if chunk in known and tenants:
+            requested = True
+            yield chunk_run_request(
+                spec,
+                tenants,
+                day,
+                run_key=f"{spec.name}:{day}:{chunk}:{scheduled.isoformat()}",
+                tags={SCHEDULED_FOR_TAG: scheduled.isoformat()},
+                chunk=chunk,
+            )
+    if not requested:
+        yield dg.SkipReason(
+            f"{spec.name}: no tenant chunk is a partition yet (the tenants sensor adds them)"
+        )
+
+
 def chunk_run_request(
-    spec: JobSpec, tenants: list[str], day: date | None, run_key: str, tags: dict[str, str]
+    spec: JobSpec,
+    tenants: list[str],
+    day: date | None,
+    run_key: str,
+    tags: dict[str, str],
+    chunk: str | None = None,
 ) -> dg.RunRequest:
-    """One run for a chunk of tenants (and a windowed job's day), executing: the tenants in
-    run config, the chunk's queue tag so the next tick's same chunk waits behind it."""
-    # The day's partition tag given here marks the request resolved: Dagster would otherwise
-    # lay the day's own tags (queue tag <job>:<day>) over the chunk's, queueing every chunk
-    # of the day behind one another.
-    day_tag = {PARTITION_TAG: day.isoformat()} if day is not None else {}
+    """One run for a chunk of tenants (and a windowed job's day and tenant chunk),
+    executing: the tenants in run config, the chunk's queue tag so the next tick's same
+    chunk waits behind it."""
+    # The partition's tags given here mark the request resolved: Dagster would otherwise lay
+    # the partition's own tags (queue tag <job>:<day>|<chunk>) over the chunk's.
+    key = windowed_partition_key(day.isoformat(), chunk) if day is not None and chunk else None
     return dg.RunRequest(
         run_key=run_key,
-        partition_key=day.isoformat() if day is not None else None,
+        partition_key=key,
         run_config={
             "ops": {f"{spec.name}_op": {"config": {"mode": "execute", "tenants": tenants}}}
         },
-        tags={**chunk_scope_tag(spec, tenants, day), **tags, **day_tag},
+        tags={
+            **chunk_scope_tag(spec, tenants, day),
+            **tags,
+            **(partition_tags(key) if key else {}),
+        },
     )

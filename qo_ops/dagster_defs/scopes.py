@@ -19,28 +19,86 @@ from qo_ops.dagster_defs.submission import (
 )
 from qo_ops.errors import BadInput, QoOpsError
 from qo_ops.platform import runs
-from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, JOB_RUN_TAG, scope_from_partition_key
+from qo_ops.platform.partition_keys import (
+    FAILED_TENANTS_TAG,
+    JOB_RUN_TAG,
+    PARTITION_TAG,
+    scope_from_partition_key,
+    split_windowed_key,
+)
 from qo_ops.platform.spec import TRIGGERS_WITH_A_PERSON, JobSpec, RunOptions, Scope
-from qo_ops.platform.tenants import tenant_ids
+from qo_ops.platform.tenants import chunk_members, chunk_of, tenant_ids
 
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 MAX_TENANTS_PER_RUN = 1000  # a run naming more tenants is refused: split it (ticks chunk by 50)
 MAX_NAMED = 50  # tenants named in a run's failure description and metadata
 
 
-def backfill_tenants(spec: JobSpec, tags: Mapping[str, str], engine: Any) -> list[str]:
-    """The tenants of a windowed job's run that names none in run config: in a Dagster
-    backfill of its days, those of the tag ``qo_ops/backfill_tenants`` (comma-separated),
-    else every tenant; any other run must name them (BadInput)."""
-    if trigger_from_tags(tags) != "backfill":
+def backfill_tenants(
+    spec: JobSpec, tags: Mapping[str, str], engine: Any, chunk: str | None = None
+) -> list[str]:
+    """The tenants of a windowed job's run that names none in run config: its tenant
+    chunk's (the partition's), or, in a Dagster backfill of the old day-only partitions,
+    every tenant; in a backfill, only those of them the tag ``qo_ops/backfill_tenants``
+    (comma-separated) names. A run of neither must name them (BadInput)."""
+    if chunk is None and trigger_from_tags(tags) != "backfill":
         raise BadInput(
-            f"{spec.name} is windowed: name its tenants in run config (tenants), or launch a "
-            "backfill of its days (every tenant, or those of the tag qo_ops/backfill_tenants)"
+            f"{spec.name} is windowed: pick a day and tenant chunk partition, or name its "
+            "tenants in run config (tenants)"
         )
     named = [t.strip() for t in tags.get(BACKFILL_TENANTS_TAG, "").split(",") if t.strip()]
     if BACKFILL_TENANTS_TAG in tags and not named:
         raise BadInput(f"tag {BACKFILL_TENANTS_TAG} names no tenant (tenant-001,tenant-002)")
     with engine.connect() as conn:
-        return named if named else tenant_ids(conn)
+        if chunk is None:
+            return named if named else tenant_ids(conn)
+        members = chunk_members(conn, chunk)
+    if named and trigger_from_tags(tags) == "backfill":  # the chosen ones of this chunk
+        return [t for t in members if t in set(named)]
+    return members
+
+
+def chunk_strays(engine: Any, chunk: str, tenants: list[str]) -> str | None:
+    """Config tenants of a run of tenant chunk ``chunk`` must be among its members: None
+    when they are, else one line naming the chunk each stray tenant is in (or none)."""
+    with engine.connect() as conn:
+        members = set(chunk_members(conn, chunk))
+        strays = [t for t in tenants if t not in members]
+        if not strays:
+            return None
+        where = [
+            f"{t[:64]} is in {chunk_of(conn, t) or 'no chunk (unknown tenant)'}" for t in strays
+        ]
+    return (
+        f"config tenants must be members of the partition's tenant chunk {chunk}: "
+        + "; ".join(where[:MAX_NAMED])
+        + " (qo-ops status --tenant T names a tenant's chunk)"
+    )
+
+
+def windowed_partition(spec: JobSpec, tags: Mapping[str, str]) -> tuple[date, date, str | None]:
+    """The first and last day of a windowed run's day partition(s) and its tenant chunk (None
+    for the old day-only keys), read from the run's tags: Dagster cannot parse an old
+    day-only key against today's day × chunk partitions. A range over several chunks is
+    refused: a run is one chunk."""
+    if PARTITION_TAG in tags:
+        first, chunk, _ = split_windowed_key(tags[PARTITION_TAG])
+        return first, first, chunk
+    if RANGE_START_TAG not in tags or RANGE_END_TAG not in tags:
+        raise BadInput(f"{spec.name} is windowed: pick its day and tenant chunk partition(s)")
+    first, chunk, _ = split_windowed_key(tags[RANGE_START_TAG])
+    last, last_chunk, _ = split_windowed_key(tags[RANGE_END_TAG])
+    if chunk != last_chunk:
+        raise BadInput(
+            f"a run of {spec.name} covers one tenant chunk, got {chunk}..{last_chunk}: launch a "
+            "backfill (one run per day and chunk)"
+        )
+    if last < first:
+        raise BadInput(
+            f"partition range {tags[RANGE_START_TAG]}..{tags[RANGE_END_TAG]} is reversed"
+        )
+    return first, last, chunk
 
 
 def adopted_run(
@@ -53,13 +111,18 @@ def adopted_run(
     except ValueError:
         raise BadInput(f"tag {JOB_RUN_TAG} is not a job run id") from None
     accepted = runs.load_accepted(engine, run_id, spec.name)
-    partition = scope_from_partition_key(spec, context.partition_key, accepted.scope.tenant_id)
+    key = context.run.tags.get(PARTITION_TAG, "")  # (Dagster cannot parse an old day-only key)
+    partition = scope_from_partition_key(spec, key, accepted.scope.tenant_id)
+    if spec.partitioning == "tenant_day":
+        chunk = split_windowed_key(key)[1]
+        strays = chunk_strays(engine, chunk, [accepted.scope.tenant_id]) if chunk else None
+        if strays is not None:
+            raise BadInput(strays)
     if partition.tenant_id != accepted.scope.tenant_id or (
         partition.window_start is not None and partition.window_start != accepted.scope.window_start
     ):
         raise BadInput(
-            f"partition {context.partition_key} does not match accepted run {run_id} "
-            f"({accepted.scope.key})"
+            f"partition {key} does not match accepted run {run_id} ({accepted.scope.key})"
         )
     limits = accepted.options
     options = RunOptions(
@@ -117,15 +180,22 @@ def requested_scopes(
 ) -> list[Scope]:
     """The scopes a run covers, validated before any is claimed: its tenants (run config, or
     the tenant partition(s) of a tenant job) and, for a windowed job, its day partition(s)
-    as one window. A windowed job's run in a Dagster backfill of its days (which cannot pass
-    run config) covers the tenants its tag ``qo_ops/backfill_tenants`` names, else every
-    tenant. A re-execution narrows them to the tenants its parent failed."""
+    as one window. A windowed job's partition is a day and a tenant chunk: config tenants
+    must be members of the chunk; without them (a Dagster backfill, which cannot pass run
+    config) the run covers the chunk's tenants, narrowed in a backfill to those of the tag
+    ``qo_ops/backfill_tenants``. A re-execution narrows them to the tenants its parent
+    failed."""
     if tenants and spec.partitioning == "tenant" and context.has_partition_key:
         raise BadInput("give either a tenant partition or config tenants, not both")
+    window: tuple[date, date] | None = None
+    chunk: str | None = None
+    if spec.partitioning == "tenant_day":
+        first, last, chunk = windowed_partition(spec, tags)
+        window = (first, last)
     every = False
     if not tenants:
         if spec.partitioning == "tenant_day":
-            tenants = backfill_tenants(spec, tags, engine)
+            tenants = backfill_tenants(spec, tags, engine, chunk)
             every = BACKFILL_TENANTS_TAG not in tags
         else:
             if not context.has_partition_key_range and not context.has_partition_key:
@@ -133,6 +203,13 @@ def requested_scopes(
                     f"{spec.name}: pick a tenant partition or name tenants in run config"
                 )
             tenants = list(context.partition_keys)
+    elif chunk is not None and (strays := chunk_strays(engine, chunk, tenants)) is not None:
+        if trigger_from_tags(tags) in TRIGGERS_WITH_A_PERSON:
+            raise BadInput(strays)
+        # a tick's tenant deleted (or shifted by a deletion) since the tick: left out
+        members = set(backfill_tenants(spec, tags, engine, chunk))
+        context.log.warning(f"{strays}: those are not run")
+        tenants = [t for t in tenants if t in members]
     if len(tenants) > MAX_TENANTS_PER_RUN and not every:
         raise BadInput(f"a run covers at most {MAX_TENANTS_PER_RUN} tenants, got {len(tenants)}")
     if len(set(tenants)) != len(tenants):
@@ -140,12 +217,6 @@ def requested_scopes(
     failed_before = _parent_failed_tenants(context, tags)
     if failed_before is not None:
         tenants = [t for t in tenants if t in failed_before]
-    window: tuple[date, date] | None = None
-    if spec.partitioning == "tenant_day":
-        if not (context.has_partition_key or context.has_partition_key_range):
-            raise BadInput(f"{spec.name} is windowed: pick its day partition(s)")
-        days = sorted(date.fromisoformat(k.partition("|")[0]) for k in context.partition_keys)
-        window = (days[0], days[-1])
     scopes = []
     for tenant in tenants:
         try:

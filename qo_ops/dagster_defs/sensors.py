@@ -38,7 +38,7 @@ from qo_ops.dagster_defs.freshness import (
     recent_tenants,
 )
 from qo_ops.dagster_defs.jobs import TENANT_TAG, outcome_event
-from qo_ops.dagster_defs.partitions import tenants_partitions_def
+from qo_ops.dagster_defs.partitions import tenant_chunks_partitions_def, tenants_partitions_def
 from qo_ops.dagster_defs.pending import pending_work
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.schedules import chunk_run_request
@@ -48,7 +48,7 @@ from qo_ops.platform.control import suspensions
 from qo_ops.platform.counts import Counts
 from qo_ops.platform.freshness import STALE_FACTOR, job_due, stale_limit_s
 from qo_ops.platform.overdue import backlog_scope, database_now, tenant_backlog
-from qo_ops.platform.partition_keys import JOB_RUN_TAG, SCOPE_TAG, chunk_tenants
+from qo_ops.platform.partition_keys import JOB_RUN_TAG, SCOPE_TAG, chunk_keys, chunk_tenants
 from qo_ops.platform.run_queue import QueueSample, record_run_queue
 from qo_ops.platform.runs import AuditEntry, append_audit, finish_unstarted
 from qo_ops.platform.spec import BatchContext, JobSpec, RunSummary, Scope, tenant_of
@@ -68,21 +68,28 @@ CHECKPOINT_MAX_AGE_S = 3600
     name="tenants_sensor",
     minimum_interval_seconds=60,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Adds and removes `tenants` partitions to match the tenant table",
+    description="Adds and removes `tenants` partitions to match the tenant table, and "
+    "`tenant_chunks` (windowed jobs) to match its count",
 )
 def tenants_sensor(context: dg.SensorEvaluationContext, database: QoOpsDatabase) -> dg.SensorResult:
     with database.engine().connect() as conn:
         wanted = set(conn.execute(sa.text("SELECT id FROM tenant")).scalars())
-    have = set(tenants_partitions_def.get_partition_keys(dynamic_partitions_store=context.instance))
-    added, removed = sorted(wanted - have), sorted(have - wanted)
     requests: list[dg.AddDynamicPartitionsRequest | dg.DeleteDynamicPartitionsRequest] = []
-    if added:
-        requests.append(tenants_partitions_def.build_add_request(added))
-    if removed:
-        requests.append(tenants_partitions_def.build_delete_request(removed))
+    in_sync = []
+    for partitions_def, keys, what in (
+        (tenants_partitions_def, wanted, "tenant partitions"),
+        (tenant_chunks_partitions_def, set(chunk_keys(len(wanted))), "tenant chunks"),
+    ):
+        have = set(partitions_def.get_partition_keys(dynamic_partitions_store=context.instance))
+        added, removed = sorted(keys - have), sorted(have - keys)
+        if added:
+            requests.append(partitions_def.build_add_request(added))
+        if removed:
+            requests.append(partitions_def.build_delete_request(removed))
+        in_sync.append(f"{len(have)} {what}")
     return dg.SensorResult(
         dynamic_partitions_requests=requests,
-        skip_reason=None if requests else f"{len(have)} tenant partitions, all in sync",
+        skip_reason=None if requests else f"{' and '.join(in_sync)}, all in sync",
         cursor=json.dumps({"tenants": len(wanted)}),
     )
 

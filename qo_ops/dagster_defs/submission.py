@@ -28,11 +28,14 @@ from qo_ops.platform.partition_keys import (
     REASON_TAG,
     REQUESTER_TAG,
     SCOPE_TAG,
+    split_windowed_key,
 )
 from qo_ops.platform.runs import AuditEntry, append_audit
 from qo_ops.platform.spec import RunOptions, Scope, Trigger, check_consent
+from qo_ops.platform.tenants import chunk_members
 
 PARTITION_TAG = "dagster/partition"
+RANGE_START_TAG = "dagster/asset_partition_range_start"
 USER_TAG = "dagster/user"  # the signed-in person (Dagster+; absent in the OSS webserver)
 BACKFILL_TAG = "dagster/backfill"
 PARENT_RUN_TAG = "dagster/parent_run_id"  # a re-execution (by a person, or an automatic retry)
@@ -195,23 +198,39 @@ def refusal_at_submission(run: dg.DagsterRun) -> tuple[str, str] | None:
         if (
             tags.get(WINDOWED_TAG) == "true"
             and not config.get("tenants")
-            and options.trigger != "backfill"  # a backfill of its days: every tenant, or tagged
+            and not _names_a_chunk(tags)  # a day × chunk partition: the chunk's tenants
+            and options.trigger != "backfill"  # a backfill of the old day-only keys: all
         ):
             raise BadInput(
-                f"{run.job_name} is windowed: name its tenants in run config (tenants), or "
-                "launch a backfill of its days (every tenant, or those of the tag "
-                f"{BACKFILL_TENANTS_TAG})"
+                f"{run.job_name} is windowed: pick a day and tenant chunk partition (its "
+                "tenants), or name its tenants in run config (tenants)"
             )
     except BadInput as refused:
         return getattr(refused, "error_code", "bad_input"), str(refused)
     return None
 
 
+def _names_a_chunk(tags: Mapping[str, str]) -> bool:
+    """Whether a windowed run's partition (or range) names a tenant chunk."""
+    keys = [tags.get(PARTITION_TAG), tags.get(RANGE_START_TAG)]
+    return any(k and split_windowed_key_or_none(k) for k in keys)
+
+
+def split_windowed_key_or_none(key: str) -> str | None:
+    """The tenant chunk a windowed partition key names, or None (a day-only key, or none)."""
+    try:
+        return split_windowed_key(key)[1]
+    except BadInput:
+        return None
+
+
 def refusal_in_database(run: dg.DagsterRun, engine: Engine) -> tuple[str, str] | None:
     """``(code, one-line cause)`` for what only the database can tell before queueing: the
     approval a destructive execute cites does not allow it (each of its tenants), or a
-    Launchpad execute repeats the reason an earlier execute gave for its tenant. The runner
-    checks both again at start; windowed runs' reasons are checked there only."""
+    Launchpad execute repeats the reason an earlier execute gave for its tenant. A windowed
+    run of a day × chunk naming no tenants is checked for each of its chunk's (those of
+    the tag ``qo_ops/backfill_tenants`` in a backfill). The runner checks both again at
+    start; windowed runs' reasons are checked there only."""
     tags = run.tags
     spec = CATALOG.get(run.job_name)
     if spec is None or "qo_ops/job" not in tags or JOB_RUN_TAG in tags:
@@ -221,8 +240,15 @@ def refusal_in_database(run: dg.DagsterRun, engine: Engine) -> tuple[str, str] |
     tenants = list(config.get("tenants") or ())
     if not tenants and spec.partitioning == "tenant" and tags.get(PARTITION_TAG):
         tenants = [tags[PARTITION_TAG]]
-    if not tenants and tags.get(BACKFILL_TENANTS_TAG):  # a windowed job's day backfill
-        tenants = [t.strip() for t in tags[BACKFILL_TENANTS_TAG].split(",") if t.strip()]
+    named = [t.strip() for t in tags.get(BACKFILL_TENANTS_TAG, "").split(",") if t.strip()]
+    chunk = split_windowed_key_or_none(tags.get(PARTITION_TAG, ""))
+    if not tenants and spec.partitioning == "tenant_day" and chunk is not None:
+        with engine.connect() as conn:  # a day × chunk run without tenants: the chunk's
+            tenants = chunk_members(conn, chunk)
+        if named and options.trigger == "backfill":  # as the op narrows it
+            tenants = [t for t in tenants if t in named]
+    if not tenants and named:  # a windowed job's backfill of an old day-only key
+        tenants = named
     try:
         for tenant in tenants:
             check_approval(engine, spec, Scope(tenant), options)

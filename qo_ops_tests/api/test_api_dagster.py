@@ -43,6 +43,7 @@ def test_runs_launched_through_the_api_execute_in_dagster(loaded, logins, api_fa
     home.mkdir()
     with dagster_stack(db, home, env={"QO_OPS_DATABASE_URL": runner_url}) as (_, instance, port):
         instance.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
+        instance.add_dynamic_partitions("tenant_chunks", ["chunk-001"])
         api = api_factory(
             dagster_url=f"http://127.0.0.1:{port}",
             database_url=api_url,
@@ -108,9 +109,12 @@ def test_runs_launched_through_the_api_execute_in_dagster(loaded, logins, api_fa
             "2026-02-03",
         )
         assert priced_row.scope == "tenant-002/2026-02-01..2026-02-03"
-        # the run's partition is the window's first day; its tenant is in run config
+        # the run's partition is the window's first day and the tenant's chunk (tagged per
+        # dimension, as Dagster tags the runs it creates); its tenant is in run config
         priced_run = instance.get_run_by_id(priced_row.dagster_run_id)
-        assert priced_run.tags["dagster/partition"] == "2026-02-01"
+        assert priced_run.tags["dagster/partition"] == "2026-02-01|chunk-001"
+        assert priced_run.tags["dagster/partition/day"] == "2026-02-01"
+        assert priced_run.tags["dagster/partition/tenant_chunk"] == "chunk-001"
         assert priced_run.tags["qo_ops/window"] == "2026-02-01..2026-02-02"  # the last included
         priced_config = priced_run.run_config["ops"]["pricing_snapshot_recalculation_op"]["config"]
         assert priced_config["tenants"] == ["tenant-002"]

@@ -1,5 +1,5 @@
 """Dagster fixtures: the real code location built against this test's database, and an
-ephemeral instance whose `tenants` partitions match the tenant table."""
+ephemeral instance whose `tenants` and `tenant_chunks` partitions match the tenant table."""
 
 from __future__ import annotations
 
@@ -54,4 +54,5 @@ def defs(loaded, downstream, monkeypatch, tmp_path):
 def instance():
     with dg.instance_for_test() as inst:
         inst.add_dynamic_partitions("tenants", ["tenant-001", "tenant-002"])
+        inst.add_dynamic_partitions("tenant_chunks", ["chunk-001"])  # windowed: day × chunk
         yield inst

@@ -113,9 +113,10 @@ def test_a_backfill_over_tenants_and_days_becomes_chunked_runs_of_windows(defs, 
         assert request.tags[BACKFILL_RUN_TAG] == result.run_id
         assert request.tags[MODE_TAG] == "execute"
         assert request.tags[REASON_TAG] == "repair after the incident"
-        assert request.tags[SCOPE_TAG] == f"{WINDOWED}:{start}:chunk:{tenant}"
-    assert covered == {
-        (t, a, b)
+        day = start.partition("|")[0]
+        assert request.tags[SCOPE_TAG] == f"{WINDOWED}:{day}:chunk:{tenant}"
+    assert covered == {  # a range of days of one tenant chunk: both tenants are in chunk-001
+        (t, f"{a}|chunk-001", f"{b}|chunk-001")
         for t in ("tenant-001", "tenant-002")
         for a, b in (("2026-02-20", "2026-02-23"), ("2026-02-24", "2026-02-27"))
     }
@@ -135,8 +136,8 @@ def test_a_backfill_over_tenants_and_days_becomes_chunked_runs_of_windows(defs, 
             sa.text("SELECT scope, trigger_type, mode, requester, reason FROM job_run")
         ).all()
     (tenant,) = request.run_config["ops"][f"{WINDOWED}_op"]["config"]["tenants"]
-    start = date.fromisoformat(request.tags["dagster/asset_partition_range_start"])
-    end = date.fromisoformat(request.tags["dagster/asset_partition_range_end"])
+    start = date.fromisoformat(request.tags["dagster/asset_partition_range_start"][:10])
+    end = date.fromisoformat(request.tags["dagster/asset_partition_range_end"][:10])
     assert [r.scope for r in rows] == [f"{tenant}/{start}..{end + timedelta(days=1)}"]
     assert {(r.trigger_type, r.mode, r.reason) for r in rows} == {
         ("backfill", "execute", "repair after the incident")
@@ -145,7 +146,7 @@ def test_a_backfill_over_tenants_and_days_becomes_chunked_runs_of_windows(defs, 
 
 
 def test_a_backfill_of_every_tenant_continues_over_ticks(defs, loaded, instance):
-    with loaded.engine.begin() as conn:  # 1,200 tenants: 24 runs of 50 × 25 windows = 600
+    with loaded.engine.begin() as conn:  # 1,200 tenants: 12 chunks × 2 runs of 50 × 25 windows
         conn.execute(
             sa.text(
                 "INSERT INTO tenant (id, name) SELECT 'bulk-' || lpad(g::text, 5, '0'), 'b' "
@@ -171,17 +172,25 @@ def test_a_backfill_of_every_tenant_continues_over_ticks(defs, loaded, instance)
         for t in r.run_config["ops"][f"{WINDOWED}_op"]["config"]["tenants"]
     ]
     assert len(tenants) == 1200 * 25 and len(set(tenants)) == 1200
+    ranges = [
+        (r.tags["dagster/asset_partition_range_start"], r.tags["dagster/asset_partition_range_end"])
+        for r in first.run_requests + second.run_requests
+    ]
+    assert all(a[11:] == b[11:] for a, b in ranges)  # a run covers one tenant chunk
+    assert len({a[11:] for a, _ in ranges}) == 12
     assert all(r.tags[MODE_TAG] == "dry_run" for r in first.run_requests)
     assert json.loads(third.cursor).get("after")
 
 
-def test_a_windowed_run_without_tenants_is_refused_by_hand_and_queued_in_a_day_backfill(defs):
-    """Dagster's own backfill of a windowed job's days cannot pass run config: its day runs
-    are queued (they cover every tenant, or the tag qo_ops/backfill_tenants's); a run a person
-    launches without tenants is refused before queueing, saying how."""
+def test_a_windowed_run_names_its_tenants_by_its_chunk_or_config(defs):
+    """A windowed run's partition is a day and a tenant chunk: without tenants in config it
+    covers the chunk's, and is queued; a run of an old day-only key a person launches
+    without tenants is refused before queueing, saying how; Dagster's backfill of such a
+    day is still queued (every tenant, or the tag qo_ops/backfill_tenants's)."""
     from qo_ops_tests.dagster.test_submission import _coordinated_instance, _create, _submit
 
     day = {"dagster/partition": "2026-02-10"}
+    chunk = {"dagster/partition": "2026-02-10|chunk-001"}
     with _coordinated_instance() as instance:
         refused = _submit(instance, defs, WINDOWED, {}, day)  # the Launchpad, no tenants
         assert refused.status == dg.DagsterRunStatus.CANCELED  # refused, not failed
@@ -189,7 +198,8 @@ def test_a_windowed_run_without_tenants_is_refused_by_hand_and_queued_in_a_day_b
         (failure,) = instance.all_logs(refused.run_id, of_type=dg.DagsterEventType.RUN_CANCELED)
         message = failure.dagster_event.message
         assert message.startswith("refused before queueing: ") and "\n" not in message
-        assert "name its tenants in run config" in message and "backfill of its days" in message
+        assert "pick a day and tenant chunk partition" in message
+        assert refusal_at_submission(_create(instance, defs, WINDOWED, {}, chunk)) is None
         backfill_day = _create(instance, defs, WINDOWED, {}, {"dagster/backfill": "b7", **day})
         assert refusal_at_submission(backfill_day) is None
         named = _create(instance, defs, WINDOWED, {"tenants": ["tenant-001"]}, day)
@@ -199,23 +209,24 @@ def test_a_windowed_run_without_tenants_is_refused_by_hand_and_queued_in_a_day_b
 
 
 def test_a_day_backfill_run_covers_every_tenant_or_the_tagged_ones(defs, loaded, instance):
-    """The day run of Dagster's own backfill, executed: each tenant run on its own scope of
-    the day; with qo_ops/backfill_tenants, only those; an empty tag is refused."""
+    """The day × chunk run of Dagster's own backfill, executed: each tenant of the chunk run
+    on its own scope of the day; with qo_ops/backfill_tenants, only those; an empty tag is
+    refused."""
     job = defs.resolve_job_def(WINDOWED)
     backfill = {"dagster/backfill": "b8"}
     every = job.execute_in_process(
-        partition_key="2026-02-10", instance=instance, tags=backfill, raise_on_error=False
+        partition_key="2026-02-10|chunk-001", instance=instance, tags=backfill, raise_on_error=False
     )
     assert every.success, _failure(every)
     tagged = job.execute_in_process(
-        partition_key="2026-02-11",
+        partition_key="2026-02-11|chunk-001",
         instance=instance,
         tags={**backfill, "qo_ops/backfill_tenants": "tenant-002"},
         raise_on_error=False,
     )
     assert tagged.success, _failure(tagged)
     empty = job.execute_in_process(
-        partition_key="2026-02-12",
+        partition_key="2026-02-12|chunk-001",
         instance=instance,
         tags={**backfill, "qo_ops/backfill_tenants": " , "},
         raise_on_error=False,

@@ -2,8 +2,8 @@
 launched through the GraphQL API, the queue keeping one run per job and scope, a
 terminated run ending `cancelled` in job_run, a tenant partition backfill (each run
 audited), and a windowed job's backfill over tenants × days: Dagster's own backfill of its
-days runs each day for every tenant (or those of the tag qo_ops/backfill_tenants),
-tenant_backfill_job's becomes chunk runs."""
+days × tenant chunks runs each day and chunk for the chunk's tenants (or those of them the
+tag qo_ops/backfill_tenants names), tenant_backfill_job's becomes chunk runs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dagster_graphql import DagsterGraphQLClient
 
 from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
 from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG
+from qo_ops.platform.tenants import chunk_members, tenant_chunk_keys, tenant_ids
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
 
 
@@ -141,18 +142,24 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         ]
         assert {a.details["trigger"] for a in audited} == {"backfill"}
 
-        # a windowed job's partitions are days: Dagster's own Launch backfill over 3 days
-        # (no run config) runs each day for every tenant; with the tag
-        # qo_ops/backfill_tenants, for those tenants only
+        # a windowed job's partitions are a day × a tenant chunk: Dagster's own Launch
+        # backfill over 3 days of chunk-001 (no run config) runs each day for the chunk's
+        # tenants (both); with the tag qo_ops/backfill_tenants, for those tenants only
+        instance.add_dynamic_partitions("tenant_chunks", ["chunk-001"])
         native_days = ["2026-02-20", "2026-02-21", "2026-02-22"]  # not the days below
+        native_keys = [f"{d}|chunk-001" for d in native_days]
         windowed_job = "pricing_snapshot_recalculation"
-        native = _finished_backfill_runs(instance, _backfill(port, windowed_job, native_days), 3)
-        assert sorted(r.tags["dagster/partition"] for r in native) == native_days
+        native = _finished_backfill_runs(instance, _backfill(port, windowed_job, native_keys), 3)
+        assert sorted(r.tags["dagster/partition"] for r in native) == native_keys
+        assert sorted(r.tags["dagster/partition/day"] for r in native) == native_days
         assert {r.status for r in native} == {dg.DagsterRunStatus.SUCCESS}
         chosen = _finished_backfill_runs(
             instance,
             _backfill(
-                port, windowed_job, ["2026-02-23"], {"qo_ops/backfill_tenants": "tenant-002"}
+                port,
+                windowed_job,
+                ["2026-02-23|chunk-001"],
+                {"qo_ops/backfill_tenants": "tenant-002"},
             ),
             1,
         )
@@ -205,7 +212,9 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         )
         windowed = chunk_runs()
         assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in windowed)
-        assert sorted(r.tags["dagster/asset_partition_range_start"] for r in windowed) == days
+        assert sorted(r.tags["dagster/asset_partition_range_start"] for r in windowed) == [
+            f"{d}|chunk-001" for d in days
+        ]
         assert all(
             r.run_config["ops"][f"{windowed_job}_op"]["config"]["tenants"]
             == ["tenant-001", "tenant-002"]
@@ -238,6 +247,62 @@ def test_queue_terminate_and_backfill_on_a_real_deployment(loaded, tmp_path):
         )
         assert {(s.mode, s.trigger_type) for s in scopes} == {("execute", "backfill")}
         assert sum(s.succeeded_count for s in scopes) > 0 and unpriced == 0  # real work, all done
+
+
+def test_a_native_backfill_over_days_and_every_tenant_chunk_runs_one_chunk_per_run(
+    loaded, tmp_path
+):
+    """Dagster's own Launch backfill of a windowed job over 2 days × every tenant chunk (150
+    tenants: chunk-001 and chunk-002), no run config: one run per day and chunk, each
+    covering exactly its chunk's tenants, every tenant of every day once; the backfill
+    completes as one entry with its runs."""
+    db = loaded
+    with db.engine.begin() as conn:  # with the demo's two: 150 tenants, two chunks
+        conn.execute(
+            sa.text(
+                "INSERT INTO tenant (id, name) SELECT 'bulk-' || lpad(g::text, 3, '0'), 'b' "
+                "FROM generate_series(1, 148) g"
+            )
+        )
+    with db.engine.connect() as conn:
+        chunks = {c: set(chunk_members(conn, c)) for c in tenant_chunk_keys(conn)}
+        everyone = set(tenant_ids(conn))
+    assert list(chunks) == ["chunk-001", "chunk-002"]
+    assert [len(m) for m in chunks.values()] == [100, 50]
+    job = "pricing_snapshot_recalculation"
+    days = ["2026-02-24", "2026-02-25"]
+    keys = [f"{d}|{c}" for d in days for c in chunks]
+    with dagster_stack(db, tmp_path) as (_, instance, port):
+        instance.add_dynamic_partitions("tenants", sorted(everyone))
+        instance.add_dynamic_partitions("tenant_chunks", list(chunks))
+        backfill_id = _backfill(port, job, keys, {})  # the dialog's defaults: a dry run
+        runs = _finished_backfill_runs(instance, backfill_id, len(keys))
+        wait_for(  # the daemon marks the backfill done after its runs end
+            lambda: instance.get_backfill(backfill_id).status.value == "COMPLETED_SUCCESS",
+            120,
+            "the backfill to be marked completed",
+        )
+    assert {r.status for r in runs} == {dg.DagsterRunStatus.SUCCESS}
+    assert sorted(r.tags["dagster/partition"] for r in runs) == sorted(keys)
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT dagster_run_id, scope, window_start, trigger_type, mode FROM job_run "
+                "WHERE dagster_run_id = ANY(:ids)"
+            ),
+            {"ids": [r.run_id for r in runs]},
+        ).all()
+    assert {(r.trigger_type, r.mode) for r in rows} == {("backfill", "dry_run")}
+    by_run: dict[str, list[str]] = {}
+    for row in rows:
+        by_run.setdefault(row.dagster_run_id, []).append(row.scope.split("/")[0])
+    for run in runs:  # each run: exactly its chunk's tenants, each once
+        covered = by_run[run.run_id]
+        assert len(covered) == len(set(covered))
+        assert set(covered) == chunks[run.tags["dagster/partition/tenant_chunk"]], run.tags
+    for day in days:  # every tenant of every day exactly once
+        on_day = [r.scope.split("/")[0] for r in rows if str(r.window_start) == day]
+        assert sorted(on_day) == sorted(everyone)
 
 
 BACKFILL_TAGS = {"qo_ops/mode": "execute", "qo_ops/reason": "backfill test"}

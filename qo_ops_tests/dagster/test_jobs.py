@@ -22,13 +22,15 @@ def tenant_config(job_name: str, tenant: str = "tenant-001") -> dict:
 
 def work_partition(loaded, job_name: str, tenant: str = "tenant-001") -> str:
     """A partition of ``job_name`` with work to do for ``tenant``: the tenant, or the first
-    day the tenant has work on (its run names the tenant in config: ``tenant_config``)."""
+    day the tenant has work on and the tenant's chunk (its run names the tenant in config:
+    ``tenant_config``)."""
     import uuid
     from datetime import date, timedelta
 
     from qo_ops.platform.partition_keys import partition_key_for
     from qo_ops.platform.runner import count_eligible
     from qo_ops.platform.spec import BatchContext, Scope
+    from qo_ops.platform.tenants import chunk_of
 
     spec = CATALOG[job_name]
     if job_name == "run_history_retention":  # its work is old run history: plant some
@@ -44,7 +46,7 @@ def work_partition(loaded, job_name: str, tenant: str = "tenant-001") -> str:
                 spec.name, Scope(tenant, day, day + timedelta(days=1)), "dry_run", uuid.uuid4()
             )
             if count_eligible(conn, spec, ctx):
-                return partition_key_for(spec, tenant, day)
+                return partition_key_for(spec, tenant, day, chunk_of(conn, tenant))
     raise AssertionError(f"no day with work for {job_name}")
 
 
@@ -312,24 +314,73 @@ def test_a_partition_range_run_fails_at_the_end_when_a_tenant_fails(defs, instan
     assert evaluations["one_event_per_expired_quote", "tenant-002"].passed is True
 
 
-def test_a_windowed_job_launched_without_tenants_is_refused_with_one_line(defs, instance, loaded):
-    """A windowed job's partition is the day; its tenants come from run config. A launch of
-    a day that names no tenant is refused before anything is written."""
-    before = _counts(loaded)
-    result = defs.resolve_job_def("order_reconciliation").execute_in_process(
-        partition_key="2026-02-10",
+def test_a_windowed_run_covers_its_chunk_and_refuses_a_tenant_of_another_in_one_line(
+    defs, instance, loaded
+):
+    """A windowed job's partition is a day and a tenant chunk: launched without tenants it
+    covers the chunk's tenants; naming a tenant outside the chunk is refused in one line,
+    naming the tenant's chunk, before anything is written."""
+    job = defs.resolve_job_def("order_reconciliation")
+    covered = job.execute_in_process(
+        partition_key="2026-02-10|chunk-001",
         instance=instance,
         run_config={"ops": {"order_reconciliation_op": {"config": {"mode": "dry_run"}}}},
         raise_on_error=False,
     )
-    assert not result.success
-    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    description = failure.event_specific_data.user_failure_data.description
-    assert description.startswith(
-        "order_reconciliation is windowed: name its tenants in run config (tenants)"
+    assert covered.success
+    with loaded.engine.connect() as conn:
+        scopes = conn.execute(
+            sa.text("SELECT scope FROM job_run WHERE dagster_run_id = :r ORDER BY scope"),
+            {"r": covered.run_id},
+        ).scalars()
+        assert list(scopes) == [
+            "tenant-001/2026-02-10..2026-02-11",
+            "tenant-002/2026-02-10..2026-02-11",
+        ]
+    before = _counts(loaded)
+    instance.add_dynamic_partitions("tenant_chunks", ["chunk-002"])
+    refused = job.execute_in_process(
+        partition_key="2026-02-10|chunk-002",
+        instance=instance,
+        run_config={
+            "ops": {
+                "order_reconciliation_op": {
+                    "config": {"mode": "dry_run", "tenants": ["tenant-002"]}
+                }
+            }
+        },
+        raise_on_error=False,
     )
-    assert "\n" not in description
+    assert not refused.success
+    failure = next(e for e in refused.all_events if e.event_type_value == "STEP_FAILURE")
+    description = failure.event_specific_data.user_failure_data.description
+    assert description == (
+        "config tenants must be members of the partition's tenant chunk chunk-002: "
+        "tenant-002 is in chunk-001 (qo-ops status --tenant T names a tenant's chunk)"
+    )
     assert _counts(loaded) == before
+
+
+def test_a_run_of_an_old_day_only_key_naming_its_tenants_still_runs(defs, instance, loaded):
+    """A run queued before windowed jobs had tenant chunks (``dagster/partition`` a day only,
+    its tenants in config) starts on today's code: its key is read from the tag, which
+    Dagster itself cannot parse against the day × chunk partitions."""
+    result = defs.resolve_job_def("order_reconciliation").execute_in_process(
+        instance=instance,
+        run_config={
+            "ops": {
+                "order_reconciliation_op": {
+                    "config": {"mode": "dry_run", "tenants": ["tenant-001"]}
+                }
+            }
+        },
+        tags={"dagster/partition": "2026-02-10"},
+        raise_on_error=False,
+    )
+    assert result.success
+    with loaded.engine.connect() as conn:
+        scopes = conn.execute(sa.text("SELECT scope FROM job_run")).scalars().all()
+    assert scopes == ["tenant-001/2026-02-10..2026-02-11"]
 
 
 def test_a_run_record_says_when_its_dagster_run_was_created_and_which_retry_it_is(

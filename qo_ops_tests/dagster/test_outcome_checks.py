@@ -55,6 +55,7 @@ from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope, scope
 from qo_ops_tests.conftest import approval_config, standing_approval
 
 TENANT = "tenant-001"
+TENANT_CHUNK = "chunk-001"  # a windowed job's partition: the day and the tenant's chunk
 RANGE = {  # one run over both tenants' partitions
     "dagster/asset_partition_range_start": "tenant-001",
     "dagster/asset_partition_range_end": "tenant-002",
@@ -677,7 +678,7 @@ def test_a_run_fails_its_check_when_the_outcome_is_broken(env, breakage):
     # a limited run must leave some of the breakage behind: a day with two items or more
     need = 2 if breakage.run_config.get("max_items") else 1
     day = due_days(env, spec, need)[0] if spec.partitioning == "tenant_day" else None
-    partition = partition_key_for(spec, TENANT, day)
+    partition = partition_key_for(spec, TENANT, day, TENANT_CHUNK)
 
     healthy = run_partition(env, spec, partition, breakage.run_config)
     assert healthy[breakage.check].passed, healthy[breakage.check].metadata
@@ -867,7 +868,7 @@ def test_a_windowed_run_plots_the_tenants_whole_backlog(env, job_name):
             )
         )
     result = env.defs.resolve_job_def(job_name).execute_in_process(
-        partition_key=partition_key_for(spec, TENANT, day),
+        partition_key=partition_key_for(spec, TENANT, day, TENANT_CHUNK),
         instance=env.instance,
         run_config={
             "ops": {

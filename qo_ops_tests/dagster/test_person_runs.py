@@ -104,6 +104,7 @@ def test_unconsented_person_runs_are_refused_before_queueing_and_audited(loaded,
     db = loaded
     with dagster_stack(db, tmp_path) as (client, instance, port):
         instance.add_dynamic_partitions("tenants", TENANTS)
+        instance.add_dynamic_partitions("tenant_chunks", ["chunk-001"])
         wait_for(lambda: _sensor_ticked(instance, "run_failure_recorder"), 120, "the sensor")
         before = _business(db)
 
@@ -122,11 +123,12 @@ def test_unconsented_person_runs_are_refused_before_queueing_and_audited(loaded,
             assert "needs a reason" in _refused_before_queueing(instance, run.run_id)
 
         # a destructive job's backfill execute, with a reason: refused, pointing at the API
-        # (a windowed job's partition is the day: Dagster's backfill names no tenant)
+        # (a windowed job's partition is the day × tenant chunk: Dagster's backfill names no
+        # tenant)
         destructive = _backfill(
             port,
             "read_model_repair",
-            ["2026-02-10"],
+            ["2026-02-10|chunk-001"],
             {"qo_ops/mode": "execute", "qo_ops/reason": "INC-6 drift"},
         )
         (repair,) = _finished_backfill_runs(instance, destructive, 1)
@@ -167,7 +169,7 @@ def test_unconsented_person_runs_are_refused_before_queueing_and_audited(loaded,
                            None)
                 for r in unreasoned
             },
-            repair.run_id: (f"backfill:{destructive}", "read_model_repair", "2026-02-10",
+            repair.run_id: (f"backfill:{destructive}", "read_model_repair", "2026-02-10|chunk-001",
                             "INC-6 drift"),
             unapproved: (f"dagster-run:{unapproved}", "run_history_retention", "tenant-001",
                          DESTRUCTIVE_RUN["reason"]),

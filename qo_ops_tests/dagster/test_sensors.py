@@ -28,6 +28,7 @@ def test_tenant_partitions_follow_the_tenant_table(defs, loaded):
     sensor = defs.resolve_sensor_def("tenants_sensor")
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("tenants", ["tenant-001", "tenant-gone"])
+        instance.add_dynamic_partitions("tenant_chunks", ["chunk-009"])  # beyond the count
         context = dg.build_sensor_context(
             instance=instance, resources={"database": _database(loaded)}
         )
@@ -40,12 +41,13 @@ def test_tenant_partitions_follow_the_tenant_table(defs, loaded):
                 for key in request.partition_keys:
                     instance.delete_dynamic_partition(request.partitions_def_name, key)
         assert sorted(instance.get_dynamic_partitions("tenants")) == ["tenant-001", "tenant-002"]
+        assert instance.get_dynamic_partitions("tenant_chunks") == ["chunk-001"]  # 2 tenants
         assert json.loads(result.cursor)["tenants"] == 2
         again = sensor.evaluate_tick(
             dg.build_sensor_context(instance=instance, resources={"database": _database(loaded)})
         )
         assert not again.dynamic_partitions_requests
-        assert "in sync" in again.skip_message
+        assert again.skip_message == "2 tenant partitions and 1 tenant chunks, all in sync"
 
 
 def test_backlog_sensor_launches_only_past_the_threshold_and_rotates_its_cursor(
@@ -245,22 +247,24 @@ def test_retention_schedules_run_the_day_that_just_aged_out(defs, instance, load
     def days(schedule_name: str) -> tuple[set[str], str | None]:
         result = schedule_tick(defs, instance, loaded, schedule_name, when)
         requests = result.run_requests or []
-        keys = {r.partition_key for r in requests}  # the day; its tenants are in run config
+        keys = {r.partition_key for r in requests}  # the day|chunk; its tenants in run config
         job = schedule_name.removesuffix("_schedule")
         assert all(_tenants_of(r, job) == ["tenant-001", "tenant-002"] for r in requests)
         return keys, result.skip_message
 
     monkeypatch.setenv("QO_OPS_TEMP_FILE_RETENTION_DAYS", "7")
-    assert days("temp_file_cleanup_schedule") == ({"2026-11-21"}, None)
+    assert days("temp_file_cleanup_schedule") == ({"2026-11-21|chunk-001"}, None)
     monkeypatch.setenv("QO_OPS_AUDIT_RETENTION_DAYS", "90")  # 2026-08-30: inside the partitions
-    assert days("audit_archive_schedule") == ({"2026-08-30"}, None)
+    assert days("audit_archive_schedule") == ({"2026-08-30|chunk-001"}, None)
     monkeypatch.setenv("QO_OPS_AUDIT_RETENTION_DAYS", "365")  # 2025-11-28: before 2026-01-01
     keys, skipped = days("audit_archive_schedule")
     assert keys == set() and "before the first partition" in (skipped or "")
     monkeypatch.setenv("QO_OPS_AUDIT_RETENTION_DAYS", "soon")
     keys, skipped = days("audit_archive_schedule")
     assert keys == set() and "QO_OPS_AUDIT_RETENTION_DAYS" in (skipped or "")
-    assert days("order_reconciliation_schedule")[0] == {"2026-11-28"}  # yesterday, as before
+    assert days("order_reconciliation_schedule")[0] == {
+        "2026-11-28|chunk-001"
+    }  # yesterday, as before
 
 
 def test_run_failure_recorder_puts_the_failure_on_record(defs, loaded, instance):

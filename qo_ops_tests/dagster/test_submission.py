@@ -17,6 +17,7 @@ from qo_ops.dagster_defs.submission import (
     REFUSED_TAG,
     QoOpsRunCoordinator,
     refusal_at_submission,
+    refusal_in_database,
     requester_from_tags,
     run_options,
     trigger_from_tags,
@@ -95,7 +96,7 @@ def test_the_launchpad_shows_the_mode_a_partition_will_run_in_and_a_backfill_tag
     defs = build_definitions()
     for spec in CATALOG.values():
         job = defs.resolve_job_def(spec.name)
-        key = "2026-12-01" if spec.partitioning == "tenant_day" else "tenant-001"
+        key = "2026-12-01|chunk-001" if spec.partitioning == "tenant_day" else "tenant-001"
         shown = job.partitioned_config.get_run_config_for_partition_key(key)  # type: ignore[union-attr]
         config = shown["ops"][f"{spec.name}_op"]["config"]
         assert config["mode"] == "dry_run" and config["reason"] is None, spec.name
@@ -148,7 +149,7 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
         scope = {SCOPE_TAG: "quote_expiration:tenant-001", "dagster/partition": "tenant-001"}
         no_reason = _submit(instance, defs, "quote_expiration", {"mode": "execute"}, scope)
         absurd = _submit(instance, defs, "quote_expiration", {"batch_size": 0}, scope)
-        destructive = _submit(  # Dagster's day backfill: the day's own scope tag, no tenants
+        destructive = _submit(  # Dagster's backfill: the day × chunk's own scope tag, no tenants
             instance,
             defs,
             "read_model_repair",
@@ -157,14 +158,14 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
                 "dagster/backfill": "b9",
                 MODE_TAG: "execute",
                 REASON_TAG: "INC-9",
-                SCOPE_TAG: "read_model_repair:2026-02-10",
-                "dagster/partition": "2026-02-10",
+                SCOPE_TAG: "read_model_repair:2026-02-10|chunk-001",
+                "dagster/partition": "2026-02-10|chunk-001",
             },
         )
         fine = _create(
             instance, defs, "quote_expiration", {"mode": "execute", "reason": "x"}, scope
         )
-        day = {"dagster/partition": "2026-02-10"}  # a windowed job's run names its tenants
+        day = {"dagster/partition": "2026-02-10|chunk-001"}  # a windowed run: day × chunk
         named = {"tenants": ["tenant-001"]}
         dry_backfill = _create(
             instance, defs, "read_model_repair", named, {"dagster/backfill": "b9", **day}
@@ -201,7 +202,7 @@ def test_the_coordinator_refuses_before_queueing_and_the_refusal_is_audited(defs
          "tenant-001", "execute", None),
         (f"dagster-run:{absurd.run_id}", "trigger", "denied", "quote_expiration",
          "tenant-001", "dry_run", None),
-        ("backfill:b9", "trigger", "denied", "read_model_repair", "2026-02-10", "execute",
+        ("backfill:b9", "trigger", "denied", "read_model_repair", "2026-02-10|chunk-001", "execute",
          "INC-9"),
     ]  # fmt: skip
     assert rows[0].details["refused"] == "reason_required"
@@ -245,3 +246,33 @@ def test_every_destructive_job_and_only_those_tag_their_runs(defs):
     for name, spec in CATALOG.items():
         tags = defs.resolve_job_def(name).run_tags
         assert (tags.get(DESTRUCTIVE_TAG) == "true") is spec.destructive, name
+
+
+def test_a_destructive_chunk_backfill_needs_an_approval_covering_each_tenant_of_the_chunk(
+    defs, loaded
+):
+    """Dagster's backfill of a destructive windowed job over day × chunk names no tenant:
+    its approval is checked before queueing against each tenant of the chunk (those of the
+    tag qo_ops/backfill_tenants, when set), as the op would run them."""
+    from qo_ops.platform import approvals
+
+    spec = CATALOG["read_model_repair"]
+    one = approvals.grant(
+        loaded.engine, spec, approvals.Grant(spec.name, ["tenant-001"], "INC-41 chunk", "ana")
+    )
+    backfill = {
+        "dagster/backfill": "b41",
+        MODE_TAG: "execute",
+        REASON_TAG: "INC-41 chunk",
+        "qo_ops/approval": one.id,
+        "dagster/partition": "2026-02-10|chunk-001",  # tenant-001 and tenant-002
+    }
+    with _coordinated_instance() as instance:
+        whole = _create(instance, defs, spec.name, {}, backfill)
+        refusal = refusal_in_database(whole, loaded.engine)
+        assert refusal is not None and "tenant-002" in refusal[1] and "\n" not in refusal[1]
+        narrowed = {**backfill, "qo_ops/backfill_tenants": "tenant-001"}
+        assert (
+            refusal_in_database(_create(instance, defs, spec.name, {}, narrowed), loaded.engine)
+            is None
+        )

@@ -165,6 +165,7 @@ def deployment(pg_server, template_database, tmp_path_factory) -> Iterator[Deplo
         env = {"QO_OPS_HOME": str(home / "qo_ops")}  # the object store of temp_file_cleanup
         with dagster_stack(db, dagster_home, env=env) as (client, instance, port):
             instance.add_dynamic_partitions("tenants", list(TENANTS))
+            instance.add_dynamic_partitions("tenant_chunks", ["chunk-001"])
             runs = {}
             success, failure = dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE
             execute = {"mode": "execute", "reason": "UI test: expire overdue quotes"}
@@ -399,7 +400,7 @@ def test_windowed_run_page_shows_its_window_and_report(
 
     try:
         dialog = _open_report(page, deployment, "window")
-        day = deployment.window_partition  # a windowed job's partition is its day
+        day = deployment.window_partition.partition("|")[0]  # its partition: day|tenant chunk
         for key in ("first_day", "last_day", "fencing_token"):
             expect(dialog.get_by_text(key, exact=True)).to_be_visible()
         # one day: the first and the last day are that day (the last included)

@@ -14,9 +14,10 @@ loopback over PostgreSQL storage with demo data, pages opened in headless Chromi
   tenant, not a stack trace;
 - a run executed in process as `make demo` does is on its job's Runs tab and the Overview
   timeline;
-- Dagster's own Launch backfill over three days of a windowed job (no run config, no YAML)
-  is one entry in the Backfills list, its page shows it completed, and each day's run
-  covered every tenant.
+- Dagster's own Launch backfill over three days × the tenant chunk of a windowed job (no
+  run config, no YAML) is one entry in the Backfills list, its page shows it completed, and
+  it ran as chunks: one run per day and chunk, each covering exactly the chunk's tenants
+  (more chunks than one: test_instance.py, at 150 tenants).
 
 Runs and backfills are launched through the webserver's GraphQL API, the calls the UI's
 Launchpad and Launch backfill dialog make."""
@@ -41,6 +42,7 @@ from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform import approvals
 from qo_ops.platform.runner import run_job
 from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.tenants import chunk_members
 from qo_ops_tests.conftest import TestDatabase as Database
 from qo_ops_tests.dagster.browser import chromium_page, require_chromium, save_screenshot
 from qo_ops_tests.dagster.conftest import AS_OF
@@ -63,6 +65,7 @@ QUOTES = dg.AssetKey(["qo_ops", "quotes"])
 DESTRUCTIVE = "run_history_retention"  # one tenant a partition
 WINDOWED = "pricing_snapshot_recalculation"
 DAYS = ["2026-02-10", "2026-02-11", "2026-02-12"]
+CHUNK = "chunk-001"  # the demo's three tenants: one tenant chunk
 FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 
 
@@ -73,7 +76,7 @@ class Day:
     url: str
     refused: str  # the Launchpad execute without an approval
     approved: str  # the same, citing one
-    backfill: str  # Dagster's own backfill of three days of WINDOWED
+    backfill: str  # Dagster's own backfill of three days × the tenant chunk of WINDOWED
     in_process: str  # a run executed in process as `make demo` does, placed in the location
 
 
@@ -117,6 +120,7 @@ def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
         env = {"QO_OPS_HOME": str(home / "qo_ops")}
         with dagster_stack(db, dagster_home, env=env) as (client, instance, port):
             instance.add_dynamic_partitions("tenants", list(TENANTS))
+            instance.add_dynamic_partitions("tenant_chunks", [CHUNK])
             execute = {"mode": "execute", "reason": "INC-41 old run history"}
             refused = _launch(client, DESTRUCTIVE, "tenant-001", execute)
             wait_for(lambda: _status(instance, refused) in FINISHED, 60, "the refusal")
@@ -129,7 +133,8 @@ def day(pg_server, template_database, tmp_path_factory) -> Iterator[Day]:
                 client, DESTRUCTIVE, "tenant-001", {**execute, "approval": granted.id}
             )
             wait_for(lambda: _status(instance, approved) in FINISHED, 180, "the approved run")
-            backfill = _backfill(port, WINDOWED, DAYS, {})  # Launch backfill: no tags, no config
+            keys = [f"{d}|{CHUNK}" for d in DAYS]  # the dialog: days × chunks ticked
+            backfill = _backfill(port, WINDOWED, keys, {})  # Launch backfill: no tags, no config
 
             def backfill_runs() -> list[dg.DagsterRun]:
                 return instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill}))
@@ -254,20 +259,26 @@ def test_a_destructive_launchpad_execute_without_approval_is_refused_not_failed(
         save_screenshot(page, shots, "runs-failure-filter", publish=False)
 
 
-def test_a_days_backfill_of_a_windowed_job_is_one_backfill_covering_every_tenant(
+def test_a_days_backfill_of_a_windowed_job_is_one_backfill_running_as_chunks(
     page: Page, day: Day, shots: Path
 ):
     from playwright.sync_api import expect
 
     runs = day.instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": day.backfill}))
     assert {r.status for r in runs} == {dg.DagsterRunStatus.SUCCESS}
+    # one run per day and tenant chunk, as a tick requests them
+    assert sorted(r.tags["dagster/partition"] for r in runs) == [f"{d}|{CHUNK}" for d in DAYS]
+    assert {r.tags["dagster/partition/tenant_chunk"] for r in runs} == {CHUNK}
     with day.db.engine.connect() as conn:
-        scopes = conn.execute(
-            sa.text("SELECT scope FROM job_run WHERE dagster_run_id = ANY(:ids)"),
+        rows = conn.execute(
+            sa.text("SELECT dagster_run_id, scope FROM job_run WHERE dagster_run_id = ANY(:ids)"),
             {"ids": [r.run_id for r in runs]},
-        ).scalars()
-        covered = {s.split("/")[0] for s in scopes}
-    assert covered == set(TENANTS)
+        ).all()
+        members = set(chunk_members(conn, CHUNK))
+    assert members == set(TENANTS)
+    for run in runs:  # each run: exactly its chunk's tenants, once each
+        covered = [r.scope.split("/")[0] for r in rows if r.dagster_run_id == run.run_id]
+        assert sorted(covered) == sorted(members)
     try:
         page.goto(f"{day.url}/overview/backfills")
         expect(page.get_by_text(day.backfill, exact=True).first).to_be_visible()

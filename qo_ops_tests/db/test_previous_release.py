@@ -184,7 +184,7 @@ def scope_args(db: TestDatabase, job: str, tenant: str) -> list[str]:
         for name, value in SETTINGS.items():
             env.setenv(name, value)
         partition = work_partition(db, job, tenant)
-    day = [] if CATALOG[job].partitioning == "tenant" else ["--date", partition]
+    day = [] if CATALOG[job].partitioning == "tenant" else ["--date", partition.split("|")[0]]
     return ["--tenant", tenant, *day]
 
 
