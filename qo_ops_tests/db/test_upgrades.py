@@ -160,8 +160,8 @@ def test_a_migration_behind_a_long_transaction_gives_way_to_writers_then_succeed
     assert report.applied == ["0018"] and report.outcome == "ok"
     assert report.lock_timeouts >= 2  # it gave way at least twice in the 4 s the reader held
     assert {"code_version", "code_revision"} <= _columns(engine, "job_run")
-    assert migrate.SET_LOCK_TIMEOUT == f"SET lock_timeout = '{migrate.LOCK_TIMEOUT}'"
-    assert migrate.SET_STATEMENT_TIMEOUT == f"SET statement_timeout = '{migrate.STATEMENT_TIMEOUT}'"
+    assert f"SET lock_timeout = '{migrate.LOCK_TIMEOUT}'" == migrate.SET_LOCK_TIMEOUT
+    assert f"SET statement_timeout = '{migrate.STATEMENT_TIMEOUT}'" == migrate.SET_STATEMENT_TIMEOUT
     lock_timeout_s = float(migrate.LOCK_TIMEOUT.removesuffix("s"))
     assert len(waits) >= 5  # it kept writing through the upgrade (fewer on a loaded machine)
     assert max(waits) <= lock_timeout_s + MARGIN_S, sorted(waits)[-5:]
