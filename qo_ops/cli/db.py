@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -16,6 +18,19 @@ if TYPE_CHECKING:
 # SQLAlchemy, the engine and Alembic are imported inside each command (qo_ops.cli_support).
 
 db_app = typer.Typer(help="Create, upgrade or downgrade the qo-ops schema.", no_args_is_help=True)
+
+
+class _RetryLines(logging.Handler):
+    """A logging handler printing a migration's lock-timeout retries for a person."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, "event", {})
+        if event.get("event.name") == "migration.lock_timeout":
+            typer.echo(
+                f"migration {event['revision']} gave way to writers (lock timeout, try "
+                f"{event['attempt']}); again in {event['retry_in_s']} s",
+                err=True,
+            )
 
 
 @db_app.command("upgrade")
@@ -43,9 +58,12 @@ def db_upgrade(
     from qo_ops.cli_support import resolve_requester
     from qo_ops.db import migrate
     from qo_ops.db.engine import ensure_database, get_engine, resolve_target
-    from qo_ops.platform.telemetry import configure_event_logging
+    from qo_ops.platform.telemetry import EVENT_LOGGER, configure_event_logging
 
-    configure_event_logging()  # migration.start/lock_timeout/end as JSON lines on stderr
+    if sys.stderr.isatty():  # a person: a line per lock timeout, the summary at the end
+        logging.getLogger(f"{EVENT_LOGGER}.migrate").addHandler(_RetryLines())
+    else:  # a Job's log: migration.start/lock_timeout/end as JSON lines
+        configure_event_logging()
     target = resolve_target()
     engine = get_engine(target)
     if not target.embedded:  # Dagster's storage wants a database of its own beside ours

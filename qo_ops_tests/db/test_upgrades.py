@@ -9,6 +9,7 @@ The previous release's own code against the new schema: test_previous_release.py
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 import time
@@ -19,11 +20,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from qo_ops.cli import db as db_cli
 from qo_ops.cli import main
 from qo_ops.db import migrate
 from qo_ops.db.schema import job_run
 from qo_ops.errors import SchemaNotReady
 from qo_ops.metrics.exporter import JobCollector
+from qo_ops.platform.telemetry import EVENT_LOGGER
 
 # a writer's insert may wait this much beyond the lock timeout (a loaded 2-core CI machine);
 # BENCHMARKS.md measures the real figure
@@ -406,3 +409,20 @@ def test_an_invalid_index_a_failed_concurrent_build_left_is_rebuilt_on_retry(emp
     with engine.connect() as conn:  # and it is 0013's index, not the leftover's definition
         definition = conn.scalar(sa.text("SELECT pg_get_indexdef(to_regclass(:n))"), {"n": index})
     assert "timezone('UTC'" in definition and definition.rstrip(")").endswith("id")
+
+
+def test_a_person_at_a_terminal_reads_each_lock_timeout_retry_as_a_line(capsys):
+    """`qo-ops db upgrade` in a terminal prints no JSON: a line per retry, then the summary
+    (a Job's log, not a terminal, gets the JSON events: test_db_status_…)."""
+    handler = db_cli._RetryLines()
+    events = logging.getLogger(f"{EVENT_LOGGER}.migrate")
+    events.addHandler(handler)
+    try:
+        migrate._event(
+            logging.WARNING, "migration.lock_timeout", revision="0018", attempt=2, retry_in_s=1.0
+        )
+        migrate._event(logging.INFO, "migration.end", outcome="ok")
+    finally:
+        events.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err == "migration 0018 gave way to writers (lock timeout, try 2); again in 1.0 s\n"
