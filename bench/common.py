@@ -34,8 +34,8 @@ def bench_server() -> URL:
 
 
 @contextmanager
-def fresh_database(name: str, server: URL | None = None) -> Iterator[URL]:
-    """A new database at the head schema revision on ``server`` (the bench's), dropped
+def fresh_database(name: str, server: URL | None = None, revision: str = "head") -> Iterator[URL]:
+    """A new database at schema ``revision`` (head) on ``server`` (the bench's), dropped
     afterwards."""
     server = server or bench_server()
     admin = sa.create_engine(server, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
@@ -44,7 +44,7 @@ def fresh_database(name: str, server: URL | None = None) -> Iterator[URL]:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
     url = server.set(database=name)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    migrate.upgrade(engine)
+    migrate.upgrade(engine, revision)
     engine.dispose()
     try:
         yield url

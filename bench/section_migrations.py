@@ -52,7 +52,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
-from bench.common import admin_engine, bench_server, engine_for, percentile, settle, stopwatch
+from bench.common import engine_for, fresh_database, percentile, settle, stopwatch
 from bench.suite import Profile, Row, Section
 from qo_ops.db import migrate
 
@@ -159,27 +159,6 @@ def _seconds(setting: str) -> float:
 
 LOCK_TIMEOUT_S = _seconds(migrate.LOCK_TIMEOUT)
 GOAL_S = LOCK_TIMEOUT_S + MARGIN_S
-
-
-@contextmanager
-def _database_at(name: str, revision: str) -> Iterator[URL]:
-    """A new database on the bench's server, migrated to ``revision`` by the runner, dropped
-    afterwards (bench.common.fresh_database, short of head)."""
-    server = bench_server()
-    admin = admin_engine()
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = server.set(database=name)
-    engine = engine_for(url)
-    migrate.upgrade(engine, revision)
-    engine.dispose()
-    try:
-        yield url
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
 
 
 def _load_table(url: URL, table: str, rows: int) -> float:
@@ -532,7 +511,7 @@ def _show(s: dict[str, float]) -> str:
 def run(profile: Profile) -> Section:
     rows = profile.big_rows
     baseline_s = BASELINE_S.get(profile.name, DEFAULT_BASELINE_S)
-    with _database_at(f"{PREFIX}_{profile.name}", FROM_REVISION) as url:
+    with fresh_database(f"{PREFIX}_{profile.name}", revision=FROM_REVISION) as url:
         with stopwatch() as load_t:
             loaded = _load(url, rows)
         settle(url)
