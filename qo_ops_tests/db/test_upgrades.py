@@ -371,6 +371,8 @@ def test_db_upgrade_fails_in_one_line_when_a_pending_contract_step_holds_back_th
     )
     monkeypatch.setattr(migrate, "HEAD_REVISION", "0020")
     monkeypatch.setenv("QO_OPS_DATABASE_URL", db.env_url)
+    events = logging.getLogger(EVENT_LOGGER)  # the command adds a JSON handler to stderr
+    monkeypatch.setattr(events, "handlers", list(events.handlers))  # gone after this test
     code = main(["db", "upgrade"])  # in process: the planted migrations are this process's
     err = capsys.readouterr().err
     assert code != 0
