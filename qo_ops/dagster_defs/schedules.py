@@ -115,12 +115,12 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
         if day is not None:  # a windowed job: one run per tenant chunk of the day
             yield from _chunk_requests(context, spec, database, tenants, day, scheduled)
             return
-        for chunk in chunk_tenants(spec, tenants):
+        for chunk in chunk_tenants(spec, tenants):  # a tenant job: no day
             yield chunk_run_request(
                 spec,
                 chunk,
-                day,
-                run_key=f"{spec.name}:{day or 'tenants'}:{chunk[0]}..{chunk[-1]}:{scheduled.isoformat()}",
+                None,
+                run_key=f"{spec.name}:tenants:{chunk[0]}..{chunk[-1]}:{scheduled.isoformat()}",
                 tags={SCHEDULED_FOR_TAG: scheduled.isoformat()},
             )
 

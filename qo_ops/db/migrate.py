@@ -141,11 +141,10 @@ class MigrationBlocked(QoOpsError):
 
 @dataclass(frozen=True)
 class Step:
-    """One pending migration: its revision, whether it contracts, and what it says."""
+    """One pending migration: its revision, and whether it contracts."""
 
     revision: str
     contract: bool
-    doc: str
 
 
 @dataclass
@@ -286,9 +285,7 @@ def pending_steps(engine: Engine, revision: str = "head") -> list[Step]:
     steps = []
     for rev in script.iterate_revisions(target, current or "base"):
         module = rev.module
-        steps.append(
-            Step(rev.revision, getattr(module, "phase", "expand") == "contract", rev.doc or "")
-        )
+        steps.append(Step(rev.revision, getattr(module, "phase", "expand") == "contract"))
     return list(reversed(steps))
 
 
