@@ -68,9 +68,11 @@ from qo_ops.downstream.calls import CallSettings
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.downstream.local import SimulatorProcess, simulator_process
 from qo_ops.jobs.delivery_retry import SPEC
-from qo_ops.platform.retry import policy_from_env
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import BatchContext, RunOptions, Scope
+from qo_ops.platform.calls.retry import policy_from_env
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import run_job
 
 TENANT = "tenant-001"
 LATENCY_MS = 20

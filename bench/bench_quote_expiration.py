@@ -47,7 +47,8 @@ from bench.common import (
     stopwatch,
 )
 from qo_ops.jobs.quote_expiration import EXPIRE_QUOTE_BATCH, SPEC
-from qo_ops.platform.spec import BatchContext, Scope
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
 
 TENANT = "tenant-001"
 BIG, SMALL = 1_000_000, 10_000

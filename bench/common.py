@@ -195,7 +195,7 @@ def standing_approvals(engine: Any) -> dict[str, str]:
     """An approval of every destructive job's execute for every tenant, granted by the bench
     as their approver (a day long): the id each ``qo-ops run --approval`` cites, by job."""
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.approvals import Grant, grant
+    from qo_ops.platform.actions.approvals import Grant, grant
 
     return {
         spec.name: grant(

@@ -190,7 +190,7 @@ def _typed(sql: str) -> str:
 def _load(url: URL, rows: int) -> dict[str, int]:
     from qo_ops.demo.data import _bulk_load, load_demo_data
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.spec import cadence_seconds
+    from qo_ops.platform.schedule.cron import cadence_seconds
 
     engine = engine_for(url)
     load_demo_data(
@@ -370,7 +370,7 @@ def _stale(url: URL) -> int:
     from qo_ops.dagster_defs.freshness import job_due
     from qo_ops.dagster_defs.sensors import STALE_FACTOR
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.spec import cadence_seconds
+    from qo_ops.platform.schedule.cron import cadence_seconds
 
     engine = engine_for(url)
     stale = 0

@@ -37,9 +37,11 @@ from bench.suite import Profile, Row, Section
 from qo_ops.demo.data import load_demo_data
 from qo_ops.downstream.local import simulator_process
 from qo_ops.jobs import delivery_retry, notification_publish
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.spec import JobSpec, RunOptions, Scope
-from qo_ops.platform.telemetry import EVENT_LOGGER
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.observability.events import EVENT_LOGGER
+from qo_ops.platform.run.runner import RunSummary, run_job
 
 TITLE = "Breaker: flaky is not down"
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)  # the demo's clock: every row in the past

@@ -248,9 +248,10 @@ def job_process(job: str, concurrency: int, batch_size: int | None) -> dict[str,
     seconds (all threads) and context switches during it."""
     from qo_ops.db.engine import get_engine
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.runner import run_job
-    from qo_ops.platform.spec import RunOptions, Scope
-    from qo_ops.platform.telemetry import configure_event_logging
+    from qo_ops.platform.job.options import RunOptions
+    from qo_ops.platform.job.scope import Scope
+    from qo_ops.platform.observability.events import configure_event_logging
+    from qo_ops.platform.run.runner import run_job
 
     options = RunOptions(
         mode="execute",

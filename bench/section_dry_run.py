@@ -41,7 +41,8 @@ from bench.common import (
 )
 from bench.suite import Profile, Row, Section, Spread, median
 from qo_ops.jobs.quote_expiration import SPEC
-from qo_ops.platform.spec import BatchContext, Scope
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
 
 TITLE = "Dry-run estimate"
 PREFIX = "qo_ops_bench_dry"

@@ -61,8 +61,10 @@ from qo_ops.jobs import temp_file_cleanup as cleanup_job
 from qo_ops.jobs.audit_archive import format as archive_format
 from qo_ops.jobs.audit_archive import storage as archive_storage
 from qo_ops.jobs.catalog import get_spec
-from qo_ops.platform.objects import OBJECTS_DIR
-from qo_ops.platform.spec import BatchContext, Limits, Scope
+from qo_ops.platform.calls.object_store import OBJECTS_DIR
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
 
 TITLE = "Jobs vs the database's limit"
 TENANT = "tenant-001"

@@ -213,8 +213,9 @@ _LOOP = """
 import json, sys, time
 import sqlalchemy as sa
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.run.runner import run_job
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
 url, job, tenants = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
 spec = CATALOG[job]
@@ -333,7 +334,7 @@ class Deployment:
     def set_tenants(self, wanted: list[str]) -> None:
         """The ``tenants`` partitions become exactly ``wanted`` (and ``tenant_chunks`` their
         chunks), as ``tenants_sensor`` keeps them."""
-        from qo_ops.platform.partition_keys import chunk_keys
+        from qo_ops.platform.schedule.partition_keys import chunk_keys
 
         for name, keys in (("tenants", wanted), ("tenant_chunks", chunk_keys(len(wanted)))):
             have = set(self.instance.get_dynamic_partitions(name))
@@ -515,7 +516,7 @@ def wait_runs(d: Deployment, url: URL, ids: list[str], timeout: float) -> list[A
     run must have succeeded."""
     import dagster as dg
 
-    from qo_ops.platform.runs import FINAL_STATUSES
+    from qo_ops.platform.run.records import FINAL_STATUSES
 
     engine = engine_for(url)
     records: list[Any] = []

@@ -66,7 +66,7 @@ from bench.section_orchestration import (
 )
 from bench.soak_catalog import CRON, PER_RUN_ENV
 from bench.suite import Profile, Row, Section, median
-from qo_ops.platform.manners import CALLS, RETRIES
+from qo_ops.platform.calls.call_stats import CALLS, RETRIES
 
 TITLE = "Soak: every schedule and sensor under backlog"
 PREFIX = "qo_ops_bench_soak"

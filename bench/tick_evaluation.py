@@ -137,7 +137,7 @@ def load_history(url: URL, n: int) -> dict[str, Any]:
     """The 10,000-tenant database (see the module docstring); returns what was planted."""
     from qo_ops.demo.data import _bulk_load
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.spec import cadence_seconds
+    from qo_ops.platform.schedule.cron import cadence_seconds
 
     specs = list(CATALOG.values())
     cadence = [int(cadence_seconds(s.cron_schedule)) for s in specs]
@@ -246,7 +246,7 @@ def evaluate(tenants: int, repeats: int) -> dict[str, Any]:
     from qo_ops.dagster_defs.resources import QoOpsDatabase
     from qo_ops.definitions import build_definitions
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.partition_keys import chunk_keys
+    from qo_ops.platform.schedule.partition_keys import chunk_keys
 
     keys = [tenant_key(k) for k in range(1, tenants + 1)]
     database = QoOpsDatabase(url=os.environ["QO_OPS_DATABASE_URL"])

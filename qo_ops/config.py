@@ -1,7 +1,7 @@
 """Settings read from the environment, in one place: a reader per kind of value, each
 refusing a bad one with a one-line ``ConfigError`` that names the variable. A job's own
 settings are read with these by its ``JobSpec.validate_settings``, once, before its run
-writes anything (``qo_ops.platform.spec.run_settings``)."""
+writes anything (``qo_ops.platform.job.outcome.run_settings``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from qo_ops.errors import ConfigError
 DATABASE_URL_ENV = "QO_OPS_DATABASE_URL"
 HOME_ENV = "QO_OPS_HOME"
 DEFAULT_HOME = ".qo_ops"
-OTLP_ENV = "QO_OPS_OTLP_ENDPOINT"  # traces go there (qo_ops.platform.tracing); unset: no tracing
+OTLP_ENV = "QO_OPS_OTLP_ENDPOINT"  # traces go there (qo_ops.platform.observability.tracing); unset: no tracing
 
 
 @dataclass(frozen=True)

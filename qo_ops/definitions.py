@@ -27,7 +27,7 @@ from qo_ops.dagster_defs.sensors import (
     tenants_sensor,
 )
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.tracing import configure_from_env
+from qo_ops.platform.observability.tracing import configure_from_env
 
 
 def build_definitions() -> dg.Definitions:

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, job_run
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import approvals
+from qo_ops.platform.actions import approvals
 
 JOB = "run_history_retention"  # destructive, one tenant a partition
 SPEC = CATALOG[JOB]

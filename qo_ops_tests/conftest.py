@@ -113,7 +113,7 @@ def template_database(pg_server: URL) -> Iterator[str]:
 
 def standing_approval(job_name: str) -> str | None:
     """The approval a test's execute of ``job_name`` cites (every destructive job's
-    execute does, on every path: qo_ops/platform/approvals.py); None for the others. Granted
+    execute does, on every path: qo_ops/platform/actions/approvals.py); None for the others. Granted
     for every tenant in every test database (``template_database``); tests of the rule
     itself grant their own."""
     return STANDING_APPROVALS.get(job_name)

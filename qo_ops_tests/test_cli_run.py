@@ -384,8 +384,9 @@ def test_runs_shows_why_a_run_ended_the_reason_it_was_asked_for_and_its_dagster_
     on the run's note line; the Dagster run id in short; long words cut to the width with an
     ellipsis, whole in --json."""
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.runner import run_job
-    from qo_ops.platform.spec import RunOptions, Scope
+    from qo_ops.platform.job.options import RunOptions
+    from qo_ops.platform.job.scope import Scope
+    from qo_ops.platform.run.runner import run_job
 
     reason = "INC-42 stale quotes after the pricing outage " + "and a long story " * 20
     capped = json.loads(

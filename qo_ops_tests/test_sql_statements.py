@@ -277,11 +277,11 @@ def writing_statements(module: Module) -> Iterator[tuple[int, str]]:
 
 def test_the_walk_sees_the_package():
     rels = {m.rel for m in MODULES}
-    assert "qo_ops/platform/lease.py" in rels and "qo_ops/jobs/quote_expiration.py" in rels
+    assert "qo_ops/platform/run/lease.py" in rels and "qo_ops/jobs/quote_expiration.py" in rels
     assert not any("/migrations/" in r for r in rels)
     # it finds what it must: the lease's acquire and the retention's composed delete
     lease, retention = (
-        BY_DOTTED["qo_ops.platform.lease"],
+        BY_DOTTED["qo_ops.platform.run.lease"],
         BY_DOTTED["qo_ops.jobs.run_history_retention"],
     )
     assert "_ACQUIRE" in {name for _, name in writing_statements(lease)}

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from bench.nemesis.plan import FaultKind, PlannedFault
 from bench.nemesis.processes import RunProcess
 from bench.nemesis.world import APPLICATION_NAME, World, patiently
-from qo_ops.platform.liveness import RUN_GONE
+from qo_ops.platform.run.liveness import RUN_GONE
 
 FLAKY = {"error_rate": 0.2, "timeout_rate": 0.05, "poison_rate": 0.01}
 HEALTHY = {"error_rate": 0.0, "timeout_rate": 0.0, "poison_rate": 0.0}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import QO_OPS
-from qo_ops.platform.spec import Scope
+from qo_ops.platform.job.scope import Scope
 
 SKIPPED_EXIT = 4  # `qo-ops run`: the lease is held elsewhere
 

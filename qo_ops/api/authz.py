@@ -5,7 +5,7 @@
   another identity's held run.
 - ``approver`` does all that and executes destructive jobs (cleanup, archive, repair).
 - A destructive execute cites an approval (the rule every path shares,
-  ``qo_ops/platform/approvals.py``): an approver's own request grants it; an operator's
+  ``qo_ops/platform/actions/approvals.py``): an approver's own request grants it; an operator's
   cites one an approver granted (``approvalId``), or asks to be held for a second
   identity's approval (``requestApproval``), which then grants it; no one approves their
   own request. Otherwise it is refused.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qo_ops.api.tokens import Principal
-from qo_ops.platform.spec import JobSpec
+from qo_ops.platform.job.spec import JobSpec
 
 WRITERS = frozenset({"operator", "approver"})
 

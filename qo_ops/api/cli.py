@@ -82,7 +82,7 @@ def serve(
         raise BadInput("--port must be between 1 and 65535")
     import uvicorn
 
-    from qo_ops.platform.telemetry import json_log_handler
+    from qo_ops.platform.observability.events import json_log_handler
 
     app = build_app()
     api_log = logging.getLogger("qo_ops.api")

@@ -20,8 +20,8 @@ from qo_ops.api.errors import ApiError
 from qo_ops.api.ratelimit import RateLimiter
 from qo_ops.api.tokens import Principal, authenticate
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import runs
-from qo_ops.platform.spec import JobSpec
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run import records
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Audit:
 
     def __call__(self, actor: str, action: str, decision: str, **about: Any) -> None:
         with self.engine.begin() as conn:
-            runs.append_audit(conn, self.meta.entry(actor, action, decision, **about))
+            records.append_audit(conn, self.meta.entry(actor, action, decision, **about))
 
     def deny(self, p: Principal, action: str, why: str, **about: Any) -> ApiError:
         """Audit a refusal of ``p`` for ``why``; the ``403`` to raise."""

@@ -22,7 +22,7 @@ from qo_ops.api.deps import api_state, auditor, principal, request_meta
 from qo_ops.api.errors import ApiError
 from qo_ops.api.models import SAFE_ID
 from qo_ops.errors import one_line
-from qo_ops.platform.telemetry import log_event
+from qo_ops.platform.observability.events import log_event
 
 log = logging.getLogger("qo_ops.api")
 

@@ -11,7 +11,8 @@ from qo_ops.api import service
 from qo_ops.api.dagster import DagsterClient, DagsterUnavailable
 from qo_ops.api.deps import ApiState
 from qo_ops.api.errors import ApiError
-from qo_ops.platform.partition_keys import (
+from qo_ops.platform.observability.events import log_event
+from qo_ops.platform.schedule.partition_keys import (
     JOB_RUN_TAG,
     MODE_TAG,
     REQUESTER_TAG,
@@ -20,8 +21,7 @@ from qo_ops.platform.partition_keys import (
     partition_key_for,
     partition_tags,
 )
-from qo_ops.platform.telemetry import log_event
-from qo_ops.platform.tenants import chunk_of
+from qo_ops.platform.schedule.tenants import chunk_of
 
 log = logging.getLogger("qo_ops.api")
 

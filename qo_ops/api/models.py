@@ -10,7 +10,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from qo_ops.platform.spec import MAX_BATCH_SIZE, MAX_ITEMS, MAX_TEXT, MAX_THROTTLE_MS, TENANT_ID
+from qo_ops.platform.job.options import MAX_BATCH_SIZE, MAX_ITEMS, MAX_TEXT, MAX_THROTTLE_MS
+from qo_ops.platform.job.scope import TENANT_ID
 
 SAFE_ID = r"^[A-Za-z0-9._:-]{1,128}$"
 NO_CONTROL = r"^[^\x00-\x1f\x7f]+$"

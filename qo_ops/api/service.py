@@ -16,8 +16,11 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from qo_ops.db.schema import api_idempotency, job_run
-from qo_ops.platform import approvals, runs, tenants
-from qo_ops.platform.spec import JobSpec, Scope, tenant_of
+from qo_ops.platform.actions import approvals
+from qo_ops.platform.job.scope import Scope, tenant_of
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run import records
+from qo_ops.platform.schedule import tenants
 
 IDEMPOTENCY_TTL_HOURS = 24
 RUN_APPROVAL_VALID_S = 6 * 3600  # an approval the API grants for one run: past any queue
@@ -53,7 +56,7 @@ _ACTIVE_RUN = (
     .where(
         job_run.c.job_name == sa.bindparam("job_name"),
         job_run.c.scope == sa.bindparam("scope"),
-        job_run.c.status.in_(runs.ACTIVE_STATUSES),
+        job_run.c.status.in_(records.ACTIVE_STATUSES),
     )
     .order_by(job_run.c.created_at)
     .limit(1)
@@ -95,9 +98,9 @@ class RequestMeta:
     request_id: str
     client_address: str | None
 
-    def entry(self, actor: str, action: str, decision: str, **about: Any) -> runs.AuditEntry:
+    def entry(self, actor: str, action: str, decision: str, **about: Any) -> records.AuditEntry:
         """An audit entry of this request: ``about`` names the job, scope, run and so on."""
-        return runs.AuditEntry(
+        return records.AuditEntry(
             actor,
             action,
             decision,
@@ -189,7 +192,7 @@ def _submit_once(engine: Engine, submission: Submission) -> Submitted:
             if seen is not None:
                 same = seen.request_sha256 == fingerprint
                 decision = "replayed" if same else "denied: idempotency key reused"
-                runs.append_audit(
+                records.append_audit(
                     conn, meta.entry(identity, "submit", decision, job_run_id=seen.id, **about)
                 )
                 return Submitted("replayed" if same else "key_reused", seen.id, seen.status)
@@ -197,7 +200,7 @@ def _submit_once(engine: Engine, submission: Submission) -> Submitted:
         found = conn.execute(_ACTIVE_RUN, {"job_name": spec.name, "scope": scope.key}).first()
         if found is not None:
             active = dict(found._mapping)
-            runs.append_audit(
+            records.append_audit(
                 conn,
                 meta.entry(
                     identity,
@@ -246,7 +249,7 @@ def _submit_once(engine: Engine, submission: Submission) -> Submitted:
                 },
             )
         decision = "held for approval" if submission.hold else "allowed"
-        runs.append_audit(
+        records.append_audit(
             conn,
             meta.entry(
                 identity,
@@ -264,9 +267,9 @@ def expire_stale(engine: Engine, run_id: uuid.UUID, reason: str, meta: RequestMe
     """End an accepted run that will never start (its Dagster run ended or its launch was
     lost); audited. False if it started meanwhile."""
     with engine.begin() as conn:
-        done = runs.finish_unstarted(conn, run_id, "failed", reason, reason)
+        done = records.finish_unstarted(conn, run_id, "failed", reason, reason)
         if done:
-            runs.append_audit(
+            records.append_audit(
                 conn, meta.entry("qo-ops-api", "expire", f"failed: {reason}", job_run_id=run_id)
             )
         return done
@@ -283,8 +286,8 @@ def record_launch_failed(
 ) -> None:
     """The run could not be handed to Dagster: it ends ``failed``/``launch_failed``."""
     with engine.begin() as conn:
-        runs.finish_unstarted(conn, run_id, "failed", "launch_failed", "launch_failed", message)
-        runs.append_audit(
+        records.finish_unstarted(conn, run_id, "failed", "launch_failed", "launch_failed", message)
+        records.append_audit(
             conn,
             meta.entry(
                 identity,
@@ -330,7 +333,7 @@ def approve(
             conn.execute(
                 _APPROVE, {"run_id": run_id, "identity": identity, "approval_id": granted.id}
             )
-        runs.append_audit(
+        records.append_audit(
             conn,
             meta.entry(
                 identity,
@@ -369,8 +372,8 @@ RUN_FIELDS = (
     "approval_id",
     "fencing_token",
     "last_error_code",
-    *runs.COUNTERS,
-    "tally",  # shown as the run's downstream figures (qo_ops.platform.manners)
+    *records.COUNTERS,
+    "tally",  # shown as the run's downstream figures (qo_ops.platform.calls.call_stats)
 )
 
 

@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 
 from qo_ops.db.schema import API_ROLES, api_token
 from qo_ops.errors import BadInput
-from qo_ops.platform.spec import TENANT_ID
+from qo_ops.platform.job.scope import TENANT_ID
 
 PREFIX = "qoops_"
 _TOKEN = re.compile(r"^qoops_([0-9a-f]{16})_([A-Za-z0-9_-]{43})$")

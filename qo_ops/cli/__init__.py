@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI and turn every failure into one line on stderr and an exit code."""
     warnings.filterwarnings("ignore", message=".*is currently in beta")  # Dagster's own API notes
     if os.environ.get(OTLP_ENV, "").strip():  # unset: tracing is off, OpenTelemetry not loaded
-        from qo_ops.platform.tracing import configure_from_env
+        from qo_ops.platform.observability.tracing import configure_from_env
 
         try:
             configure_from_env()  # traces over OTLP

@@ -1,5 +1,5 @@
 """``qo-ops approval``: grant, list and revoke the approvals a destructive execute cites
-(``qo_ops/platform/approvals.py``). Granting writes ``run_approval``: it needs the database
+(``qo_ops/platform/actions/approvals.py``). Granting writes ``run_approval``: it needs the database
 credentials of an administrator (the owner's or the API's), not the runner's."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def grant_command(
     """Approve executes of a destructive JOB over some tenants, for a while; prints the id
     a run cites (--approval, Launchpad config approval, tag qo_ops/approval)."""
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.approvals import Grant, grant
+    from qo_ops.platform.actions.approvals import Grant, grant
 
     spec = get_spec(job)
     if bool(tenant) == all_tenants:
@@ -77,7 +77,7 @@ def list_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Approvals, newest first: by default those that may still be cited."""
-    from qo_ops.platform.approvals import list_approvals
+    from qo_ops.platform.actions.approvals import list_approvals
 
     found = list_approvals(ready_engine(), job_name=job, live=not show_all)
     if as_json:
@@ -111,7 +111,7 @@ def revoke_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Revoke an approval: runs that cite it from now on are refused (audited)."""
-    from qo_ops.platform.approvals import revoke
+    from qo_ops.platform.actions.approvals import revoke
 
     approval = revoke(ready_engine(), approval_id, resolve_requester(by))
     if as_json:

@@ -45,7 +45,7 @@ def restore_command(
 ) -> None:
     """Put every VERIFIED archive of a tenant-day back into audit_record (same ids; idempotent)."""
     from qo_ops.jobs.audit_archive import restore_day
-    from qo_ops.platform.spec import Scope
+    from qo_ops.platform.job.scope import Scope
 
     parsed = _parse_day(day)
     Scope(tenant)  # a one-line error for a malformed tenant id, before any connection

@@ -28,7 +28,7 @@ def suspend_command(
     """Kill switch: no new run of JOB starts (schedules, sensors, CLI, API), and a running
     one stops at its next batch boundary (ends `cancelled`, reason `suspended`)."""
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.control import ControlChange, suspend
+    from qo_ops.platform.actions.control import ControlChange, suspend
 
     engine = ready_engine()
     found, new = suspend(
@@ -59,7 +59,7 @@ def resume_command(
 ) -> None:
     """Lift a suspension made with `qo-ops suspend` (the same JOB and --tenant)."""
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.control import ControlChange, resume, suspensions
+    from qo_ops.platform.actions.control import ControlChange, resume, suspensions
 
     engine = ready_engine()
     lifted = resume(

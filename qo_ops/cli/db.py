@@ -58,7 +58,7 @@ def db_upgrade(
     from qo_ops.cli_support import resolve_requester
     from qo_ops.db import migrate
     from qo_ops.db.engine import ensure_database, get_engine, resolve_target
-    from qo_ops.platform.telemetry import EVENT_LOGGER, configure_event_logging
+    from qo_ops.platform.observability.events import EVENT_LOGGER, configure_event_logging
 
     if sys.stderr.isatty():  # a person: a line per lock timeout, the summary at the end
         logging.getLogger(f"{EVENT_LOGGER}.migrate").addHandler(_RetryLines())

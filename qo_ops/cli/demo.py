@@ -21,7 +21,7 @@ from qo_ops.errors import BadInput, ConfigError, one_line
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
-    from qo_ops.platform.spec import JobSpec
+    from qo_ops.platform.job.spec import JobSpec
 
 # Dagster, the catalog, the platform and SQLAlchemy are imported inside each command
 # (qo_ops.cli_support).
@@ -56,7 +56,7 @@ def demo_data_command(
 ) -> None:
     """Load deterministic demo data, anomalies included, in one transaction."""
     from qo_ops.demo.data import load_demo_data
-    from qo_ops.platform.objects import objects_root
+    from qo_ops.platform.calls.object_store import objects_root
 
     anchor = (
         parse_timestamp(as_of, "--as-of") if as_of else datetime.now(UTC).replace(microsecond=0)
@@ -118,8 +118,9 @@ def _latest_day_with_work(
     engine: sa.Engine, spec: JobSpec, tenant: str, last: date, days: int = 30
 ) -> date:
     """The most recent day (back from ``last``) on which ``spec`` has something to do."""
-    from qo_ops.platform.runner import count_eligible
-    from qo_ops.platform.spec import BatchContext, Scope
+    from qo_ops.platform.job.outcome import BatchContext
+    from qo_ops.platform.job.scope import Scope
+    from qo_ops.platform.run.runner import count_eligible
 
     with engine.connect() as conn:
         for back in range(days):
@@ -154,7 +155,7 @@ class DemoRun:
 
     def lines(self) -> list[str]:
         """Two or three lines: what ran and how it ended, its counts, its checks."""
-        from qo_ops.platform.spec import scope_text
+        from qo_ops.platform.job.scope import scope_text
 
         counts = (
             f"eligible {self.eligible_count:,}, processed {self.processed_count:,}, "
@@ -215,7 +216,7 @@ def _demo_run(spec: JobSpec, tenant: str, result: Any) -> DemoRun:
 @contextlib.contextmanager
 def _events_to_file(path: Path) -> Iterator[None]:
     """The runner's JSON events (logger qo_ops.events) also go to ``path``, one a line."""
-    from qo_ops.platform.telemetry import EVENT_LOGGER, json_log_handler
+    from qo_ops.platform.observability.events import EVENT_LOGGER, json_log_handler
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,10 +256,10 @@ def demo_dagster_command(
     from qo_ops.db.engine import resolve_target
     from qo_ops.definitions import build_definitions
     from qo_ops.jobs.catalog import CATALOG
-    from qo_ops.platform.approvals import Grant, grant
-    from qo_ops.platform.partition_keys import partition_key_for
-    from qo_ops.platform.spec import Scope
-    from qo_ops.platform.tenants import chunk_of
+    from qo_ops.platform.actions.approvals import Grant, grant
+    from qo_ops.platform.job.scope import Scope
+    from qo_ops.platform.schedule.partition_keys import partition_key_for
+    from qo_ops.platform.schedule.tenants import chunk_of
 
     Scope(tenant)
     target = resolve_target()

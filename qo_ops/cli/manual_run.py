@@ -23,12 +23,13 @@ from qo_ops.cli_support import (
     resolve_requester,
 )
 from qo_ops.errors import BadInput
-from qo_ops.platform.counts import COLUMNS, REPORTED_ALWAYS
+from qo_ops.platform.job.counts import COLUMNS, REPORTED_ALWAYS
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
-    from qo_ops.platform.spec import JobSpec, Scope
+    from qo_ops.platform.job.scope import Scope
+    from qo_ops.platform.job.spec import JobSpec
 
 # The catalog, the runner and SQLAlchemy are imported inside the command (qo_ops.cli_support).
 
@@ -75,7 +76,7 @@ def _demo_downstream(spec: JobSpec, engine: Engine) -> Iterator[None]:
 
 
 def _scope(tenant: str, day: str | None, start: str | None, end: str | None) -> Scope:
-    from qo_ops.platform.spec import Scope
+    from qo_ops.platform.job.scope import Scope
 
     if day and (start or end):
         raise BadInput("give either --date or --from/--to, not both")
@@ -146,10 +147,11 @@ def run_command(
 ) -> None:
     """Run a job by hand over one tenant (and window) and print its summary."""
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.manners import DownstreamCalls
-    from qo_ops.platform.runner import run_job
-    from qo_ops.platform.spec import RunOptions, scope_text
-    from qo_ops.platform.telemetry import EVENT_LOGGER, configure_event_logging
+    from qo_ops.platform.calls.call_stats import DownstreamCalls
+    from qo_ops.platform.job.options import RunOptions
+    from qo_ops.platform.job.scope import scope_text
+    from qo_ops.platform.observability.events import EVENT_LOGGER, configure_event_logging
+    from qo_ops.platform.run.runner import run_job
 
     spec = get_spec(job)
     normalized_mode = mode.replace("-", "_")

@@ -1,4 +1,4 @@
-"""Recovery without database surgery (``qo_ops.platform.recovery``): ``qo-ops requeue`` (a
+"""Recovery without database surgery (``qo_ops.platform.actions.recovery``): ``qo-ops requeue`` (a
 job's dead letters back to work), ``qo-ops review list|resolve`` (the items jobs flagged for a
 person) and ``qo-ops checkpoint show|reset`` (where a checkpointed job's scopes stopped).
 Every change needs a reason, is audited in its own transaction, and has ``--dry-run``."""
@@ -26,7 +26,7 @@ from qo_ops.cli_support import (
 from qo_ops.errors import BadInput
 
 if TYPE_CHECKING:
-    from qo_ops.platform.recovery import Outcome, Who
+    from qo_ops.platform.actions.recovery import Outcome, Who
 
 # The catalog, the platform and SQLAlchemy are imported inside each command (qo_ops.cli_support).
 
@@ -40,7 +40,7 @@ ToOpt = Annotated[str | None, typer.Option("--to", help="Last day, included.")]
 
 
 def _who(requester: str | None, reason: str) -> Who:
-    from qo_ops.platform.recovery import Who
+    from qo_ops.platform.actions.recovery import Who
 
     return Who(resolve_requester(requester), reason).validated()
 
@@ -81,8 +81,8 @@ def requeue_command(
     """Put a job's dead letters (delivery items, outbox events: what the catalog declares)
     back to work, attempts reset; audited."""
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.recovery import DeadLetters, dead_letter_kind, requeue
-    from qo_ops.platform.spec import Scope
+    from qo_ops.platform.actions.recovery import DeadLetters, dead_letter_kind, requeue
+    from qo_ops.platform.job.scope import Scope
 
     spec = get_spec(job)
     dead_letter_kind(spec)
@@ -117,7 +117,7 @@ def review_list_command(
 ) -> None:
     """What jobs flagged for a person and why (from their result rows), oldest first."""
     from qo_ops.jobs.catalog import CATALOG, get_spec
-    from qo_ops.platform.recovery import review_queue, waiting_for_review
+    from qo_ops.platform.actions.recovery import review_queue, waiting_for_review
 
     specs = [get_spec(job)] if job else list(CATALOG.values())
     if job:
@@ -172,8 +172,8 @@ def review_resolve_command(
     """Decide one flagged item with an action its job offers, under its scope's lease, in
     one audited transaction; refused while a run holds the scope."""
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.recovery import Decision, resolve, review_action
-    from qo_ops.platform.spec import Scope
+    from qo_ops.platform.actions.recovery import Decision, resolve, review_action
+    from qo_ops.platform.job.scope import Scope
 
     spec = get_spec(job)
     review_action(spec, action)
@@ -203,8 +203,8 @@ def checkpoint_show_command(
 ) -> None:
     """The tenant's checkpoints of JOB (within --from/--to), and whether a run holds each."""
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.recovery import Checkpoints, checkpoint_days, checkpoints
-    from qo_ops.platform.spec import scope_text
+    from qo_ops.platform.actions.recovery import Checkpoints, checkpoint_days, checkpoints
+    from qo_ops.platform.job.scope import scope_text
 
     spec = get_spec(job)
     if not tenant:
@@ -252,7 +252,7 @@ def checkpoint_reset_command(
     """Forget the tenant's checkpoints of JOB (within --from/--to): the next run of each scope
     starts from the beginning. Refused while a run holds one of them; audited."""
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.recovery import Checkpoints, checkpoint_days, reset_checkpoints
+    from qo_ops.platform.actions.recovery import Checkpoints, checkpoint_days, reset_checkpoints
 
     spec = get_spec(job)
     if not tenant:

@@ -28,8 +28,8 @@ from qo_ops.cli_support import (
 from qo_ops.errors import BadInput, one_line
 
 if TYPE_CHECKING:
-    from qo_ops.platform.manners import DownstreamCalls
-    from qo_ops.platform.runs import RunRow
+    from qo_ops.platform.calls.call_stats import DownstreamCalls
+    from qo_ops.platform.run.records import RunRow
 
 # The catalog, the platform and SQLAlchemy are imported inside each command (qo_ops.cli_support).
 
@@ -58,10 +58,10 @@ def status_command(
     run, its mode and status, last success, lease holder and backlog; what is suspended; a
     downstream breaker that is not closed."""
     from qo_ops.jobs.catalog import CATALOG, get_spec
-    from qo_ops.platform.control import suspensions
-    from qo_ops.platform.spec import Scope, scope_text
-    from qo_ops.platform.status import breaker_status, job_status, summarize, with_backlog
-    from qo_ops.platform.tenants import chunk_of, tenant_exists
+    from qo_ops.platform.actions.control import suspensions
+    from qo_ops.platform.actions.status import breaker_status, job_status, summarize, with_backlog
+    from qo_ops.platform.job.scope import Scope, scope_text
+    from qo_ops.platform.schedule.tenants import chunk_of, tenant_exists
 
     specs = [get_spec(job)] if job else list(CATALOG.values())
     if not 1 <= limit <= 10_000:
@@ -207,9 +207,9 @@ def runs_command(
     hour?": qo-ops runs --since 1h): ids in short (`qo-ops cancel` takes a running run's),
     why each ended as it did and the reason it was asked for; --json has every field."""
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.manners import DownstreamCalls
-    from qo_ops.platform.runs import list_runs
-    from qo_ops.platform.spec import Scope, scope_text
+    from qo_ops.platform.calls.call_stats import DownstreamCalls
+    from qo_ops.platform.job.scope import Scope, scope_text
+    from qo_ops.platform.run.records import list_runs
 
     spec = get_spec(job) if job is not None else None
     if not 1 <= limit <= 1000:
@@ -284,7 +284,7 @@ def _calls_cells(calls: DownstreamCalls | None) -> list[Any]:
 def downstream_status_command(as_json: JsonOpt = False) -> None:
     """The downstream's circuit breaker as the runs share it: state, since when and why,
     when the next run probes it. Read-only."""
-    from qo_ops.platform.status import breaker_status
+    from qo_ops.platform.actions.status import breaker_status
 
     engine = ready_engine()
     with engine.connect() as conn:
@@ -341,7 +341,11 @@ def cancel_command(
     requester: RequesterOpt = None,
 ) -> None:
     """Ask a running run to stop after its current batch (it ends `cancelled`)."""
-    from qo_ops.platform.runs import UNSTARTED_STATUSES, request_cancel, running_run_by_prefix
+    from qo_ops.platform.run.records import (
+        UNSTARTED_STATUSES,
+        request_cancel,
+        running_run_by_prefix,
+    )
 
     try:
         parsed: uuid.UUID | None = uuid.UUID(run_id)
@@ -371,7 +375,7 @@ def reap_command(
 ) -> None:
     """Mark orphaned `running` runs (no live lease, no heartbeat) as failed/orphaned now."""
     from qo_ops.jobs.catalog import get_spec
-    from qo_ops.platform.runs import reap_orphans
+    from qo_ops.platform.run.records import reap_orphans
 
     name = get_spec(job).name if job else None
     engine = ready_engine()

@@ -25,8 +25,12 @@ from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.run_config import Mode
 from qo_ops.dagster_defs.submission import APPROVAL_TAG, BACKFILL_RUN_TAG, run_options
 from qo_ops.errors import BadInput, QoOpsError, one_line
-from qo_ops.platform.approvals import check_approval, requires_approval
-from qo_ops.platform.partition_keys import (
+from qo_ops.platform.actions.approvals import check_approval, requires_approval
+from qo_ops.platform.job.options import MAX_TEXT, ExecuteRefused, RunOptions, check_consent
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.records import AuditEntry, append_audit
+from qo_ops.platform.schedule.partition_keys import (
     MODE_TAG,
     REASON_TAG,
     REQUESTER_TAG,
@@ -35,16 +39,7 @@ from qo_ops.platform.partition_keys import (
     chunks_of,
     windowed_key,
 )
-from qo_ops.platform.runs import AuditEntry, append_audit
-from qo_ops.platform.spec import (
-    MAX_TEXT,
-    ExecuteRefused,
-    JobSpec,
-    RunOptions,
-    Scope,
-    check_consent,
-)
-from qo_ops.platform.tenants import tenant_ids, tenants_in_chunk_order
+from qo_ops.platform.schedule.tenants import tenant_ids, tenants_in_chunk_order
 
 BACKFILL_JOB = "tenant_backfill_job"
 BACKFILL_OP = "plan_tenant_backfill"

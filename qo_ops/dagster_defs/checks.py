@@ -22,9 +22,10 @@ from pydantic import Field
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import QoOpsError, one_line
-from qo_ops.platform.overdue import database_now, overdue_scope
-from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, OutcomeCheck
-from qo_ops.platform.tenants import tenant_ids
+from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.schedule.overdue import database_now, overdue_scope
+from qo_ops.platform.schedule.tenants import tenant_ids
 
 MAX_NAMED_TENANTS = 50  # failing tenants named in a check's metadata
 MAX_DETAIL = 10  # failing tenants whose figures are shown

@@ -41,8 +41,8 @@ from qo_ops.dagster_defs.checks import (
 )
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
-from qo_ops.platform.freshness import STALE_FACTOR, job_due, stale_limit_s
-from qo_ops.platform.spec import JobSpec
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.schedule.freshness import STALE_FACTOR, job_due, stale_limit_s
 
 RECENT_SUCCESS_CHECK = "recent_success"
 RECENT_SUCCESS_JOB = "recent_success_job"

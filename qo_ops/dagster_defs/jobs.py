@@ -39,20 +39,21 @@ from qo_ops.dagster_defs.submission import (
 from qo_ops.db.availability import is_unavailable
 from qo_ops.db.migrate import code_version
 from qo_ops.errors import QoOpsError, age_text, one_line
-from qo_ops.platform.counts import COLUMNS
-from qo_ops.platform.manners import DownstreamCalls
-from qo_ops.platform.overdue import Backlog, tenant_backlog
-from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, JOB_RUN_TAG, MODE_TAG, scope_tag
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.spec import (
-    JobSpec,
-    RunOptions,
-    Scope,
-    check_consent,
-    scope_text,
+from qo_ops.platform.calls.call_stats import DownstreamCalls
+from qo_ops.platform.job.counts import COLUMNS
+from qo_ops.platform.job.options import RunOptions, check_consent
+from qo_ops.platform.job.scope import Scope, scope_text
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.observability.events import EVENT_LOGGER
+from qo_ops.platform.run.runner import RunSummary, run_job
+from qo_ops.platform.run.stopping import TERMINATED
+from qo_ops.platform.schedule.overdue import Backlog, tenant_backlog
+from qo_ops.platform.schedule.partition_keys import (
+    FAILED_TENANTS_TAG,
+    JOB_RUN_TAG,
+    MODE_TAG,
+    scope_tag,
 )
-from qo_ops.platform.stopping import TERMINATED
-from qo_ops.platform.telemetry import EVENT_LOGGER
 
 FAILING_STATUSES = ("failed", "timeout", "cancelled")
 TENANT_TAG = "qo_ops/tenant"  # on a run of one tenant (a chunk names its range in qo_ops/scope)

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from qo_ops.platform.spec import JobSpec
+from qo_ops.platform.job.spec import JobSpec
 
 K8S_CONFIG_TAG = "dagster-k8s/config"
 IN_A_POD_ENV = ("K8S_POD_NAME", "KUBERNETES_SERVICE_HOST")  # either: the code location is in one

@@ -7,7 +7,7 @@ per chunk and day, as a tick does. No tenant × day product: it grows without bo
 chunks is 100 keys a day at 10,000 tenants (36,500 a year).
 
 The run tags and the pure key functions (partition key ↔ scope, chunks of tenants) live in
-:mod:`qo_ops.platform.partition_keys`, which the API and the CLI import without Dagster."""
+:mod:`qo_ops.platform.schedule.partition_keys`, which the API and the CLI import without Dagster."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import os
 
 import dagster as dg
 
-from qo_ops.platform.partition_keys import CHUNK_DIMENSION, DAY_DIMENSION
-from qo_ops.platform.spec import JobSpec
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.schedule.partition_keys import CHUNK_DIMENSION, DAY_DIMENSION
 
 PARTITION_START_ENV = "QO_OPS_PARTITION_START"
 DEFAULT_PARTITION_START = "2026-01-01"

@@ -12,8 +12,9 @@ import dagster as dg
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.submission import op_config
 from qo_ops.errors import BadInput
-from qo_ops.platform.partition_keys import split_windowed_key
-from qo_ops.platform.spec import JobSpec, Scope
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.schedule.partition_keys import split_windowed_key
 
 PARTITION_TAG = "dagster/partition"
 RANGE_START_TAG = "dagster/asset_partition_range_start"

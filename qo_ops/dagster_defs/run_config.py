@@ -7,7 +7,7 @@ import enum
 import dagster as dg
 from pydantic import Field
 
-from qo_ops.platform.spec import (
+from qo_ops.platform.job.options import (
     MAX_BATCH_SIZE,
     MAX_DEADLINE_S,
     MAX_ITEMS,

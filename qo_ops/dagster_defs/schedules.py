@@ -1,7 +1,7 @@
 """One schedule per catalog job at its declared cadence, fanning out over every tenant in
 chunks (``JobSpec.tenants_per_run`` tenants per run, deterministic run keys). Windowed jobs run one day: yesterday, or for retention jobs the
 day that has just aged past retention (``JobSpec.scheduled_window_age_days``), one run per
-tenant chunk of their day × chunk partitions (``qo_ops.platform.partition_keys``)."""
+tenant chunk of their day × chunk partitions (``qo_ops.platform.schedule.partition_keys``)."""
 
 from collections.abc import Iterator, Sequence
 from datetime import date, datetime, timedelta
@@ -19,17 +19,17 @@ from qo_ops.dagster_defs.pending import ACTIVE, QUEUED, pending_work
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.submission import SCHEDULED_FOR_TAG
 from qo_ops.errors import QoOpsError, first_few
-from qo_ops.platform.control import suspensions
-from qo_ops.platform.lease import held_scopes
-from qo_ops.platform.missed import expected_scope, record_tick
-from qo_ops.platform.partition_keys import (
+from qo_ops.platform.actions.control import suspensions
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.lease import held_scopes
+from qo_ops.platform.schedule.missed import expected_scope, record_tick
+from qo_ops.platform.schedule.partition_keys import (
     chunk_scope_tag,
     chunk_tenants,
     chunks_of,
     partition_tags,
 )
-from qo_ops.platform.spec import JobSpec
-from qo_ops.platform.tenants import tenants_in_chunk_order
+from qo_ops.platform.schedule.tenants import tenants_in_chunk_order
 
 SCHEDULE_TIMEZONE = "UTC"
 

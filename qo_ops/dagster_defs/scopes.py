@@ -18,16 +18,18 @@ from qo_ops.dagster_defs.submission import (
     trigger_from_tags,
 )
 from qo_ops.errors import BadInput, QoOpsError
-from qo_ops.platform import runs
-from qo_ops.platform.partition_keys import (
+from qo_ops.platform.job.options import TRIGGERS_WITH_A_PERSON, RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run import records
+from qo_ops.platform.schedule.partition_keys import (
     FAILED_TENANTS_TAG,
     JOB_RUN_TAG,
     PARTITION_TAG,
     scope_from_partition_key,
     split_windowed_key,
 )
-from qo_ops.platform.spec import TRIGGERS_WITH_A_PERSON, JobSpec, RunOptions, Scope
-from qo_ops.platform.tenants import chunk_members, chunk_of, tenant_ids
+from qo_ops.platform.schedule.tenants import chunk_members, chunk_of, tenant_ids
 
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
@@ -110,7 +112,7 @@ def adopted_run(
         run_id = uuid.UUID(job_run_tag)
     except ValueError:
         raise BadInput(f"tag {JOB_RUN_TAG} is not a job run id") from None
-    accepted = runs.load_accepted(engine, run_id, spec.name)
+    accepted = records.load_accepted(engine, run_id, spec.name)
     key = context.run.tags.get(PARTITION_TAG, "")  # (Dagster cannot parse an old day-only key)
     partition = scope_from_partition_key(spec, key, accepted.scope.tenant_id)
     if spec.partitioning == "tenant_day":
@@ -151,7 +153,7 @@ def refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
         return
     with engine.begin() as conn:
         code = getattr(exc, "error_code", "bad_input")  # e.g. "suspended" (the kill switch)
-        runs.finish_unstarted(conn, run_id, "failed", "refused_at_start", code, str(exc))
+        records.finish_unstarted(conn, run_id, "failed", "refused_at_start", code, str(exc))
 
 
 def _parent_failed_tenants(context: dg.OpExecutionContext, tags: dict[str, str]) -> set[str] | None:

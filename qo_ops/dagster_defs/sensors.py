@@ -44,14 +44,21 @@ from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.schedules import chunk_run_request
 from qo_ops.dagster_defs.submission import REFUSED_PREFIX, REFUSED_TAG, refusal_audit
 from qo_ops.errors import first_few, one_line
-from qo_ops.platform.control import suspensions
-from qo_ops.platform.counts import Counts
-from qo_ops.platform.freshness import STALE_FACTOR, job_due, stale_limit_s
-from qo_ops.platform.overdue import backlog_scope, database_now, tenant_backlog
-from qo_ops.platform.partition_keys import JOB_RUN_TAG, SCOPE_TAG, chunk_keys, chunk_tenants
-from qo_ops.platform.run_queue import QueueSample, record_run_queue
-from qo_ops.platform.runs import AuditEntry, append_audit, finish_unstarted
-from qo_ops.platform.spec import BatchContext, JobSpec, RunSummary, Scope, tenant_of
+from qo_ops.platform.actions.control import suspensions
+from qo_ops.platform.job.counts import Counts
+from qo_ops.platform.job.outcome import BatchContext, RunSummary
+from qo_ops.platform.job.scope import Scope, tenant_of
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.records import AuditEntry, append_audit, finish_unstarted
+from qo_ops.platform.schedule.freshness import STALE_FACTOR, job_due, stale_limit_s
+from qo_ops.platform.schedule.overdue import backlog_scope, database_now, tenant_backlog
+from qo_ops.platform.schedule.partition_keys import (
+    JOB_RUN_TAG,
+    SCOPE_TAG,
+    chunk_keys,
+    chunk_tenants,
+)
+from qo_ops.platform.schedule.run_queue import QueueSample, record_run_queue
 
 MAX_TENANTS_PER_TICK = (
     1000  # a tick counts at most this many tenants (~0.75 ms each); the cursor rotates

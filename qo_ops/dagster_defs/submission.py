@@ -20,9 +20,12 @@ from sqlalchemy.engine import Engine
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.errors import BadInput, one_line
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.approvals import check_approval
-from qo_ops.platform.consent import check_reason_is_new
-from qo_ops.platform.partition_keys import (
+from qo_ops.platform.actions.approvals import check_approval
+from qo_ops.platform.actions.consent import check_reason_is_new
+from qo_ops.platform.job.options import RunOptions, Trigger, check_consent
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.records import AuditEntry, append_audit
+from qo_ops.platform.schedule.partition_keys import (
     JOB_RUN_TAG,
     MODE_TAG,
     REASON_TAG,
@@ -30,9 +33,7 @@ from qo_ops.platform.partition_keys import (
     SCOPE_TAG,
     split_windowed_key,
 )
-from qo_ops.platform.runs import AuditEntry, append_audit
-from qo_ops.platform.spec import RunOptions, Scope, Trigger, check_consent
-from qo_ops.platform.tenants import chunk_members
+from qo_ops.platform.schedule.tenants import chunk_members
 
 PARTITION_TAG = "dagster/partition"
 RANGE_START_TAG = "dagster/asset_partition_range_start"

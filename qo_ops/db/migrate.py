@@ -191,7 +191,7 @@ def head_revision() -> str:
 def code_version() -> str:
     """This code as a rollout tells releases apart: ``<package version>/<schema revision>``
     (``qo-ops status``, the Dagster run page, ``schema_migration``)."""
-    from qo_ops.platform.resource import package_version
+    from qo_ops.platform.observability.resource import package_version
 
     return f"{package_version()}/{HEAD_REVISION}"
 
@@ -468,7 +468,7 @@ def _record(
     )
     if not report.applied and report.outcome == "ok":
         return  # nothing to do, nothing to record
-    from qo_ops.platform.runs import AuditEntry, append_audit
+    from qo_ops.platform.run.records import AuditEntry, append_audit
 
     try:
         with conn.begin():
@@ -516,7 +516,7 @@ def _record(
 
 def _event(level: int, name: str, /, **fields: object) -> None:
     """A structured event of the upgrade (JSON where event logging is on)."""
-    from qo_ops.platform.telemetry import EVENT_LOGGER, log_event
+    from qo_ops.platform.observability.events import EVENT_LOGGER, log_event
 
     log_event(logging.getLogger(f"{EVENT_LOGGER}.migrate"), level, name, **fields)
 

@@ -30,7 +30,7 @@ from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 from qo_ops.demo.rules import DemoPlan
 from qo_ops.demo.statements import STATEMENTS
 from qo_ops.errors import BadInput, ConfigError
-from qo_ops.platform.objects import ObjectStore, ObjectStoreError
+from qo_ops.platform.calls.object_store import ObjectStore, ObjectStoreError
 
 MAX_TENANTS = 999
 MAX_QUOTES_PER_TENANT = 5_000_000

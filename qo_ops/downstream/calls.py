@@ -13,7 +13,7 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.config import number, whole_number
 from qo_ops.downstream.client import DownstreamClient, DownstreamError, downstream_url
-from qo_ops.platform.breaker import (
+from qo_ops.platform.calls.breaker import (
     OPEN,
     BatchEvidence,
     BreakerSettings,
@@ -24,18 +24,18 @@ from qo_ops.platform.breaker import (
     share_batch,
     take_owed,
 )
-from qo_ops.platform.external import NotCalled, call_each
-from qo_ops.platform.manners import DEPENDENCY_UNAVAILABLE
-from qo_ops.platform.ratelimit import TokenBucket
-from qo_ops.platform.retry import (
+from qo_ops.platform.calls.call_stats import DEPENDENCY_UNAVAILABLE
+from qo_ops.platform.calls.external import NotCalled, call_each
+from qo_ops.platform.calls.ratelimit import TokenBucket
+from qo_ops.platform.calls.retry import (
     CallResult,
     Disposition,
     ErrorClass,
     RetryPolicy,
     policy_from_env,
 )
-from qo_ops.platform.signals import ITEM_RETRY_EXHAUSTED, ITEM_RETRY_PREFIX, retry_reason
-from qo_ops.platform.spec import BatchContext, BatchOutcome, run_settings
+from qo_ops.platform.job.labels import ITEM_RETRY_EXHAUSTED, ITEM_RETRY_PREFIX, retry_reason
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, run_settings
 
 _CALLS_PARAM = "downstream_calls"
 RATE_LIMIT_ENV = "QO_OPS_DOWNSTREAM_RATE_LIMIT"
@@ -293,7 +293,7 @@ def finish_calls(
     steps: CallSteps,
 ) -> BatchOutcome:
     """The batch's outcome (:func:`outcome_of`), and the run's manners in it: the batch's
-    evidence added to the shared row (:func:`~qo_ops.platform.breaker.share_batch`), its
+    evidence added to the shared row (:func:`~qo_ops.platform.calls.breaker.share_batch`), its
     breaker transitions reported (events, tally); when the breaker opened, what the outage's
     failures spent is given back to this tenant's items now (other tenants' and jobs' at
     their next claim); the run stops when the breaker is open (``dependency_unavailable``)
@@ -381,7 +381,7 @@ _STATE_NAMES = {
 
 
 def _retry_signals(result: CallResult, state: str | None) -> list[str]:
-    """The seed's retry signals of one recorded call (``qo_ops.platform.signals``): a retry
+    """The seed's retry signals of one recorded call (``qo_ops.platform.job.labels``): a retry
     scheduled (or a rate-limited wait) by reason, or a dead letter after every attempt."""
     if state in ("retry", "wait", "hold"):
         reason = "dependency_rate_limited" if state == "wait" else retry_reason(result.code)

@@ -29,8 +29,9 @@ from qo_ops.downstream.calls import (
     prepare_calls,
 )
 from qo_ops.downstream.client import DownstreamClient
-from qo_ops.platform.retry import CallResult, Disposition, dispose
-from qo_ops.platform.spec import BatchContext, BatchOutcome, Limits, run_settings
+from qo_ops.platform.calls.retry import CallResult, Disposition, dispose
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, run_settings
 
 Decision = tuple[CallResult, Disposition]  # a call's result and what the retry policy made of it
 

@@ -2,7 +2,7 @@
 
 One pool of keep-alive connections (``transport.ConnectionPool``, thread-safe) per
 ``DownstreamClient``. Every failure is a
-``DownstreamError`` carrying an ``ErrorClass`` from ``qo_ops.platform.retry``, a short
+``DownstreamError`` carrying an ``ErrorClass`` from ``qo_ops.platform.calls.retry``, a short
 code (``timeout``, ``connect_error``, ``connection_reset``, ``poison``, ``http_<status>``,
 ``bad_response``, ``invalid_payload``, ``transport_error``) and a one-line message that
 never contains payloads, headers or secrets.
@@ -21,10 +21,10 @@ from urllib.parse import quote
 
 from qo_ops.downstream.transport import ConnectionPool, NoAnswer
 from qo_ops.errors import ConfigError, one_line
-from qo_ops.platform.breaker import CircuitBreaker
-from qo_ops.platform.ratelimit import TokenBucket
-from qo_ops.platform.retry import DEFAULT_WAIT_S, ErrorClass, classify_http_status
-from qo_ops.platform.tracing import client_span
+from qo_ops.platform.calls.breaker import CircuitBreaker
+from qo_ops.platform.calls.ratelimit import TokenBucket
+from qo_ops.platform.calls.retry import DEFAULT_WAIT_S, ErrorClass, classify_http_status
+from qo_ops.platform.observability.tracing import client_span
 
 DOWNSTREAM_URL_ENV = "QO_OPS_DOWNSTREAM_URL"
 _SAFE_TOKEN = re.compile(r"^[a-z][a-z0-9_]{0,39}$")

@@ -18,21 +18,15 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.config import whole_number
 from qo_ops.db.schema import checkout_session
-from qo_ops.platform.outbox import transitions_with_events
-from qo_ops.platform.selection import (
+from qo_ops.platform.calls.outbox import transitions_with_events
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck, run_settings
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.run.selection import (
     after_position,
     id_array,
     seconds_or_none,
     without_parallel_workers,
-)
-from qo_ops.platform.spec import (
-    BatchContext,
-    BatchOutcome,
-    CheckSpec,
-    JobSpec,
-    Limits,
-    OutcomeCheck,
-    run_settings,
 )
 
 SIDE_EFFECT = (

@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Iterator, Mapping
 
 from qo_ops.errors import BadInput
-from qo_ops.platform.spec import JobSpec
+from qo_ops.platform.job.spec import JobSpec
 
 JOBS: tuple[str, ...] = (
     "quote_expiration",

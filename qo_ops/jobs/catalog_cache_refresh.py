@@ -15,15 +15,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import catalog_cache, catalog_item
-from qo_ops.platform.selection import seconds_or_none
-from qo_ops.platform.spec import (
-    BatchContext,
-    BatchOutcome,
-    CheckSpec,
-    JobSpec,
-    Limits,
-    OutcomeCheck,
-)
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.run.selection import seconds_or_none
 
 # An item needs a refresh when its cache entry is missing (NULL through the LEFT JOIN) or
 # was built from another version of the item.

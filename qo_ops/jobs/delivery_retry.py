@@ -21,9 +21,10 @@ from qo_ops.db.schema import delivery_attempt_item
 from qo_ops.downstream.claims import ClaimedCalls, Decision, select_due
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.errors import one_line
-from qo_ops.platform.recovery import DeadLetterKind
-from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
-from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, OutcomeCheck
+from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck
+from qo_ops.platform.job.review import DeadLetterKind
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.run.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 
 # literals, so the selection matches the partial index's predicate in every plan
 DUE_STATES: list[sa.ColumnElement[str]] = [

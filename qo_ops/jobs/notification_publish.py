@@ -20,9 +20,10 @@ from qo_ops.db.schema import outbox_event
 from qo_ops.downstream.claims import ClaimedCalls, Decision, select_due
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.errors import one_line
-from qo_ops.platform.recovery import DeadLetterKind
-from qo_ops.platform.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
-from qo_ops.platform.spec import BatchContext, CheckSpec, JobSpec, OutcomeCheck
+from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck
+from qo_ops.platform.job.review import DeadLetterKind
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.run.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 
 MAX_PUBLISH_ATTEMPTS = 8
 LAG_SLO_S = 600  # the oldest due, unpublished event may wait this long

@@ -51,18 +51,17 @@ from qo_ops.downstream.calls import Manners, downstream_client, manners_from_env
 from qo_ops.downstream.client import DownstreamError, downstream_url
 from qo_ops.errors import one_line
 from qo_ops.jobs.order_review import ADOPTED_EVENT, RESUBMIT_EVENT, REVIEW, append_event
-from qo_ops.platform.external import NotCalled, call_each
-from qo_ops.platform.signals import Reconciliation
-from qo_ops.platform.spec import (
+from qo_ops.platform.calls.external import NotCalled, call_each
+from qo_ops.platform.job.labels import Reconciliation
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.outcome import (
     BatchContext,
     BatchOutcome,
-    CheckSpec,
-    JobSpec,
-    Limits,
     OutcomeCheck,
     ReportRow,
     run_settings,
 )
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
 
 IN_FLIGHT: list[sa.ColumnElement[str]] = [
     sa.literal_column("'SUBMITTED'"),

@@ -1,7 +1,7 @@
 """order_reconciliation's corrections as events, and its manual-review queue: the orders
 a run flagged for a person (``customer_order.needs_manual_review``) with why (the latest
 ``reconciliation_result`` row), and what a person may decide for each (``qo-ops review``;
-``qo_ops.platform.recovery`` runs a decision under the scope's lease, audited).
+``qo_ops.platform.actions.recovery`` runs a decision under the scope's lease, audited).
 
 | action | what it does, in one transaction | refused when |
 |---|---|---|
@@ -24,8 +24,8 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema.business_tables import ORDER_STATUSES
 from qo_ops.errors import BadInput
-from qo_ops.platform.recovery import Review, ReviewAction, ReviewItem
-from qo_ops.platform.spec import BatchOutcome
+from qo_ops.platform.job.outcome import BatchOutcome
+from qo_ops.platform.job.review import Review, ReviewAction, ReviewItem
 
 # A correction's event, under its business key (adopted:<status>, resubmit:<n>).
 # Twice: a second insert of the same correction conflicts on business_key and adds nothing

@@ -26,15 +26,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import quote
-from qo_ops.platform.selection import id_array
-from qo_ops.platform.spec import (
-    BatchContext,
-    BatchOutcome,
-    CheckSpec,
-    JobSpec,
-    Limits,
-    OutcomeCheck,
-)
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.run.selection import id_array
 
 CHECK_NAME = "current_snapshot_for_every_quote"
 

@@ -21,15 +21,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import customer_order, order_read_model
-from qo_ops.platform.selection import after_position, id_array
-from qo_ops.platform.spec import (
-    BatchContext,
-    BatchOutcome,
-    CheckSpec,
-    JobSpec,
-    Limits,
-    OutcomeCheck,
-)
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.run.selection import after_position, id_array
 
 # Drift by kind: the row is missing, or a column derived from the order differs.
 _DRIFT_KINDS: dict[str, sa.ColumnElement[bool]] = {

@@ -55,18 +55,17 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.config import whole_number
-from qo_ops.platform import runs
-from qo_ops.platform.selection import seconds_or_none
-from qo_ops.platform.spec import (
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.outcome import (
     BatchContext,
     BatchOutcome,
-    CheckSpec,
-    JobSpec,
-    Limits,
     OutcomeCheck,
     ReportRow,
     run_settings,
 )
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.run import records
+from qo_ops.platform.run.selection import seconds_or_none
 
 DAYS_ENV = "QO_OPS_RUN_HISTORY_DAYS"
 DEFAULT_DAYS = 90
@@ -80,7 +79,7 @@ TS = sa.DateTime(timezone=True)
 # A prunable run of the tenant (alias r). The selection and the delete share this one
 # predicate, and that is the safety: the delete re-checks exactly what the selection chose
 # by, so a run that changed since (a newer run vanished, a lease named it) stays. The status
-# lists are runs.FINAL_STATUSES, written out (test_run_history_retention checks them). The
+# lists are records.FINAL_STATUSES, written out (test_run_history_retention checks them). The
 # keep-rules are two per-row lookups by index: ``OFFSET 0`` keeps PostgreSQL from turning an
 # EXISTS into a join (a hash join would read all of job_run), and two of them (rather than
 # one per rule) keep its estimate of the rows they pass realistic, so the plan walks
@@ -114,7 +113,7 @@ PRUNABLE_RUN = """
 
 # A prunable checkpoint of the tenant (alias c): old, and nobody is working on its scope:
 # no unexpired lease (primary key), no active run (ix_job_run_active, whose predicate the
-# literal runs.ACTIVE_STATUSES imply); one per-row lookup. Shared by the selection and the
+# literal records.ACTIVE_STATUSES imply); one per-row lookup. Shared by the selection and the
 # delete, like PRUNABLE_RUN, for the same reason.
 PRUNABLE_CHECKPOINT = """
     split_part(c.scope, '/', 1) = :tenant
@@ -259,9 +258,9 @@ def prune_history_batch(conn: Connection, ctx: BatchContext, items: Sequence[Any
         },
     ).one()
     requester = conn.execute(_RUN_REQUESTER, {"id": ctx.job_run_id}).one()
-    runs.append_audit(
+    records.append_audit(
         conn,
-        runs.AuditEntry(
+        records.AuditEntry(
             actor=requester.requester or "qo-ops",
             action=AUDIT_ACTION,
             decision="pruned",

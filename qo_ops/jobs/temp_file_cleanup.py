@@ -8,7 +8,7 @@ any cleanup setting is refused before anything is written), in a terminal
 status (COMPLETED, FAILED_TERMINAL) and not on legal hold; oldest first, on the partial index
 ``ix_temp_file_cleanup`` (its predicate is written as SQL literals so every plan can use it).
 Stored objects live under ``QO_OPS_HOME/objects/<storage_path>``, reached through
-:class:`~qo_ops.platform.objects.ObjectStore` without ever following a symlink: a storage path that is not a plain
+:class:`~qo_ops.platform.calls.object_store.ObjectStore` without ever following a symlink: a storage path that is not a plain
 relative path, or that goes through a symlinked directory, is ``unsafe_storage_path`` (the
 file fails, its row and object stay).
 
@@ -79,21 +79,20 @@ from sqlalchemy.engine import Connection
 from qo_ops.config import whole_number
 from qo_ops.db.schema import job_run, temp_file
 from qo_ops.errors import ConfigError
-from qo_ops.platform.faults import crash_point
-from qo_ops.platform.objects import ObjectStore, ObjectStoreError, digest_array, objects_root
-from qo_ops.platform.runs import AuditEntry, append_audit
-from qo_ops.platform.selection import after_position, id_array, seconds_or_none
-from qo_ops.platform.spec import (
-    BatchContext,
-    BatchOutcome,
-    CheckSpec,
-    JobSpec,
-    Limits,
-    OutcomeCheck,
-    ReportRow,
-    RunResources,
+from qo_ops.platform.calls.object_store import (
+    ObjectStore,
+    ObjectStoreError,
+    digest_array,
+    objects_root,
 )
-from qo_ops.platform.spec import run_settings as settings_of_run
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck, ReportRow
+from qo_ops.platform.job.outcome import run_settings as settings_of_run
+from qo_ops.platform.job.resources import RunResources
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.run.faults import crash_point
+from qo_ops.platform.run.records import AuditEntry, append_audit
+from qo_ops.platform.run.selection import after_position, id_array, seconds_or_none
 
 SIDE_EFFECT = "object_delete"  # removing a file from the object store (job_side_effects_total)
 RETENTION_ENV = "QO_OPS_TEMP_FILE_RETENTION_DAYS"

@@ -14,9 +14,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from sqlalchemy.engine import Engine
 
 from qo_ops.metrics.gauges import suspended_tenants
-from qo_ops.platform.control import suspensions
-from qo_ops.platform.selection import capped_count
-from qo_ops.platform.spec import BatchContext, JobSpec, Scope
+from qo_ops.platform.actions.control import suspensions
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.selection import capped_count
 
 BACKLOG_CAP_PER_TENANT = 10_000
 

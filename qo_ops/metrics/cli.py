@@ -45,7 +45,7 @@ def metrics_command(
     from qo_ops.downstream.client import DOWNSTREAM_URL_ENV, downstream_url
     from qo_ops.jobs.catalog import CATALOG
     from qo_ops.metrics.exporter import JobCollector
-    from qo_ops.platform.telemetry import json_log_handler
+    from qo_ops.platform.observability.events import json_log_handler
 
     if not 1 <= port <= 65535:
         raise BadInput("--port must be between 1 and 65535")

@@ -12,10 +12,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from qo_ops.downstream.calls import call_settings
 from qo_ops.metrics.feed import ITEM_SUMS, RunFeed
-from qo_ops.platform import manners
-from qo_ops.platform.missed import MISSED_REASONS
-from qo_ops.platform.runs import FINAL_STATUSES
-from qo_ops.platform.signals import (
+from qo_ops.platform.calls import call_stats
+from qo_ops.platform.job.labels import (
     AMBIGUITY_REASONS,
     CHECKPOINT_RESET_REASONS,
     ITEM_RETRY_REASONS,
@@ -23,7 +21,9 @@ from qo_ops.platform.signals import (
     MANUAL_RERUN_REASONS,
     RUN_RETRY_REASONS,
 )
-from qo_ops.platform.spec import SIDE_EFFECT_RESULTS
+from qo_ops.platform.job.outcome import SIDE_EFFECT_RESULTS
+from qo_ops.platform.run.records import FINAL_STATUSES
+from qo_ops.platform.schedule.missed import MISSED_REASONS
 
 DOWNSTREAM_FAMILIES = {  # metric → (help, its label besides job_name, the label's values)
     "job_downstream_calls_total": ("Calls sent to the downstream", None, ("",)),
@@ -61,7 +61,7 @@ DOWNSTREAM_FAMILIES = {  # metric → (help, its label besides job_name, the lab
     "job_breaker_transitions_total": (
         "Circuit breaker transitions made by the job's runs, by the state moved to",
         "to",
-        manners.BREAKER_STATES,
+        call_stats.BREAKER_STATES,
     ),
 }
 

@@ -51,11 +51,11 @@ from qo_ops.metrics.gauges import (
     suspended_tenants,
     suspension_families,
 )
-from qo_ops.platform.control import suspensions
-from qo_ops.platform.run_queue import read_run_queue
-from qo_ops.platform.spec import JobSpec
-from qo_ops.platform.status import breaker_status
-from qo_ops.platform.telemetry import log_event
+from qo_ops.platform.actions.control import suspensions
+from qo_ops.platform.actions.status import breaker_status
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.observability.events import log_event
+from qo_ops.platform.schedule.run_queue import read_run_queue
 
 log = logging.getLogger("qo_ops.metrics")
 

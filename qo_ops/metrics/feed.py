@@ -23,10 +23,9 @@ from qo_ops.metrics.histograms import (
     Observed,
     bucket_counts,
 )
-from qo_ops.platform import manners
-from qo_ops.platform.missed import first_scheduled_tick, missed_runs, tick_window_s
-from qo_ops.platform.recovery import CHECKPOINT_RESET
-from qo_ops.platform.signals import (
+from qo_ops.platform.actions.recovery import CHECKPOINT_RESET
+from qo_ops.platform.calls import call_stats
+from qo_ops.platform.job.labels import (
     AMBIGUITY_REASONS,
     ITEM_RETRY_EXHAUSTED,
     ITEM_RETRY_PREFIX,
@@ -36,13 +35,10 @@ from qo_ops.platform.signals import (
     OTHER,
     PLATFORM_ERROR_CLASSES,
 )
-from qo_ops.platform.spec import (
-    CHECKPOINT_RESETS,
-    CHECKPOINT_UPDATES,
-    SIDE_EFFECT_RESULTS,
-    JobSpec,
-    cron_ticks,
-)
+from qo_ops.platform.job.outcome import CHECKPOINT_RESETS, CHECKPOINT_UPDATES, SIDE_EFFECT_RESULTS
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.schedule.cron import cron_ticks
+from qo_ops.platform.schedule.missed import first_scheduled_tick, missed_runs, tick_window_s
 
 SETTLE_S = 2.0  # rows newer than this may still be in uncommitted transactions
 FAILING = ("failed", "timeout")
@@ -102,7 +98,7 @@ _NEW_SCHEDULED = sa.text(
     """
 )
 # The platform's counts in the tallies of runs finished in (cursor, cutoff): side effects by
-# result, ambiguity by reason, checkpoint updates and resets, the downstream's manners.
+# result, ambiguity by reason, checkpoint updates and resets, the downstream's call_stats.
 _FINISHED_TALLIES = sa.text(
     r"""
     SELECT job_name, t.key, sum(t.value::bigint) AS n
@@ -185,20 +181,20 @@ _LAST_AUDIT = sa.text(
     "SELECT occurred_at, id FROM job_audit WHERE occurred_at < :cutoff "
     "AND job_name = ANY(CAST(:jobs AS text[])) ORDER BY occurred_at DESC, id DESC LIMIT 1"
 )
-# A run's calls to the downstream (qo_ops.platform.manners): tally key → (metric, label
+# A run's calls to the downstream (qo_ops.platform.calls.call_stats): tally key → (metric, label
 # value, scale). The label is the metric's one label besides job_name, from this list only.
 DOWNSTREAM_COUNTERS: dict[str, tuple[str, str, float]] = {
-    manners.CALLS: ("job_downstream_calls_total", "", 1.0),
-    manners.RETRIES: ("job_downstream_retries_total", "", 1.0),
-    manners.REFUSED_OPEN: ("job_downstream_not_sent_total", "breaker_open", 1.0),
-    manners.RETRY_BUDGET_REFUSED: ("job_downstream_not_sent_total", "retry_budget", 1.0),
-    manners.RATE_LIMIT_PAUSES: ("job_downstream_rate_limit_pauses_total", "", 1.0),
-    manners.RATE_LIMIT_WAIT_MS: ("job_downstream_rate_limit_wait_seconds_total", "", 0.001),
-    manners.SPARED: ("job_downstream_spared_total", "", 1.0),
-    manners.HELD: ("job_downstream_held_total", "", 1.0),
+    call_stats.CALLS: ("job_downstream_calls_total", "", 1.0),
+    call_stats.RETRIES: ("job_downstream_retries_total", "", 1.0),
+    call_stats.REFUSED_OPEN: ("job_downstream_not_sent_total", "breaker_open", 1.0),
+    call_stats.RETRY_BUDGET_REFUSED: ("job_downstream_not_sent_total", "retry_budget", 1.0),
+    call_stats.RATE_LIMIT_PAUSES: ("job_downstream_rate_limit_pauses_total", "", 1.0),
+    call_stats.RATE_LIMIT_WAIT_MS: ("job_downstream_rate_limit_wait_seconds_total", "", 0.001),
+    call_stats.SPARED: ("job_downstream_spared_total", "", 1.0),
+    call_stats.HELD: ("job_downstream_held_total", "", 1.0),
     **{
-        manners.BREAKER_PREFIX + state: ("job_breaker_transitions_total", state, 1.0)
-        for state in manners.BREAKER_STATES
+        call_stats.BREAKER_PREFIX + state: ("job_breaker_transitions_total", state, 1.0)
+        for state in call_stats.BREAKER_STATES
     },
 }
 ITEM_SUMS = {

@@ -16,13 +16,15 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from sqlalchemy.engine import Connection
 
 from qo_ops.metrics.feed import FAILING
-from qo_ops.platform import manners
-from qo_ops.platform.breaker import CLOSED
-from qo_ops.platform.control import Suspension
-from qo_ops.platform.run_queue import QueueReading
-from qo_ops.platform.runs import FINAL_STATUSES
-from qo_ops.platform.spec import JobSpec, cadence_seconds, tenant_of
-from qo_ops.platform.status import BreakerStatus
+from qo_ops.platform.actions.control import Suspension
+from qo_ops.platform.actions.status import BreakerStatus
+from qo_ops.platform.calls import call_stats
+from qo_ops.platform.calls.breaker import CLOSED
+from qo_ops.platform.job.scope import tenant_of
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.records import FINAL_STATUSES
+from qo_ops.platform.schedule.cron import cadence_seconds
+from qo_ops.platform.schedule.run_queue import QueueReading
 
 STREAK_WINDOW = 1000  # latest finished execute runs read for the failure streaks
 # A downstream label is an origin as qo_ops.downstream.calls.origin writes it; anything else
@@ -238,7 +240,7 @@ def breaker_families(downstreams: list[str], rows: list[BreakerStatus]) -> Itera
     for row in sorted(rows, key=lambda r: r.open_s):  # the longest open one wins a label
         worst[downstream_label(row.downstream)] = (row.open_s, row.state)
     for downstream, (seconds, current) in sorted(worst.items()):
-        for name in manners.BREAKER_STATES:
+        for name in call_stats.BREAKER_STATES:
             state.add_metric([downstream, name], 1.0 if name == current else 0.0)
         open_s.add_metric([downstream], seconds)  # 0 when closed
     yield state
@@ -260,7 +262,7 @@ def schema_families(conn: Connection) -> Iterator[Metric]:
     """``qo_ops_build_info`` (this exporter's code), ``qo_ops_schema_revision``,
     ``qo_ops_schema_serves_code_from`` and ``job_runs_running_by_code``."""
     from qo_ops.db import migrate
-    from qo_ops.platform.resource import package_version
+    from qo_ops.platform.observability.resource import package_version
 
     info = GaugeMetricFamily(
         "qo_ops_build_info",

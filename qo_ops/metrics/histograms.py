@@ -11,8 +11,8 @@ from typing import Any
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 
-from qo_ops.platform.runs import FINAL_STATUSES
-from qo_ops.platform.spec import TRIGGERS
+from qo_ops.platform.job.options import TRIGGERS
+from qo_ops.platform.run.records import FINAL_STATUSES
 
 DURATION_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200)
 DRIFT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600)

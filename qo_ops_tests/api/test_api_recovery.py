@@ -15,8 +15,8 @@ from datetime import date
 import sqlalchemy as sa
 
 from qo_ops.db.digest import database_digest
-from qo_ops.platform import lease as leases
-from qo_ops.platform.spec import Scope
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run import lease as leases
 
 TENANT = "tenant-001"
 AUDITED = ("job_audit", "job_lease")

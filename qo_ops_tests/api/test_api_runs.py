@@ -5,8 +5,9 @@ stopped says ``dependency_unavailable`` and why; a run that called nothing shows
 from __future__ import annotations
 
 from qo_ops.jobs import delivery_retry, quote_expiration
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.dagster.stack import free_port
 
 

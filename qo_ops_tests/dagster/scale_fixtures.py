@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import control
+from qo_ops.platform.actions import control
 
 SCALE_TENANTS = 10_000
 

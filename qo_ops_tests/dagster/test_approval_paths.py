@@ -21,8 +21,8 @@ from qo_ops.dagster_defs.submission import (
     refusal_in_database,
 )
 from qo_ops.errors import BadInput
-from qo_ops.platform import approvals
-from qo_ops.platform.partition_keys import MODE_TAG, REASON_TAG, SCOPE_TAG
+from qo_ops.platform.actions import approvals
+from qo_ops.platform.schedule.partition_keys import MODE_TAG, REASON_TAG, SCOPE_TAG
 from qo_ops_tests.approval_cases import (
     CASES,
     JOB,

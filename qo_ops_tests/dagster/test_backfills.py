@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG, REFUSED_TAG, refusal_at_submission
-from qo_ops.platform.partition_keys import MODE_TAG, REASON_TAG, SCOPE_TAG
+from qo_ops.platform.schedule.partition_keys import MODE_TAG, REASON_TAG, SCOPE_TAG
 
 WINDOWED = "pricing_snapshot_recalculation"
 

@@ -7,7 +7,7 @@ import uuid
 
 import dagster as dg
 
-from qo_ops.platform.lease import acquire
+from qo_ops.platform.run.lease import acquire
 
 JOB = "quote_expiration"
 

@@ -38,7 +38,8 @@ def test_declared_checks_match_what_each_job_reports(loaded):
     import uuid
     from datetime import date
 
-    from qo_ops.platform.spec import BatchContext, Scope
+    from qo_ops.platform.job.outcome import BatchContext
+    from qo_ops.platform.job.scope import Scope
 
     with loaded.engine.connect() as conn:
         for spec in CATALOG.values():

@@ -16,7 +16,7 @@ from dagster_graphql import DagsterGraphQLClient
 
 from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
 from qo_ops.dagster_defs.submission import BACKFILL_RUN_TAG
-from qo_ops.platform.tenants import chunk_members, tenant_chunk_keys, tenant_ids
+from qo_ops.platform.schedule.tenants import chunk_members, tenant_chunk_keys, tenant_ids
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
 
 

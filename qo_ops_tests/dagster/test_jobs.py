@@ -9,7 +9,7 @@ import sqlalchemy as sa
 
 from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG, MODE_TAG, REASON_TAG
+from qo_ops.platform.schedule.partition_keys import FAILED_TENANTS_TAG, MODE_TAG, REASON_TAG
 from qo_ops_tests.conftest import approval_config
 
 SPECS = sorted(CATALOG)
@@ -27,10 +27,11 @@ def work_partition(loaded, job_name: str, tenant: str = "tenant-001") -> str:
     import uuid
     from datetime import date, timedelta
 
-    from qo_ops.platform.partition_keys import partition_key_for
-    from qo_ops.platform.runner import count_eligible
-    from qo_ops.platform.spec import BatchContext, Scope
-    from qo_ops.platform.tenants import chunk_of
+    from qo_ops.platform.job.outcome import BatchContext
+    from qo_ops.platform.job.scope import Scope
+    from qo_ops.platform.run.runner import count_eligible
+    from qo_ops.platform.schedule.partition_keys import partition_key_for
+    from qo_ops.platform.schedule.tenants import chunk_of
 
     spec = CATALOG[job_name]
     if job_name == "run_history_retention":  # its work is old run history: plant some

@@ -42,16 +42,19 @@ from qo_ops.downstream.client import DownstreamClient
 from qo_ops.downstream.local import seed_from_demo
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.jobs.temp_file_cleanup import GUARD_TRIGGER, OVERRIDE_ENV
-from qo_ops.platform.overdue import (
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope, scope_text
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.runner import count_eligible, run_job
+from qo_ops.platform.schedule.overdue import (
     FIRST_DAY,
     backlog_scope,
     database_now,
     last_scheduled_day,
     overdue_scope,
 )
-from qo_ops.platform.partition_keys import partition_key_for
-from qo_ops.platform.runner import count_eligible, run_job
-from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope, scope_text
+from qo_ops.platform.schedule.partition_keys import partition_key_for
 from qo_ops_tests.conftest import approval_config, standing_approval
 
 TENANT = "tenant-001"

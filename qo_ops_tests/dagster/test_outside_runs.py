@@ -18,8 +18,9 @@ from dagster._core.storage.asset_check_execution_record import (
 from qo_ops.dagster_defs.checks import OUTCOME_CHECKS_JOB
 from qo_ops.dagster_defs.sensors import OUTSIDE_CHECKS_TAG
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.dagster.test_sensors import _database
 
 QE = CATALOG["quote_expiration"]

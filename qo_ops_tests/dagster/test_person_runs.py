@@ -17,7 +17,7 @@ from dagster._core.scheduler.instigation import InstigatorType
 from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, outbox_event
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import approvals
+from qo_ops.platform.actions import approvals
 from qo_ops_tests.dagster.stack import dagster_stack, wait_for
 from qo_ops_tests.dagster.test_instance import (
     FINISHED,

@@ -11,11 +11,12 @@ import pytest
 
 from qo_ops.db import migrate
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.overdue import backlog_scope, database_now
-from qo_ops.platform.partition_keys import MODE_TAG, scope_from_partition_key
-from qo_ops.platform.report import REPORT_SAMPLE
-from qo_ops.platform.selection import count_eligible
-from qo_ops.platform.spec import BatchContext, scope_text
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import scope_text
+from qo_ops.platform.run.report import REPORT_SAMPLE
+from qo_ops.platform.run.selection import count_eligible
+from qo_ops.platform.schedule.overdue import backlog_scope, database_now
+from qo_ops.platform.schedule.partition_keys import MODE_TAG, scope_from_partition_key
 from qo_ops_tests.conftest import approval_config
 from qo_ops_tests.dagster.test_jobs import SPECS, _run, _summary, work_partition
 

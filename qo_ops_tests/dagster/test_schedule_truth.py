@@ -19,10 +19,13 @@ from qo_ops.jobs.catalog import CATALOG
 from qo_ops.metrics.exporter import JobCollector
 from qo_ops.metrics.feed import SETTLE_S
 from qo_ops.metrics.histograms import DRIFT_BUCKETS
-from qo_ops.platform import control, runs
-from qo_ops.platform.missed import MISSED_REASONS, tick_window_s
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope, cron_ticks
+from qo_ops.platform.actions import control
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run import records
+from qo_ops.platform.run.runner import run_job
+from qo_ops.platform.schedule.cron import cron_ticks
+from qo_ops.platform.schedule.missed import MISSED_REASONS, tick_window_s
 from qo_ops_tests.dagster.test_sensors import _tenants_of, schedule_tick, submitted_run
 from qo_ops_tests.metrics.test_exporter import collect, collect_when, value
 
@@ -256,7 +259,7 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
 
             row = running()
             assert row is not None
-            runs.request_cancel(engine, row.id, "ops@example.invalid", "schedule test over")
+            records.request_cancel(engine, row.id, "ops@example.invalid", "schedule test over")
         finally:
             held.join(timeout=120)
     assert not held.is_alive()

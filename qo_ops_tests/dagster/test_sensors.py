@@ -16,7 +16,7 @@ from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_JOB
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.sensors import STALE_TAG
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.partition_keys import SCOPE_TAG, TENANTS_TAG
+from qo_ops.platform.schedule.partition_keys import SCOPE_TAG, TENANTS_TAG
 from qo_ops_tests.dagster.scale_fixtures import schedules_on_since
 
 

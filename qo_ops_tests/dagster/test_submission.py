@@ -24,7 +24,7 @@ from qo_ops.dagster_defs.submission import (
 )
 from qo_ops.errors import BadInput
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.partition_keys import MODE_TAG, REASON_TAG, SCOPE_TAG
+from qo_ops.platform.schedule.partition_keys import MODE_TAG, REASON_TAG, SCOPE_TAG
 from qo_ops_tests.dagster.test_sensors import _database
 
 PARENT = {"dagster/parent_run_id": "p1", "dagster/root_run_id": "p1"}
@@ -254,7 +254,7 @@ def test_a_destructive_chunk_backfill_needs_an_approval_covering_each_tenant_of_
     """Dagster's backfill of a destructive windowed job over day × chunk names no tenant:
     its approval is checked before queueing against each tenant of the chunk (those of the
     tag qo_ops/backfill_tenants, when set), as the op would run them."""
-    from qo_ops.platform import approvals
+    from qo_ops.platform.actions import approvals
 
     spec = CATALOG["read_model_repair"]
     one = approvals.grant(

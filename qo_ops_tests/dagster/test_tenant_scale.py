@@ -27,8 +27,8 @@ from qo_ops.dagster_defs.sensors import BACKLOG_COOLDOWN_S, MAX_TENANTS_PER_TICK
 from qo_ops.dagster_defs.submission import refusal_at_submission
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.missed import expected_scope
-from qo_ops.platform.partition_keys import (
+from qo_ops.platform.schedule.missed import expected_scope
+from qo_ops.platform.schedule.partition_keys import (
     FAILED_TENANTS_TAG,
     SCOPE_TAG,
     TENANTS_TAG,

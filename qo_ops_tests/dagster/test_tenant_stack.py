@@ -9,8 +9,8 @@ import dagster as dg
 import sqlalchemy as sa
 
 from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
-from qo_ops.platform.control import ControlChange, resume, suspend
-from qo_ops.platform.partition_keys import FAILED_TENANTS_TAG
+from qo_ops.platform.actions.control import ControlChange, resume, suspend
+from qo_ops.platform.schedule.partition_keys import FAILED_TENANTS_TAG
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
 from qo_ops_tests.dagster.test_person_runs import _reexecute
 

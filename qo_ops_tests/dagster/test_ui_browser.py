@@ -46,7 +46,7 @@ from dagster_graphql import DagsterGraphQLClient
 from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_JOB
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.partition_keys import MODE_TAG, chunk_scope_tag, scope_tag
+from qo_ops.platform.schedule.partition_keys import MODE_TAG, chunk_scope_tag, scope_tag
 from qo_ops_tests.conftest import TestDatabase as Database
 from qo_ops_tests.conftest import _test_database, approval_config
 from qo_ops_tests.dagster.browser import chromium_page, require_chromium, save_screenshot

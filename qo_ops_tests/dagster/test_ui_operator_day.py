@@ -39,10 +39,11 @@ from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
 from qo_ops.dagster_defs.sensors import OUTSIDE_CHECKS_TAG
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import approvals
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
-from qo_ops.platform.tenants import chunk_members
+from qo_ops.platform.actions import approvals
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import run_job
+from qo_ops.platform.schedule.tenants import chunk_members
 from qo_ops_tests.conftest import TestDatabase as Database
 from qo_ops_tests.dagster.browser import chromium_page, require_chromium, save_screenshot
 from qo_ops_tests.dagster.conftest import AS_OF

@@ -39,11 +39,15 @@ from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.audit_archive import restore_day
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import recovery, runs
-from qo_ops.platform.faults import CRASH_ENV
-from qo_ops.platform.runner import RunSummary, count_eligible, run_job
-from qo_ops.platform.spec import BatchContext, JobSpec, RunOptions, Scope
-from qo_ops.platform.status import job_status
+from qo_ops.platform.actions import recovery
+from qo_ops.platform.actions.status import job_status
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run import records
+from qo_ops.platform.run.faults import CRASH_ENV
+from qo_ops.platform.run.runner import RunSummary, count_eligible, run_job
 from qo_ops_tests.jobs.test_run_history_retention import plant_old_history
 
 if TYPE_CHECKING:
@@ -236,8 +240,8 @@ def test_runner_runs_every_job_and_is_refused_the_rest(
         engine=runner,
     )
     assert manual.status in ("success", "no_work")
-    runs.request_cancel(runner, uuid.UUID(manual.job_run_id), "roles-test", "roles test")
-    runs.reap_orphans(runner)
+    records.request_cancel(runner, uuid.UUID(manual.job_run_id), "roles-test", "roles test")
+    records.reap_orphans(runner)
     recover(runner, db)
     archive_day = summaries["audit_archive"][0].window_start
     assert archive_day is not None

@@ -12,7 +12,9 @@ import sqlalchemy as sa
 
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.spec import BatchContext, JobSpec, Scope
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
 
 AS_OF = datetime(2026, 6, 1, tzinfo=UTC)
 TENANT = "tenant-001"

@@ -26,7 +26,7 @@ from qo_ops.db import migrate
 from qo_ops.db.schema import job_run
 from qo_ops.errors import SchemaNotReady
 from qo_ops.metrics.exporter import JobCollector
-from qo_ops.platform.telemetry import EVENT_LOGGER
+from qo_ops.platform.observability.events import EVENT_LOGGER
 
 # a writer's insert may wait this much beyond the lock timeout (a loaded 2-core CI machine);
 # BENCHMARKS.md measures the real figure

@@ -27,7 +27,7 @@ import yaml
 from referencing import Registry, Resource
 
 from qo_ops.dagster_defs.k8s import K8S_CONFIG_TAG
-from qo_ops.platform.resource import DEPLOYMENT_ATTRIBUTES
+from qo_ops.platform.observability.resource import DEPLOYMENT_ATTRIBUTES
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"

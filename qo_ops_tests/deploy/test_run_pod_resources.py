@@ -11,7 +11,7 @@ import pytest
 from qo_ops.dagster_defs.k8s import K8S_CONFIG_TAG
 from qo_ops.definitions import build_definitions
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.spec import RunResources, memory_bytes
+from qo_ops.platform.job.resources import RunResources, memory_bytes
 from qo_ops_tests.deploy.files import K8S_VERSIONS, validate_k8s
 
 # The top-level keys dagster-k8s accepts in the tag (dagster_k8s.job.USER_DEFINED_K8S_JOB_CONFIG_SCHEMA)

@@ -20,7 +20,7 @@ from qo_ops.downstream.client import (
     client_from_env,
 )
 from qo_ops.errors import ConfigError
-from qo_ops.platform.retry import ErrorClass
+from qo_ops.platform.calls.retry import ErrorClass
 from qo_ops_tests.conftest import _free_port
 
 TENANT = "tenant-001"

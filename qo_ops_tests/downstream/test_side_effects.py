@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from qo_ops.downstream.calls import outcome_of
-from qo_ops.platform.retry import CallResult, ErrorClass, RetryPolicy, dispose
-from qo_ops.platform.spec import BatchOutcome
+from qo_ops.platform.calls.retry import CallResult, ErrorClass, RetryPolicy, dispose
+from qo_ops.platform.job.outcome import BatchOutcome
 
 
 def _result(item: str, **fields) -> CallResult:

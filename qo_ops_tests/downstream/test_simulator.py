@@ -20,7 +20,7 @@ import typer
 from qo_ops.downstream.cli import downstream_app
 from qo_ops.downstream.client import DownstreamClient, DownstreamError
 from qo_ops.errors import BadInput
-from qo_ops.platform.retry import ErrorClass
+from qo_ops.platform.calls.retry import ErrorClass
 from qo_ops_tests.conftest import DownstreamServer, _free_port, base_env
 
 TENANT = "tenant-001"

@@ -19,7 +19,7 @@ import pytest
 
 from qo_ops.downstream.client import DownstreamError, retry_after_seconds
 from qo_ops.downstream.simulator import BURST_S
-from qo_ops.platform.retry import ErrorClass
+from qo_ops.platform.calls.retry import ErrorClass
 from qo_ops_tests.conftest import DownstreamServer
 
 TENANT = "tenant-001"

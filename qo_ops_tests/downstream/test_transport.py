@@ -20,8 +20,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from qo_ops.downstream.client import DownstreamClient, DownstreamError
-from qo_ops.platform import tracing
-from qo_ops.platform.retry import ErrorClass
+from qo_ops.platform.calls.retry import ErrorClass
+from qo_ops.platform.observability import tracing
 
 
 @dataclass

@@ -18,8 +18,9 @@ from qo_ops.db.schema import BUSINESS_TABLES, outbox_event
 from qo_ops.demo.data import load_demo_data
 from qo_ops.errors import ConfigError
 from qo_ops.jobs.abandoned_checkout_close import IDLE_HOURS_ENV, SPEC, idle_timeout_hours
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import RunSummary, run_job
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)  # in the past: every OPEN checkout is idle by now
 TENANT, OTHER = "tenant-001", "tenant-002"

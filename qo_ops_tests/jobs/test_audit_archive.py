@@ -36,9 +36,11 @@ from qo_ops.jobs.audit_archive import (
     steps,
     storage,
 )
-from qo_ops.platform.faults import CRASH_ENV, CRASH_POINTS
-from qo_ops.platform.runner import count_eligible, run_job
-from qo_ops.platform.spec import BatchContext, RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.faults import CRASH_ENV, CRASH_POINTS
+from qo_ops.platform.run.runner import count_eligible, run_job
 from qo_ops_tests.conftest import base_env, modules_loaded_by, run_cli, standing_approval
 
 APPROVAL = standing_approval(SPEC.name)  # a destructive execute cites one
@@ -702,8 +704,9 @@ import json, sys
 from datetime import date, timedelta
 from qo_ops.db.engine import get_engine
 from qo_ops.jobs.audit_archive import SPEC
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.run.runner import run_job
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
 
 day = date.fromisoformat(sys.argv[1])
 summary = run_job(

@@ -17,8 +17,10 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, outbox_event
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog_cache_refresh import SPEC, refresh_cache_batch
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.spec import BatchContext, RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import RunSummary, run_job
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
 TENANT, OTHER = "tenant-001", "tenant-002"

@@ -17,9 +17,11 @@ from qo_ops.db.schema import BUSINESS_TABLES, outbox_event
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs import delivery_retry, notification_publish, order_reconciliation
 from qo_ops.metrics.exporter import JobCollector
-from qo_ops.platform.faults import CRASH_ENV
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.spec import JobSpec, RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.faults import CRASH_ENV
+from qo_ops.platform.run.runner import RunSummary, run_job
 from qo_ops_tests.conftest import base_env, run_cli
 from qo_ops_tests.metrics.test_exporter import collect_when, completed, finished_runs, value
 

@@ -16,7 +16,7 @@ import pytest
 
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs import delivery_retry, notification_publish
-from qo_ops.platform.telemetry import EVENT_LOGGER
+from qo_ops.platform.observability.events import EVENT_LOGGER
 from qo_ops_tests.jobs.test_downstream_jobs import (
     AS_OF,
     BASE_S,
@@ -321,7 +321,9 @@ def test_the_downstreams_rate_limit_and_retry_after_are_honoured(
 
 def test_a_rate_limited_batch_is_claimed_for_as_long_as_sending_it_takes(monkeypatch):
     from qo_ops.downstream.calls import call_settings, claim_seconds
-    from qo_ops.platform.spec import BatchContext, Limits, Scope
+    from qo_ops.platform.job.options import Limits
+    from qo_ops.platform.job.outcome import BatchContext
+    from qo_ops.platform.job.scope import Scope
 
     monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", "http://127.0.0.1:9")
 

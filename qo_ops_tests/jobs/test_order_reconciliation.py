@@ -31,8 +31,9 @@ from qo_ops.jobs.order_reconciliation import (
     ResubmitBudget,
     resubmit_budget,
 )
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import RunSummary, run_job
 from qo_ops_tests.conftest import base_env, run_cli
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)

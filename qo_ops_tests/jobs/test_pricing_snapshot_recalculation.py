@@ -25,9 +25,11 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.pricing_snapshot_recalculation import CHECK_NAME, SPEC
-from qo_ops.platform.faults import CRASH_ENV
-from qo_ops.platform.runner import RunSummary, count_eligible, run_job
-from qo_ops.platform.spec import BatchContext, OutcomeCheck, RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.faults import CRASH_ENV
+from qo_ops.platform.run.runner import RunSummary, count_eligible, run_job
 from qo_ops_tests.conftest import _test_database, base_env, run_cli
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)

@@ -22,9 +22,10 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES, job_checkpoint, outbox_event
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.quote_expiration import SPEC
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.runs import reap_orphans, request_cancel
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.records import reap_orphans, request_cancel
+from qo_ops.platform.run.runner import RunSummary, run_job
 from qo_ops_tests.conftest import QO_OPS_BIN, base_env
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)  # in the past: every ACTIVE quote is overdue by now

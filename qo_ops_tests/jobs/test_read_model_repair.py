@@ -12,8 +12,10 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.read_model_repair import SPEC
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import BatchContext, RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.conftest import standing_approval
 
 APPROVAL = standing_approval(SPEC.name)  # a destructive execute cites one

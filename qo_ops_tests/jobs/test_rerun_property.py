@@ -34,8 +34,10 @@ from qo_ops.db.schema import (
 from qo_ops.demo.data import load_demo_data
 from qo_ops.downstream.local import seed_from_demo
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.spec import JobSpec, RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.runner import RunSummary, run_job
 from qo_ops_tests.jobs.test_run_history_retention import plant_old_history
 
 TENANT = "tenant-001"

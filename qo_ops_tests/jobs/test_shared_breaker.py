@@ -18,8 +18,9 @@ import pytest
 
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs import delivery_retry, notification_publish
-from qo_ops.platform.runner import RunSummary
-from qo_ops.platform.spec import JobSpec, Scope
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.runner import RunSummary
 from qo_ops_tests.jobs.test_downstream_jobs import AS_OF, execute, execute_sql, q, scalar
 from qo_ops_tests.jobs.test_downstream_manners import breaker_row, requests_seen
 

@@ -27,10 +27,12 @@ from qo_ops.db.schema import BUSINESS_TABLES
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs import temp_file_cleanup as tfc
 from qo_ops.jobs.temp_file_cleanup import SPEC
-from qo_ops.platform import objects
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.runs import reap_orphans
-from qo_ops.platform.spec import BatchContext, RunOptions, Scope
+from qo_ops.platform.calls import object_store
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.records import reap_orphans
+from qo_ops.platform.run.runner import RunSummary, run_job
 from qo_ops_tests.conftest import base_env, run_cli, standing_approval
 
 APPROVAL = standing_approval(SPEC.name)  # a destructive execute cites one
@@ -505,8 +507,9 @@ import sys
 import sqlalchemy as sa
 from datetime import date
 from qo_ops.jobs.temp_file_cleanup import SPEC
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.run.runner import run_job
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
 
 engine = sa.create_engine(sys.argv[1])
 scope = Scope(sys.argv[2], date.fromisoformat(sys.argv[3]), date.fromisoformat(sys.argv[4]))
@@ -595,15 +598,15 @@ def test_an_object_store_error_rolls_the_batch_back_and_a_rerun_converges(loaded
     db, home, stored = loaded
     scope = window(*MIXED)
     expected = expected_ids(db.engine, scope)
-    real_remove, calls = objects._remove_object, []
+    real_remove, calls = object_store._remove_object, []
 
     def flaky(dir_fd: int, name: str) -> bool:
         calls.append(name)
         if len(calls) == 3:
-            raise objects.ObjectStoreError("cannot remove a stored object: Input/output error")
+            raise object_store.ObjectStoreError("cannot remove a stored object: Input/output error")
         return real_remove(dir_fd, name)
 
-    monkeypatch.setattr(objects, "_remove_object", flaky)
+    monkeypatch.setattr(object_store, "_remove_object", flaky)
     failed = run(db.engine, scope, batch_size=5)
 
     assert (failed.status, failed.error_code) == ("failed", "object_store_error")
@@ -611,7 +614,7 @@ def test_an_object_store_error_rolls_the_batch_back_and_a_rerun_converges(loaded
     assert len(tree(home)) == len(stored) - 2  # two objects went before the error
     assert set(tombstones(db.engine)) == set(expected[:5])  # intents with their checksums
 
-    monkeypatch.setattr(objects, "_remove_object", real_remove)
+    monkeypatch.setattr(object_store, "_remove_object", real_remove)
     rerun = run(db.engine, scope, reason="retry after storage error")
 
     assert rerun.status == "success" and rerun.counts.succeeded == len(expected)
@@ -676,13 +679,13 @@ def test_storing_an_object_never_writes_through_a_symlink(tmp_path):
     root, outside = tmp_path / "objects", tmp_path / "outside"
     outside.mkdir()
     (outside / "x.bin").write_bytes(b"keep")
-    with objects.ObjectStore(root) as store:
+    with object_store.ObjectStore(root) as store:
         assert store.put("tmp/t/a.bin", b"first") is True  # root and directories created
         assert store.put("tmp/t/a.bin", b"2nd") is False  # replaced, cut to its new size
         (root / "tmp" / "link").symlink_to(outside, target_is_directory=True)
         (root / "tmp" / "t" / "b.bin").symlink_to(outside / "x.bin")
         for path in ("tmp/link/x.bin", "tmp/t/b.bin", "../outside/x.bin", "tmp//a.bin"):
-            with pytest.raises(objects.ObjectStoreError, match="cannot store an object"):
+            with pytest.raises(object_store.ObjectStoreError, match="cannot store an object"):
                 store.put(path, b"overwritten")
     assert (root / "tmp" / "t" / "a.bin").read_bytes() == b"2nd"
     assert (outside / "x.bin").read_bytes() == b"keep" and sorted(outside.iterdir()) == [
@@ -699,7 +702,7 @@ def test_counting_stored_objects_by_listing_agrees_with_exists_path_by_path(tmp_
     outside.mkdir()
     (outside / "x000.bin").write_bytes(b"not an object")
     names = [f"x{i:03d}.bin" for i in range(80)]
-    with objects.ObjectStore(root) as store:
+    with object_store.ObjectStore(root) as store:
         for name in names[::3]:
             store.put(f"tmp/many/{name}", b"left")
         store.put("top.bin", b"left")
@@ -710,23 +713,23 @@ def test_counting_stored_objects_by_listing_agrees_with_exists_path_by_path(tmp_
     paths += [f"tmp/link/{n}" for n in names] + [f"tmp/gone/{n}" for n in names]
     paths += ["top.bin", "tmp/few/x001.bin", "tmp/few/x002.bin", "/top.bin", "../top.bin"]
     paths += [f"tmp//many/{n}" for n in names] + ["tmp/many/", "tmp/many/."] * 20
-    with objects.ObjectStore(root) as store:
+    with object_store.ObjectStore(root) as store:
         expected = sum(1 for p in paths if store.exists(p))
     assert expected == len(names[::3]) + 1 + 1 + 2  # in tmp/many (+ a link), x000 again, top, few
 
     listings: list[int] = []
-    real_listdir = objects.os.listdir
+    real_listdir = object_store.os.listdir
 
     def listdir(fd: int) -> list[str]:
         listings.append(fd)
         return real_listdir(fd)
 
-    monkeypatch.setattr(objects.os, "listdir", listdir)
-    with objects.ObjectStore(root) as store:
+    monkeypatch.setattr(object_store.os, "listdir", listdir)
+    with object_store.ObjectStore(root) as store:
         assert store.count_stored(iter(paths)) == expected
     assert len(listings) == 1  # tmp/many only: the others are unsafe, gone or few
-    monkeypatch.setattr(objects, "_LIST_BYTES_PER_PATH", 0)  # every directory too big to list
-    with objects.ObjectStore(root) as store:
+    monkeypatch.setattr(object_store, "_LIST_BYTES_PER_PATH", 0)  # every directory too big to list
+    with object_store.ObjectStore(root) as store:
         assert store.count_stored(paths) == expected
     assert len(listings) == 1
 
@@ -742,16 +745,16 @@ def test_a_directory_swapped_for_a_symlink_between_the_steps_stops_the_batch(
     victim = stored[expected[0]].storage_path
     directory = home / "objects" / Path(victim).parent
     outside = _outside_copy(home, tmp_path, victim)
-    real_sha256 = objects.ObjectStore.sha256
+    real_sha256 = object_store.ObjectStore.sha256
 
-    def then_swap(self: objects.ObjectStore, storage_path: str) -> tuple[bool, str | None]:
+    def then_swap(self: object_store.ObjectStore, storage_path: str) -> tuple[bool, str | None]:
         found = real_sha256(self, storage_path)
         if storage_path == victim and directory.is_dir() and not directory.is_symlink():
             directory.rename(tmp_path / "moved-away")
             directory.symlink_to(outside, target_is_directory=True)
         return found
 
-    monkeypatch.setattr(objects.ObjectStore, "sha256", then_swap)
+    monkeypatch.setattr(object_store.ObjectStore, "sha256", then_swap)
     before = file_ids(db.engine)
     failed = run(db.engine, scope, batch_size=5)
 
@@ -966,16 +969,16 @@ def test_a_batchs_digests_go_as_one_array_value_and_nothing_but_hex_goes_in():
     already gone) round-trips through PostgreSQL unchanged, and a value that is not a hex
     digest is refused before it could change the literal's shape."""
     sha = hashlib.sha256(b"x").hexdigest()
-    literal = objects.digest_array([sha, None])
+    literal = object_store.digest_array([sha, None])
     assert literal == "{" + sha + ",NULL}"
     for bad in ['a","b', "ABC", "1,2", "{}"]:
         with pytest.raises(ValueError):
-            objects.digest_array([bad])
+            object_store.digest_array([bad])
 
 
 def test_census_counts_stored_and_unsafe_paths(tmp_path):
     """A dry run's preview of the objects execute would unlink: stored, unsafe, gone."""
     root = tmp_path / "objects"
-    with objects.ObjectStore(root) as store:
+    with object_store.ObjectStore(root) as store:
         store.put("t/a.bin", b"a")
         assert store.census(["t/a.bin", "t/gone.bin", "../escape.bin", "/abs.bin"]) == (1, 2)

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.metrics.exporter import JobCollector
-from qo_ops.platform.lease import acquire
-from qo_ops.platform.spec import cadence_seconds, cron_ticks
+from qo_ops.platform.run.lease import acquire
+from qo_ops.platform.schedule.cron import cadence_seconds, cron_ticks
 from qo_ops_tests.conftest import QO_OPS_BIN, approval_args, base_env, run_cli
 from qo_ops_tests.dagster.conftest import AS_OF
 from qo_ops_tests.dagster.stack import free_port

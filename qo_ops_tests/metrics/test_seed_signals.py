@@ -23,9 +23,10 @@ from qo_ops.downstream.local import seed_from_demo
 from qo_ops.jobs import delivery_retry, order_reconciliation, quote_expiration
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.metrics.exporter import JobCollector
-from qo_ops.platform.lease import acquire
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.lease import acquire
+from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.jobs.test_order_reconciliation import AS_OF, SCOPE
 from qo_ops_tests.metrics.test_exporter import (
     ALLOWED_LABELS,
@@ -341,7 +342,7 @@ def test_run_retries_start_delays_and_foreign_words_from_planted_rows(db):
 
 
 def test_retry_reasons_are_bounded():
-    from qo_ops.platform.signals import ITEM_RETRY_REASONS, retry_reason
+    from qo_ops.platform.job.labels import ITEM_RETRY_REASONS, retry_reason
 
     cases = {
         "timeout": "dependency_timeout",

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.spec import cadence_seconds
+from qo_ops.platform.schedule.cron import cadence_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "ops" / "prometheus" / "alerts.yml"

@@ -24,9 +24,9 @@ from qo_ops.demo.data import load_demo_data
 from qo_ops.downstream.client import downstream_url
 from qo_ops.errors import BadInput, ConfigError
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.partition_keys import scope_from_partition_key
-from qo_ops.platform.retry import RetryPolicy, policy_from_env
-from qo_ops.platform.spec import LAST_DAY, Scope
+from qo_ops.platform.calls.retry import RetryPolicy, policy_from_env
+from qo_ops.platform.job.scope import LAST_DAY, Scope
+from qo_ops.platform.schedule.partition_keys import scope_from_partition_key
 from qo_ops_tests.conftest import DownstreamServer, _test_database, approval_args, base_env, run_cli
 
 if TYPE_CHECKING:

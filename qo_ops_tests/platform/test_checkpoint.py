@@ -13,15 +13,11 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import quote
 from qo_ops.demo.data import load_demo_data
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import (
-    BatchContext,
-    BatchOutcome,
-    JobSpec,
-    OutcomeCheck,
-    RunOptions,
-    Scope,
-)
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.runner import run_job
 
 
 def _after_cursor(ctx: BatchContext) -> sa.Select[Any]:

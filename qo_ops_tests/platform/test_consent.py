@@ -15,15 +15,15 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, job_audit, job_run, outbox_event
 from qo_ops.errors import BadInput
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.runner import RunSummary, run_job
-from qo_ops.platform.spec import (
+from qo_ops.platform.job.options import (
     TRIGGERS,
     TRIGGERS_WITH_A_PERSON,
     ExecuteRefused,
     RunOptions,
-    Scope,
     check_consent,
 )
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import RunSummary, run_job
 
 # ------------------------------------------------------------------ the predicate (no I/O)
 

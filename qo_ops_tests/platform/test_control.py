@@ -19,9 +19,16 @@ from qo_ops.db.digest import database_digest
 from qo_ops.db.schema import BUSINESS_TABLES, job_audit, job_control, outbox_event
 from qo_ops.errors import BadInput
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.control import ControlChange, JobSuspended, resume, suspend, suspension_for
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.actions.control import (
+    ControlChange,
+    JobSuspended,
+    resume,
+    suspend,
+    suspension_for,
+)
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.dagster.test_sensors import _database, schedule_tick
 
 JOB = "quote_expiration"

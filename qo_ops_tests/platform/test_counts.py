@@ -6,9 +6,11 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from qo_ops.db.schema import job_run
-from qo_ops.platform import runs
-from qo_ops.platform.counts import COLUMNS, COUNTERS, Counts, mutated_count
-from qo_ops.platform.spec import BatchOutcome, RunOptions, RunSummary, Scope
+from qo_ops.platform.job.counts import COLUMNS, COUNTERS, Counts, mutated_count
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchOutcome, RunSummary
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run import records
 
 
 def test_every_counter_is_a_job_run_column_and_every_counted_column_a_counter():
@@ -91,18 +93,20 @@ def test_a_dry_run_mutates_nothing_whatever_it_counted():
 
 def test_the_run_record_adds_each_batch_counter_by_counter_and_its_tally_key_by_key(db):
     with db.engine.begin() as conn:
-        run_id = runs.create_run(
+        run_id = records.create_run(
             conn,
             "quote_expiration",
             Scope("tenant-001"),
             RunOptions(mode="execute"),
-            runs.RunOwner("t"),
+            records.RunOwner("t"),
             {},
         )
     with db.engine.begin() as conn:
-        runs.add_counts(conn, run_id, Counts(processed=3, succeeded=2, skipped=1), {"a": 2, "b": 1})
-        runs.add_counts(conn, run_id, Counts(processed=2, failed=2), {"a": 1, "c": 5})
-        runs.add_counts(conn, run_id, Counts(duplicates_prevented=4))  # no tally: kept
+        records.add_counts(
+            conn, run_id, Counts(processed=3, succeeded=2, skipped=1), {"a": 2, "b": 1}
+        )
+        records.add_counts(conn, run_id, Counts(processed=2, failed=2), {"a": 1, "c": 5})
+        records.add_counts(conn, run_id, Counts(duplicates_prevented=4))  # no tally: kept
     with db.engine.connect() as conn:
         row = conn.execute(sa.select(job_run).where(job_run.c.id == run_id)).one()
     assert {c: row._mapping[c] for c in COLUMNS.values()} == Counts(

@@ -8,8 +8,8 @@ import os
 import signal
 import threading
 
-from qo_ops.platform.external import NotCalled, call_each
-from qo_ops.platform.stopping import StopSignals
+from qo_ops.platform.calls.external import NotCalled, call_each
+from qo_ops.platform.run.stopping import StopSignals
 
 
 def test_calls_are_bounded_in_order_and_their_threads_serve_the_next_batch() -> None:

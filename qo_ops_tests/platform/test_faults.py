@@ -20,10 +20,12 @@ import sqlalchemy as sa
 
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.quote_expiration import SPEC
-from qo_ops.platform.faults import CRASH_ENV, CRASH_POINTS
-from qo_ops.platform.lease import acquire
-from qo_ops.platform.runner import RunSummary, run_job, select_batch
-from qo_ops.platform.spec import BatchContext, OutcomeCheck, RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.faults import CRASH_ENV, CRASH_POINTS
+from qo_ops.platform.run.lease import acquire
+from qo_ops.platform.run.runner import RunSummary, run_job, select_batch
 from qo_ops_tests.conftest import base_env, run_cli
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)  # in the past: every ACTIVE quote is overdue now

@@ -16,10 +16,11 @@ import pytest
 import sqlalchemy as sa
 
 from qo_ops.jobs.quote_expiration import SPEC
-from qo_ops.platform.lease import held_scopes
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.runs import reap_orphans
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.lease import held_scopes
+from qo_ops.platform.run.records import reap_orphans
+from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.conftest import QO_OPS_BIN, run_cli
 from qo_ops_tests.platform.test_faults import (
     TENANT,

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from qo_ops.platform.breaker import (
+from qo_ops.platform.calls.breaker import (
     CLOSED,
     HALF_OPEN,
     OPEN,
@@ -17,7 +17,7 @@ from qo_ops.platform.breaker import (
     Evidence,
     SharedState,
 )
-from qo_ops.platform.ratelimit import TokenBucket
+from qo_ops.platform.calls.ratelimit import TokenBucket
 
 
 def fail(breaker: CircuitBreaker, code: str = "connect_error") -> None:
@@ -281,7 +281,7 @@ def test_the_bucket_allows_its_rate_after_a_burst(monkeypatch):
         slept.append(seconds)
         clock.now += seconds
 
-    monkeypatch.setattr("qo_ops.platform.ratelimit._sleep", sleep)
+    monkeypatch.setattr("qo_ops.platform.calls.ratelimit._sleep", sleep)
     bucket = TokenBucket(20.0, clock=clock)  # a burst of 2 (a tenth of a second's worth)
     start = clock.now
     for _ in range(42):
@@ -293,7 +293,7 @@ def test_the_bucket_allows_its_rate_after_a_burst(monkeypatch):
 def test_a_pause_holds_every_caller_and_never_shortens(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(
-        "qo_ops.platform.ratelimit._sleep",
+        "qo_ops.platform.calls.ratelimit._sleep",
         lambda seconds, stop: setattr(clock, "now", clock.now + seconds),
     )
     bucket = TokenBucket(None, clock=clock)  # no rate limit of ours; pauses still apply

@@ -1,15 +1,15 @@
-"""The downstream's manners read back from a run's tally (``qo_ops.platform.manners``): the
+"""The downstream's manners read back from a run's tally (``qo_ops.platform.calls.call_stats``): the
 report rows, the one line of ``qo-ops run`` and the API's figures say the same numbers."""
 
 from __future__ import annotations
 
-from qo_ops.platform.manners import (
+from qo_ops.platform.calls.call_stats import (
     DEPENDENCY_UNAVAILABLE,
     DownstreamCalls,
     is_manners_key,
     manners_rows,
 )
-from qo_ops.platform.spec import ReportRow
+from qo_ops.platform.job.outcome import ReportRow
 
 OUTAGE = {
     "downstream.calls": 200,

@@ -23,8 +23,7 @@ from qo_ops.jobs import notification_publish, pricing_snapshot_recalculation
 from qo_ops.jobs.order_reconciliation import RESUBMIT_MAX_ENV
 from qo_ops.jobs.order_reconciliation import SPEC as RECONCILIATION
 from qo_ops.metrics.exporter import JobCollector
-from qo_ops.platform import lease as leases
-from qo_ops.platform.recovery import (
+from qo_ops.platform.actions.recovery import (
     Checkpoints,
     Decision,
     ScopeBusy,
@@ -32,8 +31,10 @@ from qo_ops.platform.recovery import (
     reset_checkpoints,
     resolve,
 )
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run import lease as leases
+from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.conftest import base_env, run_cli
 from qo_ops_tests.jobs.test_order_reconciliation import (
     SCOPE,

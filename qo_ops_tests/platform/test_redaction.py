@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qo_ops.errors import QoOpsError, one_line
-from qo_ops.platform.telemetry import (
+from qo_ops.platform.observability.events import (
     EVENT_LOGGER,
     EventContext,
     json_log_handler,

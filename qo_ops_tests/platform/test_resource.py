@@ -26,21 +26,21 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from qo_ops.demo.data import load_demo_data
-from qo_ops.platform import resource
-from qo_ops.platform.resource import (
+from qo_ops.platform.observability import resource
+from qo_ops.platform.observability.events import (
+    EVENT_LOGGER,
+    EventContext,
+    json_log_handler,
+    log_event,
+    resource_fields,
+)
+from qo_ops.platform.observability.resource import (
     DEPLOYMENT_ATTRIBUTES,
     MAX_ATTRIBUTES,
     MAX_VALUE_CHARS,
     detect,
     package_version,
     process_resource,
-)
-from qo_ops.platform.telemetry import (
-    EVENT_LOGGER,
-    EventContext,
-    json_log_handler,
-    log_event,
-    resource_fields,
 )
 from qo_ops_tests.conftest import base_env, run_cli
 

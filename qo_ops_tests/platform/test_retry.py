@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from qo_ops.db.schema import delivery_attempt_item
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.delivery_retry import SPEC as DELIVERY_RETRY
-from qo_ops.platform import recovery
-from qo_ops.platform.retry import (
+from qo_ops.platform.actions import recovery
+from qo_ops.platform.calls.retry import (
     ErrorClass,
     RetryPolicy,
     classify_exception,

@@ -7,7 +7,7 @@ from datetime import date
 import pytest
 
 from qo_ops.errors import age_text
-from qo_ops.platform.spec import Scope, scope_text
+from qo_ops.platform.job.scope import Scope, scope_text
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,11 @@ import sqlalchemy as sa
 
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.quote_expiration import SPEC
-from qo_ops.platform.faults import HOLD_ENV
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
-from qo_ops.platform.stopping import STOP_GRACE_ENV
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.faults import HOLD_ENV
+from qo_ops.platform.run.runner import run_job
+from qo_ops.platform.run.stopping import STOP_GRACE_ENV
 from qo_ops_tests.conftest import QO_OPS_BIN, run_cli
 from qo_ops_tests.platform.test_faults import (
     AS_OF,

@@ -13,9 +13,10 @@ import sqlalchemy as sa
 
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs.quote_expiration import SPEC
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
-from qo_ops.platform.telemetry import EVENT_LOGGER, JobMetrics
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.observability.events import EVENT_LOGGER, JobMetrics
+from qo_ops.platform.run.runner import run_job
 
 AS_OF = datetime(2026, 3, 1, tzinfo=UTC)
 JOB = "quote_expiration"

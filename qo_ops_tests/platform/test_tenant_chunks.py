@@ -8,7 +8,7 @@ import sqlalchemy as sa
 
 from qo_ops.errors import BadInput
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.partition_keys import (
+from qo_ops.platform.schedule.partition_keys import (
     CHUNK_SIZE,
     chunk_bounds,
     chunk_keys,
@@ -17,7 +17,7 @@ from qo_ops.platform.partition_keys import (
     partition_tags,
     split_windowed_key,
 )
-from qo_ops.platform.tenants import (
+from qo_ops.platform.schedule.tenants import (
     chunk_members,
     chunk_of,
     tenant_chunk_keys,

@@ -18,10 +18,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from qo_ops.demo.data import load_demo_data
 from qo_ops.errors import ConfigError
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import tracing
-from qo_ops.platform.resource import process_resource
-from qo_ops.platform.runner import run_job
-from qo_ops.platform.spec import RunOptions, Scope
+from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.observability import tracing
+from qo_ops.platform.observability.resource import process_resource
+from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.conftest import base_env, run_cli
 from qo_ops_tests.dagster.conftest import AS_OF
 

@@ -18,8 +18,8 @@ from qo_ops.api.errors import WITH_BODY, ApiError, refusals
 from qo_ops.api.launch import launch
 from qo_ops.api.models import ACCEPTED_HEADERS, Accepted, ApprovalBody, ReasonBody, accepted
 from qo_ops.errors import BadInput
-from qo_ops.platform import approvals
-from qo_ops.platform.spec import Scope, tenant_of
+from qo_ops.platform.actions import approvals
+from qo_ops.platform.job.scope import Scope, tenant_of
 
 router = APIRouter()
 

@@ -13,8 +13,8 @@ from qo_ops.api.errors import WITH_BODY, ApiError, refusals
 from qo_ops.api.models import ControlBody, jsonable
 from qo_ops.api.tokens import Principal
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import control
-from qo_ops.platform.spec import JobSpec
+from qo_ops.platform.actions import control
+from qo_ops.platform.job.spec import JobSpec
 
 router = APIRouter()
 

@@ -11,9 +11,9 @@ from qo_ops.api.deps import Api, Auditor, Caller, Job
 from qo_ops.api.errors import refusals
 from qo_ops.api.models import EXAMPLE_TENANT, jsonable
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform import control
-from qo_ops.platform.spec import TENANT_ID
-from qo_ops.platform.status import job_status
+from qo_ops.platform.actions import control
+from qo_ops.platform.actions.status import job_status
+from qo_ops.platform.job.scope import TENANT_ID
 
 router = APIRouter()
 

@@ -1,4 +1,4 @@
-"""Recovery without database surgery (``qo_ops.platform.recovery``), the same actions as
+"""Recovery without database surgery (``qo_ops.platform.actions.recovery``), the same actions as
 ``qo-ops requeue``, ``review`` and ``checkpoint``: a job's dead letters requeued, its
 manual-review queue listed and decided, its checkpoints shown and reset. Every change needs
 a reason and is audited in its own transaction; ``dryRun`` says what would change."""
@@ -19,8 +19,10 @@ from qo_ops.api.errors import WITH_BODY, ApiError, refusals
 from qo_ops.api.models import EXAMPLE_TENANT, ISO_DATE, NO_CONTROL, jsonable
 from qo_ops.api.tokens import Principal
 from qo_ops.errors import BadInput
-from qo_ops.platform import recovery
-from qo_ops.platform.spec import MAX_TEXT, TENANT_ID, JobSpec
+from qo_ops.platform.actions import recovery
+from qo_ops.platform.job.options import MAX_TEXT
+from qo_ops.platform.job.scope import TENANT_ID
+from qo_ops.platform.job.spec import JobSpec
 
 router = APIRouter()
 T = TypeVar("T")

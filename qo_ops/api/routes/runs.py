@@ -25,20 +25,14 @@ from qo_ops.api.models import (
     jsonable,
 )
 from qo_ops.errors import BadInput
-from qo_ops.platform import control
-from qo_ops.platform.approvals import check_approval
-from qo_ops.platform.counts import mutated_count
-from qo_ops.platform.manners import DownstreamCalls
-from qo_ops.platform.runs import ACTIVE_STATUSES, UNSTARTED_STATUSES, request_cancel
-from qo_ops.platform.spec import (
-    FIRST_DAY,
-    LAST_DAY,
-    ExecuteRefused,
-    JobSpec,
-    RunOptions,
-    Scope,
-    tenant_of,
-)
+from qo_ops.platform.actions import control
+from qo_ops.platform.actions.approvals import check_approval
+from qo_ops.platform.calls.call_stats import DownstreamCalls
+from qo_ops.platform.job.counts import mutated_count
+from qo_ops.platform.job.options import ExecuteRefused, RunOptions
+from qo_ops.platform.job.scope import FIRST_DAY, LAST_DAY, Scope, tenant_of
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.records import ACTIVE_STATUSES, UNSTARTED_STATUSES, request_cancel
 
 MAX_WINDOW_DAYS = 366
 

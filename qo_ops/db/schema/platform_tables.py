@@ -87,7 +87,7 @@ job_run = sa.Table(
     sa.Column("retries_max", sa.Integer),
     # the run's liveness (0016): the session advisory lock its process holds while it runs,
     # and when it took it (database clock). A lock gone while the server that granted it is
-    # still up means the process is gone (qo_ops/platform/liveness.py); NULL: not known
+    # still up means the process is gone (qo_ops/platform/run/liveness.py); NULL: not known
     sa.Column("liveness_key", sa.BigInteger),
     sa.Column("liveness_since", TS),
     sa.Column("approval_id", sa.Text),  # the approval a destructive execute cited (0017)
@@ -119,7 +119,7 @@ job_run = sa.Table(
         "scheduled_for",
         postgresql_where=sa.text("scheduled_for IS NOT NULL"),
     ),
-    # an earlier Dagster execute of a job with the same reason (qo_ops/platform/consent.py)
+    # an earlier Dagster execute of a job with the same reason (qo_ops/platform/actions/consent.py)
     sa.Index(
         "ix_job_run_dagster_reason",
         "job_name",
@@ -171,7 +171,7 @@ job_control = sa.Table(
 # evidence it is judged on (0016): the recent calls' outcomes in start order, added to by
 # every run's batches. When the evidence says down it is ``open`` until ``probe_after`` (the
 # database's clock + the open time); the next run after that probes with a few calls
-# (``half_open``) and writes ``closed`` when they answer. See qo_ops/platform/breaker.py.
+# (``half_open``) and writes ``closed`` when they answer. See qo_ops/platform/calls/breaker.py.
 downstream_breaker = sa.Table(
     "downstream_breaker",
     metadata,
@@ -206,7 +206,7 @@ downstream_refund = sa.Table(
     sa.Column("owed_at", TS, nullable=False, server_default=NOW),
 )
 
-# Approvals a destructive execute cites (0017, qo_ops/platform/approvals.py): granted by an
+# Approvals a destructive execute cites (0017, qo_ops/platform/actions/approvals.py): granted by an
 # approver for one job over some tenants (NULL: every tenant), until expires_at or revoked.
 run_approval = sa.Table(
     "run_approval",
@@ -315,7 +315,7 @@ api_idempotency = sa.Table(
 )
 
 # What a job's schedule decided at a tick (migration 0015), so that a missed run says why
-# (qo_ops/platform/missed.py): ``evaluated`` (no tenants) records that the tick was
+# (qo_ops/platform/schedule/missed.py): ``evaluated`` (no tenants) records that the tick was
 # evaluated at all; ``previous_run_queued`` and ``previous_run_active`` name the tenants it
 # asked nothing for because a run of their scope was still queued or running in Dagster.
 # A row per (job, tick, decision); the schedule prunes its rows older than two days.

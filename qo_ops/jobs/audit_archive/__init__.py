@@ -119,7 +119,9 @@ from qo_ops.jobs.audit_archive.steps import (
     write_and_verify,
 )
 from qo_ops.jobs.audit_archive.storage import relative_path, resolve_path, sha256_of
-from qo_ops.platform.spec import CheckSpec, JobSpec, Limits, RunResources
+from qo_ops.platform.job.options import Limits
+from qo_ops.platform.job.resources import RunResources
+from qo_ops.platform.job.spec import CheckSpec, JobSpec
 
 SPEC = JobSpec(
     name=JOB_NAME,

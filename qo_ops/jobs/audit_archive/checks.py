@@ -11,8 +11,8 @@ from qo_ops.db.schema import audit_archive_manifest, audit_record
 from qo_ops.errors import one_line
 from qo_ops.jobs.audit_archive.settings import retention_cutoff
 from qo_ops.jobs.audit_archive.storage import resolve_path, sha256_or_none
-from qo_ops.platform.selection import seconds_or_none
-from qo_ops.platform.spec import BatchContext, OutcomeCheck, ReportRow
+from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck, ReportRow
+from qo_ops.platform.run.selection import seconds_or_none
 
 # The VERIFIED archives of a window (by the day they hold), in file order: what counts as
 # archived (restore locks the same rows).

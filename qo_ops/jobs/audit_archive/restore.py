@@ -17,9 +17,9 @@ from qo_ops.jobs.audit_archive.errors import ArchiveError
 from qo_ops.jobs.audit_archive.format import read_rows
 from qo_ops.jobs.audit_archive.settings import JOB_NAME
 from qo_ops.jobs.audit_archive.storage import resolve_path
-from qo_ops.platform import runs
-from qo_ops.platform.spec import Scope
-from qo_ops.platform.tenants import tenant_exists
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run import records
+from qo_ops.platform.schedule.tenants import tenant_exists
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,9 @@ def restore_day(
             archived += len(rows)
             restored += len(back)
             conn.execute(_REOPEN_MANIFEST, {"id": m.id})
-        runs.append_audit(
+        records.append_audit(
             conn,
-            runs.AuditEntry(
+            records.AuditEntry(
                 actor=actor,
                 action="archive_restore",
                 decision="allowed",

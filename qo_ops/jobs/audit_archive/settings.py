@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from qo_ops.config import load_settings, whole_number
 from qo_ops.jobs.audit_archive.errors import ArchiveConfigError
-from qo_ops.platform.spec import BatchContext, run_settings
+from qo_ops.platform.job.outcome import BatchContext, run_settings
 
 JOB_NAME = "audit_archive"
 RETENTION_ENV = "QO_OPS_AUDIT_RETENTION_DAYS"

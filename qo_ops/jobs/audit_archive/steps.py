@@ -42,10 +42,11 @@ from qo_ops.jobs.audit_archive.storage import (
     sweep_orphans,
     write_file,
 )
-from qo_ops.platform.faults import crash_point
-from qo_ops.platform.lease import LeaseLost
-from qo_ops.platform.selection import after_position
-from qo_ops.platform.spec import BatchContext, BatchOutcome, Scope
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.faults import crash_point
+from qo_ops.platform.run.lease import LeaseLost
+from qo_ops.platform.run.selection import after_position
 
 SIDE_EFFECT = "archive_file"  # writing one archive file (job_side_effects_total)
 

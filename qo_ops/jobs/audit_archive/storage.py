@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from qo_ops.config import load_settings
 from qo_ops.jobs.audit_archive.batch import Chunk, Work
 from qo_ops.jobs.audit_archive.settings import ARCHIVE_DIR
-from qo_ops.platform.faults import crash_point
+from qo_ops.platform.run.faults import crash_point
 
 
 def archive_home() -> Path:

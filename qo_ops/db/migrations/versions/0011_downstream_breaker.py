@@ -1,6 +1,6 @@
 """The downstream's circuit breaker: ``downstream_breaker`` holds one row per downstream
 origin, shared by every run that calls it, so a run that finds the downstream down tells
-the next runs to stop calling it until a probe is due (qo_ops/platform/breaker.py).
+the next runs to stop calling it until a probe is due (qo_ops/platform/calls/breaker.py).
 
 Grants: the runner reads and writes it (delivery_retry, notification_publish); the API and
 read-only logins read it (the exporter's breaker gauges, status pages).

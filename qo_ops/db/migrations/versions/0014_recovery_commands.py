@@ -1,4 +1,4 @@
-"""Recovery without database surgery (qo_ops/platform/recovery.py): the operator API's
+"""Recovery without database surgery (qo_ops/platform/actions/recovery.py): the operator API's
 requeue, review and checkpoint actions run the same statements as ``qo-ops requeue``,
 ``review resolve`` and ``checkpoint reset``, so its login gets exactly what those write:
 

@@ -1,5 +1,5 @@
 """What a schedule decided at each tick (``job_schedule_tick``), so that a missed scheduled
-run says why (qo_ops/platform/missed.py): the tick was evaluated at all (a run that then
+run says why (qo_ops/platform/schedule/missed.py): the tick was evaluated at all (a run that then
 never started waited in Dagster's queue: ``queued``; no evaluation: ``daemon_down``), or a
 tenant was skipped because a run of its scope was still queued or running in Dagster
 (``previous_run_queued``, ``previous_run_active``).

@@ -2,7 +2,7 @@
 
 - ``job_run.liveness_key`` / ``liveness_since``: the session advisory lock a run's process
   holds while it runs, and when it took it, so that a crashed run is found in seconds
-  (qo_ops/platform/liveness.py). NULL (a run of older code): only the lease's TTL applies.
+  (qo_ops/platform/run/liveness.py). NULL (a run of older code): only the lease's TTL applies.
 - ``downstream_breaker.recent`` / ``recent_at`` / ``spent``: the recent calls' outcomes in
   start order, shared by every run, and the failures among them that used an attempt.
 - ``downstream_refund``: attempts owed back to items after an outage, taken by the item's

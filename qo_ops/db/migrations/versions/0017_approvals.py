@@ -2,7 +2,7 @@
 
 - ``run_approval``: an approval an approver grants for a destructive job over some tenants
   (or all), with the incident's reason, until it expires or is revoked
-  (qo_ops/platform/approvals.py). The API grants one when an approver executes or approves
+  (qo_ops/platform/actions/approvals.py). The API grants one when an approver executes or approves
   a held run; ``qo-ops approval grant`` and ``POST /internal/jobs/{job}/approvals`` grant one for the
   CLI, the Launchpad and a backfill to cite.
 - ``job_run.approval_id``: the approval a run cited (NULL: none was needed).

@@ -1,0 +1,260 @@
+"""Approvals: the one consent rule for a destructive execute, whatever path asked for it.
+
+A destructive job (cleanup, archive, repair) executed by a person — from the CLI, the
+Dagster Launchpad, a backfill or the operator API — cites an approval (``RunOptions.approval``)
+that an approver granted for that job and the run's tenant, still valid (not expired, not
+revoked). Without one it is refused before anything is claimed, with one line saying how to
+get one, and audited ``denied`` (``approval_required``), on every path alike.
+
+Who grants: an approver. Through the operator API an identity with the ``approver`` role
+(``POST /internal/jobs/{job}/approvals``; an approver's own destructive execute, or their approval of a
+held request, grants one for that run); from the CLI whoever holds the database credentials
+that may write ``run_approval`` (the owner's or the API's: an administrator), naming
+themselves with ``--by``. The runner's role only reads approvals: a worker cannot grant one.
+
+An approval covers one job over the tenants it names (or every tenant) until it expires
+(at most a day): one incident's approval covers its runs, retries and backfill chunks.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from qo_ops.db.schema import run_approval
+from qo_ops.errors import BadInput
+from qo_ops.platform.job.options import MAX_TEXT, ExecuteRefused, RunOptions, check_consent
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run import records
+from qo_ops.platform.schedule.tenants import tenant_exists
+
+APPROVAL_REQUIRED = "approval_required"
+MIN_VALID_S = 60
+MAX_VALID_S = 24 * 3600
+DEFAULT_VALID_S = 3600
+MAX_TENANTS = 1000  # one approval names at most this many; more: every tenant (tenants NULL)
+
+
+@dataclass(frozen=True)
+class Approval:
+    """One approval, as granted."""
+
+    id: str
+    job_name: str
+    tenants: list[str] | None  # None: every tenant
+    reason: str
+    granted_by: str
+    granted_at: datetime
+    expires_at: datetime
+    revoked_at: datetime | None = None
+    revoked_by: str | None = None
+
+    def covers(self) -> str:
+        return "every tenant" if self.tenants is None else ", ".join(self.tenants)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "approvalId": self.id,
+            "job": self.job_name,
+            "tenants": self.tenants,
+            "reason": self.reason,
+            "grantedBy": self.granted_by,
+            "grantedAt": self.granted_at.isoformat(),
+            "expiresAt": self.expires_at.isoformat(),
+            "revokedAt": self.revoked_at.isoformat() if self.revoked_at else None,
+            "revokedBy": self.revoked_by,
+        }
+
+
+def requires_approval(spec: JobSpec, options: RunOptions) -> bool:
+    """Whether this run needs an approval: a destructive job's execute with a person behind
+    it (schedules and sensors run what the catalog declares, and need none)."""
+    return spec.destructive and options.mode == "execute" and options.person_behind
+
+
+def check_approval(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
+    """Raise :class:`ExecuteRefused` (``approval_required``) when this run needs an approval
+    and cites none, or one that does not allow it (unknown, another job, not its tenant,
+    expired, revoked)."""
+    if not requires_approval(spec, options):
+        return
+    check_consent(options, destructive=True, job_name=spec.name)  # cites one at all
+    assert options.approval is not None
+    with engine.connect() as conn:
+        found = find(conn, options.approval)
+        now: datetime = conn.execute(sa.select(sa.func.now())).scalar_one()
+    problem = _why_not(found, options.approval, spec.name, scope.tenant_id, now)
+    if problem is not None:
+        raise ExecuteRefused(
+            f"approval {options.approval} {problem}: ask an approver for one (qo-ops approval "
+            f"grant {spec.name} --tenant {scope.tenant_id} --reason …, or POST "
+            f"/internal/jobs/{spec.name}/approvals) and cite it",
+            error_code=APPROVAL_REQUIRED,
+        )
+
+
+def _why_not(
+    found: Approval | None, cited: str, job_name: str, tenant_id: str, now: datetime
+) -> str | None:
+    if found is None:
+        return "does not exist"
+    if found.job_name != job_name:
+        return f"is for {found.job_name}, not {job_name}"
+    if found.tenants is not None and tenant_id not in found.tenants:
+        return f"does not cover {tenant_id} (it covers {found.covers()})"
+    if found.revoked_at is not None:
+        return f"was revoked by {found.revoked_by} at {found.revoked_at.astimezone(UTC):%H:%M} UTC"
+    if found.expires_at <= now:
+        return f"expired at {found.expires_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
+    return None
+
+
+def find(conn: Connection, approval_id: str) -> Approval | None:
+    """The approval ``approval_id``, or None."""
+    row = conn.execute(sa.select(run_approval).where(run_approval.c.id == approval_id)).first()
+    return Approval(**row._mapping) if row is not None else None
+
+
+@dataclass(frozen=True)
+class Grant:
+    """An approval being granted: of ``job_name``'s execute over ``tenants`` (None: every
+    tenant), by ``granted_by``, for ``valid_for_s``. ``request``: the API request's
+    ``request_id`` and ``client_address``, for the audit row."""
+
+    job_name: str
+    tenants: Sequence[str] | None
+    reason: str
+    granted_by: str
+    valid_for_s: float = DEFAULT_VALID_S
+    request: dict[str, str | None] | None = None
+
+
+def grant(engine: Engine, spec: JobSpec, wanted: Grant) -> Approval:
+    """Record (and audit: ``approve``, ``granted``) the approval ``wanted``; BadInput
+    (nothing written) for a job that needs none, an unknown tenant, a blank reason or a
+    validity out of range."""
+    if not spec.destructive:
+        raise BadInput(f"{spec.name} is not destructive: its execute needs no approval")
+    if not wanted.reason.strip() or len(wanted.reason) > MAX_TEXT:
+        raise BadInput(f"an approval needs a reason (1 to {MAX_TEXT} characters)")
+    if not wanted.granted_by.strip() or len(wanted.granted_by) > MAX_TEXT:
+        raise BadInput("an approval names who grants it")
+    if not MIN_VALID_S <= wanted.valid_for_s <= MAX_VALID_S:
+        raise BadInput(
+            f"an approval is valid for {MIN_VALID_S} s to {MAX_VALID_S // 3600} h, "
+            f"not {wanted.valid_for_s:g} s"
+        )
+    named = None if wanted.tenants is None else sorted(set(wanted.tenants))
+    if named is not None and not 1 <= len(named) <= MAX_TENANTS:
+        raise BadInput(f"name 1 to {MAX_TENANTS} tenants, or every tenant")
+    with engine.begin() as conn:
+        unknown = [t for t in named or () if not tenant_exists(conn, t)]
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise BadInput(f"unknown tenant {unknown[0]}{more}")
+        return record_grant(
+            conn, replace(wanted, job_name=spec.name, tenants=named, reason=wanted.reason.strip())
+        )
+
+
+def record_grant(conn: Connection, wanted: Grant) -> Approval:
+    """Insert and audit an approval, in the caller's transaction (validated by the caller:
+    :func:`grant`, or the API's acceptance of an approver's own execute)."""
+    row = conn.execute(
+        sa.insert(run_approval)
+        .values(
+            id=new_id(),
+            job_name=wanted.job_name,
+            tenants=None if wanted.tenants is None else list(wanted.tenants),
+            reason=wanted.reason,
+            granted_by=wanted.granted_by,
+            expires_at=sa.func.now() + timedelta(seconds=wanted.valid_for_s),
+        )
+        .returning(*run_approval.c)
+    ).one()
+    approval = Approval(**row._mapping)
+    _audit(conn, approval, wanted.granted_by, "granted", wanted.request)
+    return approval
+
+
+def _audit(
+    conn: Connection,
+    approval: Approval,
+    actor: str,
+    decision: str,
+    request: dict[str, str | None] | None,
+) -> None:
+    records.append_audit(
+        conn,
+        records.AuditEntry(
+            actor=actor,
+            action="approve",
+            decision=decision,
+            job_name=approval.job_name,
+            scope=None
+            if approval.tenants is None or len(approval.tenants) > 1
+            else approval.tenants[0],
+            mode="execute",
+            reason=approval.reason,
+            details={
+                "approval": approval.id,
+                "tenants": approval.tenants,
+                "expires_at": approval.expires_at.isoformat(),
+            },
+            request_id=(request or {}).get("request_id"),
+            client_address=(request or {}).get("client_address"),
+        ),
+    )
+
+
+def revoke(
+    engine: Engine,
+    approval_id: str,
+    revoked_by: str,
+    request: dict[str, str | None] | None = None,
+) -> Approval:
+    """Revoke an approval (runs that cite it from now on are refused; audited); BadInput if
+    unknown."""
+    with engine.begin() as conn:
+        row = conn.execute(
+            sa.update(run_approval)
+            .where(run_approval.c.id == approval_id)
+            .values(
+                revoked_at=sa.func.coalesce(run_approval.c.revoked_at, sa.func.now()),
+                revoked_by=sa.func.coalesce(run_approval.c.revoked_by, revoked_by),
+            )
+            .returning(*run_approval.c)
+        ).first()
+        if row is None:
+            raise BadInput(f"no approval {approval_id}")
+        approval = Approval(**row._mapping)
+        _audit(conn, approval, revoked_by, "revoked", request)
+    return approval
+
+
+def list_approvals(
+    engine: Engine, *, job_name: str | None = None, live: bool = True
+) -> list[Approval]:
+    """Approvals, newest first; ``live``: only those neither expired nor revoked."""
+    query = sa.select(run_approval).order_by(run_approval.c.granted_at.desc()).limit(200)
+    if job_name is not None:
+        query = query.where(run_approval.c.job_name == job_name)
+    if live:
+        query = query.where(
+            run_approval.c.revoked_at.is_(None), run_approval.c.expires_at > sa.func.now()
+        )
+    with engine.connect() as conn:
+        return [Approval(**row._mapping) for row in conn.execute(query)]
+
+
+def new_id() -> str:
+    """``apr-`` and ten lowercase letters and digits: short enough to type in a form."""
+    alphabet = "abcdefghijkmnpqrstuvwxyz23456789"  # no l, o, 0, 1
+    return "apr-" + "".join(secrets.choice(alphabet) for _ in range(10))

@@ -1,0 +1,3 @@
+"""Calling another system from a job: calls outside the transaction (external), their
+retries, the fleet's rate limit, the circuit breaker, the call statistics, the outbox and
+the object store."""

@@ -1,0 +1,137 @@
+"""Calling another system for the items of a batch: in parallel, bounded, outside any
+database transaction, and stoppable: once the run is asked to stop, no further call is
+sent, and calls already sent are waited for only until half the stop grace is gone."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from qo_ops.platform.job.outcome import StopRequest
+from qo_ops.platform.observability.tracing import in_current_context
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_POLL_S = 0.05  # how often a waiting batch looks at the stop request
+_IDLE_S = 30.0  # how long an idle caller thread waits for the next batch before it ends
+
+
+class _Callers:
+    """Daemon threads that make the calls, kept idle between batches: starting dozens of
+    threads for every batch costs CPU and leaves nothing in flight meanwhile. A thread still
+    busy with a call past a stop's grace is simply not idle; the next batch starts another."""
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """No idle thread (a fresh start, and a forked child's: the parent's threads are gone)."""
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]] = []
+
+    def start(self, work: Callable[[], None], then: Callable[[], None]) -> None:
+        """Run ``work`` (which must not raise) on an idle thread, or on a new one; ``then``
+        once the thread is idle again (so the next batch finds it)."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(
+                target=self._serve, args=(inbox,), name="qo-ops-call", daemon=True
+            ).start()
+        inbox.put((work, then))
+
+    def _serve(
+        self, inbox: queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]
+    ) -> None:
+        while True:
+            try:
+                work, then = inbox.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if any(i is inbox for i in self._idle):  # nobody took it: retire
+                        self._idle = [i for i in self._idle if i is not inbox]
+                        return
+                work, then = inbox.get()  # taken just now: its work is on the way
+            work()
+            with self._lock:
+                self._idle.append(inbox)
+            then()
+
+
+_CALLERS = _Callers()
+# a forked child has none of the parent's threads: it must not hand work to their inboxes
+os.register_at_fork(after_in_child=_CALLERS.forget)
+
+
+@dataclass(frozen=True)
+class NotCalled(Generic[T]):
+    """An item whose call the stopping run did not make (``sent`` False) or did not wait
+    for (``sent`` True: the request may have landed). Its claim must be given back."""
+
+    item: T
+    sent: bool
+
+
+def call_each(
+    items: Sequence[T],
+    call: Callable[[T], R],
+    concurrency: int,
+    stop: StopRequest | None = None,
+) -> list[R | NotCalled[T]]:
+    """``call`` for every item, at most ``concurrency`` at once; results in item order.
+
+    ``call`` must not raise for an item's failure: it returns that failure as its result.
+    The calls run on daemon threads (kept for the next batch), so a call stuck past the
+    grace never holds up the process's exit; its item comes back as ``NotCalled(sent=True)``.
+    """
+    pending = object()
+    results: list[object] = [pending] * len(items)
+    sent: set[int] = set()
+    lock = threading.Lock()
+    todo = iter(range(len(items)))
+    finished = threading.Semaphore(0)
+    traced = in_current_context(call)
+    workers = max(1, min(concurrency, len(items)))
+    raised: list[BaseException] = []
+
+    def work() -> None:  # one of ``workers`` threads: take the next item until none is left
+        while True:
+            with lock:
+                index = None if stop is not None and stop.requested else next(todo, None)
+                if index is not None:
+                    sent.add(index)
+            if index is None:
+                return
+            try:
+                results[index] = traced(items[index])
+            except BaseException as exc:  # a bug, not an item's failure: the batch fails
+                raised.append(exc)
+                with lock:
+                    for _ in todo:
+                        pass
+
+    for _ in range(workers):
+        _CALLERS.start(work, finished.release)
+    idle = 0
+    while idle < workers:
+        deadline = stop.calls_deadline() if stop is not None else None
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        if finished.acquire(timeout=_POLL_S):
+            idle += 1
+    with lock:  # from here on, no worker takes another item
+        for _ in todo:
+            pass
+        if raised:
+            raise raised[0]
+        return [
+            NotCalled(items[i], sent=i in sent) if r is pending else r  # type: ignore[misc]
+            for i, r in enumerate(results)
+        ]

@@ -1,0 +1,24 @@
+"""The transactional outbox: events are written in the business transaction, once per
+business key, and published later by the relay (consumers dedupe on the event id)."""
+
+from __future__ import annotations
+
+from qo_ops.platform.job.outcome import BatchOutcome
+
+
+def transitions_with_events(
+    side_effect: str, *, selected: int, changed: int, events: int
+) -> BatchOutcome:
+    """The outcome of a batch that changed ``changed`` of ``selected`` rows, each change
+    appending one event under its business key: ``events`` were appended, the rest found
+    theirs already there (a duplicate prevented). Rows not changed had moved on since the
+    selection (skipped). Each change is one attempt at ``side_effect``."""
+    outcome = BatchOutcome(
+        succeeded=changed,
+        skipped=selected - changed,
+        events_written=events,
+        duplicates_prevented=changed - events,
+    )
+    outcome.side_effect(side_effect, "success", events)
+    outcome.side_effect(side_effect, "duplicate_prevented", changed - events)
+    return outcome

@@ -1,0 +1,205 @@
+"""What a job's functions see of their run (``BatchContext``), what one batch returns
+(``BatchOutcome``), the checks and report rows a run produces, and the summary it returns
+(``RunSummary``)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, TypeVar, cast
+
+from qo_ops.platform.job.counts import Counts, mutated_count
+from qo_ops.platform.job.options import Limits, Mode
+from qo_ops.platform.job.scope import Scope
+
+
+class StopRequest(Protocol):
+    """The run's stop request as a job's external phase sees it
+    (:class:`qo_ops.platform.run.stopping.StopSignals` is the runner's)."""
+
+    @property
+    def requested(self) -> bool: ...
+
+    @property
+    def event(self) -> threading.Event: ...  # set once a stop is asked (waits can watch it)
+
+    def calls_deadline(self) -> float | None: ...
+
+
+class NoStopRequest:
+    """The stop request of a context made outside a run: never asked."""
+
+    requested = False
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def calls_deadline(self) -> float | None:
+        return None
+
+
+@dataclass
+class BatchContext:
+    """What a job's selection and transition see of the run they belong to."""
+
+    job_name: str
+    scope: Scope
+    mode: Mode
+    job_run_id: uuid.UUID
+    limits: Limits = field(default_factory=Limits)  # a context made outside a run: defaults
+    settings: object | None = None  # what the job's validate_settings returned (run_settings)
+    # a checkpointed job's cursor: loaded when the run starts, then each batch's
+    cursor: dict[str, Any] | None = None
+    # where the next selection may start within this run (BatchOutcome.position), never
+    # persisted: lets a state-based sweep skip the index entries its earlier batches left dead
+    position: dict[str, Any] | None = None
+    # the job's own state between its steps within one run (e.g. the downstream calls'
+    # client, a safety gate's decision); the platform never reads it
+    state: dict[str, Any] = field(default_factory=dict)
+    # the run's stop request (SIGTERM/SIGINT): external phases send no call once it is set
+    stop: StopRequest = field(default_factory=NoStopRequest)
+
+
+T = TypeVar("T")
+
+
+def run_settings(ctx: BatchContext, read: Callable[[], T]) -> T:
+    """The job's settings as the run uses them: the value the runner got from the job's
+    ``validate_settings`` before the run wrote anything (``read`` is that same function),
+    so what was validated is what is used, read once. A context made outside a run (an
+    outcome check, a backlog count) reads them with ``read`` on first use."""
+    if ctx.settings is None:
+        ctx.settings = read()
+    return cast(T, ctx.settings)
+
+
+@dataclass
+class BatchOutcome(Counts):
+    """What one transition did: its :class:`Counts` (a job sets ``succeeded``, ``failed`` …;
+    the runner sets ``processed`` to the items it selected), which add up into the run
+    record, and what the runner does next."""
+
+    events_written: int = 0
+    cursor: dict[str, Any] | None = None  # the checkpoint after this batch, for cursor jobs
+    # where the next selection may start within this run (kept in memory, never persisted):
+    # lets a state-based sweep skip the index entries its earlier batches left dead
+    position: dict[str, Any] | None = None
+    failed_items: list[tuple[str, str]] = field(default_factory=list)  # (item id, error class)
+    # what a claiming transition hands the external phase
+    work: list[Any] = field(default_factory=list)
+    tally: dict[str, int] = field(
+        default_factory=dict
+    )  # job-specific counts, e.g. mismatches by type
+    # events the runner emits for this batch: (name, fields), e.g. a breaker's transition
+    notes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # the run stops after this batch: (error class or None, reason). With an error class it
+    # ends failed with it (e.g. dependency_unavailable); without, as its counts say
+    halt: tuple[str | None, str] | None = None
+
+    def side_effect(self, name: str, result: str, n: int = 1, *, reason: str = "") -> None:
+        """Count ``n`` attempts at the side effect ``name`` (one the job declares in
+        ``JobSpec.side_effects``) that ended in ``result`` (:data:`SIDE_EFFECT_RESULTS`); an
+        ``ambiguous`` one says why (``reason``: a short snake_case word). Kept in the run's
+        tally (``side_effect.<name>.<result>``, ``side_effect_ambiguity.<reason>``); the
+        exporter turns them into ``job_side_effects_total`` and
+        ``job_side_effect_ambiguity_total``."""
+        if result not in SIDE_EFFECT_RESULTS:
+            raise ValueError(f"unknown side-effect result {result!r}")
+        if (result == "ambiguous") != bool(reason):
+            raise ValueError("an ambiguous side effect, and only that, names its reason")
+        if n <= 0:
+            return
+        keys = [f"side_effect.{name}.{result}"]
+        if reason:
+            keys.append(f"side_effect_ambiguity.{reason}")
+        for key in keys:
+            self.tally[key] = self.tally.get(key, 0) + n
+
+
+# Platform counts kept in a run's tally (the exporter's job_checkpoint_*_total).
+CHECKPOINT_UPDATES = "checkpoint.updates"
+CHECKPOINT_RESETS = "checkpoint.resets"  # a rescanning job forgot its finished cursor
+
+# How an attempt at a side effect ended: done; not repeated because the business key or the
+# other system's idempotency key showed it was done before; refused or failed (retried or
+# dead-lettered); or unknown (the request may have landed, or it landed and our record of
+# it did not) -- those need reconciliation, and are counted by reason too.
+SIDE_EFFECT_RESULTS = ("success", "duplicate_prevented", "failed", "ambiguous")
+
+
+@dataclass(frozen=True)
+class OutcomeCheck:
+    """The business outcome checked after a run (e.g. no ACTIVE quote past expiry)."""
+
+    name: str
+    passed: bool
+    description: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # A check that counted exactly what the job's selection matches now (from its start, no
+    # position) says so here: the run's report takes it as the backlog instead of counting
+    # the same rows again (a full pass over the scope for a repair job).
+    backlog: int | None = None
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """One row of a run's report: what (``kind``, ``name``), how many (``count``), and a
+    short ``detail``. Ids, states and classes only: never personal data or payloads."""
+
+    kind: str
+    name: str
+    count: int
+    detail: str = ""
+
+
+@dataclass
+class RunSummary:
+    """What a run did, as printed by the CLI and returned to Dagster and the API."""
+
+    job_run_id: str
+    job_name: str
+    status: str
+    mode: str
+    scope: str
+    trigger: str
+    requester: str | None
+    eligible_count: int = 0
+    counts: Counts = field(default_factory=Counts)  # the batches' counters, added up
+    batches: int = 0
+    duration_ms: int = 0
+    batch_ms_p50: float | None = None  # batch transaction times (guard to commit)
+    batch_ms_p99: float | None = None
+    batch_ms_max: float | None = None
+    status_reason: str | None = None
+    error_code: str | None = None
+    error_text: str | None = None
+    sample_ids: list[str] = field(default_factory=list)
+    tally: dict[str, int] = field(default_factory=dict)
+    checks: list[OutcomeCheck] = field(default_factory=list)
+    fencing_token: int | None = None  # of the lease the run held
+    lock_wait_ms: int | None = None  # how long taking (or being refused) the lease took
+    checkpoint_before: str | None = None  # the cursor as JSON text (checkpointed jobs)
+    checkpoint_after: str | None = None
+    backlog: int | None = None  # items still eligible when the run ended
+    oldest_due_age_s: float | None = None  # age of the oldest of them (the job's lag)
+    checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
+    dead_letters: int | None = None  # items dead-lettered now, all tenants (capped count)
+    report: list[dict[str, Any]] = field(default_factory=list)  # ReportRow dicts
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; ``mutated_count`` after ``eligible_count`` (the seed's run
+        summary), the counters flat where ``counts`` stands, named as the job_run row names
+        them (``processed_count``, ``succeeded_count`` …)."""
+        flat: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            flat |= self.counts.columns() if key == "counts" else {key: value}
+            if key == "eligible_count":  # the seed's pair: eligible, then mutated
+                flat["mutated_count"] = self.mutated_count
+        return flat
+
+    @property
+    def mutated_count(self) -> int:
+        """Items whose state this run changed (the seed's field; 0 for a dry run)."""
+        return mutated_count(self.mode, self.counts.succeeded)

@@ -1,0 +1,95 @@
+"""The part of the world a run may touch: a tenant, and for a windowed job a date range."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta
+
+from qo_ops.errors import BadInput
+
+TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# The days a window may cover: none before 1900 (older than any business record, and than
+# the day a 100-year retention ages out), none whose end would leave the calendar.
+FIRST_DAY = date(1900, 1, 1)
+LAST_DAY = date.max - timedelta(days=1)  # 9999-12-30: its window ends on 9999-12-31
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The part of the world a run may touch: a tenant, and for windowed jobs a date range
+    (``window_start`` inclusive, ``window_end`` exclusive)."""
+
+    tenant_id: str
+    window_start: date | None = None
+    window_end: date | None = None
+
+    def __post_init__(self) -> None:
+        if not TENANT_ID.match(self.tenant_id):
+            raise BadInput(
+                "tenant must be a short key of lowercase letters, digits and '-' (e.g. tenant-001)"
+            )
+        if (self.window_start is None) != (self.window_end is None):
+            raise BadInput("a window needs both a start and an end date")
+        if self.window_start and self.window_end and self.window_end <= self.window_start:
+            raise BadInput("the window's end date must be after its start date")
+        if self.window_start and self.window_end:
+            _check_days(self.window_start, self.window_end - timedelta(days=1))
+
+    @classmethod
+    def days(cls, tenant_id: str, first: date, last: date) -> Scope:
+        """The scope of ``tenant_id`` over the days ``first`` to ``last``, both included;
+        :class:`BadInput` when a day lies outside ``FIRST_DAY``..``LAST_DAY`` (so the
+        window's end is always a date)."""
+        _check_days(first, last)
+        return cls(tenant_id, first, last + timedelta(days=1))
+
+    def window_bounds(self) -> tuple[datetime, datetime]:
+        """The window as UTC timestamps: [start 00:00, end 00:00)."""
+        assert self.window_start is not None and self.window_end is not None, "not a windowed scope"
+        return (
+            datetime.combine(self.window_start, time(), UTC),
+            datetime.combine(self.window_end, time(), UTC),
+        )
+
+    @property
+    def text(self) -> str:
+        """The scope as a person reads it (:func:`scope_text`): the last day included."""
+        return scope_text(self.key)
+
+    @property
+    def key(self) -> str:
+        """The lease and checkpoint key: ``tenant-001`` or ``tenant-001/2026-01-01..2026-01-02``
+        (end exclusive: the database's form; people read :attr:`text`)."""
+        if self.window_start is None:
+            return self.tenant_id
+        return f"{self.tenant_id}/{self.window_start.isoformat()}..{self.window_end.isoformat()}"  # type: ignore[union-attr]
+
+
+def scope_text(scope_key: str) -> str:
+    """A scope key as a person reads it: the days it covers, the last one included, as
+    ``qo-ops run --from/--to`` and a backfill's plan write them. The key's end is exclusive
+    (``tenant-001/2026-12-01..2026-12-02`` covers one day), so it is shown
+    ``tenant-001/2026-12-01``; ``…/2026-11-20..2026-12-05`` is shown ``…/2026-11-20..2026-12-04``.
+    A key that is not a window (a tenant, a chunk) is shown as it is."""
+    tenant, _, window = scope_key.partition("/")
+    first, dots, end = window.partition("..")
+    try:
+        start, last = date.fromisoformat(first), date.fromisoformat(end) - timedelta(days=1)
+    except ValueError:
+        return scope_key
+    if not dots or last < start:
+        return scope_key
+    return f"{tenant}/{start.isoformat()}" + ("" if last == start else f"..{last.isoformat()}")
+
+
+def tenant_of(scope_key: str) -> str:
+    """The tenant of a scope key (:attr:`Scope.key`): ``tenant-001/2026-01-01..`` → ``tenant-001``."""
+    return scope_key.partition("/")[0]
+
+
+def _check_days(first: date, last: date) -> None:
+    if not (first >= FIRST_DAY and last <= LAST_DAY):
+        raise BadInput(
+            f"a window's days must lie from {FIRST_DAY} to {LAST_DAY}, got {first} to {last}"
+        )

@@ -1,0 +1,117 @@
+"""Whether a run may start: what is checked before anything is written, and the audit row
+of a run started (or refused) for a person.
+
+A run that cannot be right (impossible options, a bad setting, the wrong kind of scope, an
+unknown tenant) is refused with nothing written; an execute a person may not start (no
+reason, a reused one, a destructive job without a valid approval) and a run of a suspended job are
+refused with an audit row (``denied``)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Connection, Engine
+
+from qo_ops.db import migrate
+from qo_ops.db.availability import db_retry_s
+from qo_ops.errors import BadInput
+from qo_ops.platform.actions.approvals import check_approval
+from qo_ops.platform.actions.consent import check_reason_is_new
+from qo_ops.platform.actions.control import JobSuspended, suspension_for
+from qo_ops.platform.job.options import ExecuteRefused, RunOptions, check_consent
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run import records
+from qo_ops.platform.run.stopping import StopSignals
+from qo_ops.platform.schedule.drift import drift_warn_s
+from qo_ops.platform.schedule.tenants import tenant_exists
+
+
+def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> object:
+    """Reject a run that cannot be right, before anything is written; returns the job's
+    settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
+    options.validated()
+    check_consent(options, destructive=spec.destructive, job_name=spec.name)
+    check_approval(engine, spec, scope, options)  # a destructive execute's cited approval
+    check_reason_is_new(
+        engine, spec.name, scope.key, options
+    )  # a Launchpad relaunch's copied reason
+    drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
+    settings = spec.validate_settings() if spec.validate_settings is not None else None
+    windowed = spec.partitioning == "tenant_day"
+    if windowed and scope.window_start is None:
+        raise BadInput(f"{spec.name} is windowed: give --date or --from/--to")
+    if not windowed and scope.window_start is not None:
+        raise BadInput(f"{spec.name} is not windowed: drop --date/--from/--to")
+    with engine.connect() as conn:
+        known = tenant_exists(conn, scope.tenant_id)
+    if not known:
+        raise BadInput(f"unknown tenant {scope.tenant_id}")
+    return settings
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """A run asked for: this job, over this scope, with these options."""
+
+    spec: JobSpec
+    scope: Scope
+    options: RunOptions
+
+    def admit(self, engine: Engine, stop: StopSignals) -> object:
+        """Refuse a run that cannot be right or may not start now (raising, the refusal
+        audited where a person or a suspension is behind it); returns the job's settings."""
+        # a run worker started before a contract step retired its code (a queued Dagster
+        # run launches in the image it was created with) starts nothing, in one line
+        migrate.require_current_cached(engine)
+        try:
+            settings = validate_request(engine, self.spec, self.scope, self.options)
+        except ExecuteRefused as refused:  # a person's execute without consent: on record
+            with stop.deferred(), engine.begin() as conn:
+                self.audit(
+                    conn, "denied", self.options.job_run_id,
+                    {"refused": refused.error_code, "cause": str(refused)},
+                )  # fmt: skip
+            raise
+        self._refuse_if_suspended(engine)
+        return settings
+
+    def _refuse_if_suspended(self, engine: Engine) -> None:
+        """A suspended job starts no run, whatever triggered it; the refusal is audited."""
+        with engine.begin() as conn:
+            found = suspension_for(conn, self.spec.name, self.scope.tenant_id)
+            if found is None:
+                return
+            self.audit(
+                conn, "denied", self.options.job_run_id,
+                {"refused": "suspended", "trigger": self.options.trigger, **found.as_dict()},
+            )  # fmt: skip
+        raise JobSuspended(f"{found.describe()}; nothing was run (resume: qo-ops resume)")
+
+    def audit(
+        self, conn: Connection, decision: str, run_id: uuid.UUID | None, details: dict[str, Any]
+    ) -> None:
+        """The audit row of the run being started (or refused) for ``options.requester``."""
+        options = self.options
+        trigger: dict[str, str] = {"trigger": options.trigger}
+        if options.dagster_run_id:
+            trigger["dagster_run_id"] = options.dagster_run_id
+        if options.approval:
+            trigger["approval"] = options.approval
+        records.append_audit(
+            conn,
+            records.AuditEntry(
+                actor=options.requester or "unknown",
+                action="trigger",
+                decision=decision,
+                job_name=self.spec.name,
+                scope=self.scope.key,
+                mode=options.mode,
+                reason=options.reason,
+                correlation_id=options.correlation_id,
+                job_run_id=run_id,
+                details={**trigger, **details},
+            ),
+        )

@@ -1,0 +1,74 @@
+"""A job's selection as the runner uses it (counted, and taken a batch at a time), and
+small pieces the jobs' selections share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.spec import JobSpec
+
+
+def count_eligible(conn: Connection, spec: JobSpec, ctx: BatchContext) -> int:
+    """How many items the run's selection matches now (the dry-run estimate)."""
+    selection = spec.eligible(ctx).order_by(None).subquery()
+    return int(conn.execute(sa.select(sa.func.count()).select_from(selection)).scalar() or 0)
+
+
+def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int) -> list[Any]:
+    """The next ``limit`` items, locked for this transaction (skipping ones others hold)."""
+    query = spec.eligible(ctx).limit(limit)
+    if spec.compete_with_skip_locked:
+        query = query.with_for_update(skip_locked=True, of=spec.lock_of)
+    return list(conn.execute(query).scalars().all())
+
+
+def id_array(ids: Sequence[Any]) -> str:
+    """A batch's integer ids as one array value (``{3,1,2}``), bound for
+    ``CAST(:ids AS bigint[])``: psycopg dumps a list element by element (about 5 ms for a
+    batch of 2,000), this is one string. ``int()`` of each: nothing but digits goes in."""
+    return "{" + ",".join([str(int(i)) for i in ids]) + "}"
+
+
+# For the rest of the caller's transaction, no parallel workers (SET LOCAL, value bound).
+_NO_PARALLEL_WORKERS = sa.text("SELECT set_config('max_parallel_workers_per_gather', '0', true)")
+
+
+def without_parallel_workers(conn: Connection) -> None:
+    """Plan the rest of ``conn``'s transaction without parallel workers. A count per key in a
+    subquery (``GROUP BY``) joined to its rows gets a parallel plan in which every worker
+    builds that whole aggregate again: at 1,000,000 events an outcome check took 8 s that
+    way and 2.5 s in one process (measured; a parallel hash join, which shares its table,
+    is faster with workers and is left alone)."""
+    conn.execute(_NO_PARALLEL_WORKERS)
+
+
+def after_position(
+    query: sa.Select[Any],
+    columns: tuple[sa.ColumnElement[Any], ...],
+    position: dict[str, Any] | None,
+    keys: tuple[str, ...],
+) -> sa.Select[Any]:
+    """``query`` restricted to rows after ``position`` in the order of ``columns`` (a row
+    comparison the index on those columns serves); unchanged when there is no position."""
+    if not position:
+        return query
+    return query.where(sa.tuple_(*columns) > sa.tuple_(*(sa.literal(position[k]) for k in keys)))
+
+
+def seconds_or_none(value: Any) -> float | None:
+    """An age from ``extract(epoch …)``: a float, or None when nothing is waiting."""
+    return float(value) if value is not None else None
+
+
+DEAD_LETTER_CAP = 100_000
+
+
+def capped_count(conn: Connection, selection: sa.Select[Any], cap: int) -> int:
+    """``count(*)`` of ``selection``, reading at most ``cap`` rows (bounded on any table)."""
+    limited = selection.limit(cap).subquery()
+    return int(conn.execute(sa.select(sa.func.count()).select_from(limited)).scalar_one())
