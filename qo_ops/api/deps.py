@@ -19,9 +19,9 @@ from qo_ops.api.dagster import DagsterClient
 from qo_ops.api.errors import ApiError
 from qo_ops.api.ratelimit import RateLimiter
 from qo_ops.api.tokens import Principal, authenticate
+from qo_ops.db import audit
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.job.spec import JobSpec
-from qo_ops.platform.run import records
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Audit:
 
     def __call__(self, actor: str, action: str, decision: str, **about: Any) -> None:
         with self.engine.begin() as conn:
-            records.append_audit(conn, self.meta.entry(actor, action, decision, **about))
+            audit.append_audit(conn, self.meta.entry(actor, action, decision, **about))
 
     def deny(self, p: Principal, action: str, why: str, **about: Any) -> ApiError:
         """Audit a refusal of ``p`` for ``why``; the ``403`` to raise."""

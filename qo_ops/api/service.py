@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
+from qo_ops.db import audit
 from qo_ops.db.schema import api_idempotency, job_run
 from qo_ops.platform.actions import approvals
 from qo_ops.platform.job.scope import Scope, tenant_of
@@ -98,9 +99,9 @@ class RequestMeta:
     request_id: str
     client_address: str | None
 
-    def entry(self, actor: str, action: str, decision: str, **about: Any) -> records.AuditEntry:
+    def entry(self, actor: str, action: str, decision: str, **about: Any) -> audit.AuditEntry:
         """An audit entry of this request: ``about`` names the job, scope, run and so on."""
-        return records.AuditEntry(
+        return audit.AuditEntry(
             actor,
             action,
             decision,
@@ -192,7 +193,7 @@ def _submit_once(engine: Engine, submission: Submission) -> Submitted:
             if seen is not None:
                 same = seen.request_sha256 == fingerprint
                 decision = "replayed" if same else "denied: idempotency key reused"
-                records.append_audit(
+                audit.append_audit(
                     conn, meta.entry(identity, "submit", decision, job_run_id=seen.id, **about)
                 )
                 return Submitted("replayed" if same else "key_reused", seen.id, seen.status)
@@ -200,7 +201,7 @@ def _submit_once(engine: Engine, submission: Submission) -> Submitted:
         found = conn.execute(_ACTIVE_RUN, {"job_name": spec.name, "scope": scope.key}).first()
         if found is not None:
             active = dict(found._mapping)
-            records.append_audit(
+            audit.append_audit(
                 conn,
                 meta.entry(
                     identity,
@@ -249,7 +250,7 @@ def _submit_once(engine: Engine, submission: Submission) -> Submitted:
                 },
             )
         decision = "held for approval" if submission.hold else "allowed"
-        records.append_audit(
+        audit.append_audit(
             conn,
             meta.entry(
                 identity,
@@ -269,7 +270,7 @@ def expire_stale(engine: Engine, run_id: uuid.UUID, reason: str, meta: RequestMe
     with engine.begin() as conn:
         done = records.finish_unstarted(conn, run_id, "failed", reason, reason)
         if done:
-            records.append_audit(
+            audit.append_audit(
                 conn, meta.entry("qo-ops-api", "expire", f"failed: {reason}", job_run_id=run_id)
             )
         return done
@@ -287,7 +288,7 @@ def record_launch_failed(
     """The run could not be handed to Dagster: it ends ``failed``/``launch_failed``."""
     with engine.begin() as conn:
         records.finish_unstarted(conn, run_id, "failed", "launch_failed", "launch_failed", message)
-        records.append_audit(
+        audit.append_audit(
             conn,
             meta.entry(
                 identity,
@@ -333,7 +334,7 @@ def approve(
             conn.execute(
                 _APPROVE, {"run_id": run_id, "identity": identity, "approval_id": granted.id}
             )
-        records.append_audit(
+        audit.append_audit(
             conn,
             meta.entry(
                 identity,

@@ -43,13 +43,14 @@ from qo_ops.dagster_defs.pending import pending_work
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.schedules import chunk_run_request
 from qo_ops.dagster_defs.submission import REFUSED_PREFIX, REFUSED_TAG, refusal_audit
+from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.errors import first_few, one_line
 from qo_ops.platform.actions.control import suspensions
 from qo_ops.platform.job.counts import Counts
 from qo_ops.platform.job.outcome import BatchContext, RunSummary
 from qo_ops.platform.job.scope import Scope, tenant_of
 from qo_ops.platform.job.spec import JobSpec
-from qo_ops.platform.run.records import AuditEntry, append_audit, finish_unstarted
+from qo_ops.platform.run.records import finish_unstarted
 from qo_ops.platform.schedule.freshness import STALE_FACTOR, job_due, stale_limit_s
 from qo_ops.platform.schedule.overdue import backlog_scope, database_now, tenant_backlog
 from qo_ops.platform.schedule.partition_keys import (

@@ -18,13 +18,13 @@ import dagster as dg
 from sqlalchemy.engine import Engine
 
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.errors import BadInput, one_line
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.actions.approvals import check_approval
 from qo_ops.platform.actions.consent import check_reason_is_new
 from qo_ops.platform.job.options import RunOptions, Trigger, check_consent
 from qo_ops.platform.job.scope import Scope
-from qo_ops.platform.run.records import AuditEntry, append_audit
 from qo_ops.platform.schedule.partition_keys import (
     JOB_RUN_TAG,
     MODE_TAG,

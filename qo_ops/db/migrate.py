@@ -468,7 +468,7 @@ def _record(
     )
     if not report.applied and report.outcome == "ok":
         return  # nothing to do, nothing to record
-    from qo_ops.platform.run.records import AuditEntry, append_audit
+    from qo_ops.db.audit import AuditEntry, append_audit
 
     try:
         with conn.begin():

@@ -55,6 +55,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.config import whole_number
+from qo_ops.db import audit
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import (
     BatchContext,
@@ -64,7 +65,6 @@ from qo_ops.platform.job.outcome import (
     run_settings,
 )
 from qo_ops.platform.job.spec import CheckSpec, JobSpec
-from qo_ops.platform.run import records
 from qo_ops.platform.run.selection import seconds_or_none
 
 DAYS_ENV = "QO_OPS_RUN_HISTORY_DAYS"
@@ -258,9 +258,9 @@ def prune_history_batch(conn: Connection, ctx: BatchContext, items: Sequence[Any
         },
     ).one()
     requester = conn.execute(_RUN_REQUESTER, {"id": ctx.job_run_id}).one()
-    records.append_audit(
+    audit.append_audit(
         conn,
-        records.AuditEntry(
+        audit.AuditEntry(
             actor=requester.requester or "qo-ops",
             action=AUDIT_ACTION,
             decision="pruned",

@@ -77,6 +77,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.config import whole_number
+from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.db.schema import job_run, temp_file
 from qo_ops.errors import ConfigError
 from qo_ops.platform.calls.object_store import (
@@ -91,7 +92,6 @@ from qo_ops.platform.job.outcome import run_settings as settings_of_run
 from qo_ops.platform.job.resources import RunResources
 from qo_ops.platform.job.spec import CheckSpec, JobSpec
 from qo_ops.platform.run.faults import crash_point
-from qo_ops.platform.run.records import AuditEntry, append_audit
 from qo_ops.platform.run.selection import after_position, id_array, seconds_or_none
 
 SIDE_EFFECT = "object_delete"  # removing a file from the object store (job_side_effects_total)

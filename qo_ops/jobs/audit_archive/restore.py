@@ -11,6 +11,7 @@ from datetime import date, timedelta
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from qo_ops.db import audit
 from qo_ops.errors import BadInput
 from qo_ops.jobs.audit_archive.checks import VERIFIED_MANIFESTS
 from qo_ops.jobs.audit_archive.errors import ArchiveError
@@ -18,7 +19,6 @@ from qo_ops.jobs.audit_archive.format import read_rows
 from qo_ops.jobs.audit_archive.settings import JOB_NAME
 from qo_ops.jobs.audit_archive.storage import resolve_path
 from qo_ops.platform.job.scope import Scope
-from qo_ops.platform.run import records
 from qo_ops.platform.schedule.tenants import tenant_exists
 
 
@@ -127,9 +127,9 @@ def restore_day(
             archived += len(rows)
             restored += len(back)
             conn.execute(_REOPEN_MANIFEST, {"id": m.id})
-        records.append_audit(
+        audit.append_audit(
             conn,
-            records.AuditEntry(
+            audit.AuditEntry(
                 actor=actor,
                 action="archive_restore",
                 decision="allowed",

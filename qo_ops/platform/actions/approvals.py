@@ -27,12 +27,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from qo_ops.db import audit
 from qo_ops.db.schema import run_approval
 from qo_ops.errors import BadInput
 from qo_ops.platform.job.options import MAX_TEXT, ExecuteRefused, RunOptions, check_consent
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
-from qo_ops.platform.run import records
 from qo_ops.platform.schedule.tenants import tenant_exists
 
 APPROVAL_REQUIRED = "approval_required"
@@ -191,9 +191,9 @@ def _audit(
     decision: str,
     request: dict[str, str | None] | None,
 ) -> None:
-    records.append_audit(
+    audit.append_audit(
         conn,
-        records.AuditEntry(
+        audit.AuditEntry(
             actor=actor,
             action="approve",
             decision=decision,

@@ -17,11 +17,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.db.schema import job_control
 from qo_ops.errors import BadInput, QoOpsError, one_line
 from qo_ops.platform.job.options import MAX_TEXT
 from qo_ops.platform.job.scope import Scope
-from qo_ops.platform.run.records import AuditEntry, append_audit
 from qo_ops.platform.schedule.tenants import tenant_exists
 
 EVERY_SCOPE = ""  # job_control.tenant_id of a suspension covering every tenant

@@ -30,13 +30,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.errors import BadInput, QoOpsError, first_few
 from qo_ops.platform.job.options import MAX_TEXT
 from qo_ops.platform.job.review import DeadLetterKind, Review, ReviewAction, ReviewItem
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
 from qo_ops.platform.run import lease as leases
-from qo_ops.platform.run.records import AuditEntry, append_audit
 
 MAX_REQUEUE = 100_000
 MAX_LISTED = 1000

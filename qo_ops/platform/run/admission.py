@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from qo_ops.db import migrate
+from qo_ops.db import audit, migrate
 from qo_ops.db.availability import db_retry_s
 from qo_ops.errors import BadInput
 from qo_ops.platform.actions.approvals import check_approval
@@ -23,7 +23,6 @@ from qo_ops.platform.actions.control import JobSuspended, suspension_for
 from qo_ops.platform.job.options import ExecuteRefused, RunOptions, check_consent
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
-from qo_ops.platform.run import records
 from qo_ops.platform.run.stopping import StopSignals
 from qo_ops.platform.schedule.drift import drift_warn_s
 from qo_ops.platform.schedule.tenants import tenant_exists
@@ -100,9 +99,9 @@ class RunRequest:
             trigger["dagster_run_id"] = options.dagster_run_id
         if options.approval:
             trigger["approval"] = options.approval
-        records.append_audit(
+        audit.append_audit(
             conn,
-            records.AuditEntry(
+            audit.AuditEntry(
                 actor=options.requester or "unknown",
                 action="trigger",
                 decision=decision,

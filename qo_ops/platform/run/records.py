@@ -6,7 +6,7 @@ This module and the jobs' own modules are the only places that write these table
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -14,8 +14,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
 
+from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.db.migrate import HEAD_REVISION
-from qo_ops.db.schema import JOB_RUN_STATUSES, job_audit, job_run
+from qo_ops.db.schema import JOB_RUN_STATUSES, job_run
 from qo_ops.errors import BadInput, one_line
 from qo_ops.platform.job.counts import COLUMNS, Counts
 from qo_ops.platform.job.options import RunOptions
@@ -340,36 +341,6 @@ def request_cancel(
         )
         status: str = row.status
         return status
-
-
-@dataclass(frozen=True)
-class AuditEntry:
-    """One row of the audit trail: who (``actor``) did what (``action``) to which job, scope
-    and run, what was decided and why; ``request_id`` and ``client_address`` say where an
-    API request came from."""
-
-    actor: str
-    action: str
-    decision: str
-    job_name: str | None = None
-    scope: str | None = None
-    mode: str | None = None
-    reason: str | None = None
-    correlation_id: str | None = None
-    job_run_id: uuid.UUID | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-    request_id: str | None = None
-    client_address: str | None = None
-
-
-# Twice: the trail is append-only; a second call records a second decision (a retried
-# request is one), and a rolled-back transaction takes its row with it.
-_APPEND_AUDIT = sa.insert(job_audit)
-
-
-def append_audit(conn: Connection, entry: AuditEntry) -> None:
-    """Append ``entry`` to the append-only audit trail, in the caller's transaction."""
-    conn.execute(_APPEND_AUDIT, asdict(entry))
 
 
 @dataclass(frozen=True)
