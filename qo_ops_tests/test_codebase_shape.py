@@ -1,10 +1,13 @@
-"""The codebase's shape, held (issue 22): no module of qo_ops/ outside the migrations is
-longer than 700 lines, no function of qo_ops/platform/ takes more than 6 parameters, and
-the platform, the jobs and the database layer never import Dagster."""
+"""The codebase's shape, held (issues 22 and 43): no module of qo_ops/ outside the migrations is
+longer than 700 lines, no function of qo_ops/platform/ takes more than 6 parameters, the
+platform, the jobs and the database layer never import Dagster, no two modules of qo_ops
+import each other however indirectly (type-only and function-level imports count), and the
+job's vocabulary (qo_ops/platform/job/) imports nothing else of qo_ops but its errors."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,6 +15,10 @@ PACKAGE = ROOT / "qo_ops"
 MAX_LINES = 700
 MAX_PARAMETERS = 6
 FREE_OF_DAGSTER = ("platform", "jobs", "db")
+VOCABULARY = "qo_ops.platform.job"
+# What the vocabulary may import of qo_ops besides itself: the error classes, which import
+# nothing of qo_ops (checked below), so the vocabulary stays the bottom layer.
+VOCABULARY_MAY_IMPORT = ("qo_ops.errors",)
 
 
 def modules(under: Path) -> list[Path]:
@@ -101,3 +108,102 @@ def test_the_checks_find_what_breaks_them(tmp_path):
     assert dagster_imports("from dagster_postgres import x") == [1]
     assert dagster_imports("from qo_ops.dagster_defs.partitions import y") == [1]
     assert dagster_imports("import dagsterish\nfrom qo_ops.platform import spec") == []
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(source: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``source`` imports anywhere: at the top, under
+    ``TYPE_CHECKING``, or inside a function. ``from a.b import c`` imports ``a.b.c`` when it
+    is a module, else ``a.b``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found |= {full} if full in known else {node.module} & known
+    return found
+
+
+def import_graph(root: Path, package: str = "qo_ops") -> dict[str, set[str]]:
+    paths = {module_name(p, root): p for p in (root / package).rglob("*.py")}
+    known = set(paths)
+    return {name: imported(path.read_text(), known) - {name} for name, path in paths.items()}
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """Every group of modules that import each other, however indirectly (Tarjan's strongly
+    connected components with more than one module), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_two_modules_import_each_other():
+    assert cycles(import_graph(ROOT)) == []
+
+
+def test_the_job_vocabulary_imports_nothing_else_of_qo_ops():
+    graph = import_graph(ROOT)
+    outside = {
+        f"{name} imports {other}"
+        for name, imports in graph.items()
+        if name == VOCABULARY or name.startswith(f"{VOCABULARY}.")
+        for other in imports
+        if not other.startswith(VOCABULARY) and other not in VOCABULARY_MAY_IMPORT
+    }
+    assert outside == set()
+    assert VOCABULARY_MAY_IMPORT and all(
+        graph[name] <= {"qo_ops"} for name in VOCABULARY_MAY_IMPORT
+    )
+
+
+def test_the_import_checks_find_what_breaks_them(tmp_path):
+    package = tmp_path / "qo_ops"
+    (package / "platform" / "job").mkdir(parents=True)
+    for init in (package, package / "platform", package / "platform" / "job"):
+        (init / "__init__.py").write_text("")
+    (package / "a.py").write_text("from qo_ops import b\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from qo_ops.c import C\n"
+    )
+    (package / "c.py").write_text("def f():\n    from qo_ops.a import x\n")
+    (package / "platform" / "job" / "spec.py").write_text("from qo_ops.platform.job import scope\n")
+    (package / "platform" / "job" / "scope.py").write_text("from qo_ops.a import x\n")
+    graph = import_graph(tmp_path)
+    assert graph["qo_ops.b"] == {"qo_ops.c"} and graph["qo_ops.c"] == {"qo_ops.a"}
+    assert cycles(graph) == [["qo_ops.a", "qo_ops.b", "qo_ops.c"]]
+    assert graph["qo_ops.platform.job.spec"] == {"qo_ops.platform.job.scope"}
+    assert graph["qo_ops.platform.job.scope"] == {"qo_ops.a"}  # what the vocabulary test refuses
+    (package / "c.py").write_text("def f():\n    import json\n")
+    assert cycles(import_graph(tmp_path)) == []
