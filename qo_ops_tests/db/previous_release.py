@@ -216,7 +216,10 @@ from dagster._core.definitions.partitions.context import partition_loading_conte
 
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.definitions import defs
-from qo_ops.platform.schedule.partition_keys import SCOPE_TAG
+try:  # the module's home since issue 43; the previous release may predate it
+    from qo_ops.platform.schedule.partition_keys import SCOPE_TAG
+except ModuleNotFoundError:
+    from qo_ops.platform.partition_keys import SCOPE_TAG
 
 task = json.loads(sys.argv[2])
 database = QoOpsDatabase(url=os.environ["QO_OPS_DATABASE_URL"])
