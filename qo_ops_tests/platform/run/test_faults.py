@@ -4,6 +4,9 @@ while another run takes over: test_liveness.py.)
 
 After each, the data must show no duplicate event, no expired quote without its event,
 no ACTIVE quote left past expiry, and a truthful run record.
+
+Tests the crash points of ``qo_ops.platform.run.faults`` against
+``qo_ops.platform.run.runner``; quote_expiration is the job these drive.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ items and outbox events are all due, with a real downstream simulator at hand: t
 exit 2 with one line on stderr and no traceback, leave every business and platform table
 as it was (no claim, no attempt counted, no job_run row), and send nothing downstream. One
 run with good settings proves the same command would have claimed and called.
+
+Tests ``qo_ops.platform.run.admission``, with the settings it checks (``qo_ops.config``, the
+retry policy of ``qo_ops.platform.calls.retry``, the calendar of
+``qo_ops.platform.job.scope``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The circuit breaker's and the token bucket's rules, on their own (the bucket on a fake
 clock); the jobs that use them are tested against the real simulator in
-qo_ops_tests/jobs/test_downstream_manners.py."""
+qo_ops_tests/jobs/test_downstream_manners.py.
+
+Tests ``qo_ops.platform.calls.breaker``.
+"""
 
 from __future__ import annotations
 
