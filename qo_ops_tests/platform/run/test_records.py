@@ -13,13 +13,7 @@ import uuid
 import sqlalchemy as sa
 
 from qo_ops.platform.run.records import reap_orphans, request_cancel
-from qo_ops_tests.platform.run.quote_runs import (
-    JOB,
-    TENANT,
-    rows,
-    run,
-    run_row,
-)
+from qo_ops_tests.platform.run.quote_runs import JOB, TENANT, rows, run, run_row
 
 # ------------------------------------------------------------------------- cancel
 

@@ -220,7 +220,7 @@ def test_deadline_through_the_cli_exits_5(loaded, cli):
     assert row.processed_count == len(expired_among(db.engine, eligible)) < len(eligible)
 
 
-# ------------------------------------------------------------------------- cancel
+# ------------------------------------------------------------------------- cancel and SIGTERM
 
 
 def _run_in_thread(engine: sa.Engine, **options: Any) -> tuple[threading.Thread, dict[str, Any]]:
