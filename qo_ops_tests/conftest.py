@@ -35,6 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 QO_OPS_BIN = str(Path(sys.executable).with_name("qo-ops"))
 _counter = itertools.count()
 
+# a helper module of asserts shared by test files: its failures show their values too
+pytest.register_assert_rewrite("qo_ops_tests.platform.run.quote_runs")
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -475,7 +475,7 @@ def _plant_running_run(db, run_id: str) -> None:
 def test_cancel_by_a_short_id_needs_exactly_one_running_run_with_it(demo, cli):
     """A short id that no running run has (a finished run's too), or that two share, is
     refused with one line, changing nothing (no audit row); the stopping itself by a short
-    id is in qo_ops_tests/jobs/test_quote_expiration.py."""
+    id is in qo_ops_tests/platform/run/test_runner.py."""
     finished = json.loads(cli("run", JOB, "--tenant", TENANT, "--json").stdout)["job_run_id"]
     _plant_running_run(demo, "abcdef01-0000-4000-8000-000000000001")
     _plant_running_run(demo, "abcdef01-0000-4000-8000-000000000002")

@@ -7,6 +7,7 @@ job's vocabulary (qo_ops/platform/job/) imports nothing else of qo_ops but its e
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -207,3 +208,67 @@ def test_the_import_checks_find_what_breaks_them(tmp_path):
     assert graph["qo_ops.platform.job.scope"] == {"qo_ops.a"}  # what the vocabulary test refuses
     (package / "c.py").write_text("def f():\n    import json\n")
     assert cycles(import_graph(tmp_path)) == []
+
+
+SHARED_HERE = ("__init__.py", "conftest.py")  # all qo_ops_tests/platform/ holds itself
+
+
+def misplaced_platform_tests(package: Path, tests: Path) -> list[str]:
+    """Where a reader looks for a platform module's tests: ``qo_ops_tests/platform/<group>/``
+    beside ``qo_ops/platform/<group>/``, in ``test_<module>.py`` when named after a module,
+    with a docstring naming a module of that group; none directly in qo_ops_tests/platform/."""
+    modules = {
+        init.parent.name: {m.stem for m in init.parent.glob("*.py")} - {"__init__"}
+        for init in (package / "platform").glob("*/__init__.py")
+    }
+    group_of = {module: group for group, names in modules.items() for module in names}
+    found = []
+    for path in sorted((tests / "platform").rglob("*.py")):
+        folder = path.parent.relative_to(tests / "platform").parts
+        if (folder and not path.name.startswith("test_")) or path.name in SHARED_HERE:
+            continue  # a group's helpers, or the fixtures every group shares
+        module = path.stem.removeprefix("test_")
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        label = path.relative_to(tests.parent)
+        if len(folder) != 1 or folder[0] not in modules:
+            found.append(f"{label}: not in a folder named after a group of qo_ops/platform/")
+        elif module in group_of and group_of[module] != folder[0]:
+            found.append(f"{label}: belongs in qo_ops_tests/platform/{group_of[module]}/")
+        elif not any(
+            re.search(rf"qo_ops\.platform\.{folder[0]}\.{m}\b", doc) for m in modules[folder[0]]
+        ):
+            found.append(f"{label}: its docstring names no module of qo_ops/platform/{folder[0]}/")
+    return found
+
+
+def test_each_platform_test_file_sits_beside_the_module_it_tests():
+    assert misplaced_platform_tests(PACKAGE, ROOT / "qo_ops_tests") == []
+
+
+def test_a_misplaced_platform_test_file_is_found(tmp_path):
+    for module in ("run/lease.py", "run/runner.py", "calls/retry.py"):
+        (tmp_path / "qo_ops/platform" / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "qo_ops/platform" / module).touch()
+        (tmp_path / "qo_ops/platform" / module).with_name("__init__.py").touch()
+    planted = {
+        "test_lease.py": '"""Tests ``qo_ops.platform.run.lease``."""',  # not in a group
+        "run/test_lease.py": '"""Tests ``qo_ops.platform.run.lease``."""',  # well placed
+        "calls/test_runner.py": '"""Tests ``qo_ops.platform.run.runner``."""',  # wrong group
+        "run/test_restart.py": '"""Tests ``qo_ops.platform.calls.retry``."""',  # names none of run/
+        "misc/test_retry.py": '"""Tests ``qo_ops.platform.calls.retry``."""',  # no such group
+        "conftest.py": "",
+        "helpers.py": "",  # not a test, still not in a group
+    }
+    for name, text in planted.items():
+        (tmp_path / "qo_ops_tests/platform" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "qo_ops_tests/platform" / name).write_text(text)
+    assert misplaced_platform_tests(tmp_path / "qo_ops", tmp_path / "qo_ops_tests") == [
+        "qo_ops_tests/platform/calls/test_runner.py: belongs in qo_ops_tests/platform/run/",
+        "qo_ops_tests/platform/helpers.py: not in a folder named after a group of qo_ops/platform/",
+        "qo_ops_tests/platform/misc/test_retry.py: not in a folder named after a group of "
+        "qo_ops/platform/",
+        "qo_ops_tests/platform/run/test_restart.py: its docstring names no module of "
+        "qo_ops/platform/run/",
+        "qo_ops_tests/platform/test_lease.py: not in a folder named after a group of "
+        "qo_ops/platform/",
+    ]

@@ -4,7 +4,7 @@ by anyone, reset by an approver; an operator may only dry-run a reset). Each cha
 audited with the request's id, a second call changes nothing, a refusal changes nothing,
 and a run holding the scope makes it a 409.
 
-What each action changes in the database is proven in qo_ops_tests/platform/test_recovery.py
+What each action changes in the database is proven in qo_ops_tests/platform/actions/test_recovery.py
 (the same code path); here the HTTP contract and the roles."""
 
 from __future__ import annotations

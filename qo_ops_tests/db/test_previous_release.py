@@ -63,7 +63,7 @@ from qo_ops_tests.db.previous_release import (
     find_previous_code,
 )
 from qo_ops_tests.metrics.test_exporter import completed, finished_runs, scrape_when
-from qo_ops_tests.platform.test_faults import wait_for
+from qo_ops_tests.platform.run.test_faults import wait_for
 
 if TYPE_CHECKING:
     from qo_ops_tests.conftest import TestDatabase

@@ -1,7 +1,10 @@
 """Traces of real runs, caught by an in-memory span exporter: run → lease and batches →
 checkpoint updates and downstream calls (a real simulator over HTTP), with the seed's
 attributes and without item ids; the run's trace id is in every event it logs. Off by
-default, and a bad endpoint setting is a one-line error."""
+default, and a bad endpoint setting is a one-line error.
+
+Tests ``qo_ops.platform.observability.tracing``.
+"""
 
 from __future__ import annotations
 

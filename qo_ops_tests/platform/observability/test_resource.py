@@ -6,6 +6,8 @@ environment deploy/ fills from the downward API (and from ``OTEL_RESOURCE_ATTRIB
 Checked on a real ``qo-ops run`` in an environment like a run pod's, its spans caught by a
 real OTLP/HTTP receiver on loopback, as a collector would get them. Values the environment
 gets wrong are left out: they never break a run, never appear, and are named once.
+
+Tests ``qo_ops.platform.observability.resource``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Job telemetry: JSON event lines that identify the run and leak nothing, rate-limited
-progress, and Prometheus metrics with only low-cardinality labels."""
+progress, and Prometheus metrics with only low-cardinality labels.
+
+Tests ``qo_ops.platform.observability.events``; quote_expiration is the job these drive.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,11 @@
 person's re-execution, a backfill, the API) needs a reason and is audited; a backfill never
 executes a destructive job; schedules, sensors and automatic retries are not persons. The
 rule is in the platform: ``run_job`` refuses, writes nothing but the audit row of the
-refusal, whatever adapter called it."""
+refusal, whatever adapter called it.
+
+Tests ``qo_ops.platform.actions.consent`` and the consent rule of
+``qo_ops.platform.job.options``.
+"""
 
 from __future__ import annotations
 

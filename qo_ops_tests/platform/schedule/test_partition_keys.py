@@ -1,5 +1,8 @@
 """Tenant chunks, the second dimension of a windowed job's partitions: chunk k holds the
-tenants at positions [(k-1)·100, k·100) in (created_at, id) order, on a real PostgreSQL."""
+tenants at positions [(k-1)·100, k·100) in (created_at, id) order, on a real PostgreSQL.
+
+Tests ``qo_ops.platform.schedule.partition_keys`` and ``qo_ops.platform.schedule.tenants``.
+"""
 
 from __future__ import annotations
 

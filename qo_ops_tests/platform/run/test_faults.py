@@ -1,9 +1,13 @@
 """Faults, for real: processes killed with SIGKILL at each crash point, runs that overlap on
 purpose, a run record and its audit row committed together. (A holder frozen with SIGSTOP
-while another run takes over: test_liveness.py.)
+while another run takes over: test_liveness.py; runs of one scope started at once:
+test_lease.py.)
 
 After each, the data must show no duplicate event, no expired quote without its event,
 no ACTIVE quote left past expiry, and a truthful run record.
+
+Tests the crash points of ``qo_ops.platform.run.faults`` against
+``qo_ops.platform.run.runner``; quote_expiration is the job these drive.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.run.faults import CRASH_ENV, CRASH_POINTS
-from qo_ops.platform.run.lease import acquire
 from qo_ops.platform.run.runner import RunSummary, run_job, select_batch
 from qo_ops_tests.conftest import base_env, run_cli
 
@@ -213,40 +216,6 @@ def busy_engine(db):
     engine.dispose()
 
 
-def test_eight_concurrent_runs_of_one_scope_exactly_one_executes(loaded, busy_engine):
-    db, eligible = loaded
-    options = RunOptions(
-        mode="execute", trigger="schedule", batch_size=50, throttle_ms=100, progress_interval_s=3600
-    )
-    results = _threads(8, lambda i: run_job(SPEC, Scope(TENANT), options, engine=busy_engine))
-    statuses = sorted(r.status for r in results)
-    assert statuses == ["skipped"] * 7 + ["success"], statuses
-    winner = next(r for r in results if r.status == "success")
-    assert winner.counts.succeeded == eligible
-    assert all(r.status_reason == "lease-not-acquired" for r in results if r.status == "skipped")
-    assert_outcome_intact(db.engine)
-
-
-def test_runs_of_different_tenants_proceed_in_parallel(loaded, busy_engine):
-    db, _ = loaded
-    options = RunOptions(
-        mode="execute", trigger="schedule", batch_size=50, throttle_ms=50, progress_interval_s=3600
-    )
-    tenants = ["tenant-001", "tenant-002"]
-    results = _threads(2, lambda i: run_job(SPEC, Scope(tenants[i]), options, engine=busy_engine))
-    assert [r.status for r in results] == ["success", "success"]
-    with db.engine.connect() as conn:
-        spans = conn.execute(
-            sa.text(
-                "SELECT started_at, finished_at FROM job_run WHERE id = ANY(CAST(:ids AS uuid[]))"
-            ),
-            {"ids": [r.job_run_id for r in results]},
-        ).all()
-    (a_start, a_end), (b_start, b_end) = spans
-    assert a_start < b_end and b_start < a_end  # their lifetimes overlapped
-    assert overdue(db.engine, "tenant-001") == 0 and overdue(db.engine, "tenant-002") == 0
-
-
 def test_competing_workers_with_skip_locked_take_disjoint_batches(loaded, busy_engine):
     """The batch selection itself is safe for competing workers (FOR UPDATE SKIP LOCKED)."""
     db, eligible = loaded
@@ -292,21 +261,6 @@ def test_an_interrupt_during_the_outcome_checks_still_finishes_the_run_record(lo
     assert row.status_reason == "interrupted during outcome checks"
     assert row.processed_count == before and overdue(db.engine) == 0
     assert scalar(db.engine, "SELECT count(*) FROM job_lease WHERE expires_at > now()") == 0
-
-
-def test_a_batch_transaction_left_idle_past_the_lease_ttl_is_cut_off_by_the_server(db):
-    """The lease's guard, the first statement of every batch transaction, also sets that
-    transaction's idle timeout to the lease's TTL: a holder frozen mid-batch loses its
-    connection (and with it the locks it holds) instead of holding the lease's row forever."""
-    lease = acquire(db.engine, SPEC.name, TENANT, "frozen-holder", 1.0, uuid.uuid4())
-    assert lease is not None
-    with db.engine.connect() as conn:
-        conn.begin()
-        assert lease.guard(conn) is None
-        assert conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar() == "1s"
-        time.sleep(1.5)  # idle inside the transaction, past the TTL
-        with pytest.raises(sa.exc.DBAPIError):
-            conn.exec_driver_sql("SELECT 1")
 
 
 def test_a_check_that_counted_the_selection_gives_the_report_its_backlog(loaded):

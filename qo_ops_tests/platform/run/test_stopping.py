@@ -5,6 +5,8 @@ container without an init runs it.
 
 Afterwards there is never a ``running`` row, a held lease or a claimed item, the business
 invariants of test_faults.py hold, and a rerun finishes the work.
+
+Tests ``qo_ops.platform.run.stopping``; quote_expiration is the job these drive.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from qo_ops.platform.run.faults import HOLD_ENV
 from qo_ops.platform.run.runner import run_job
 from qo_ops.platform.run.stopping import STOP_GRACE_ENV
 from qo_ops_tests.conftest import QO_OPS_BIN, run_cli
-from qo_ops_tests.platform.test_faults import (
+from qo_ops_tests.platform.run.test_faults import (
     AS_OF,
     TENANT,
     assert_outcome_intact,

@@ -1,7 +1,10 @@
 """Secrets and personal data never survive the log path: random text carrying API tokens,
 bearer values, passwords in URLs, ``password=``-like pairs and e-mail addresses goes
 through the real loggers and handlers (job events, the API's and the exporter's JSON
-lines, one-line errors); none of the secret parts comes out."""
+lines, one-line errors); none of the secret parts comes out.
+
+Tests the redaction in ``qo_ops.platform.observability.events`` and ``qo_ops.errors``.
+"""
 
 from __future__ import annotations
 

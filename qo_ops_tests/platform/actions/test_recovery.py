@@ -6,6 +6,8 @@ checkpoints shown and reset (pricing_snapshot_recalculation).
 For each change: what it changes and nothing else, its audit row in the same transaction,
 its refusal while a run holds the scope's lease, its dry run changing nothing, and a second
 call changing nothing.
+
+Tests ``qo_ops.platform.actions.recovery``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""A crashed run is found by the liveness PostgreSQL gives for free (qo_ops/platform/
+"""A crashed run is found by the liveness PostgreSQL gives for free (qo_ops/platform/run/
 liveness.py), for real: a ``qo-ops run`` process killed with SIGKILL mid-batch, with a lease
 TTL of two minutes, is finished and its scope taken over by the next run at once; a frozen
 holder (SIGSTOP) still keeps its scope until its TTL; a run whose liveness session is
 terminated while it works says itself how it ended; a lock from before the server last
-started says nothing. Asserted by state (records, leases, fencing tokens), never by time."""
+started says nothing. Asserted by state (records, leases, fencing tokens), never by time.
+
+Tests ``qo_ops.platform.run.liveness``; quote_expiration is the job these drive.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from qo_ops.platform.run.lease import held_scopes
 from qo_ops.platform.run.records import reap_orphans
 from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.conftest import QO_OPS_BIN, run_cli
-from qo_ops_tests.platform.test_faults import (
+from qo_ops_tests.platform.run.test_faults import (
     TENANT,
     assert_outcome_intact,
     cli_env,

@@ -5,6 +5,9 @@ The runs end ``failed`` with the error class ``database_unavailable``, their rec
 finished and their leases given back once the server is back; a rerun right after
 proceeds and finishes the work exactly; the API and the exporter answer again without
 being restarted. The server is this module's own, so restarting it disturbs no other test.
+
+Tests ``qo_ops.platform.run.runner`` (with ``qo_ops.db.availability``); quote_expiration is
+the job these drive.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from qo_ops_tests.conftest import QO_OPS_BIN, base_env, create_database, run_cli
 from qo_ops_tests.conftest import TestDatabase as Database
 from qo_ops_tests.dagster.stack import free_port
 from qo_ops_tests.metrics.test_exporter import scrape, value
-from qo_ops_tests.platform.test_faults import (
+from qo_ops_tests.platform.run.test_faults import (
     AS_OF,
     assert_outcome_intact,
     overdue,

@@ -1,6 +1,9 @@
 """One way to write a date range where a person reads it: the days covered, the last one
 included (as `qo-ops run --from/--to` and a backfill's plan take them), while the database
-keeps its end-exclusive scope keys."""
+keeps its end-exclusive scope keys.
+
+Tests ``qo_ops.platform.job.scope`` (``scope_text``) and ``qo_ops.errors.age_text``.
+"""
 
 from datetime import date
 

@@ -1,5 +1,9 @@
 """The retry model: error classification, exponential backoff with bounded jitter, the attempt
-budget, and the audited requeue of dead letters (on a real database, and through the CLI)."""
+budget, and the audited requeue of dead letters (on a real database, and through the CLI).
+
+Tests ``qo_ops.platform.calls.retry`` (and the requeue of
+``qo_ops.platform.actions.recovery``).
+"""
 
 from __future__ import annotations
 

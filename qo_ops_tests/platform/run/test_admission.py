@@ -5,11 +5,21 @@ items and outbox events are all due, with a real downstream simulator at hand: t
 exit 2 with one line on stderr and no traceback, leave every business and platform table
 as it was (no claim, no attempt counted, no job_run row), and send nothing downstream. One
 run with good settings proves the same command would have claimed and called.
+
+A person's run is audited: one ``trigger`` row per run, append-only, with the requester,
+reason, mode and correlation id; an execute without a reason is refused before anything is
+written (quote_expiration is the job these drive).
+
+Tests ``qo_ops.platform.run.admission``, with the settings it checks (``qo_ops.config``, the
+retry policy of ``qo_ops.platform.calls.retry``, the calendar of
+``qo_ops.platform.job.scope``).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -28,6 +38,7 @@ from qo_ops.platform.calls.retry import RetryPolicy, policy_from_env
 from qo_ops.platform.job.scope import LAST_DAY, Scope
 from qo_ops.platform.schedule.partition_keys import scope_from_partition_key
 from qo_ops_tests.conftest import DownstreamServer, _test_database, approval_args, base_env, run_cli
+from qo_ops_tests.platform.run.quote_runs import JOB, digest_without, rows, run, run_row, scalar
 
 if TYPE_CHECKING:
     from qo_ops_tests.conftest import TestDatabase
@@ -346,3 +357,94 @@ def test_number_refuses_what_is_not_a_finite_number_in_range(raw):
         number("QO_OPS_X", 1.0, 0.5, 10.0, environ={"QO_OPS_X": raw})
     assert number("QO_OPS_X", 1.0, 0.5, 10.0, environ={"QO_OPS_X": " 2.5 "}) == 2.5
     assert math.isclose(number("QO_OPS_X", 1.0, 0.5, 10.0, environ={}), 1.0)
+
+
+# ------------------------------------------------------------------------- audit
+
+
+def _trigger_audit(engine: sa.Engine, run_id: str) -> list[sa.Row]:
+    return rows(
+        engine,
+        "SELECT * FROM job_audit WHERE action = 'trigger' AND job_run_id = :id",
+        id=uuid.UUID(run_id),
+    )
+
+
+def test_manual_run_appends_one_trigger_audit_row_that_cannot_be_changed(loaded):
+    db, _ = loaded
+    audit_before = scalar(db.engine, "SELECT count(*) FROM job_audit")
+
+    summary = run(
+        db.engine,
+        requester="ops:dana",
+        reason="INC-11 expire backlog",
+        correlation_id="corr-11",
+        max_items=5,
+    )
+
+    assert scalar(db.engine, "SELECT count(*) FROM job_audit") == audit_before + 1
+    audit = _trigger_audit(db.engine, summary.job_run_id)
+    assert len(audit) == 1
+    a = audit[0]
+    assert (a.actor, a.reason, a.scope, a.mode, a.correlation_id, a.job_name, a.decision) == (
+        "ops:dana",
+        "INC-11 expire backlog",
+        TENANT,
+        "execute",
+        "corr-11",
+        JOB,
+        "allowed",
+    )
+    assert str(a.job_run_id) == summary.job_run_id
+    row = run_row(db.engine, summary.job_run_id)
+    assert (row.requester, row.reason, row.correlation_id, row.trigger_type) == (
+        "ops:dana",
+        "INC-11 expire backlog",
+        "corr-11",
+        "manual",
+    )
+
+    with pytest.raises(sa.exc.DBAPIError, match="append-only"), db.engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE job_audit SET reason = 'rewritten', actor = 'mallory' WHERE id = :id"),
+            {"id": a.id},
+        )
+    with pytest.raises(sa.exc.DBAPIError, match="append-only"), db.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM job_audit WHERE id = :id"), {"id": a.id})
+    assert _trigger_audit(db.engine, summary.job_run_id) == audit
+
+
+def test_cli_run_audits_requester_reason_mode_and_correlation_id(loaded, cli):
+    db, _ = loaded
+
+    result = cli(
+        "run",
+        JOB,
+        "--tenant",
+        TENANT,
+        "--requester",
+        "ops:erin",
+        "--reason",
+        "check backlog",
+        "--correlation-id",
+        "TICKET-5",
+        "--json",
+    )
+
+    assert result.code == 0, result.stderr
+    run_id = json.loads(result.stdout)["job_run_id"]
+    audit = _trigger_audit(db.engine, run_id)
+    assert [(a.actor, a.reason, a.scope, a.mode, a.correlation_id) for a in audit] == [
+        ("ops:erin", "check backlog", TENANT, "dry_run", "TICKET-5")
+    ]
+
+
+def test_a_manual_execute_without_a_reason_is_refused_before_anything_is_written(loaded, cli):
+    db, _ = loaded
+    before = digest_without(db.engine)
+
+    result = cli("run", JOB, "--tenant", TENANT, "--mode", "execute")
+
+    assert result.code == 2
+    assert "reason" in result.stderr
+    assert digest_without(db.engine) == before

@@ -1,5 +1,9 @@
 """One set of counters (``Counts``), named once: the job_run columns, the event fields, the
-report rows and the run summary's JSON all derive from it."""
+report rows and the run summary's JSON all derive from it.
+
+Tests ``qo_ops.platform.job.counts`` (and the run record's counters,
+``qo_ops.platform.run.records``).
+"""
 
 from __future__ import annotations
 

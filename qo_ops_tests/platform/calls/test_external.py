@@ -1,6 +1,9 @@
 """call_each, the bounded call pool of an external phase: at most ``concurrency`` calls at
 once, results in item order, its threads kept for the next batch — except one still stuck
-in a call a stopping run stopped waiting for, which the next batch does not wait for."""
+in a call a stopping run stopped waiting for, which the next batch does not wait for.
+
+Tests ``qo_ops.platform.calls.external``.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """Checkpoints: a cursor job records its position in the batch's own transaction and a rerun
 resumes exactly there. The job here is a test job over real tables: it bumps each quote's
-version once, which is only right if no batch is ever applied twice."""
+version once, which is only right if no batch is ever applied twice.
+
+Tests ``qo_ops.platform.run.checkpoint``, through ``qo_ops.platform.run.runner``.
+"""
 
 from __future__ import annotations
 

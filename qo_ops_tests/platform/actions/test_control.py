@@ -1,7 +1,10 @@
 """The kill switch on real PostgreSQL: a suspended job starts no run (audited refusal), a
 running one stops at its next batch boundary with nothing half-written, a tenant's
 suspension leaves the other tenants alone, and resume restores everything; every step is in
-the audit trail. The CLI, the Dagster schedule and backlog sensor, and the API honour it too."""
+the audit trail. The CLI, the Dagster schedule and backlog sensor, and the API honour it too.
+
+Tests ``qo_ops.platform.actions.control``.
+"""
 
 from __future__ import annotations
 
