@@ -3,15 +3,20 @@ a job's delivery rate is compared with ("the fastest bare client at the same con
 
 ``bare_rate(url, concurrency, seconds=… | count=…)`` posts deliveries (``POST
 /fulfilment/deliveries``, a fresh ``Idempotency-Key`` each) from ``concurrency`` keep-alive
-connections, each with one request in flight, and returns deliveries per second. Two kinds:
+connections, each with one request in flight, and returns deliveries per second. What is
+posted is a :class:`BareRequest` (its path, the body and headers for a fresh key, the status
+that means "stored"): deliveries by default, a notification for the downstream section.
+With ``count``, every request is built before the clock starts. Two kinds:
 
 * ``asyncio``: one event loop (uvloop when installed), raw streams, HTTP/1.1 written and
   parsed by hand: the least client CPU per request we know how to spend in Python;
 * ``threads``: a thread per connection, each with its own stdlib ``http.client`` connection.
 
-``limit_rate`` measures both and returns the faster. Every answer must be ``201``: anything
-else (a fault, a duplicate, a 429) raises ``BareClientError``, so a figure always means
-that many distinct deliveries were stored.
+``limit_rate`` measures both and returns the faster. Every answer must be the request's
+status (``201`` for a delivery): anything else (a fault, a duplicate, a 429) raises
+``BareClientError``, so a figure always means that many distinct items were stored.
+``http_client_sender`` is the ``threads`` kind's connection as a function, for a caller that
+brings its own threads.
 
     python -m bench.bare_client --latency-ms 20 --concurrency 32 64 --seconds 5
 
@@ -30,6 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -40,7 +46,30 @@ PATH = "/fulfilment/deliveries"
 
 
 class BareClientError(RuntimeError):
-    """The simulator answered something other than 201 (or not at all)."""
+    """The simulator answered something other than the request's status (or not at all)."""
+
+
+@dataclass(frozen=True)
+class BareRequest:
+    """What a bare client posts: to ``path``, the JSON body and extra headers ``body(key)``
+    builds for a fresh, unique ``key``; ``status`` is the answer that means it was stored."""
+
+    path: str
+    body: Callable[[str], tuple[bytes, dict[str, str]]]
+    status: int
+
+
+def delivery(tenant: str) -> BareRequest:
+    """A delivery of ``tenant`` keyed (and numbered) by the fresh key: answered 201."""
+
+    def body(key: str) -> tuple[bytes, dict[str, str]]:
+        doc = {"tenant_id": tenant, "order_number": key, "payload": {"lines": 1}}
+        return json.dumps(doc, separators=(",", ":")).encode(), {"Idempotency-Key": key}
+
+    return BareRequest(PATH, body, 201)
+
+
+DELIVERY = delivery(TENANT)
 
 
 @dataclass(frozen=True)
@@ -65,10 +94,13 @@ def bare_rate(
     seconds: float | None = None,
     count: int | None = None,
     kind: str = "asyncio",
+    request: BareRequest = DELIVERY,
 ) -> float:
-    """Deliveries per second from ``concurrency`` bare connections: for ``seconds`` of wall
-    time, or until ``count`` deliveries were answered (exactly one of the two)."""
-    return bare_run(url, concurrency, seconds=seconds, count=count, kind=kind).per_s
+    """Deliveries (``request``\ s) per second from ``concurrency`` bare connections: for
+    ``seconds`` of wall time, or until ``count`` were answered (exactly one of the two)."""
+    return bare_run(
+        url, concurrency, seconds=seconds, count=count, kind=kind, request=request
+    ).per_s
 
 
 def limit_rate(
@@ -85,6 +117,7 @@ def bare_run(
     seconds: float | None = None,
     count: int | None = None,
     kind: str = "asyncio",
+    request: BareRequest = DELIVERY,
 ) -> BareRun:
     """Like ``bare_rate``, with the details (deliveries, elapsed time, client CPU)."""
     if (seconds is None) == (count is None):
@@ -97,17 +130,22 @@ def bare_run(
         raise ValueError("concurrency, seconds and count must be positive")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}")
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    host, port = _host_port(url)
+    requests = _Requests(request, host, port, count)
     budget = _Budget(count, seconds)
     cpu = _own_cpu_s()
     started = time.perf_counter()
     if kind == "asyncio":
-        _run_asyncio(host, port, concurrency, budget)
+        _run_asyncio(host, port, concurrency, budget, requests)
     else:
-        _run_threads(host, port, concurrency, budget)
+        _run_threads(host, port, concurrency, budget, requests)
     elapsed = time.perf_counter() - started
     return BareRun(kind, concurrency, budget.done, elapsed, _own_cpu_s() - cpu)
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
 
 
 class _Budget:
@@ -118,11 +156,10 @@ class _Budget:
         self.deadline = time.perf_counter() + seconds if seconds is not None else None
         self.done = 0
         self.lock = threading.Lock()
-        self.prefix = f"bare:{uuid.uuid4().hex[:12]}:"
         self.issued = 0
 
-    def next_key(self) -> str | None:
-        """A fresh idempotency key, or ``None`` when the budget is spent."""
+    def next_index(self) -> int | None:
+        """The next request's index, or ``None`` when the budget is spent."""
         if self.deadline is not None:
             if time.perf_counter() >= self.deadline:
                 return None
@@ -131,19 +168,30 @@ class _Budget:
                 return None
             self.left -= 1
         self.issued += 1
-        return f"{self.prefix}{self.issued}"
+        return self.issued - 1
 
 
-def _request_bytes(host: str, port: int, key: str) -> bytes:
-    body = json.dumps(
-        {"tenant_id": TENANT, "order_number": key, "payload": {"lines": 1}},
-        separators=(",", ":"),
-    ).encode()
-    head = (
-        f"POST {PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Idempotency-Key: {key}\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
+class _Requests:
+    """Request ``i`` of one measurement under a fresh key: (raw HTTP/1.1 bytes, body,
+    headers), all built before the clock starts when their count is known."""
+
+    def __init__(self, request: BareRequest, host: str, port: int, count: int | None) -> None:
+        self.request = request
+        self.prefix = f"bare:{uuid.uuid4().hex[:12]}:"
+        self.head = (
+            f"POST {request.path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            "Content-Type: application/json\r\n"
+        )
+        self.built = [self._build(i) for i in range(count)] if count is not None else None
+
+    def _build(self, i: int) -> tuple[bytes, bytes, dict[str, str]]:
+        body, headers = self.request.body(f"{self.prefix}{i}")
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        raw = f"{self.head}{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body
+        return raw, body, headers
+
+    def __getitem__(self, i: int) -> tuple[bytes, bytes, dict[str, str]]:
+        return self.built[i] if self.built is not None else self._build(i)
 
 
 def _content_length(head: bytes) -> int:
@@ -153,15 +201,19 @@ def _content_length(head: bytes) -> int:
     raise BareClientError("an answer without Content-Length")
 
 
-def _run_asyncio(host: str, port: int, concurrency: int, budget: _Budget) -> None:
+def _run_asyncio(
+    host: str, port: int, concurrency: int, budget: _Budget, requests: _Requests
+) -> None:
+    status = str(requests.request.status).encode()
+
     async def connection() -> None:
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            while (key := budget.next_key()) is not None:  # one loop, no lock needed
-                writer.write(_request_bytes(host, port, key))
+            while (i := budget.next_index()) is not None:  # one loop, no lock needed
+                writer.write(requests[i][0])
                 head = await reader.readuntil(b"\r\n\r\n")
                 await reader.readexactly(_content_length(head))
-                if head[9:12] != b"201":
+                if head[9:12] != status:
                     raise BareClientError(f"HTTP {head[9:12].decode()} for a fresh key")
                 budget.done += 1
         finally:
@@ -178,7 +230,37 @@ def _run_asyncio(host: str, port: int, concurrency: int, budget: _Budget) -> Non
         uvloop.run(main())
 
 
-def _run_threads(host: str, port: int, concurrency: int, budget: _Budget) -> None:
+def _post(
+    conn: http.client.HTTPConnection, request: BareRequest, body: bytes, headers: dict
+) -> None:
+    """One request on a keep-alive ``http.client`` connection, its answer read and checked."""
+    conn.request(
+        "POST", request.path, body=body, headers={**headers, "Content-Type": "application/json"}
+    )
+    response = conn.getresponse()
+    response.read()
+    if response.status != request.status:
+        raise BareClientError(f"HTTP {response.status} for a fresh key")
+
+
+def http_client_sender(url: str, request: BareRequest = DELIVERY) -> Callable[[str], None]:
+    """``send(key)``: ``request`` for ``key`` posted on the calling thread's own keep-alive
+    ``http.client`` connection (the ``threads`` kind's, for a caller's own threads)."""
+    host, port = _host_port(url)
+    local = threading.local()
+
+    def send(key: str) -> None:
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = http.client.HTTPConnection(host, port, timeout=30)
+        _post(conn, request, *request.body(key))
+
+    return send
+
+
+def _run_threads(
+    host: str, port: int, concurrency: int, budget: _Budget, requests: _Requests
+) -> None:
     errors: list[BaseException] = []
 
     def connection() -> None:
@@ -186,22 +268,11 @@ def _run_threads(host: str, port: int, concurrency: int, budget: _Budget) -> Non
         try:
             while True:
                 with budget.lock:
-                    key = budget.next_key()
-                if key is None:
+                    i = budget.next_index()
+                if i is None:
                     return
-                body = json.dumps(
-                    {"tenant_id": TENANT, "order_number": key, "payload": {"lines": 1}}
-                )
-                conn.request(
-                    "POST",
-                    PATH,
-                    body=body,
-                    headers={"Idempotency-Key": key, "Content-Type": "application/json"},
-                )
-                response = conn.getresponse()
-                response.read()
-                if response.status != 201:
-                    raise BareClientError(f"HTTP {response.status} for a fresh key")
+                _, body, headers = requests[i]
+                _post(conn, requests.request, body, headers)
                 with budget.lock:
                     budget.done += 1
         except BaseException as exc:

@@ -1,10 +1,10 @@
 """How fast `qo-ops run quote_expiration --mode execute` expires 1,000,000 quotes, and how
 much memory it needs for that compared with 10,000.
 
-Baseline, in the same run on identical data: ONE set-based statement that expires every
-eligible quote of the tenant and inserts its QuoteExpired outbox event (the job's own
-transition, EXPIRE_QUOTE_BATCH, over all eligible rows at once, no batching) — the
-physical limit of this server for the work. The job does the same work in bounded batch
+Baseline, in the same run on identical data: the job's own selection (``SPEC.eligible``,
+every eligible quote of the tenant, no LIMIT) and its own transition, EXPIRE_QUOTE_BATCH,
+over all of them at once in one transaction (every quote expired, its QuoteExpired outbox
+event inserted; no batching) — the physical limit of this server for the work. The job does the same work in bounded batch
 transactions (lease guard, select FOR UPDATE SKIP LOCKED, transition, run counters); the
 ratio job/baseline says what the batching costs.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Engine
+from sqlalchemy.engine import URL, Connection, Engine
 
 from bench.common import (
     REPO,
@@ -49,6 +49,7 @@ from bench.common import (
 from qo_ops.jobs.quote_expiration import EXPIRE_QUOTE_BATCH, SPEC
 from qo_ops.platform.job.outcome import BatchContext
 from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.selection import id_array
 
 TENANT = "tenant-001"
 BIG, SMALL = 1_000_000, 10_000
@@ -68,29 +69,6 @@ SELECT i, 'tenant-001', 'Q-' || i, 'c-' || mod(i, 997), 'ACTIVE', mod(i, 100000)
        LATERAL (SELECT now() - interval '500 days'
                        + make_interval(secs => i * 34560000.0 / {n})) AS t(c);
 """
-
-# (a) the physical limit: EXPIRE_QUOTE_BATCH's UPDATE and INSERT, over every eligible row.
-SET_BASED_SQL = sa.text(
-    """
-    WITH expired AS (
-        UPDATE quote
-           SET status = 'EXPIRED', version = version + 1, updated_at = clock_timestamp()
-         WHERE tenant_id = :tenant AND status = 'ACTIVE' AND expires_at < now()
-        RETURNING id, tenant_id, expires_at, version
-    ), events AS (
-        INSERT INTO outbox_event (id, business_key, tenant_id, aggregate_type, aggregate_id,
-                                  event_type, payload, created_at, available_at)
-        SELECT gen_random_uuid(), format('quote:%s:expired', id), tenant_id, 'quote', id::text,
-               'QuoteExpired',
-               jsonb_build_object('quote_id', id, 'expired_at', expires_at, 'version', version),
-               clock_timestamp(), clock_timestamp()
-          FROM expired
-        ON CONFLICT (business_key) DO NOTHING
-        RETURNING 1
-    )
-    SELECT (SELECT count(*) FROM expired) AS expired, (SELECT count(*) FROM events) AS events
-    """
-)
 
 VERIFY_SQL = sa.text(
     """
@@ -129,12 +107,21 @@ def verify(url: URL, n: int, label: str) -> dict[str, int]:
     return row
 
 
+def expire_all_at_once(conn: Connection) -> Any:
+    """(a) The physical limit: the job's own selection, every eligible quote, then its own
+    EXPIRE_QUOTE_BATCH over all of them at once."""
+    ctx = BatchContext(SPEC.name, Scope(TENANT), "execute", uuid.uuid4())
+    ids = list(conn.execute(SPEC.eligible(ctx)).scalars())
+    params = {"ids": id_array(ids), "tenant": TENANT, "last_id": ids[-1]}
+    return conn.execute(EXPIRE_QUOTE_BATCH, params).one()
+
+
 def run_set_based(url: URL, n: int) -> dict[str, Any]:
     """(a) One statement for everything, timed to its commit."""
     settle(url)
     engine = engine_for(url)
     with stopwatch() as took, engine.begin() as conn:
-        row = conn.execute(SET_BASED_SQL, {"tenant": TENANT}).one()
+        row = expire_all_at_once(conn)
     engine.dispose()
     if row.expired != n or row.events != n:
         raise SystemExit(f"set-based: expired {row.expired}, events {row.events}, expected {n}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,6 +40,10 @@ from sqlalchemy.engine import URL
 
 from bench.common import engine_for, env_url, fresh_database, settle, stopwatch
 from bench.suite import Profile, Row, Section, Spread, median
+from qo_ops.jobs.quote_expiration import SPEC as QUOTE_SPEC
+from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.selection import count_eligible
 
 TITLE = "Sensors and exporter on big tables"
 PREFIX = "qo_ops_bench_big"
@@ -350,14 +355,12 @@ def _exporter(url: URL, repeats: int) -> dict[str, Any]:
 def _expected(url: URL) -> dict[str, Any]:
     engine = engine_for(url)
     with engine.connect() as conn:
-        per_tenant: dict[str, int] = dict(
-            conn.execute(
-                sa.text(
-                    "SELECT tenant_id, count(*) FROM quote WHERE status = 'ACTIVE' "
-                    "AND expires_at < now() GROUP BY tenant_id"
-                )
-            ).all()
-        )
+        # the backlog the sensor counts: the job's own selection, each tenant's counted whole
+        per_tenant: dict[str, int] = {}
+        for tenant in conn.execute(sa.text("SELECT id FROM tenant")).scalars():
+            ctx = BatchContext(QUOTE_SPEC.name, Scope(tenant), "dry_run", uuid.uuid4())
+            if n := count_eligible(conn, QUOTE_SPEC, ctx):
+                per_tenant[tenant] = n
         runs = conn.scalar(sa.text("SELECT count(*) FROM job_run"))
     engine.dispose()
     return {"quote_backlog": per_tenant, "job_runs": int(runs or 0), "stale": _stale(url)}

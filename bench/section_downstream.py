@@ -12,8 +12,8 @@ Per job and concurrency (32, 64), alternating bare client and job, ``profile.rep
   every item delivered/published after exactly one attempt, and the simulator holds each
   exactly once from one request each.
 * the limit: :func:`bare_rate` — no qo-ops, no database: keep-alive connections posting the
-  same requests, the faster of an asyncio client (raw streams) and a thread pool of
-  ``http.client``, verified the same way on the simulator's counters.
+  same requests, the faster of ``bench/bare_client.py``'s two kinds (asyncio raw streams, a
+  thread per ``http.client`` connection), verified the same way on the simulator's counters.
 * the ideal: concurrency ÷ latency (every call exactly the added latency, always
   ``concurrency`` in flight).
 
@@ -24,28 +24,22 @@ with the client, the job and PostgreSQL.
 
 from __future__ import annotations
 
-import asyncio
-import http.client
 import json
 import os
 import resource
 import subprocess
 import sys
-import threading
-import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
+from bench.bare_client import BareRequest, bare_run
 from bench.bench_delivery_retry import LOAD_SQL as DELIVERY_LOAD_SQL
-from bench.bench_delivery_retry import Simulator, simulator, wait_quiet
 from bench.common import REPO, cloned_database, engine_for, env_url, fresh_database, settle
+from bench.delivery_simulator import Simulator, simulator, wait_quiet
 from bench.suite import Profile, Row, Section, Spread, median, pairwise_ratios
 
 TITLE = "Downstream calls at concurrency"
@@ -94,17 +88,21 @@ class Kind:
     requests: str
     duplicates: str
 
-    def body(self, i: int) -> tuple[bytes, dict[str, str]]:
-        """The request of bare item ``i``: JSON body and extra headers."""
-        key, order = f"bare-{uuid.uuid4().hex}-{i}", f"ORD-{i:08d}"
+    def body(self, key: str) -> tuple[bytes, dict[str, str]]:
+        """The bare request for a fresh ``key``: JSON body and extra headers."""
         doc: dict[str, Any]
         if self.path == "/notifications":
             doc = {"event_id": key, "event_type": "OrderSubmitted", "tenant_id": TENANT}
-            doc["payload"] = {"order_number": order, "notify": "order_confirmation"}
+            doc["payload"] = {"order_number": key, "notify": "order_confirmation"}
             return json.dumps(doc).encode(), {}
-        payload = {"kind": "fulfilment_request", "order_number": order, "lines": 1}
-        doc = {"tenant_id": TENANT, "order_number": order, "payload": payload}
+        payload = {"kind": "fulfilment_request", "order_number": key, "lines": 1}
+        doc = {"tenant_id": TENANT, "order_number": key, "payload": payload}
         return json.dumps(doc).encode(), {"Idempotency-Key": key}
+
+    @property
+    def request(self) -> BareRequest:
+        """What the bare client posts for this job."""
+        return BareRequest(self.path, self.body, self.status)
 
 
 KINDS = (
@@ -134,84 +132,8 @@ def verify_simulator(sim: Simulator, kind: Kind, n: int, label: str) -> dict[str
 # ---------------------------------------------------------------------- the bare client
 
 
-def _request_bytes(host: str, port: int, kind: Kind, n: int) -> list[bytes]:
-    head = f"POST {kind.path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-    out = []
-    for i in range(n):
-        body, headers = kind.body(i)
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        out.append(f"{head}{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    return out
-
-
-def _asyncio_client(host: str, port: int, kind: Kind, n: int, concurrency: int) -> float:
-    """``n`` requests over ``concurrency`` keep-alive connections (asyncio raw streams, uvloop
-    when installed); the seconds they took."""
-    requests = iter(_request_bytes(host, port, kind, n))
-    expected = f"HTTP/1.1 {kind.status} ".encode()
-
-    async def connection() -> None:
-        reader, writer = await asyncio.open_connection(host, port)
-        for request in requests:  # one iterator shared by the connections: each item once
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            if not head.startswith(expected):
-                raise SystemExit(f"bare asyncio client: {head.splitlines()[0]!r}")
-            length = 0
-            for line in head.lower().split(b"\r\n"):
-                if line.startswith(b"content-length:"):
-                    length = int(line.split(b":", 1)[1])
-            await reader.readexactly(length)
-        writer.close()
-
-    async def every() -> float:
-        started = time.perf_counter()
-        await asyncio.gather(*(connection() for _ in range(concurrency)))
-        return time.perf_counter() - started
-
-    try:
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(every())
-    except ImportError:
-        return asyncio.run(every())
-
-
-def _thread_pool_client(host: str, port: int, kind: Kind, n: int, concurrency: int) -> float:
-    """``n`` requests from ``concurrency`` threads, one keep-alive ``http.client`` connection
-    each; the seconds they took."""
-    bodies = [kind.body(i) for i in range(n)]
-    local = threading.local()
-
-    def send(item: tuple[bytes, dict[str, str]]) -> None:
-        conn = getattr(local, "conn", None)
-        if conn is None:
-            conn = local.conn = http.client.HTTPConnection(host, port, timeout=10)
-        body, headers = item
-        conn.request(
-            "POST", kind.path, body=body, headers={**headers, "content-type": "application/json"}
-        )
-        response = conn.getresponse()
-        response.read()
-        if response.status != kind.status:
-            raise SystemExit(f"bare http.client: HTTP {response.status}")
-
-    with ThreadPoolExecutor(concurrency) as pool:
-        started = time.perf_counter()
-        list(pool.map(send, bodies))
-        return time.perf_counter() - started
-
-
-BARE_CLIENTS: dict[str, Callable[[str, int, Kind, int, int], float]] = {
-    "asyncio": _asyncio_client,
-    "http.client threads": _thread_pool_client,
-}
-
-
-def _own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+# the bare client's kinds, by the name the notes give them
+BARE_CLIENTS = {"asyncio": "asyncio", "http.client threads": "threads"}
 
 
 def bare_rate(
@@ -220,19 +142,17 @@ def bare_rate(
     """The limit: the fastest bare client (no qo-ops, no database) posting ``n`` of
     ``kind``'s requests to ``sim`` at ``concurrency``; each client verified on the
     simulator's counters. Requests/s of the fastest, and of each."""
-    parts = urlsplit(sim.url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
     clients: dict[str, dict[str, float]] = {}
     busy = []
     for name, client in BARE_CLIENTS.items():
         sim.client.reset()
         busy.append(wait_quiet() if quiet else 0.0)
-        sim_cpu, own_cpu = sim.cpu_s(), _own_cpu_s()
-        seconds = client(host, port, kind, n, concurrency)
+        sim_cpu = sim.cpu_s()
+        run = bare_run(sim.url, concurrency, count=n, kind=client, request=kind.request)
         verify_simulator(sim, kind, n, f"bare {name}")
         clients[name] = {
-            "per_s": n / seconds,
-            "client_cpu_ms": 1000 * (_own_cpu_s() - own_cpu) / n,
+            "per_s": run.per_s,
+            "client_cpu_ms": 1000 * run.client_cpu_s / n,
             "simulator_cpu_ms": 1000 * (sim.cpu_s() - sim_cpu) / n,
         }
     best = max(clients, key=lambda c: clients[c]["per_s"])
@@ -426,8 +346,8 @@ def run(profile: Profile) -> Section:
         "measurement). The job: `run_job` in a process of its own on a clone of the loaded "
         "database (default batch size), rate = items ÷ the run's duration_ms, CPU = that "
         "process's CPU time during run_job ÷ items. The limit: the faster of an asyncio "
-        "raw-stream client and a thread pool of keep-alive `http.client` connections, no "
-        "qo-ops and no database, measured in the same run. Verified: every item done after "
+        "raw-stream client and a thread per keep-alive `http.client` connection "
+        "(`bench/bare_client.py`), no qo-ops and no database, measured in the same run. Verified: every item done after "
         "one attempt, and the simulator holds each once from one request.",
     )
     return Section(TITLE, rows, notes, raw={"items": n, "runs": results})

@@ -51,6 +51,7 @@ GOAL_HELP_S = 0.3
 GOAL_ROWS = 1_000_000
 EMPTY_TENANT = "tenant-002"  # no quotes: its dry run is the process's fixed cost
 
+# A bare script on purpose (the count a person would type), the limit of the job's count_eligible
 BARE_COUNT = (
     "SELECT count(*) FROM quote "
     "WHERE tenant_id = %(tenant)s AND status = 'ACTIVE' AND expires_at < now()"

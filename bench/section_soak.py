@@ -54,15 +54,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
 from bench.common import REPO, engine_for, env_url, fresh_database, percentile, stop_group
-from bench.section_orchestration import (
+from bench.orchestration_data import partition_start
+from bench.orchestration_deployment import (
     LOCATION,
     REPOSITORY,
     Deployment,
-    _free_port,
-    _tail,
-    _wait,
     deployment,
-    partition_start,
+    free_port,
+    tail,
+    wait_for,
 )
 from bench.soak_catalog import CRON, PER_RUN_ENV
 from bench.suite import Profile, Row, Section, median
@@ -161,7 +161,7 @@ def _rfc3339(text: str) -> float:
 def monitoring(home: Path, env: dict[str, str]) -> Any:
     """``qo-ops metrics`` over the accelerated catalog, and Prometheus scraping it (job
     ``qo-ops``, every 5 s) with the project's alert rules, evaluated every 5 s."""
-    metrics_port, prom_port = _free_port(), _free_port()
+    metrics_port, prom_port = free_port(), free_port()
     config = home / "prometheus.yml"
     config.write_text(
         json.dumps(
@@ -195,12 +195,12 @@ def monitoring(home: Path, env: dict[str, str]) -> Any:
         def up() -> bool:
             for p, log in ((exp, "exporter.log"), (prom, "prometheus.log")):
                 if p.poll() is not None:
-                    raise RuntimeError(f"{log} process exited:\n{_tail(home / log)}")
+                    raise RuntimeError(f"{log} process exited:\n{tail(home / log)}")
             return _answers(f"http://127.0.0.1:{metrics_port}/metrics") and _answers(
                 f"http://127.0.0.1:{prom_port}/-/ready"
             )
 
-        _wait(up, 120, "the exporter and Prometheus", poll=0.5)
+        wait_for(up, 120, "the exporter and Prometheus", poll=0.5)
         prom = Prometheus(f"http://127.0.0.1:{prom_port}")
 
         # the soak's alerts count from the first rule evaluation after a good scrape (before
@@ -211,8 +211,8 @@ def monitoring(home: Path, env: dict[str, str]) -> Any:
             first[:] = [float(r["value"][0]) for r in prom.query('up{job="qo-ops"} == 1')]
             return bool(first)
 
-        _wait(scraped, 60, "Prometheus's first scrape of the exporter", poll=0.5)
-        _wait(lambda: prom.evaluated_since(first[0]), 60, "a rule evaluation after it", poll=0.5)
+        wait_for(scraped, 60, "Prometheus's first scrape of the exporter", poll=0.5)
+        wait_for(lambda: prom.evaluated_since(first[0]), 60, "a rule evaluation after it", poll=0.5)
         yield prom
 
 
@@ -509,7 +509,7 @@ def run(profile: Profile) -> Section:
                 }
                 started = starts(d, timeline)
                 found = facts(url, since, outage[0], timeline, started)
-                daemon_log = _tail(home / "daemon.log", 2000)
+                daemon_log = tail(home / "daemon.log", 2000)
         engine.dispose()
     return figures(
         profile, timeline, started, missed, found, len(schedules), len(sensors), daemon_log

@@ -1,6 +1,6 @@
-"""The codebase's shape, held (issues 22 and 43): no module of qo_ops/ outside the migrations is
-longer than 700 lines, no function of qo_ops/platform/ takes more than 6 parameters, the
-platform, the jobs and the database layer never import Dagster, no two modules of qo_ops
+"""The codebase's shape, held (issues 22 and 43): no module of qo_ops/ outside the
+migrations, and none of bench/, is longer than 700 lines, no function of qo_ops/platform/
+takes more than 6 parameters, the platform, the jobs and the database layer never import Dagster, no two modules of qo_ops
 import each other however indirectly (type-only and function-level imports count), and the
 job's vocabulary (qo_ops/platform/job/) imports nothing else of qo_ops but its errors."""
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qo_ops"
+BENCH = ROOT / "bench"  # the benchmarks are held to the product's module limit too
 MAX_LINES = 700
 MAX_PARAMETERS = 6
 FREE_OF_DAGSTER = ("platform", "jobs", "db")
@@ -74,7 +75,9 @@ def dagster_imports(source: str) -> list[int]:
 
 
 def test_no_module_is_longer_than_700_lines():
-    assert too_long(modules(PACKAGE)) == []
+    bench = modules(BENCH)
+    assert BENCH / "suite.py" in bench and BENCH / "nemesis" / "__main__.py" in bench
+    assert too_long(modules(PACKAGE) + bench) == []
 
 
 def test_no_platform_function_takes_more_than_6_parameters():

@@ -106,21 +106,32 @@ def _existing_tenant_numbers(conn: Connection) -> list[int]:
     return numbers
 
 
+_TABLES = {t.name: t for t in BUSINESS_TABLES + PLATFORM_TABLES}
+
+
+def _truncate(conn: Connection, tables: Sequence[sa.Table]) -> None:
+    """``TRUNCATE … RESTART IDENTITY CASCADE`` of ``tables``, each name quoted by the
+    dialect (TRUNCATE takes no bind parameters and SQLAlchemy has no construct for it)."""
+    names = ", ".join(conn.dialect.identifier_preparer.format_table(t) for t in tables)
+    # Twice: a table truncated again is empty again
+    conn.exec_driver_sql(f"TRUNCATE {names} RESTART IDENTITY CASCADE")
+
+
 def reset_demo_data(conn: Connection) -> None:
     """Empty every business and platform table except the append-only audit trail and the
     API's tokens (credentials outlive demo data)."""
     keep = ("job_audit", "api_token")
-    names = [t.name for t in BUSINESS_TABLES + PLATFORM_TABLES if t.name not in keep]
-    conn.execute(sa.text(f"TRUNCATE {', '.join(names)} RESTART IDENTITY CASCADE"))
+    _truncate(conn, [t for t in BUSINESS_TABLES + PLATFORM_TABLES if t.name not in keep])
 
 
-def _truncate_empty(conn: Connection, tables: list[str]) -> None:
+def _truncate_empty(conn: Connection, names: list[str]) -> None:
     """Truncate the tables that are empty anyway: rows loaded into a table truncated in the
     same transaction skip WAL (the embedded server runs with wal_level=minimal)."""
-    empty = [t for t in tables if not conn.scalar(sa.text(f"SELECT EXISTS (SELECT 1 FROM {t})"))]
+    tables = [_TABLES[name] for name in names]
+    empty = [t for t in tables if not conn.scalar(sa.select(sa.exists().select_from(t)))]
     if empty:
         # CASCADE reaches only tables referencing an empty one; with no tenant, all are empty
-        conn.execute(sa.text(f"TRUNCATE {', '.join(empty)} RESTART IDENTITY CASCADE"))
+        _truncate(conn, empty)
 
 
 # ---------------------------------------------------------------- stored objects

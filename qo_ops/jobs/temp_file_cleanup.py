@@ -107,11 +107,6 @@ GUARD_TRIGGER = "temp_file_legal_hold_guard"
 CRASH_BEFORE_OBJECT_DELETE = "before_object_delete"  # QO_OPS_CRASH_AT: rows' delete pending
 CRASH_AFTER_OBJECT_DELETE = "after_object_delete"  # QO_OPS_CRASH_AT: objects gone, no commit
 
-# literals, so the selection implies the partial index's predicate in every plan
-TERMINAL: list[sa.ColumnElement[str]] = [
-    sa.literal_column("'COMPLETED'"),
-    sa.literal_column("'FAILED_TERMINAL'"),
-]
 _GATE_KEY = "temp_file_cleanup.gate"
 _GATE_MEASURE_KEY = "temp_file_cleanup.gate_measure"
 _REFUSED_KEY = "temp_file_cleanup.refused"  # ids this run will not take again
@@ -181,17 +176,29 @@ def _retention(ctx: BatchContext) -> sa.Cast[timedelta]:
 
 # ------------------------------------------------------------------------------ selection
 
+# Eligible: the tenant's unheld, terminal files created in [:start, :end) and older than :days.
+# Shared by the selection, the anomaly count, the lag, the delete and the overdue check (and
+# the bench), so the delete can never take a row the selection would not. Hold and status are
+# literals, so every plan implies ix_temp_file_cleanup's predicate.
+ELIGIBLE = (
+    "tenant_id = :tenant AND legal_hold = false AND status IN ('COMPLETED', 'FAILED_TERMINAL') "
+    "AND created_at >= :start AND created_at < :end "
+    "AND created_at < now() - make_interval(days => CAST(:days AS integer))"
+)
 
-def _eligible_where(ctx: BatchContext) -> list[sa.ColumnElement[bool]]:
+
+def _eligible_where(ctx: BatchContext) -> sa.TextClause:
+    """:data:`ELIGIBLE` over the run's scope and retention, its values bound."""
     start, end = ctx.scope.window_bounds()
-    return [
-        temp_file.c.tenant_id == ctx.scope.tenant_id,
-        temp_file.c.legal_hold == sa.false(),
-        temp_file.c.status.in_(TERMINAL),
-        temp_file.c.created_at >= start,
-        temp_file.c.created_at < end,
-        temp_file.c.created_at < sa.func.now() - _retention(ctx),
-    ]
+    values = {
+        "tenant": ctx.scope.tenant_id,
+        "start": start,
+        "end": end,
+        "days": run_settings(ctx).retention_days,
+    }
+    return sa.text(ELIGIBLE).bindparams(
+        *(sa.bindparam(name, value, unique=True) for name, value in values.items())
+    )
 
 
 def eligible_files(ctx: BatchContext) -> sa.Select[Any]:
@@ -204,7 +211,7 @@ def eligible_files(ctx: BatchContext) -> sa.Select[Any]:
     """
     query = (
         sa.select(temp_file.c.id)
-        .where(*_eligible_where(ctx))
+        .where(_eligible_where(ctx))
         .order_by(temp_file.c.created_at, temp_file.c.id)
     )
     refused = ctx.state.get(_REFUSED_KEY)
@@ -255,7 +262,7 @@ def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
     """How much of the tenant the scope's eligible set is."""
     settings = run_settings(ctx)
     eligible = conn.execute(
-        sa.select(sa.func.count()).select_from(temp_file).where(*_eligible_where(ctx))
+        sa.select(sa.func.count()).select_from(temp_file).where(_eligible_where(ctx))
     ).scalar_one()
     total = conn.execute(
         sa.select(sa.func.count())
@@ -397,13 +404,9 @@ def hand_over(ctx: BatchContext, work: list[Any]) -> list[Any]:
 # Twice: a deleted row matches nothing again, and the tombstone is upserted on temp_file_id
 # (the intent of step 1 completed, never a second row).
 _DELETE_ROWS = sa.text(
-    """
+    f"""
     WITH gone AS (
-        DELETE FROM temp_file f
-         WHERE f.id = ANY(CAST(:ids AS bigint[])) AND f.tenant_id = :tenant
-           AND f.legal_hold = false AND f.status IN ('COMPLETED', 'FAILED_TERMINAL')
-           AND f.created_at >= :start AND f.created_at < :end
-           AND f.created_at < now() - make_interval(days => CAST(:days AS integer))
+        DELETE FROM temp_file f WHERE f.id = ANY(CAST(:ids AS bigint[])) AND {ELIGIBLE}
         RETURNING f.id, f.tenant_id, f.storage_path, f.size_bytes, f.status, f.created_at,
                   f.legal_hold
     )
@@ -513,12 +516,7 @@ _HELD_WITH_INTENT = sa.text(
     "AND f.created_at >= :start AND f.created_at < :end AND f.legal_hold"
 )
 # Deletable files of the window past :days (retention + grace), on ix_temp_file_cleanup.
-_OVERDUE_FILES = sa.text(
-    "SELECT count(*) FROM temp_file WHERE tenant_id = :tenant "
-    "AND legal_hold = false AND status IN ('COMPLETED', 'FAILED_TERMINAL') "
-    "AND created_at >= :start AND created_at < :end "
-    "AND created_at < now() - make_interval(days => CAST(:days AS integer))"
-)
+_OVERDUE_FILES = sa.text(f"SELECT count(*) FROM temp_file WHERE {ELIGIBLE}")
 _PATHS_PART = 10_000  # deleted paths checked at a time
 # Paths of the window's deleted files that no live row uses again.
 _DELETED_PATHS = sa.text(
@@ -597,7 +595,7 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
 def _objects_preview(conn: Connection, ctx: BatchContext, eligible: int) -> ReportRow:
     """A dry run's look at the eligible files' objects: how many execute would unlink, how
     many are already gone (only their rows would go), how many it would refuse (unsafe)."""
-    paths = conn.execute(sa.select(temp_file.c.storage_path).where(*_eligible_where(ctx)))
+    paths = conn.execute(sa.select(temp_file.c.storage_path).where(_eligible_where(ctx)))
     with ObjectStore(run_settings(ctx).objects_root) as store:
         stored, unsafe = store.census(paths.scalars())
     detail = f"of the {eligible} eligible files; {eligible - stored - unsafe} already gone"
@@ -641,7 +639,7 @@ def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
     """Seconds since the oldest eligible file of the window passed retention."""
     oldest = sa.func.min(temp_file.c.created_at) + _retention(ctx)
     value = conn.execute(
-        sa.select(sa.func.extract("epoch", sa.func.now() - oldest)).where(*_eligible_where(ctx))
+        sa.select(sa.func.extract("epoch", sa.func.now() - oldest)).where(_eligible_where(ctx))
     ).scalar()
     return seconds_or_none(value)
 
