@@ -79,7 +79,7 @@ from sqlalchemy.engine import Connection
 from qo_ops.config import whole_number
 from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.db.schema import job_run, temp_file
-from qo_ops.errors import ConfigError
+from qo_ops.errors import ClassifiedError, ConfigError
 from qo_ops.platform.calls.object_store import (
     ObjectStore,
     ObjectStoreError,
@@ -117,7 +117,7 @@ _GATE_MEASURE_KEY = "temp_file_cleanup.gate_measure"
 _REFUSED_KEY = "temp_file_cleanup.refused"  # ids this run will not take again
 
 
-class AnomalyThreshold(Exception):
+class AnomalyThreshold(ClassifiedError):
     """The run would delete more than the anomaly thresholds allow; it deleted nothing."""
 
     error_code = "anomaly_threshold"
