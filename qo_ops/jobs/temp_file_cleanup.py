@@ -68,10 +68,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -112,9 +112,6 @@ TERMINAL: list[sa.ColumnElement[str]] = [
     sa.literal_column("'COMPLETED'"),
     sa.literal_column("'FAILED_TERMINAL'"),
 ]
-_GATE_KEY = "temp_file_cleanup.gate"
-_GATE_MEASURE_KEY = "temp_file_cleanup.gate_measure"
-_REFUSED_KEY = "temp_file_cleanup.refused"  # ids this run will not take again
 
 
 class AnomalyThreshold(ClassifiedError):
@@ -207,7 +204,7 @@ def eligible_files(ctx: BatchContext) -> sa.Select[Any]:
         .where(*_eligible_where(ctx))
         .order_by(temp_file.c.created_at, temp_file.c.id)
     )
-    refused = ctx.state.get(_REFUSED_KEY)
+    refused = ctx.run_state(CleanupRun).refused
     if refused:
         query = query.where(temp_file.c.id.not_in(sorted(refused)))
     query = after_position(
@@ -251,6 +248,18 @@ class AnomalyMeasure:
         }
 
 
+@dataclass
+class CleanupRun:
+    """What a cleanup run keeps between its batches (``ctx.run_state(CleanupRun)``): what
+    its anomaly gate measured and decided (``passed`` or ``overridden``; None until the
+    first batch gates the run, and after a stop), and the files it will not take again
+    (an unsafe storage path)."""
+
+    measure: AnomalyMeasure | None = None
+    gate: Literal["passed", "overridden"] | None = None
+    refused: set[int] = field(default_factory=set)
+
+
 def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
     """How much of the tenant the scope's eligible set is."""
     settings = run_settings(ctx)
@@ -268,7 +277,8 @@ def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
 def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
     """Stop (deleting nothing) when the scope's eligible set is anomalous, unless overridden."""
     measure = measure_anomaly(conn, ctx)
-    ctx.state[_GATE_MEASURE_KEY] = measure  # for the run's report
+    run_state = ctx.run_state(CleanupRun)
+    run_state.measure = measure  # for the run's report
     breaches = measure.breaches()
     if not breaches:
         return
@@ -294,7 +304,7 @@ def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
                 details={**measure.as_metadata(), "breaches": breaches},
             ),
         )
-        ctx.state[_GATE_KEY] = "overridden"
+        run_state.gate = "overridden"
         return
     how = (
         "the override needs a reason on the run"
@@ -340,32 +350,37 @@ def _reason(ctx: BatchContext) -> str:
     reason = f"retention: terminal and older than {days} days"
     return (
         reason + " (anomaly threshold overridden)"
-        if ctx.state.get(_GATE_KEY) == "overridden"
+        if ctx.run_state(CleanupRun).gate == "overridden"
         else reason
     )
+
+
+@dataclass(frozen=True)
+class DecidedFile:
+    """A file step 1 decided to remove (what it hands step 2): ``safe`` when its storage
+    path is one the store may touch (then its intent was written)."""
+
+    id: int
+    storage_path: str
+    created_at: datetime
+    safe: bool
 
 
 def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Step 1: gate the run (first batch), hash the selected objects, write the intents."""
     settings = run_settings(ctx)
-    if ctx.state.get(_GATE_KEY) is None:
+    run_state = ctx.run_state(CleanupRun)
+    if run_state.gate is None:
         _anomaly_gate(conn, ctx)
-        ctx.state.setdefault(_GATE_KEY, "passed")
+        run_state.gate = run_state.gate or "passed"
     files = conn.execute(_BATCH_FILES, {"ids": id_array(ids), "tenant": ctx.scope.tenant_id}).all()
-    work: list[dict[str, Any]] = []
+    work: list[DecidedFile] = []
     hashed_ids: list[int] = []
     hashes: list[str | None] = []
     with ObjectStore(settings.objects_root) as store:
         for f in files:
             safe, checksum = store.sha256(f.storage_path)
-            work.append(
-                {
-                    "id": f.id,
-                    "storage_path": f.storage_path,
-                    "created_at": f.created_at,
-                    "safe": safe,
-                }
-            )
+            work.append(DecidedFile(f.id, f.storage_path, f.created_at, safe))
             if safe:
                 hashed_ids.append(f.id)
                 hashes.append(checksum)
@@ -430,13 +445,13 @@ _FORGET_INTENTS = sa.text(
 )
 
 
-def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchOutcome:
+def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) -> BatchOutcome:
     """Step 2: delete the rows still eligible, complete their tombstones, then unlink their
     objects before the commit."""
     settings = run_settings(ctx)
     start, end = ctx.scope.window_bounds()
-    unsafe = [w for w in work if not w["safe"]]
-    safe = {w["id"]: w["storage_path"] for w in work if w["safe"]}
+    unsafe = [f for f in files if not f.safe]
+    safe = {f.id: f.storage_path for f in files if f.safe}
     gone = (
         conn.execute(
             _DELETE_ROWS,
@@ -478,14 +493,14 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
         tally["changed_since_selection"] = len(kept)
     if unsafe:
         tally["unsafe_storage_path"] = len(unsafe)
-        ctx.state.setdefault(_REFUSED_KEY, set()).update(w["id"] for w in unsafe)
-    last = work[-1] if work else None
+        ctx.run_state(CleanupRun).refused.update(f.id for f in unsafe)
+    last = files[-1] if files else None
     outcome = BatchOutcome(
-        position={"created_at": last["created_at"], "id": last["id"]} if last else None,
+        position={"created_at": last.created_at, "id": last.id} if last else None,
         succeeded=len(gone),
         skipped=len(kept),
         failed=len(unsafe),
-        failed_items=[(str(w["id"]), "unsafe_storage_path") for w in unsafe],
+        failed_items=[(str(f.id), "unsafe_storage_path") for f in unsafe],
         tally=tally,
     )
     # an object already gone was removed by an earlier attempt whose commit did not happen
@@ -611,12 +626,13 @@ def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
     decision (the run's gate, or what a gate would decide now); a dry run within the cap:
     how many of the eligible files' objects are stored."""
     settings = run_settings(ctx)
-    measure = ctx.state.get(_GATE_MEASURE_KEY)  # what the run's gate measured, if it ran
-    gate_ran = isinstance(measure, AnomalyMeasure)
-    if not isinstance(measure, AnomalyMeasure):  # a dry run: what a gate would decide now
+    run_state = ctx.run_state(CleanupRun)
+    measure = run_state.measure  # what the run's gate measured, if it ran
+    gate_ran = measure is not None
+    if measure is None:  # a dry run: what a gate would decide now
         measure = measure_anomaly(conn, ctx)
     stop = "stopped" if gate_ran else "would stop"
-    decision = ctx.state.get(_GATE_KEY) or (stop if measure.breaches() else "within")
+    decision = run_state.gate or (stop if measure.breaches() else "within")
     rows = [
         ReportRow(
             "anomaly_gate",
