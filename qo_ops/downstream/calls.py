@@ -96,8 +96,8 @@ def origin(url: str) -> str:
 @dataclass
 class RunCalls:
     """One run's dealings with the downstream: its client, limiter and breaker, and what its
-    calls added up to (for the report). The run's state of that type
-    (``ctx.run_state(RunCalls, …)``), made by :func:`run_calls`."""
+    calls added up to (for the report). One per run, kept as its run state
+    (:func:`run_calls`)."""
 
     client: DownstreamClient
     limiter: TokenBucket

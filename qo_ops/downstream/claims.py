@@ -71,8 +71,8 @@ class ClaimedCalls:
     ``claim`` takes ``:ids``, ``:tenant`` and ``:claim_s`` and returns the items it claimed
     (``id``, the attempt number in ``attempt_field``, what ``call`` needs), each handed to
     the call step as a :class:`~qo_ops.downstream.calls.ClaimedItem`; ``call`` sends one
-    item (its row) and answers whether the downstream had seen it already. ``record`` takes one array
-    per result — ``:ids``, ``:attempts``, ``:states``, ``:delays`` and the job's own
+    item (its row) and answers whether the downstream had seen it already. ``record`` takes
+    one array per result — ``:ids``, ``:attempts``, ``:states``, ``:delays`` and the job's own
     ``columns`` — and returns ``(id, state)`` of each result it recorded; ``on_done`` (if
     any) then runs over the ``:ids`` recorded done; ``give_back`` takes ``:ids``,
     ``:attempts``, ``:refunds`` and ``:revives``: what an outage owes back to items (each
@@ -111,7 +111,12 @@ class ClaimedCalls:
         rows = [dict(r) for r in conn.execute(self.claim, params).mappings()]
         return BatchOutcome(
             work=[
-                ClaimedItem(str(r["id"]), r[self.attempt_field], self.max_attempts(r), r)
+                ClaimedItem(
+                    id=str(r["id"]),
+                    attempt=r[self.attempt_field],
+                    max_attempts=self.max_attempts(r),
+                    row=r,
+                )
                 for r in rows
             ]
         )

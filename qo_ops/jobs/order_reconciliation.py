@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -494,6 +494,8 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Lookup]
                 out.failed_items.append((order.order_number, code))
             case Compared():
                 _repair(conn, ctx, out, r, states)
+            case _:
+                assert_never(r)  # mypy: every kind of Lookup is handled
     return out
 
 

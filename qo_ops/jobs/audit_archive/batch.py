@@ -1,5 +1,6 @@
 """What one batch carries from phase to phase: the chunks the selection cut, the work it
-hands the file phase, and each file's verdict for the delete."""
+hands the file phase, and each file's verdict for the delete; and what the run keeps
+between its batches (``ArchiveRun``)."""
 
 from __future__ import annotations
 

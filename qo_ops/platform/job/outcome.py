@@ -66,9 +66,11 @@ class BatchContext:
     def run_state(self, kind: type[S], make: Callable[[], S] | None = None) -> S:
         """The run's one object of type ``kind``: the job's own state between its steps
         within this run (e.g. the downstream calls' client, a safety gate's decision), made
-        on first use by ``make`` (by default ``kind()``) and the same object after. Each job keeps its run state in
-        a class of its own, so the type is the key and mypy checks what comes back; the
-        platform never reads it, and a context made outside a run starts with none."""
+        on first use by ``make`` (by default ``kind()``), the same object after.
+
+        Each job keeps its run state in a class of its own, so the type is the key and mypy
+        checks what comes back; the platform never reads it, and a context made outside a
+        run starts with none."""
         found = self._run_states.get(kind)
         if found is None:
             found = self._run_states[kind] = (make or kind)()
