@@ -250,10 +250,7 @@ class AnomalyMeasure:
 
 @dataclass
 class CleanupRun:
-    """What a cleanup run keeps between its batches (``ctx.run_state(CleanupRun)``): what
-    its anomaly gate measured and decided (``passed`` or ``overridden``; None until the
-    first batch gates the run, and after a stop), and the files it will not take again
-    (an unsafe storage path)."""
+    """What a cleanup run keeps between batches: its anomaly gate's result, files refused."""
 
     measure: AnomalyMeasure | None = None
     gate: Literal["passed", "overridden"] | None = None
@@ -281,6 +278,7 @@ def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
     run_state.measure = measure  # for the run's report
     breaches = measure.breaches()
     if not breaches:
+        run_state.gate = "passed"
         return
     run = conn.execute(
         sa.select(job_run.c.reason, job_run.c.requester, job_run.c.correlation_id).where(
@@ -348,48 +346,39 @@ _WRITE_INTENTS = sa.text(
 def _reason(ctx: BatchContext) -> str:
     days = run_settings(ctx).retention_days
     reason = f"retention: terminal and older than {days} days"
-    return (
-        reason + " (anomaly threshold overridden)"
-        if ctx.run_state(CleanupRun).gate == "overridden"
-        else reason
-    )
+    overridden = ctx.run_state(CleanupRun).gate == "overridden"
+    return reason + " (anomaly threshold overridden)" if overridden else reason
 
 
 @dataclass(frozen=True)
 class DecidedFile:
-    """A file step 1 decided to remove (what it hands step 2): ``safe`` when its storage
-    path is one the store may touch (then its intent was written)."""
+    """A file step 1 decided to remove: a ``safe`` one has its intent (sha256 None: gone)."""
 
     id: int
     storage_path: str
     created_at: datetime
     safe: bool
+    sha256: str | None
 
 
 def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Step 1: gate the run (first batch), hash the selected objects, write the intents."""
     settings = run_settings(ctx)
-    run_state = ctx.run_state(CleanupRun)
-    if run_state.gate is None:
+    if ctx.run_state(CleanupRun).gate is None:
         _anomaly_gate(conn, ctx)
-        run_state.gate = run_state.gate or "passed"
     files = conn.execute(_BATCH_FILES, {"ids": id_array(ids), "tenant": ctx.scope.tenant_id}).all()
-    work: list[DecidedFile] = []
-    hashed_ids: list[int] = []
-    hashes: list[str | None] = []
-    with ObjectStore(settings.objects_root) as store:
-        for f in files:
-            safe, checksum = store.sha256(f.storage_path)
-            work.append(DecidedFile(f.id, f.storage_path, f.created_at, safe))
-            if safe:
-                hashed_ids.append(f.id)
-                hashes.append(checksum)
-    if hashed_ids:
+    with ObjectStore(settings.objects_root) as store:  # (safe, sha256) of each object
+        work = [
+            DecidedFile(f.id, f.storage_path, f.created_at, *store.sha256(f.storage_path))
+            for f in files
+        ]
+    hashed = [w for w in work if w.safe]
+    if hashed:
         conn.execute(
             _WRITE_INTENTS,
             {
-                "ids": id_array(hashed_ids),
-                "shas": digest_array(hashes),
+                "ids": id_array([w.id for w in hashed]),
+                "shas": digest_array([w.sha256 for w in hashed]),
                 "run": str(ctx.job_run_id),
                 "reason": _reason(ctx),
                 "tenant": ctx.scope.tenant_id,
@@ -627,11 +616,8 @@ def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
     how many of the eligible files' objects are stored."""
     settings = run_settings(ctx)
     run_state = ctx.run_state(CleanupRun)
-    measure = run_state.measure  # what the run's gate measured, if it ran
-    gate_ran = measure is not None
-    if measure is None:  # a dry run: what a gate would decide now
-        measure = measure_anomaly(conn, ctx)
-    stop = "stopped" if gate_ran else "would stop"
+    stop = "stopped" if run_state.measure is not None else "would stop"  # the gate ran
+    measure = run_state.measure or measure_anomaly(conn, ctx)  # else: what it would decide
     decision = run_state.gate or (stop if measure.breaches() else "within")
     rows = [
         ReportRow(
