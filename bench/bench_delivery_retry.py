@@ -68,7 +68,7 @@ from bench.delivery_simulator import (
     verify_simulator,
     wait_quiet,
 )
-from qo_ops.downstream.calls import CallSettings
+from qo_ops.downstream.calls import CallSettings, RunCalls
 from qo_ops.downstream.client import DownstreamClient
 from qo_ops.jobs.delivery_retry import SPEC
 from qo_ops.platform.calls.retry import policy_from_env
@@ -244,7 +244,8 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
             return outcome
 
         def external(ctx: BatchContext, work: list[Any]) -> list[Any]:
-            calls = ctx.state["downstream_calls"]  # the run's RunCalls, made by the claim
+            calls = ctx.run_state_if_made(RunCalls)  # made by the claim
+            assert calls is not None
             if calls.client is not client:  # the timed client, with the run's manners
                 old = calls.client
                 client.limiter, client.breaker, client.stop = old.limiter, old.breaker, old.stop

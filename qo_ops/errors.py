@@ -47,7 +47,27 @@ def first_few(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + more
 
 
-class QoOpsError(Exception):
+class ClassifiedError(Exception):
+    """The root of qo-ops' own errors: each class names its error class (``error_code``),
+    the word a run or a refusal records for it (``job_run.last_error_code``).
+
+    Errors are mapped by type, as httpx maps its exceptions: a subclass declares its
+    ``error_code`` and :func:`error_class` finds it with ``isinstance``. A class that leaves
+    it ``None`` takes the caller's default (``internal_error`` in a run, ``bad_input`` for
+    a refusal)."""
+
+    error_code: str | None = None
+
+
+def error_class(exc: BaseException, default: str) -> str:
+    """The error class ``exc`` declares (its :class:`ClassifiedError` ``error_code``), or
+    ``default`` for any other error."""
+    if isinstance(exc, ClassifiedError) and exc.error_code:
+        return exc.error_code
+    return default
+
+
+class QoOpsError(ClassifiedError):
     """An error whose message is safe and useful to show a user as one line."""
 
     exit_code = EXIT_BAD_INPUT

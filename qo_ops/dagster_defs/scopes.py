@@ -17,7 +17,7 @@ from qo_ops.dagster_defs.submission import (
     PARENT_RUN_TAG,
     trigger_from_tags,
 )
-from qo_ops.errors import BadInput, QoOpsError
+from qo_ops.errors import BadInput, QoOpsError, error_class
 from qo_ops.platform.job.options import TRIGGERS_WITH_A_PERSON, RunOptions
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
@@ -152,7 +152,7 @@ def refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
     except ValueError:
         return
     with engine.begin() as conn:
-        code = getattr(exc, "error_code", "bad_input")  # e.g. "suspended" (the kill switch)
+        code = error_class(exc, "bad_input")  # e.g. "suspended" (the kill switch)
         records.finish_unstarted(conn, run_id, "failed", "refused_at_start", code, str(exc))
 
 

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine
 
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.db.audit import AuditEntry, append_audit
-from qo_ops.errors import BadInput, one_line
+from qo_ops.errors import BadInput, error_class, one_line
 from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.actions.approvals import check_approval
 from qo_ops.platform.actions.consent import check_reason_is_new
@@ -207,7 +207,7 @@ def refusal_at_submission(run: dg.DagsterRun) -> tuple[str, str] | None:
                 "tenants), or name its tenants in run config (tenants)"
             )
     except BadInput as refused:
-        return getattr(refused, "error_code", "bad_input"), str(refused)
+        return error_class(refused, "bad_input"), str(refused)
     return None
 
 
@@ -256,7 +256,7 @@ def refusal_in_database(run: dg.DagsterRun, engine: Engine) -> tuple[str, str] |
             if spec.partitioning == "tenant":
                 check_reason_is_new(engine, spec.name, Scope(tenant).key, options)
     except BadInput as refused:
-        return getattr(refused, "error_code", "bad_input"), str(refused)
+        return error_class(refused, "bad_input"), str(refused)
     return None
 
 

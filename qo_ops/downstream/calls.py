@@ -37,7 +37,6 @@ from qo_ops.platform.calls.retry import (
 from qo_ops.platform.job.labels import ITEM_RETRY_EXHAUSTED, ITEM_RETRY_PREFIX, retry_reason
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, run_settings
 
-_CALLS_PARAM = "downstream_calls"
 RATE_LIMIT_ENV = "QO_OPS_DOWNSTREAM_RATE_LIMIT"
 RETRY_BUDGET_ENV = "QO_OPS_RETRY_BUDGET"
 BREAKER_OPEN_ENV = "QO_OPS_BREAKER_OPEN_S"
@@ -97,7 +96,8 @@ def origin(url: str) -> str:
 @dataclass
 class RunCalls:
     """One run's dealings with the downstream: its client, limiter and breaker, and what its
-    calls added up to (for the report)."""
+    calls added up to (for the report). One per run, kept as its run state
+    (:func:`run_calls`)."""
 
     client: DownstreamClient
     limiter: TokenBucket
@@ -132,12 +132,13 @@ class RunCalls:
 def run_calls(ctx: BatchContext, url: str, manners: Manners) -> RunCalls:
     """The run's :class:`RunCalls` for ``url``, made on first use (without a breaker: the
     item jobs load theirs with :func:`prepare_calls`)."""
-    calls = ctx.state.get(_CALLS_PARAM)
-    if calls is None:
+
+    def make() -> RunCalls:
         limiter = TokenBucket(manners.rate_limit)
         client = DownstreamClient(url, limiter=limiter, stop=ctx.stop.event)
-        calls = ctx.state[_CALLS_PARAM] = RunCalls(client, limiter, origin(url), manners)
-    return calls
+        return RunCalls(client, limiter, origin(url), manners)
+
+    return ctx.run_state(RunCalls, make)
 
 
 def downstream_client(
@@ -200,16 +201,26 @@ def systemic(result: CallResult) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class ClaimedItem:
+    """One item a claim took, as its call sees it: its id, the attempt number the claim gave
+    it (which its result must match to be recorded), how many attempts it has, and the
+    claim's row (the columns the job's statement returned, which its call sends)."""
+
+    id: str
+    attempt: int
+    max_attempts: int
+    row: dict[str, Any]
+
+
 def call_for_each(
     ctx: BatchContext,
-    work: list[dict[str, Any]],
+    work: list[ClaimedItem],
     call: Callable[[DownstreamClient, dict[str, Any]], bool],
-    *,
-    attempt_field: str,
-    max_attempts: Callable[[dict[str, Any]], int],
 ) -> list[CallResult]:
-    """``call(client, item)`` for every claimed item, concurrently; failures become results.
-    ``call`` answers whether the downstream had already seen the item (a duplicate).
+    """``call(client, item.row)`` for every claimed item, concurrently; failures become
+    results. ``call`` answers whether the downstream had already seen the item (a
+    duplicate).
 
     Manners: no call while the breaker is open (the item is released, not failed), a retry
     only within the run's budget, and when the breaker opens during these calls every
@@ -219,17 +230,17 @@ def call_for_each(
     breaker = calls.breaker
     opened_before = breaker.opened if breaker is not None else 0
 
-    def one(item: dict[str, Any]) -> CallResult:
-        base = {
-            "item_id": str(item["id"]),
-            "attempt": item[attempt_field],
-            "max_attempts": max_attempts(item),
+    def one(item: ClaimedItem) -> CallResult:
+        base: dict[str, Any] = {
+            "item_id": item.id,
+            "attempt": item.attempt,
+            "max_attempts": item.max_attempts,
         }
-        retry = item[attempt_field] > 1
+        retry = item.attempt > 1
         if not calls.take_call(retry):
             return CallResult(**base, ok=False, code="retry_budget", released=True)
         try:
-            duplicate = call(calls.client, item)
+            duplicate = call(calls.client, item.row)
         except DownstreamError as exc:
             if not exc.sent:  # the breaker is open, or the run is stopping: never sent
                 calls.not_sent(retry)
@@ -248,10 +259,7 @@ def call_for_each(
         return CallResult(**base, ok=True, duplicate=duplicate is True)
 
     results = call_each(work, one, ctx.limits.concurrency, ctx.stop)
-    done = [
-        _released(r, attempt_field, max_attempts) if isinstance(r, NotCalled) else r
-        for r in results
-    ]
+    done = [_released(r) if isinstance(r, NotCalled) else r for r in results]
     if breaker is not None and breaker.opened > opened_before:
         done = [replace(r, spared=True) if systemic(r) else r for r in done]
     return done
@@ -264,7 +272,7 @@ def hold_unless_up(
     evidence knows enough calls and does not say down): otherwise the failure may be the
     outage's, not the item's, and the item is held: it keeps its last attempt and is tried
     again at its backoff."""
-    calls: RunCalls | None = ctx.state.get(_CALLS_PARAM)
+    calls = ctx.run_state_if_made(RunCalls)
     breaker = calls.breaker if calls is not None else None
     if breaker is None or breaker.up():
         return decisions
@@ -299,7 +307,7 @@ def finish_calls(
     their next claim); the run stops when the breaker is open (``dependency_unavailable``)
     or the retry budget is used up."""
     outcome = outcome_of(decisions, recorded, steps.side_effect)
-    calls: RunCalls | None = ctx.state.get(_CALLS_PARAM)
+    calls = ctx.run_state_if_made(RunCalls)
     if calls is None:
         return outcome
     calls.spared += sum(1 for r, d in decisions if d.state == "spare" and r.item_id in recorded)
@@ -351,17 +359,13 @@ def _report_counts(calls: RunCalls, outcome: BatchOutcome) -> None:
             outcome.tally[key] = outcome.tally.get(key, 0) + delta
 
 
-def _released(
-    not_called: NotCalled[dict[str, Any]],
-    attempt_field: str,
-    max_attempts: Callable[[dict[str, Any]], int],
-) -> CallResult:
+def _released(not_called: NotCalled[ClaimedItem]) -> CallResult:
     """The result of a call the stopping run did not make, or did not wait for."""
     item = not_called.item
     return CallResult(
-        item_id=str(item["id"]),
-        attempt=item[attempt_field],
-        max_attempts=max_attempts(item),
+        item_id=item.id,
+        attempt=item.attempt,
+        max_attempts=item.max_attempts,
         ok=False,
         code="terminated" if not_called.sent else "not_sent",
         outcome_unknown=not_called.sent,

@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection
 from qo_ops.downstream.calls import (
     CallSettings,
     CallSteps,
+    ClaimedItem,
     call_for_each,
     call_settings,
     claim_seconds,
@@ -56,8 +57,8 @@ class CallingSteps(TypedDict):
     """The JobSpec fields a claim → call → record job takes from its :class:`ClaimedCalls`."""
 
     transition: Callable[[Connection, BatchContext, Sequence[Any]], BatchOutcome]
-    external: Callable[[BatchContext, list[Any]], list[Any]]
-    record: Callable[[Connection, BatchContext, list[Any]], BatchOutcome]
+    external: Callable[[BatchContext, list[ClaimedItem]], list[CallResult]]
+    record: Callable[[Connection, BatchContext, list[CallResult]], BatchOutcome]
     side_effects: tuple[str, ...]
     validate_settings: Callable[[], CallSettings]
     defaults: Limits
@@ -68,9 +69,10 @@ class ClaimedCalls:
     """One job's claim, call and record.
 
     ``claim`` takes ``:ids``, ``:tenant`` and ``:claim_s`` and returns the items it claimed
-    (``id``, the attempt number in ``attempt_field``, what ``call`` needs); ``call`` sends one
-    item and answers whether the downstream had seen it already. ``record`` takes one array
-    per result — ``:ids``, ``:attempts``, ``:states``, ``:delays`` and the job's own
+    (``id``, the attempt number in ``attempt_field``, what ``call`` needs), each handed to
+    the call step as a :class:`~qo_ops.downstream.calls.ClaimedItem`; ``call`` sends one
+    item (its row) and answers whether the downstream had seen it already. ``record`` takes
+    one array per result — ``:ids``, ``:attempts``, ``:states``, ``:delays`` and the job's own
     ``columns`` — and returns ``(id, state)`` of each result it recorded; ``on_done`` (if
     any) then runs over the ``:ids`` recorded done; ``give_back`` takes ``:ids``,
     ``:attempts``, ``:refunds`` and ``:revives``: what an outage owes back to items (each
@@ -105,19 +107,27 @@ class ClaimedCalls:
         shared row and what an outage owes the tenant's items was given back."""
         prepare_calls(conn, ctx, self.side_effect, self.give_back)
         claim_s = claim_seconds(ctx, len(ids))
-        rows = conn.execute(
-            self.claim,
-            {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s},
-        ).mappings()
-        return BatchOutcome(work=[dict(r) for r in rows])
-
-    def call_batch(self, ctx: BatchContext, work: list[Any]) -> list[Any]:
-        """Send every claimed item to the downstream (bounded concurrency)."""
-        return call_for_each(
-            ctx, work, self.call, attempt_field=self.attempt_field, max_attempts=self.max_attempts
+        params = {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s}
+        rows = [dict(r) for r in conn.execute(self.claim, params).mappings()]
+        return BatchOutcome(
+            work=[
+                ClaimedItem(
+                    id=str(r["id"]),
+                    attempt=r[self.attempt_field],
+                    max_attempts=self.max_attempts(r),
+                    row=r,
+                )
+                for r in rows
+            ]
         )
 
-    def record_batch(self, conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
+    def call_batch(self, ctx: BatchContext, work: list[ClaimedItem]) -> list[CallResult]:
+        """Send every claimed item to the downstream (bounded concurrency)."""
+        return call_for_each(ctx, work, self.call)
+
+    def record_batch(
+        self, conn: Connection, ctx: BatchContext, results: list[CallResult]
+    ) -> BatchOutcome:
         """Record each result as the retry policy disposes of it (done, retry with backoff,
         dead, held, or given back), while the item is still under this claim."""
         policy = run_settings(ctx, call_settings).retry

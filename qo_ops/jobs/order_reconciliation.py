@@ -29,7 +29,8 @@ database clock; max is ``QO_OPS_RESUBMIT_MAX`` (default 3, 0 to 10). Both are va
 before a run writes anything and read once per run.
 
 Per batch: select orders after the cursor (one transaction), ask the downstream about them
-with no transaction open, then classify and repair in a second guarded transaction. The
+with no transaction open (a :data:`Lookup` per order, and the unknown orders in the run's
+first batch), then classify and repair in a second guarded transaction. The
 cursor is checkpointed so an interrupted run resumes; a run that gets through the window
 forgets it, so the next run checks the whole window again. Unknown downstream orders are
 looked for once per run, in its first batch.
@@ -40,7 +41,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -48,7 +49,7 @@ from sqlalchemy.engine import Connection
 from qo_ops.config import whole_number
 from qo_ops.db.schema import customer_order
 from qo_ops.downstream.calls import Manners, downstream_client, manners_from_env
-from qo_ops.downstream.client import DownstreamError, downstream_url
+from qo_ops.downstream.client import DownstreamError, DownstreamOrder, downstream_url
 from qo_ops.errors import one_line
 from qo_ops.jobs.order_review import ADOPTED_EVENT, RESUBMIT_EVENT, REVIEW, append_event
 from qo_ops.platform.calls.external import NotCalled, call_each
@@ -153,44 +154,109 @@ READ_ORDERS = sa.text(
 )
 
 
+@dataclass(frozen=True)
+class OrderToCompare:
+    """An in-flight order as the batch read it: what the downstream is asked about."""
+
+    id: int
+    order_number: str
+    status: str
+    version: int  # the adoption changes the order only if it is still at this version
+
+
 def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Read what the comparison needs (no claim: nothing is changed yet)."""
-    rows = conn.execute(READ_ORDERS, {"ids": list(ids)}).mappings()
-    return BatchOutcome(work=[dict(r) for r in rows], cursor={"last_id": int(ids[-1])})
+    rows = conn.execute(READ_ORDERS, {"ids": list(ids)}).all()
+    work = [OrderToCompare(r.id, r.order_number, r.status, r.version) for r in rows]
+    return BatchOutcome(work=work, cursor={"last_id": int(ids[-1])})
 
 
-def ask_downstream(ctx: BatchContext, work: list[Any]) -> list[Any]:
+# What asking the downstream gives the repair (one result each; the repair dispatches on
+# the type).
+
+
+@dataclass(frozen=True)
+class Compared:
+    """The downstream's status of one order, or None: it does not have the order."""
+
+    order: OrderToCompare
+    downstream: str | None
+
+
+@dataclass(frozen=True)
+class NotCompared:
+    """The downstream could not be asked about one order (``code``: the call's error)."""
+
+    order: OrderToCompare
+    code: str
+
+
+@dataclass(frozen=True)
+class ResumeAfter:
+    """The run stopped before every order was looked at: the checkpoint stays after
+    ``last_id``, before the orders not looked at."""
+
+    last_id: int
+
+
+@dataclass(frozen=True)
+class DownstreamOrders:
+    """The tenant's orders the downstream has (looked for once per run, at most
+    :data:`MAX_UNKNOWN_SCAN`): those qo-ops does not know are recorded."""
+
+    orders: tuple[DownstreamOrder, ...]
+
+
+@dataclass(frozen=True)
+class ScanFailed:
+    """Looking for the downstream's unknown orders failed part way (``code``)."""
+
+    code: str
+
+
+Lookup = Compared | NotCompared | ResumeAfter | DownstreamOrders | ScanFailed
+
+
+@dataclass
+class ReconciliationRun:
+    """What a reconciliation run keeps between its batches (``ctx.run_state``)."""
+
+    unknown_scanned: bool = False  # the downstream's orders were looked through
+
+
+def ask_downstream(ctx: BatchContext, work: list[OrderToCompare]) -> list[Lookup]:
     """Each order's downstream view; in the run's first batch also the unknown orders."""
     settings = run_settings(ctx, reconciliation_settings)
     client = downstream_client(ctx, settings.downstream_url, settings.manners)
 
-    def look(order: dict[str, Any]) -> dict[str, Any]:
+    def look(order: OrderToCompare) -> Compared | NotCompared:
         try:
-            found = client.get_order(order["order_number"])
+            found = client.get_order(order.order_number)
         except DownstreamError as exc:
-            return {**order, "error": exc.code}
-        return {**order, "downstream": found.status if found else None}
+            return NotCompared(order, exc.code)
+        return Compared(order, found.status if found else None)
 
-    looked = call_each(work, look, ctx.limits.concurrency, ctx.stop)
     cursor = ctx.cursor
-    if any(isinstance(r, NotCalled) for r in looked):  # the run is stopping: keep what was
-        # looked at up to the first order that was not, and resume from there next time
-        first = next(i for i, r in enumerate(looked) if isinstance(r, NotCalled))
-        done: list[Any] = looked[:first]
-        resume = done[-1]["id"] if done else (cursor or {}).get("last_id", 0)
-        return [*done, {"resume_after": int(resume)}]
-    results: list[dict[str, Any]] = list(looked)  # type: ignore[arg-type]
-    if not ctx.state.get("unknown_scanned") and not cursor:
-        ctx.state["unknown_scanned"] = True
-        downstream: list[dict[str, Any]] = []
+    looked: list[Compared | NotCompared] = []
+    for result in call_each(work, look, ctx.limits.concurrency, ctx.stop):
+        if isinstance(result, NotCalled):  # the run is stopping: keep what was looked at up
+            # to the first order that was not, and resume from there next time
+            resume = looked[-1].order.id if looked else (cursor or {}).get("last_id", 0)
+            return [*looked, ResumeAfter(int(resume))]
+        looked.append(result)
+    results: list[Lookup] = list(looked)
+    run = ctx.run_state(ReconciliationRun)
+    if not run.unknown_scanned and not cursor:
+        run.unknown_scanned = True
+        downstream: list[DownstreamOrder] = []
         try:
             for seen, order in enumerate(client.iter_orders(ctx.scope.tenant_id)):
                 if seen >= MAX_UNKNOWN_SCAN:
                     break
-                downstream.append({"order_number": order.order_number, "status": order.status})
+                downstream.append(order)
         except DownstreamError as exc:
-            results.append({"unknown_scan_error": exc.code})
-        results.append({"downstream_orders": downstream})
+            results.append(ScanFailed(exc.code))
+        results.append(DownstreamOrders(tuple(downstream)))
     return results
 
 
@@ -336,55 +402,55 @@ def _resubmit(conn: Connection, ctx: BatchContext, order_id: int, n: int) -> boo
 
 
 def _resubmitappend_event(
-    conn: Connection, ctx: BatchContext, out: BatchOutcome, r: Any, n: int
+    conn: Connection, ctx: BatchContext, out: BatchOutcome, order: OrderToCompare, n: int
 ) -> None:
     append_event(
         conn,
         out,
         RESUBMIT_EVENT,
         {
-            "key": f"order:{r['id']}:resubmit:{n}",  # one event per re-submission, never per run
+            "key": f"order:{order.id}:resubmit:{n}",  # one event per re-submission, never per run
             "tenant": ctx.scope.tenant_id,
-            "id": r["id"],
+            "id": order.id,
             "type": "OrderResubmitRequested",
-            "payload": json.dumps({"order_number": r["order_number"], "resubmission": n}),
+            "payload": json.dumps({"order_number": order.order_number, "resubmission": n}),
         },
     )
 
 
 def _repair_missing(
-    conn: Connection, ctx: BatchContext, out: BatchOutcome, r: Any, state: Any
+    conn: Connection, ctx: BatchContext, out: BatchOutcome, order: OrderToCompare, state: Any
 ) -> tuple[str, str, str | None]:
     """What the budget allows for an order the downstream misses: (action, outcome, detail)."""
     budget, n = _run_budget(ctx), int(state.resubmissions)
     if state.dead_items:  # only the audited requeue moves a dead letter
-        conn.execute(FLAG_REVIEW, {"id": r["id"]})
+        conn.execute(FLAG_REVIEW, {"id": order.id})
         item = state.dead_items[0]
         return (
             "manual_review",
             "dead_letter_flagged",
             f"delivery item {item} is dead-lettered: once its cause is fixed, qo-ops review "
-            f"resolve order_reconciliation {r['order_number']} --tenant {ctx.scope.tenant_id} "
+            f"resolve order_reconciliation {order.order_number} --tenant {ctx.scope.tenant_id} "
             "--action resubmit --reason …",
         )
     if not state.items:
-        conn.execute(FLAG_REVIEW, {"id": r["id"]})
+        conn.execute(FLAG_REVIEW, {"id": order.id})
         return "manual_review", "flagged", "no delivery item to re-submit"
     # the last re-submission (if any) was delivered and the downstream still misses the order
     spent = n == 0 or (state.delivered and state.past_grace)
     if spent and n >= budget.max_resubmissions:
-        conn.execute(FLAG_REVIEW, {"id": r["id"]})
+        conn.execute(FLAG_REVIEW, {"id": order.id})
         return (
             "manual_review",
             "budget_exhausted",
             f"re-submitted {n} times ({RESUBMIT_MAX_ENV}={budget.max_resubmissions}) "
             "and still missing downstream",
         )
-    if spent and not state.in_progress and _resubmit(conn, ctx, r["id"], n + 1):
-        _resubmitappend_event(conn, ctx, out, r, n + 1)
+    if spent and not state.in_progress and _resubmit(conn, ctx, order.id, n + 1):
+        _resubmitappend_event(conn, ctx, out, order, n + 1)
         return "resubmit", "corrected", f"re-submission {n + 1} of {budget.max_resubmissions}"
     if n:  # the earlier re-submission stands: its event is there already
-        _resubmitappend_event(conn, ctx, out, r, n)
+        _resubmitappend_event(conn, ctx, out, order, n)
     if not spent:
         why = (
             f"re-submission {n} delivered; the downstream has {budget.grace_minutes} min to show it"
@@ -396,15 +462,14 @@ def _repair_missing(
     return "resubmit", "pending", why
 
 
-def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
+def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Lookup]) -> BatchOutcome:
     """Classify each order; in execute, repair per type and record every mismatch."""
-    execute = ctx.mode == "execute"
-    tenant, run = ctx.scope.tenant_id, ctx.job_run_id
     out = BatchOutcome()
     missing = [
-        r["id"]
+        r.order.id
         for r in results
-        if "downstream" in r and _classify(r["status"], r["downstream"]) == "missing_downstream"
+        if isinstance(r, Compared)
+        and _classify(r.order.status, r.downstream) == "missing_downstream"
     ]
     states = (
         {
@@ -413,102 +478,117 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
                 RESUBMIT_STATE, {"ids": missing, "grace": _run_budget(ctx).grace_minutes}
             )
         }
-        if execute and missing
+        if ctx.mode == "execute" and missing
         else {}
     )
     for r in results:
-        if "resume_after" in r:  # cut short by a stop: the checkpoint stays before the rest
-            out.cursor = {"last_id": r["resume_after"]}
-            continue
-        if "downstream_orders" in r:
-            numbers = [d["order_number"] for d in r["downstream_orders"]]
-            known = set(conn.execute(KNOWN_ORDER_NUMBERS, {"t": tenant, "n": numbers}).scalars())
-            for d in r["downstream_orders"]:
-                if d["order_number"] not in known:
-                    out.tally["unknown_downstream"] = out.tally.get("unknown_downstream", 0) + 1
-                    if execute:
-                        conn.execute(
-                            RESULT,
-                            {
-                                "run": run,
-                                "tenant": tenant,
-                                "order_id": None,
-                                "order_number": d["order_number"],
-                                "type": "unknown_downstream",
-                                "ours": None,
-                                "theirs": d["status"],
-                                "action": "manual_review",
-                                "outcome": "flagged",
-                                "detail": "the downstream has an order qo-ops does not know",
-                            },
-                        )
-                        out.tally["action_flagged"] = out.tally.get("action_flagged", 0) + 1
-            continue
-        if "unknown_scan_error" in r:
-            out.failed_items.append(("unknown-orders-scan", r["unknown_scan_error"]))
-            continue
-        if "error" in r:
-            out.failed += 1
-            out.failed_items.append((r["order_number"], r["error"]))
-            continue
-        kind = _classify(r["status"], r["downstream"])
-        if kind is None:
-            out.skipped += 1  # in sync
-            continue
-        out.tally[kind] = out.tally.get(kind, 0) + 1
-        if not execute:
-            continue
-        action, outcome, detail = ACTIONS[kind], "flagged", None
-        if kind == "terminal_not_reflected":
-            adopted = conn.execute(
-                ADOPT_STATUS, {"id": r["id"], "version": r["version"], "status": r["downstream"]}
-            ).first()
-            outcome = "corrected" if adopted else "failed"
-            detail = (
-                None if adopted else "the order changed since it was read; left for the next run"
-            )
-            if adopted:
-                append_event(
-                    conn,
-                    out,
-                    ADOPTED_EVENT,
+        match r:
+            case ResumeAfter(last_id):  # cut short by a stop: the checkpoint stays before the rest
+                out.cursor = {"last_id": last_id}
+            case DownstreamOrders(orders):
+                _record_unknown(conn, ctx, out, orders)
+            case ScanFailed(code):
+                out.failed_items.append(("unknown-orders-scan", code))
+            case NotCompared(order, code):
+                out.failed += 1
+                out.failed_items.append((order.order_number, code))
+            case Compared():
+                _repair(conn, ctx, out, r, states)
+            case _:
+                assert_never(r)  # mypy: every kind of Lookup is handled
+    return out
+
+
+def _record_unknown(
+    conn: Connection, ctx: BatchContext, out: BatchOutcome, orders: tuple[DownstreamOrder, ...]
+) -> None:
+    """Count (and in execute, record for a person) the downstream's orders qo-ops does not
+    know."""
+    tenant = ctx.scope.tenant_id
+    numbers = [d.order_number for d in orders]
+    known = set(conn.execute(KNOWN_ORDER_NUMBERS, {"t": tenant, "n": numbers}).scalars())
+    for d in orders:
+        if d.order_number not in known:
+            out.tally["unknown_downstream"] = out.tally.get("unknown_downstream", 0) + 1
+            if ctx.mode == "execute":
+                conn.execute(
+                    RESULT,
                     {
-                        "key": f"order:{r['id']}:adopted:{r['downstream']}",
+                        "run": ctx.job_run_id,
                         "tenant": tenant,
-                        "id": r["id"],
-                        "type": "OrderStatusAdopted",
-                        "payload": json.dumps(
-                            {"order_number": r["order_number"], "status": r["downstream"]}
-                        ),
+                        "order_id": None,
+                        "order_number": d.order_number,
+                        "type": "unknown_downstream",
+                        "ours": None,
+                        "theirs": d.status,
+                        "action": "manual_review",
+                        "outcome": "flagged",
+                        "detail": "the downstream has an order qo-ops does not know",
                     },
                 )
-        elif kind == "missing_downstream":
-            action, outcome, detail = _repair_missing(conn, ctx, out, r, states[r["id"]])
-        else:
-            conn.execute(FLAG_REVIEW, {"id": r["id"]})
-        conn.execute(
-            RESULT,
-            {
-                "run": run,
-                "tenant": tenant,
-                "order_id": r["id"],
-                "order_number": r["order_number"],
-                "type": kind,
-                "ours": r["status"],
-                "theirs": r["downstream"],
-                "action": action,
-                "outcome": outcome,
-                "detail": one_line(detail, 300) if detail else None,
-            },
-        )
-        out.tally[f"action_{outcome}"] = out.tally.get(f"action_{outcome}", 0) + 1
-        if outcome == "failed":
-            out.failed += 1
-        elif outcome == "pending":
-            out.skipped += 1  # nothing changed: waiting for the earlier re-submission
-        else:
-            out.succeeded += 1
-    return out
+                out.tally["action_flagged"] = out.tally.get("action_flagged", 0) + 1
+
+
+def _repair(
+    conn: Connection, ctx: BatchContext, out: BatchOutcome, r: Compared, states: dict[int, Any]
+) -> None:
+    """Classify one order; in execute, repair it per type and record the mismatch
+    (``states``: where each missing order stands with its budget)."""
+    order, theirs = r.order, r.downstream
+    kind = _classify(order.status, theirs)
+    if kind is None:
+        out.skipped += 1  # in sync
+        return
+    out.tally[kind] = out.tally.get(kind, 0) + 1
+    if ctx.mode != "execute":
+        return
+    tenant = ctx.scope.tenant_id
+    action, outcome, detail = ACTIONS[kind], "flagged", None
+    if kind == "terminal_not_reflected":
+        adopted = conn.execute(
+            ADOPT_STATUS, {"id": order.id, "version": order.version, "status": theirs}
+        ).first()
+        outcome = "corrected" if adopted else "failed"
+        detail = None if adopted else "the order changed since it was read; left for the next run"
+        if adopted:
+            append_event(
+                conn,
+                out,
+                ADOPTED_EVENT,
+                {
+                    "key": f"order:{order.id}:adopted:{theirs}",
+                    "tenant": tenant,
+                    "id": order.id,
+                    "type": "OrderStatusAdopted",
+                    "payload": json.dumps({"order_number": order.order_number, "status": theirs}),
+                },
+            )
+    elif kind == "missing_downstream":
+        action, outcome, detail = _repair_missing(conn, ctx, out, order, states[order.id])
+    else:
+        conn.execute(FLAG_REVIEW, {"id": order.id})
+    conn.execute(
+        RESULT,
+        {
+            "run": ctx.job_run_id,
+            "tenant": tenant,
+            "order_id": order.id,
+            "order_number": order.order_number,
+            "type": kind,
+            "ours": order.status,
+            "theirs": theirs,
+            "action": action,
+            "outcome": outcome,
+            "detail": one_line(detail, 300) if detail else None,
+        },
+    )
+    out.tally[f"action_{outcome}"] = out.tally.get(f"action_{outcome}", 0) + 1
+    if outcome == "failed":
+        out.failed += 1
+    elif outcome == "pending":
+        out.skipped += 1  # nothing changed: waiting for the earlier re-submission
+    else:
+        out.succeeded += 1
 
 
 def report_mismatches(conn: Connection, ctx: BatchContext) -> list[ReportRow]:

@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import quote
+from qo_ops.errors import ClassifiedError
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
 from qo_ops.platform.job.spec import CheckSpec, JobSpec
@@ -34,10 +35,10 @@ from qo_ops.platform.run.selection import id_array
 CHECK_NAME = "current_snapshot_for_every_quote"
 
 
-class NoCurrentPriceBook(RuntimeError):
+class NoCurrentPriceBook(ClassifiedError):
     """The tenant has no current price book: there is nothing to recompute against."""
 
-    error_code = "no_current_price_book"  # the run's error class (runner._error_class)
+    error_code = "no_current_price_book"
 
 
 def quotes_after_cursor(ctx: BatchContext) -> sa.Select[Any]:

@@ -68,10 +68,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -79,7 +79,7 @@ from sqlalchemy.engine import Connection
 from qo_ops.config import whole_number
 from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.db.schema import job_run, temp_file
-from qo_ops.errors import ConfigError
+from qo_ops.errors import ClassifiedError, ConfigError
 from qo_ops.platform.calls.object_store import (
     ObjectStore,
     ObjectStoreError,
@@ -107,12 +107,8 @@ GUARD_TRIGGER = "temp_file_legal_hold_guard"
 CRASH_BEFORE_OBJECT_DELETE = "before_object_delete"  # QO_OPS_CRASH_AT: rows' delete pending
 CRASH_AFTER_OBJECT_DELETE = "after_object_delete"  # QO_OPS_CRASH_AT: objects gone, no commit
 
-_GATE_KEY = "temp_file_cleanup.gate"
-_GATE_MEASURE_KEY = "temp_file_cleanup.gate_measure"
-_REFUSED_KEY = "temp_file_cleanup.refused"  # ids this run will not take again
 
-
-class AnomalyThreshold(Exception):
+class AnomalyThreshold(ClassifiedError):
     """The run would delete more than the anomaly thresholds allow; it deleted nothing."""
 
     error_code = "anomaly_threshold"
@@ -214,7 +210,7 @@ def eligible_files(ctx: BatchContext) -> sa.Select[Any]:
         .where(_eligible_where(ctx))
         .order_by(temp_file.c.created_at, temp_file.c.id)
     )
-    refused = ctx.state.get(_REFUSED_KEY)
+    refused = ctx.run_state(CleanupRun).refused
     if refused:
         query = query.where(temp_file.c.id.not_in(sorted(refused)))
     query = after_position(
@@ -258,6 +254,15 @@ class AnomalyMeasure:
         }
 
 
+@dataclass
+class CleanupRun:
+    """What a cleanup run keeps between batches: its anomaly gate's result, files refused."""
+
+    measure: AnomalyMeasure | None = None
+    gate: Literal["passed", "overridden"] | None = None
+    refused: set[int] = field(default_factory=set)
+
+
 def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
     """How much of the tenant the scope's eligible set is."""
     settings = run_settings(ctx)
@@ -275,9 +280,11 @@ def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
 def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
     """Stop (deleting nothing) when the scope's eligible set is anomalous, unless overridden."""
     measure = measure_anomaly(conn, ctx)
-    ctx.state[_GATE_MEASURE_KEY] = measure  # for the run's report
+    run_state = ctx.run_state(CleanupRun)
+    run_state.measure = measure  # for the run's report
     breaches = measure.breaches()
     if not breaches:
+        run_state.gate = "passed"
         return
     run = conn.execute(
         sa.select(job_run.c.reason, job_run.c.requester, job_run.c.correlation_id).where(
@@ -301,7 +308,7 @@ def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
                 details={**measure.as_metadata(), "breaches": breaches},
             ),
         )
-        ctx.state[_GATE_KEY] = "overridden"
+        run_state.gate = "overridden"
         return
     how = (
         "the override needs a reason on the run"
@@ -345,43 +352,39 @@ _WRITE_INTENTS = sa.text(
 def _reason(ctx: BatchContext) -> str:
     days = run_settings(ctx).retention_days
     reason = f"retention: terminal and older than {days} days"
-    return (
-        reason + " (anomaly threshold overridden)"
-        if ctx.state.get(_GATE_KEY) == "overridden"
-        else reason
-    )
+    overridden = ctx.run_state(CleanupRun).gate == "overridden"
+    return reason + " (anomaly threshold overridden)" if overridden else reason
+
+
+@dataclass(frozen=True)
+class DecidedFile:
+    """A file step 1 decided to remove: a ``safe`` one has its intent (sha256 None: gone)."""
+
+    id: int
+    storage_path: str
+    created_at: datetime
+    safe: bool
+    sha256: str | None
 
 
 def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Step 1: gate the run (first batch), hash the selected objects, write the intents."""
     settings = run_settings(ctx)
-    if ctx.state.get(_GATE_KEY) is None:
+    if ctx.run_state(CleanupRun).gate is None:
         _anomaly_gate(conn, ctx)
-        ctx.state.setdefault(_GATE_KEY, "passed")
     files = conn.execute(_BATCH_FILES, {"ids": id_array(ids), "tenant": ctx.scope.tenant_id}).all()
-    work: list[dict[str, Any]] = []
-    hashed_ids: list[int] = []
-    hashes: list[str | None] = []
-    with ObjectStore(settings.objects_root) as store:
-        for f in files:
-            safe, checksum = store.sha256(f.storage_path)
-            work.append(
-                {
-                    "id": f.id,
-                    "storage_path": f.storage_path,
-                    "created_at": f.created_at,
-                    "safe": safe,
-                }
-            )
-            if safe:
-                hashed_ids.append(f.id)
-                hashes.append(checksum)
-    if hashed_ids:
+    with ObjectStore(settings.objects_root) as store:  # (safe, sha256) of each object
+        work = [
+            DecidedFile(f.id, f.storage_path, f.created_at, *store.sha256(f.storage_path))
+            for f in files
+        ]
+    hashed = [w for w in work if w.safe]
+    if hashed:
         conn.execute(
             _WRITE_INTENTS,
             {
-                "ids": id_array(hashed_ids),
-                "shas": digest_array(hashes),
+                "ids": id_array([w.id for w in hashed]),
+                "shas": digest_array([w.sha256 for w in hashed]),
                 "run": str(ctx.job_run_id),
                 "reason": _reason(ctx),
                 "tenant": ctx.scope.tenant_id,
@@ -433,13 +436,13 @@ _FORGET_INTENTS = sa.text(
 )
 
 
-def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchOutcome:
+def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) -> BatchOutcome:
     """Step 2: delete the rows still eligible, complete their tombstones, then unlink their
     objects before the commit."""
     settings = run_settings(ctx)
     start, end = ctx.scope.window_bounds()
-    unsafe = [w for w in work if not w["safe"]]
-    safe = {w["id"]: w["storage_path"] for w in work if w["safe"]}
+    unsafe = [f for f in files if not f.safe]
+    safe = {f.id: f.storage_path for f in files if f.safe}
     gone = (
         conn.execute(
             _DELETE_ROWS,
@@ -481,14 +484,14 @@ def remove_batch(conn: Connection, ctx: BatchContext, work: list[Any]) -> BatchO
         tally["changed_since_selection"] = len(kept)
     if unsafe:
         tally["unsafe_storage_path"] = len(unsafe)
-        ctx.state.setdefault(_REFUSED_KEY, set()).update(w["id"] for w in unsafe)
-    last = work[-1] if work else None
+        ctx.run_state(CleanupRun).refused.update(f.id for f in unsafe)
+    last = files[-1] if files else None
     outcome = BatchOutcome(
-        position={"created_at": last["created_at"], "id": last["id"]} if last else None,
+        position={"created_at": last.created_at, "id": last.id} if last else None,
         succeeded=len(gone),
         skipped=len(kept),
         failed=len(unsafe),
-        failed_items=[(str(w["id"]), "unsafe_storage_path") for w in unsafe],
+        failed_items=[(str(f.id), "unsafe_storage_path") for f in unsafe],
         tally=tally,
     )
     # an object already gone was removed by an earlier attempt whose commit did not happen
@@ -609,12 +612,10 @@ def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
     decision (the run's gate, or what a gate would decide now); a dry run within the cap:
     how many of the eligible files' objects are stored."""
     settings = run_settings(ctx)
-    measure = ctx.state.get(_GATE_MEASURE_KEY)  # what the run's gate measured, if it ran
-    gate_ran = isinstance(measure, AnomalyMeasure)
-    if not isinstance(measure, AnomalyMeasure):  # a dry run: what a gate would decide now
-        measure = measure_anomaly(conn, ctx)
-    stop = "stopped" if gate_ran else "would stop"
-    decision = ctx.state.get(_GATE_KEY) or (stop if measure.breaches() else "within")
+    run_state = ctx.run_state(CleanupRun)
+    stop = "stopped" if run_state.measure is not None else "would stop"  # the gate ran
+    measure = run_state.measure or measure_anomaly(conn, ctx)  # else: what it would decide
+    decision = run_state.gate or (stop if measure.breaches() else "within")
     rows = [
         ReportRow(
             "anomaly_gate",

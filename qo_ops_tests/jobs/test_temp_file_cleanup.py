@@ -355,8 +355,8 @@ def test_a_hold_put_on_between_decision_and_removal_is_respected(loaded):
     expected = expected_ids(db.engine, scope)
     victim = expected[1]
 
-    def put_on_hold(ctx: BatchContext, work: list[Any]) -> list[Any]:
-        if any(w["id"] == victim for w in work):  # someone places a hold right now
+    def put_on_hold(ctx: BatchContext, work: list[tfc.DecidedFile]) -> list[tfc.DecidedFile]:
+        if any(w.id == victim for w in work):  # someone places a hold right now
             with db.engine.begin() as conn:
                 conn.execute(
                     sa.text("UPDATE temp_file SET legal_hold = true WHERE id = :id"), {"id": victim}

@@ -1,5 +1,6 @@
 """What one batch carries from phase to phase: the chunks the selection cut, the work it
-hands the file phase, and each file's verdict for the delete."""
+hands the file phase, and each file's verdict for the delete; and what the run keeps
+between its batches (``ArchiveRun``)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,13 @@ class FileResult:
     ids: list[int] = field(default_factory=list)  # the file's ids, in order
     digests: tuple[str, str] | None = None  # table_digests() of the file's rows
     orphans_removed: int = 0
+
+
+@dataclass
+class ArchiveRun:
+    """What an archive run keeps between its batches (``ctx.run_state(ArchiveRun)``)."""
+
+    baseline: int | None = None  # the window's records at the first batch (for the check)
+    failure: str | None = None  # why a file failed verification: the next batch stops the run
+    deleted: bool = False  # the last batch deleted rows (a crash point at the next selection)
+    swept_days: set[date] = field(default_factory=set)  # days whose orphans this run swept

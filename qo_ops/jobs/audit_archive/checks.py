@@ -9,6 +9,7 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import audit_archive_manifest, audit_record
 from qo_ops.errors import one_line
+from qo_ops.jobs.audit_archive.batch import ArchiveRun
 from qo_ops.jobs.audit_archive.settings import retention_cutoff
 from qo_ops.jobs.audit_archive.storage import resolve_path, sha256_or_none
 from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck, ReportRow
@@ -63,7 +64,7 @@ def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
         for m in manifests
         if m.row_count < 1 or m.max_record_id - m.min_record_id + 1 < m.row_count
     )
-    baseline = ctx.state.get("archive_baseline")
+    baseline = ctx.run_state(ArchiveRun).baseline
     total = int(row.remaining) + archived
     accounts = row.both_places == 0 and malformed == 0 and (baseline is None or total == baseline)
 

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema import audit_record
 from qo_ops.errors import one_line
-from qo_ops.jobs.audit_archive.batch import Chunk, FileResult, Work
+from qo_ops.jobs.audit_archive.batch import ArchiveRun, Chunk, FileResult, Work
 from qo_ops.jobs.audit_archive.errors import (
     VERIFICATION_FAILED,
     ArchiveError,
@@ -82,7 +82,9 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
     """The tenant's records of the window past retention, by UTC day, then id: the order of
     ix_audit_record_tenant_day_id, so a batch reads its rows off the index, never sorting
     what is left of the window (the day bounds only let the index bound the scan)."""
-    if ctx.state.pop("_archive_deleted", False):  # the previous batch's delete committed
+    run = ctx.run_state(ArchiveRun)
+    if run.deleted:  # the previous batch's delete committed
+        run.deleted = False
         crash_point("archive_after_delete_commit")
     if ctx.mode == "execute":  # counted before the first batch: Arrow loads here, not in a
         load_arrow()  # batch that holds row locks (a dry run never loads it)
@@ -156,10 +158,11 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
     """Read the selected (locked) records and cut them into per-day chunks."""
     import pyarrow.compute as pc
 
-    if ctx.state.get("archive_failure"):  # a file failed verification: stop, as a job's own stop
-        raise ArchiveVerificationFailed(ctx.state["archive_failure"])
-    if "archive_baseline" not in ctx.state:
-        ctx.state["archive_baseline"] = _baseline(conn, ctx.scope)
+    run = ctx.run_state(ArchiveRun)
+    if run.failure:  # a file failed verification: stop, as a job's own stop
+        raise ArchiveVerificationFailed(run.failure)
+    if run.baseline is None:
+        run.baseline = _baseline(conn, ctx.scope)
     cutoff = conn.execute(sa.select(retention_cutoff(ctx))).scalar_one()  # this txn's now()
     table = copy_batch(conn, [int(i) for i in ids], ctx.scope.tenant_id)
     chunks = []
@@ -327,11 +330,11 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
     return FileResult(chunk, True, ids=ids.to_pylist(), digests=table_digests(table))
 
 
-def write_and_verify(ctx: BatchContext, work_items: list[Any]) -> list[Any]:
+def write_and_verify(ctx: BatchContext, work_items: list[Work]) -> list[FileResult]:
     """Write each chunk's file and WRITTEN manifest, then read the file back (no transaction)."""
     results: list[FileResult] = []
+    swept = ctx.run_state(ArchiveRun).swept_days
     for work in work_items:
-        assert isinstance(work, Work)
         for chunk in work.chunks:
             for retired in chunk.retired:  # their manifest rows are gone (committed)
                 resolve_path(retired).unlink(missing_ok=True)
@@ -359,7 +362,6 @@ def write_and_verify(ctx: BatchContext, work_items: list[Any]) -> list[Any]:
                 crash_point("archive_after_manifest_written")
             assert chunk.sha256 is not None
             result = verify_file(chunk, chunk.sha256)
-            swept = ctx.state.setdefault("_archive_swept_days", set())
             if chunk.day not in swept:  # orphans are earlier runs': once per day and run
                 result.orphans_removed = sweep_orphans(work, chunk)
                 swept.add(chunk.day)
@@ -418,7 +420,7 @@ def _delete_if_equal(conn: Connection, result: FileResult) -> str | None:
     return reason
 
 
-def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> BatchOutcome:
+def delete_verified(conn: Connection, ctx: BatchContext, results: list[FileResult]) -> BatchOutcome:
     """In one transaction per batch: verified chunks → manifest VERIFIED + source rows
     deleted (kept only if the deleted rows equal the file's); anything else → manifest
     FAILED, nothing deleted."""
@@ -428,7 +430,6 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
         outcome.tally[key] = outcome.tally.get(key, 0) + n
 
     for result in results:
-        assert isinstance(result, FileResult)
         chunk = result.chunk
         tally("archives_replaced", len(chunk.retired))
         if result.orphans_removed:
@@ -459,7 +460,7 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
             tally("archives_failed")
             if not chunk.adopted:
                 outcome.side_effect(SIDE_EFFECT, "failed")
-            ctx.state["archive_failure"] = (
+            ctx.run_state(ArchiveRun).failure = (
                 f"archive {chunk.manifest_id} ({chunk.tenant_id} {chunk.day}) failed "
                 f"verification: {result.reason}; nothing of it was deleted"
             )
@@ -468,5 +469,5 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[Any]) -> 
         last = results[-1].chunk
         outcome.position = {"day": last.day, "id": last.max_id}
     crash_point("archive_before_delete_commit")
-    ctx.state["_archive_deleted"] = outcome.succeeded > 0
+    ctx.run_state(ArchiveRun).deleted = outcome.succeeded > 0
     return outcome

@@ -17,11 +17,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from qo_ops.config import load_settings
+from qo_ops.errors import ClassifiedError
 
 OBJECTS_DIR = "objects"  # under QO_OPS_HOME: stands in for the object store
 
 
-class ObjectStoreError(Exception):
+class ObjectStoreError(ClassifiedError):
     """A stored object could not be stored or removed; the batch's transaction is rolled back."""
 
     error_code = "object_store_error"

@@ -40,6 +40,9 @@ class NoStopRequest:
         return None
 
 
+S = TypeVar("S")
+
+
 @dataclass
 class BatchContext:
     """What a job's selection and transition see of the run they belong to."""
@@ -55,11 +58,30 @@ class BatchContext:
     # where the next selection may start within this run (BatchOutcome.position), never
     # persisted: lets a state-based sweep skip the index entries its earlier batches left dead
     position: dict[str, Any] | None = None
-    # the job's own state between its steps within one run (e.g. the downstream calls'
-    # client, a safety gate's decision); the platform never reads it
-    state: dict[str, Any] = field(default_factory=dict)
     # the run's stop request (SIGTERM/SIGINT): external phases send no call once it is set
     stop: StopRequest = field(default_factory=NoStopRequest)
+    # the job's own state between its steps within one run, one object per type (run_state)
+    _run_states: dict[type, object] = field(default_factory=dict, init=False, repr=False)
+
+    def run_state(self, kind: type[S], make: Callable[[], S] | None = None) -> S:
+        """The run's one object of type ``kind``: the job's own state between its steps
+        within this run (e.g. the downstream calls' client, a safety gate's decision), made
+        on first use by ``make`` (by default ``kind()``), the same object after.
+
+        Each job keeps its run state in a class of its own, so the type is the key and mypy
+        checks what comes back; the platform never reads it, and a context made outside a
+        run starts with none."""
+        found = self._run_states.get(kind)
+        if found is None:
+            found = self._run_states[kind] = (make or kind)()
+        if not isinstance(found, kind):
+            raise TypeError(f"run state {kind.__name__} holds a {type(found).__name__}")
+        return found
+
+    def run_state_if_made(self, kind: type[S]) -> S | None:
+        """The run's object of type ``kind`` if a step made it (:meth:`run_state`), or None."""
+        found = self._run_states.get(kind)
+        return found if isinstance(found, kind) else None
 
 
 T = TypeVar("T")

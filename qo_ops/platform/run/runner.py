@@ -32,7 +32,7 @@ from qo_ops.db.availability import (
     is_unavailable,
     retry_while_unavailable,
 )
-from qo_ops.errors import DatabaseUnavailable, one_line
+from qo_ops.errors import DatabaseUnavailable, error_class, one_line
 from qo_ops.platform.job.counts import Counts
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.outcome import (
@@ -514,8 +514,8 @@ class JobRun:
     def _emit_batch(self, outcome: BatchOutcome) -> None:
         """A recorded batch's events: its failed items, its notes, the run's progress."""
         events, summary = self.events, self.summary
-        for item_id, error_class in outcome.failed_items:
-            failed = {"item.id": item_id, "error.type": error_class}
+        for item_id, item_error in outcome.failed_items:
+            failed = {"item.id": item_id, "error.type": item_error}
             events.emit("job.item.failed", logging.WARNING, **failed)
         for name, fields in outcome.notes:  # e.g. downstream.breaker.open
             events.emit(name, logging.WARNING if name.endswith("open") else logging.INFO, **fields)
@@ -670,9 +670,6 @@ class JobRun:
 
 
 def _error_class(exc: BaseException) -> str:
-    code = getattr(exc, "error_code", None)  # a job's own stop, e.g. anomaly_threshold
-    if isinstance(code, str) and code:
-        return code
-    if isinstance(exc, DBAPIError):
-        return "database_error"
-    return "internal_error"
+    """The run's error class: the one ``exc`` declares (a job's own stop, e.g.
+    anomaly_threshold), else ``database_error`` or ``internal_error``."""
+    return error_class(exc, "database_error" if isinstance(exc, DBAPIError) else "internal_error")
