@@ -1,5 +1,6 @@
 """How one run should behave (``RunOptions``), its limits (``Limits``), who triggered it, and
-the consent rule an execute with a person behind it needs."""
+the part of the consent rule that needs no database (:func:`check_consent`; the whole rule:
+``qo_ops/platform/run/consent.py``)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class RunOptions:
     scheduled_for: datetime | None = None
     dagster_run_id: str | None = None
     dagster_parent_run_id: str | None = None  # a Dagster re-execution: the run it repeats
-    approval: str | None = None  # the approval a destructive execute cites (approvals.py)
+    approval: str | None = None  # the approval a destructive execute cites (run/consent.py)
     job_run_id: uuid.UUID | None = None  # adopt a row pre-created by the API
     progress_interval_s: float = 10.0
     sample_size: int = 10
@@ -96,8 +97,9 @@ class ExecuteRefused(BadInput):
 def check_consent(options: RunOptions, *, destructive: bool = False, job_name: str = "") -> None:
     """Raise :class:`ExecuteRefused` for an execute with a person behind it that gives no
     reason, or that executes a destructive job citing no approval — on every path alike
-    (CLI, Launchpad, backfill, API). Whether the approval it cites allows it needs the
-    database: :func:`qo_ops.platform.actions.approvals.check_approval`."""
+    (CLI, Launchpad, backfill, API). This is step 1 of the consent rule, which
+    :func:`qo_ops.platform.run.consent.check` applies whole (whether the cited approval
+    allows the run, and whether the reason is new, need the database)."""
     if options.mode != "execute" or not options.person_behind:
         return
     if not (options.reason or "").strip():
