@@ -47,8 +47,11 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
 
 
 @dataclass(frozen=True)
-class RunRequest:
-    """A run asked for: this job, over this scope, with these options."""
+class Admission:
+    """A run at the door: this job, over this scope, with these options, admitted (or
+    refused) before anything is written, and the audit rows of that decision. (The operator
+    API's request to run a job is :class:`qo_ops.api.service.RunRequest`; Dagster's
+    ``dg.RunRequest`` is a sensor's or schedule's.)"""
 
     spec: JobSpec
     scope: Scope
