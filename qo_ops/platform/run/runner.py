@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 ENDED_WELL = ("success", "no_work", "skipped")  # job.finished at INFO; the rest at WARNING
 PROGRESS_COUNTS = ("processed", "succeeded", "failed")  # the counters job.progress carries
+SPAN_COUNTS = ("processed", "failed")  # the counters the run's and each batch's span carry
 
 
 def owner_identity() -> str:
@@ -379,14 +380,14 @@ class JobRun:
             with (
                 self.stop.deferred(),  # a signal waits for the batch (and its calls) to be recorded
                 span(
-                    "batch", **{"batch.number": number, "items.processed": 0, "items.failed": 0}
+                    "batch", **{"batch.number": number, **Counts().event_fields(SPAN_COUNTS)}
                 ) as batch_span,
             ):
                 outcome = self._batch(conn, room)
                 if isinstance(outcome, BatchOutcome):
                     self._account(outcome)
-                    batch_span.set_attribute("items.processed", outcome.processed)  # never ids
-                    batch_span.set_attribute("items.failed", outcome.failed)
+                    for name, count in outcome.event_fields(SPAN_COUNTS).items():
+                        batch_span.set_attribute(name, count)  # counts only, never ids
                     self._move_on(outcome)
                     self._emit_batch(outcome)
             if outcome is _Step.AGAIN:
@@ -639,8 +640,8 @@ class JobRun:
             },
         )
         root.set_attribute("job.status", summary.status)
-        root.set_attribute("items.processed", summary.counts.processed)
-        root.set_attribute("items.failed", summary.counts.failed)
+        for name, count in summary.counts.event_fields(SPAN_COUNTS).items():
+            root.set_attribute(name, count)
 
     def _let_go(self) -> None:
         """Give the liveness lock back: the record is finished (or was never written)."""
