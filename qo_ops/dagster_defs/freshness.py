@@ -41,7 +41,7 @@ from qo_ops.dagster_defs.checks import (
 )
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
-from qo_ops.platform.job.scope import tenant_sql
+from qo_ops.platform.job.scope import TENANT_OF_SCOPE
 from qo_ops.platform.job.spec import JobSpec
 from qo_ops.platform.schedule.freshness import STALE_FACTOR, job_due, stale_limit_s
 
@@ -54,7 +54,7 @@ RECENT_SUCCESS_JOB = "recent_success_job"
 # 3 cadences of runs, however long job_run is. A windowed job's scope is tenant/window.
 _RECENT_SUCCESS = sa.text(
     f"""
-    SELECT DISTINCT {tenant_sql()} AS tenant FROM job_run
+    SELECT DISTINCT {TENANT_OF_SCOPE} AS tenant FROM job_run
      WHERE job_name = :job AND finished_at IS NOT NULL
        AND finished_at > now() - make_interval(secs => :limit_s)
        AND mode = 'execute' AND status = ANY(CAST(:fresh AS text[]))
@@ -82,7 +82,7 @@ _LAST_SUCCESS_WINDOWED = sa.text(
       FROM unnest(CAST(:tenants AS text[])) AS t(id)
       LEFT JOIN LATERAL (
             SELECT finished_at FROM job_run
-             WHERE {tenant_sql()} = t.id AND finished_at IS NOT NULL
+             WHERE {TENANT_OF_SCOPE} = t.id AND finished_at IS NOT NULL
                AND job_name = :job AND mode = 'execute'
                AND status = ANY(CAST(:fresh AS text[]))
              ORDER BY finished_at DESC

@@ -64,7 +64,6 @@ from qo_ops.platform.job.outcome import (
     ReportRow,
     run_settings,
 )
-from qo_ops.platform.job.scope import tenant_sql
 from qo_ops.platform.job.spec import CheckSpec, JobSpec
 from qo_ops.platform.run.selection import seconds_or_none
 
@@ -85,8 +84,8 @@ TS = sa.DateTime(timezone=True)
 # EXISTS into a join (a hash join would read all of job_run), and two of them (rather than
 # one per rule) keep its estimate of the rows they pass realistic, so the plan walks
 # ix_job_run_retention in order and stops at the batch size.
-PRUNABLE_RUN = f"""
-    {tenant_sql("r.scope")} = :tenant
+PRUNABLE_RUN = """
+    split_part(r.scope, '/', 1) = :tenant
     AND r.finished_at < now() - make_interval(days => CAST(:days AS integer))
     AND r.status IN ('success', 'partial_success', 'failed', 'timeout', 'cancelled', 'skipped',
                      'no_work')
@@ -116,8 +115,8 @@ PRUNABLE_RUN = f"""
 # no unexpired lease (primary key), no active run (ix_job_run_active, whose predicate the
 # literal records.ACTIVE_STATUSES imply); one per-row lookup. Shared by the selection and the
 # delete, like PRUNABLE_RUN, for the same reason.
-PRUNABLE_CHECKPOINT = f"""
-    {tenant_sql("c.scope")} = :tenant
+PRUNABLE_CHECKPOINT = """
+    split_part(c.scope, '/', 1) = :tenant
     AND c.updated_at < now() - make_interval(days => CAST(:days AS integer))
     AND NOT EXISTS (SELECT FROM job_lease l
                      WHERE l.job_name = c.job_name AND l.scope = c.scope

@@ -15,7 +15,6 @@ import sqlalchemy as sa
 from qo_ops.config import load_settings
 from qo_ops.jobs.audit_archive.batch import Chunk, Work
 from qo_ops.jobs.audit_archive.settings import ARCHIVE_DIR
-from qo_ops.platform.job.scope import tenant_sql
 from qo_ops.platform.run.faults import crash_point
 
 
@@ -81,11 +80,11 @@ def sha256_or_none(path: Path) -> str | None:
 # How the sweep judges a day's directory: by the database's clock (never this process's),
 # and whether another run holds a live lease of this job over a window containing the day.
 _SWEEP_STATE = sa.text(
-    f"""
+    """
     SELECT extract(epoch FROM clock_timestamp())::float8 AS now,
            EXISTS (SELECT 1 FROM job_lease l JOIN job_run r ON r.id = l.job_run_id
                     WHERE l.job_name = :job AND l.expires_at > clock_timestamp()
-                      AND l.job_run_id <> :run AND {tenant_sql("l.scope")} = :tenant
+                      AND l.job_run_id <> :run AND split_part(l.scope, '/', 1) = :tenant
                       AND r.window_start <= :day AND r.window_end > :day) AS busy
     """
 )

@@ -14,6 +14,14 @@ TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 FIRST_DAY = date(1900, 1, 1)
 LAST_DAY = date.max - timedelta(days=1)  # 9999-12-30: its window ends on 9999-12-31
 
+# :func:`tenant_of` in SQL: the tenant of the scope key in the column ``scope`` (of the one
+# table in the statement's FROM that has one). Shared by the statements that read a tenant
+# out of job_run, job_lease and job_checkpoint keys. ix_job_run_retention and
+# ix_job_checkpoint_retention index this expression (migration 0009 writes it out), and so do
+# the run-history retention's predicates, the lease's guard and the archive's sweep, which
+# write it out over an alias (a fragment names one column).
+TENANT_OF_SCOPE = "split_part(scope, '/', 1)"
+
 
 @dataclass(frozen=True)
 class Scope:
@@ -104,14 +112,6 @@ def tenant_of(scope_key: str) -> str:
     """The tenant of a scope key (:attr:`Scope.key`): ``tenant-001/2026-01-01..`` → ``tenant-001``;
     :class:`BadInput` when it is not a scope key (:meth:`Scope.parse`)."""
     return Scope.parse(scope_key).tenant_id
-
-
-def tenant_sql(scope_column: str = "scope") -> str:
-    """:func:`tenant_of` in SQL, over the scope key in ``scope_column`` (a column name written
-    in code, never input): every statement that reads a tenant out of a key uses this one
-    expression. ``ix_job_run_retention`` and ``ix_job_checkpoint_retention`` index it over
-    ``scope`` (their migration 0009 writes it out), so a filter on it can use them."""
-    return f"split_part({scope_column}, '/', 1)"
 
 
 def _not_a_key(key: str) -> str:

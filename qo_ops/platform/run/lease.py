@@ -19,7 +19,6 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from qo_ops.platform.job.scope import tenant_sql
 from qo_ops.platform.run.liveness import RUN_GONE
 
 log = logging.getLogger(__name__)
@@ -67,12 +66,12 @@ _HEARTBEAT = sa.text(
 # a holder frozen mid-transaction is cut off by the server, releasing its locks. No row (the
 # lease is lost) sets nothing, and the transaction is rolled back.
 _GUARD = sa.text(
-    f"""
+    """
     SELECT CASE
              WHEN (SELECT r.cancel_requested_at IS NOT NULL FROM job_run r WHERE r.id = :run_id)
                THEN 'cancel requested'
              WHEN EXISTS (SELECT 1 FROM job_control c WHERE c.job_name = :job
-                             AND c.tenant_id IN ('', {tenant_sql(":scope")}))
+                             AND c.tenant_id IN ('', split_part(:scope, '/', 1)))
                THEN 'suspended'
            END AS stop,
            set_config('idle_in_transaction_session_timeout', :idle_ms, true) AS idle_timeout
