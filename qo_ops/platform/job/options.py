@@ -84,6 +84,12 @@ class RunOptions:
         return self.trigger in TRIGGERS_WITH_A_PERSON
 
 
+# Why an execute was refused (``ExecuteRefused.error_code``, the audit row's details.refused).
+REASON_REQUIRED = "reason_required"
+APPROVAL_REQUIRED = "approval_required"
+REASON_REUSED = "reason_reused"
+
+
 class ExecuteRefused(BadInput):
     """An execute a person asked for that the rules do not allow (no reason; a destructive
     job without a valid approval; a reused reason). Nothing was run; ``run_job`` audits it
@@ -91,7 +97,7 @@ class ExecuteRefused(BadInput):
 
     def __init__(self, message: str, *, error_code: str) -> None:
         super().__init__(message)
-        self.error_code = error_code  # reason_required | approval_required | reason_reused
+        self.error_code = error_code  # REASON_REQUIRED | APPROVAL_REQUIRED | REASON_REUSED
 
 
 def check_consent(options: RunOptions, *, destructive: bool = False, job_name: str = "") -> None:
@@ -106,7 +112,7 @@ def check_consent(options: RunOptions, *, destructive: bool = False, job_name: s
         raise ExecuteRefused(
             f"an execute by a person ({options.trigger}) needs a reason (CLI: --reason; "
             "Dagster: config reason, or the tag qo_ops/reason on a backfill or re-execution)",
-            error_code="reason_required",
+            error_code=REASON_REQUIRED,
         )
     if destructive and not (options.approval or "").strip():
         job = job_name or "{job}"
@@ -116,7 +122,7 @@ def check_consent(options: RunOptions, *, destructive: bool = False, job_name: s
             f"/internal/jobs/{job}/approvals) and the run cites it (CLI --approval; Launchpad config "
             "approval; backfill tag qo_ops/approval; API approvalId, or an approver's own "
             "request)",
-            error_code="approval_required",
+            error_code=APPROVAL_REQUIRED,
         )
 
 

@@ -43,13 +43,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from qo_ops.platform.actions.approvals import Approval, find
-from qo_ops.platform.job.options import ExecuteRefused, RunOptions, check_consent
+from qo_ops.platform.job.options import (
+    APPROVAL_REQUIRED,
+    REASON_REUSED,
+    ExecuteRefused,
+    RunOptions,
+    check_consent,
+)
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
-
-APPROVAL_REQUIRED = "approval_required"
-
-REASON_REUSED = "reason_reused"
 
 # the newest earlier Dagster execute of the job over the same scope with the same reason
 # (case and spaces aside: normalized_reason), the parent run's first; every trigger counts
