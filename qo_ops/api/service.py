@@ -113,7 +113,9 @@ class RequestMeta:
 
 @dataclass(frozen=True)
 class RunRequest:
-    """A validated request to run a job."""
+    """A validated request to run a job, from its HTTP body (``models.RunRequestBody``): the
+    API records it as an ``accepted`` run and launches it in Dagster, whose op then runs it
+    (``run_job``, which admits it: ``qo_ops.platform.run.admission.Admission``)."""
 
     spec: JobSpec
     mode: str

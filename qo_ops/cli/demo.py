@@ -159,7 +159,7 @@ class DemoRun:
 
         counts = (
             f"eligible {self.eligible_count:,}, processed {self.processed_count:,}, "
-            f"changed {self.succeeded_count:,}, failed {self.failed_count:,}"
+            f"succeeded {self.succeeded_count:,}, failed {self.failed_count:,}"
             f" in {self.duration_ms:,} ms"
             if self.eligible_count is not None
             else "no counts: the runner did not finish"

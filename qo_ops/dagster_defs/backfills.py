@@ -26,10 +26,10 @@ from qo_ops.dagster_defs.run_config import Mode
 from qo_ops.dagster_defs.submission import APPROVAL_TAG, BACKFILL_RUN_TAG, run_options
 from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.errors import BadInput, QoOpsError, one_line
-from qo_ops.platform.actions.approvals import check_approval, requires_approval
 from qo_ops.platform.job.options import MAX_TEXT, ExecuteRefused, RunOptions, check_consent
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.consent import check_approval, requires_approval
 from qo_ops.platform.schedule.partition_keys import (
     MODE_TAG,
     REASON_TAG,

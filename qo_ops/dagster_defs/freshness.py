@@ -41,6 +41,7 @@ from qo_ops.dagster_defs.checks import (
 )
 from qo_ops.dagster_defs.partitions import tenants_partitions_def
 from qo_ops.dagster_defs.resources import QoOpsDatabase
+from qo_ops.platform.job.scope import TENANT_OF_SCOPE
 from qo_ops.platform.job.spec import JobSpec
 from qo_ops.platform.schedule.freshness import STALE_FACTOR, job_due, stale_limit_s
 
@@ -52,8 +53,8 @@ RECENT_SUCCESS_JOB = "recent_success_job"
 # clock_timestamp(): a volatile bound cannot use the index), so a tick reads only the last
 # 3 cadences of runs, however long job_run is. A windowed job's scope is tenant/window.
 _RECENT_SUCCESS = sa.text(
-    """
-    SELECT DISTINCT split_part(scope, '/', 1) AS tenant FROM job_run
+    f"""
+    SELECT DISTINCT {TENANT_OF_SCOPE} AS tenant FROM job_run
      WHERE job_name = :job AND finished_at IS NOT NULL
        AND finished_at > now() - make_interval(secs => :limit_s)
        AND mode = 'execute' AND status = ANY(CAST(:fresh AS text[]))
@@ -76,12 +77,12 @@ _LAST_SUCCESS_TENANT = sa.text(
 # A windowed job's scopes are tenant/window: ix_job_run_retention walks the tenant's runs
 # (of every job) newest first, stopping at this job's last success.
 _LAST_SUCCESS_WINDOWED = sa.text(
-    """
+    f"""
     SELECT t.id AS tenant, extract(epoch FROM now() - r.finished_at) AS age
       FROM unnest(CAST(:tenants AS text[])) AS t(id)
       LEFT JOIN LATERAL (
             SELECT finished_at FROM job_run
-             WHERE split_part(scope, '/', 1) = t.id AND finished_at IS NOT NULL
+             WHERE {TENANT_OF_SCOPE} = t.id AND finished_at IS NOT NULL
                AND job_name = :job AND mode = 'execute'
                AND status = ANY(CAST(:fresh AS text[]))
              ORDER BY finished_at DESC

@@ -366,7 +366,7 @@ def tenants_table(outcomes: list[TenantOutcome]) -> dg.TableMetadataValue:
         ("tenant", "string"),
         ("status", "string"),
         ("eligible", "int"),
-        ("changed", "int"),
+        ("succeeded", "int"),
         ("failed", "int"),
         ("job_run_id", "string"),
         ("detail", "string"),
@@ -380,7 +380,7 @@ def tenants_table(outcomes: list[TenantOutcome]) -> dg.TableMetadataValue:
                     "tenant": o.scope.tenant_id,
                     "status": o.status,
                     "eligible": s.eligible_count if s else 0,
-                    "changed": s.counts.succeeded if s else 0,
+                    "succeeded": s.counts.succeeded if s else 0,
                     "failed": s.counts.failed if s else 0,
                     "job_run_id": s.job_run_id if s else "",
                     "detail": one_line(

@@ -616,7 +616,7 @@ def _outside_event(
         eligible_count=int(row.eligible_count),
         counts=Counts(succeeded=int(row.succeeded_count), failed=int(row.failed_count)),
     )
-    scope = Scope(tenant_of(row.scope), row.window_start, row.window_end)
+    scope = Scope.parse(row.scope)
     event = outcome_event(
         outcome_asset_key(spec), summary, scope, tenant_backlog(conn, spec, scope.tenant_id)
     )

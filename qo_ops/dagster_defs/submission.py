@@ -3,8 +3,8 @@ mode, requester and run options — and the run coordinator that refuses, before
 queued, a run the platform would refuse at start (``dagster.yaml``: ``QoOpsRunCoordinator``).
 
 The webserver and the daemon load this module with the instance: it uses the platform's
-rules themselves (``RunOptions.validated``, ``check_consent``, ``check_approval``,
-``check_reason_is_new``), so a refusal here is the runner's refusal, one line, before the
+rules themselves (``RunOptions.validated`` and the consent rule's steps,
+``qo_ops/platform/run/consent.py``), so a refusal here is the runner's refusal, one line, before the
 run is queued.
 """
 
@@ -21,10 +21,9 @@ from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.errors import BadInput, error_class, one_line
 from qo_ops.jobs.catalog import CATALOG
-from qo_ops.platform.actions.approvals import check_approval
-from qo_ops.platform.actions.consent import check_reason_is_new
 from qo_ops.platform.job.options import RunOptions, Trigger, check_consent
 from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.run.consent import check_approval, check_reason_is_new
 from qo_ops.platform.schedule.partition_keys import (
     JOB_RUN_TAG,
     MODE_TAG,

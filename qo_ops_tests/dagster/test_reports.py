@@ -114,7 +114,7 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
     assert instance.get_run_by_id(result.run_id).tags[MODE_TAG] == "execute"
     items = {r["name"]: r["count"] for r in rows if r["kind"] == "items"}
     assert items["processed"] == summary["processed_count"]
-    assert items["changed"] == summary["succeeded_count"] > 0
+    assert items["succeeded"] == summary["succeeded_count"] > 0
     checks = {r["name"]: r["detail"] for r in rows if r["kind"] == "check"}
     assert checks == {c.name: "passed" for c in spec.checks}
     assert metadata["fencing_token"].value >= 1

@@ -74,7 +74,7 @@ def approve_run(
     held = service.RunRequest(
         spec=run.spec,
         mode=row["mode"],
-        scope=Scope(tenant_of(row["scope"]), row["window_start"], row["window_end"]),
+        scope=Scope.parse(row["scope"]),
         limits={},
         reason=row["reason"],
         correlation_id=row["correlation_id"],

@@ -26,12 +26,12 @@ from qo_ops.api.models import (
 )
 from qo_ops.errors import BadInput
 from qo_ops.platform.actions import control
-from qo_ops.platform.actions.approvals import check_approval
 from qo_ops.platform.calls.call_stats import DownstreamCalls
 from qo_ops.platform.job.counts import mutated_count
 from qo_ops.platform.job.options import ExecuteRefused, RunOptions
 from qo_ops.platform.job.scope import FIRST_DAY, LAST_DAY, Scope, tenant_of
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run.consent import check_approval
 from qo_ops.platform.run.records import ACTIVE_STATUSES, UNSTARTED_STATUSES, request_cancel
 
 MAX_WINDOW_DAYS = 366

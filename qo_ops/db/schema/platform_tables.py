@@ -119,7 +119,7 @@ job_run = sa.Table(
         "scheduled_for",
         postgresql_where=sa.text("scheduled_for IS NOT NULL"),
     ),
-    # an earlier Dagster execute of a job with the same reason (qo_ops/platform/actions/consent.py)
+    # an earlier Dagster execute of a job with the same reason (qo_ops/platform/run/consent.py)
     sa.Index(
         "ix_job_run_dagster_reason",
         "job_name",

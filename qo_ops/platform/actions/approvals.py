@@ -1,4 +1,4 @@
-"""Approvals: the one consent rule for a destructive execute, whatever path asked for it.
+"""Approvals: what a destructive execute a person asks for must cite, whatever path asked for it.
 
 A destructive job (cleanup, archive, repair) executed by a person — from the CLI, the
 Dagster Launchpad, a backfill or the operator API — cites an approval (``RunOptions.approval``)
@@ -14,6 +14,9 @@ themselves with ``--by``. The runner's role only reads approvals: a worker canno
 
 An approval covers one job over the tenants it names (or every tenant) until it expires
 (at most a day): one incident's approval covers its runs, retries and backfill chunks.
+
+This module grants, revokes and finds approvals; whether the approval a run cites allows it
+is part of the consent rule, :func:`qo_ops.platform.run.consent.check_approval`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -30,12 +33,10 @@ from sqlalchemy.engine import Connection, Engine
 from qo_ops.db import audit
 from qo_ops.db.schema import run_approval
 from qo_ops.errors import BadInput
-from qo_ops.platform.job.options import MAX_TEXT, ExecuteRefused, RunOptions, check_consent
-from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.options import MAX_TEXT
 from qo_ops.platform.job.spec import JobSpec
 from qo_ops.platform.schedule.tenants import tenant_exists
 
-APPROVAL_REQUIRED = "approval_required"
 MIN_VALID_S = 60
 MAX_VALID_S = 24 * 3600
 DEFAULT_VALID_S = 3600
@@ -71,49 +72,6 @@ class Approval:
             "revokedAt": self.revoked_at.isoformat() if self.revoked_at else None,
             "revokedBy": self.revoked_by,
         }
-
-
-def requires_approval(spec: JobSpec, options: RunOptions) -> bool:
-    """Whether this run needs an approval: a destructive job's execute with a person behind
-    it (schedules and sensors run what the catalog declares, and need none)."""
-    return spec.destructive and options.mode == "execute" and options.person_behind
-
-
-def check_approval(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> None:
-    """Raise :class:`ExecuteRefused` (``approval_required``) when this run needs an approval
-    and cites none, or one that does not allow it (unknown, another job, not its tenant,
-    expired, revoked)."""
-    if not requires_approval(spec, options):
-        return
-    check_consent(options, destructive=True, job_name=spec.name)  # cites one at all
-    assert options.approval is not None
-    with engine.connect() as conn:
-        found = find(conn, options.approval)
-        now: datetime = conn.execute(sa.select(sa.func.now())).scalar_one()
-    problem = _why_not(found, options.approval, spec.name, scope.tenant_id, now)
-    if problem is not None:
-        raise ExecuteRefused(
-            f"approval {options.approval} {problem}: ask an approver for one (qo-ops approval "
-            f"grant {spec.name} --tenant {scope.tenant_id} --reason …, or POST "
-            f"/internal/jobs/{spec.name}/approvals) and cite it",
-            error_code=APPROVAL_REQUIRED,
-        )
-
-
-def _why_not(
-    found: Approval | None, cited: str, job_name: str, tenant_id: str, now: datetime
-) -> str | None:
-    if found is None:
-        return "does not exist"
-    if found.job_name != job_name:
-        return f"is for {found.job_name}, not {job_name}"
-    if found.tenants is not None and tenant_id not in found.tenants:
-        return f"does not cover {tenant_id} (it covers {found.covers()})"
-    if found.revoked_at is not None:
-        return f"was revoked by {found.revoked_by} at {found.revoked_at.astimezone(UTC):%H:%M} UTC"
-    if found.expires_at <= now:
-        return f"expired at {found.expires_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
-    return None
 
 
 def find(conn: Connection, approval_id: str) -> Approval | None:

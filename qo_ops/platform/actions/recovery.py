@@ -335,21 +335,15 @@ class _held:
         self.leases = []
 
 
-def _window(key: str) -> tuple[str, date | None, date | None]:
-    tenant, _, window = key.partition("/")
-    if not window:
-        return tenant, None, None
-    start, _, end = window.partition("..")
-    return tenant, date.fromisoformat(start), date.fromisoformat(end)
-
-
 def _overlaps(key: str, scope: Scope) -> bool:
-    tenant, start, end = _window(key)
-    if tenant != scope.tenant_id:
+    held = Scope.parse(key)
+    if held.tenant_id != scope.tenant_id:
         return False
-    if start is None or end is None or scope.window_start is None or scope.window_end is None:
+    if held.window_start is None or held.window_end is None:
         return True
-    return start < scope.window_end and scope.window_start < end
+    if scope.window_start is None or scope.window_end is None:
+        return True
+    return held.window_start < scope.window_end and scope.window_start < held.window_end
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -425,11 +419,7 @@ def checkpoints(conn: Connection, spec: JobSpec, which: Checkpoints) -> list[Che
     if days is None:
         return rows
     start, end = days[0], days[1] + timedelta(days=1)
-    return [
-        r
-        for r in rows
-        if (w := _window(r.scope))[1] is not None and start <= w[1] and w[2] <= end  # type: ignore[operator]
-    ]
+    return [r for r in rows if _within(Scope.parse(r.scope), start, end)]
 
 
 def reset_checkpoints(
@@ -456,7 +446,7 @@ def reset_checkpoints(
             f"{verb} {len(keys)} checkpoint(s) of {spec.name} for {tenant}",
         )
     action_id = uuid.uuid4()
-    scopes = [_scope_of(k) for k in keys]
+    scopes = [Scope.parse(k) for k in keys]
     with _held(engine, spec, scopes, action_id) as held, engine.begin() as conn:
         gone: list[str] = []
         for lease in held:
@@ -488,6 +478,8 @@ def reset_checkpoints(
     )
 
 
-def _scope_of(key: str) -> Scope:
-    tenant, start, end = _window(key)
-    return Scope(tenant, start, end)
+def _within(scope: Scope, start: date, end: date) -> bool:
+    """Whether ``scope`` is a window inside [``start``, ``end``)."""
+    if scope.window_start is None or scope.window_end is None:
+        return False
+    return start <= scope.window_start and scope.window_end <= end

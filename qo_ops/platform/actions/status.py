@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from qo_ops.db.schema import downstream_breaker
 from qo_ops.platform.calls.breaker import FAILED, BreakerSettings
 from qo_ops.platform.job.outcome import BatchContext
-from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.scope import TENANT_OF_SCOPE, Scope
 from qo_ops.platform.job.spec import JobSpec
 from qo_ops.platform.run.liveness import RUN_GONE
 from qo_ops.platform.run.selection import capped_count
@@ -63,7 +63,7 @@ _STATUS = sa.text(
     f"""
     WITH t AS (SELECT id, extract(epoch FROM now() - created_at) AS age FROM tenant
                 WHERE CAST(:tenant AS text) IS NULL OR id = :tenant),
-         runs AS (SELECT split_part(scope, '/', 1) AS tenant, started_at, finished_at, mode,
+         runs AS (SELECT {TENANT_OF_SCOPE} AS tenant, started_at, finished_at, mode,
                          status, code_version || '/' || code_revision AS code
                     FROM job_run WHERE job_name = :job
                      AND (CAST(:tenant AS text) IS NULL OR scope = :tenant
@@ -76,13 +76,13 @@ _STATUS = sa.text(
                  GROUP BY tenant),
          active AS (SELECT tenant, count(*) AS n FROM runs WHERE status = 'running'
                      GROUP BY tenant),
-         lease AS (SELECT split_part(l.scope, '/', 1) AS tenant, min(l.owner_id) AS holder
+         lease AS (SELECT {TENANT_OF_SCOPE} AS tenant, min(l.owner_id) AS holder
                      FROM job_lease l
                     WHERE l.job_name = :job AND l.expires_at > clock_timestamp()
                       AND NOT EXISTS (SELECT 1 FROM job_run r WHERE r.id = l.job_run_id
                                          AND {RUN_GONE})
                     GROUP BY 1),
-         ck AS (SELECT split_part(c.scope, '/', 1) AS tenant,
+         ck AS (SELECT {TENANT_OF_SCOPE} AS tenant,
                        min(extract(epoch FROM clock_timestamp() - c.updated_at)) AS age
                   FROM job_checkpoint c WHERE c.job_name = :job GROUP BY 1)
     SELECT t.id AS tenant, t.age AS tenant_age, last.started_at AS last_run_at,

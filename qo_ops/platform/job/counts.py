@@ -1,7 +1,9 @@
 """A run's counters, named once: how many items it processed and how each one ended.
 
-A batch's :class:`Counts` add into its run's with ``+=``; the names each reader gives a
-counter (the job_run column, the event field, the report row) are derived here, so that a
+A batch's :class:`Counts` add into its run's with ``+=``. A counter has one name, its
+field's: the report's rows use it as it is, the run's events as ``items.<name>`` (but
+``retry.scheduled``, the seed's), and the job_run row as ``<name>_count`` (the columns
+predate this rule; renaming them needs a migration). All three are derived here, so that a
 counter added to :class:`Counts` reaches the record, the events and the report at once.
 """
 
@@ -16,7 +18,7 @@ class Counts:
     """How many items were processed, and how they ended."""
 
     processed: int = 0  # items selected (the runner counts them, not the job)
-    succeeded: int = 0  # changed as the job means to (the report's "changed")
+    succeeded: int = 0  # changed as the job means to (the report says how: JobSpec.change)
     failed: int = 0
     skipped: int = 0  # left as they were (already right, or not this run's to change)
     retry_scheduled: int = 0  # failed for now: tried again later
@@ -35,14 +37,14 @@ class Counts:
 
     def event_fields(self, names: tuple[str, ...] | None = None) -> dict[str, int]:
         """The counters ``names`` (default: all) as the run's events name them
-        (``items.processed`` …, ``duplicates.prevented``)."""
+        (``items.processed`` …, ``retry.scheduled``, ``items.duplicates_prevented``)."""
         return {EVENT_FIELDS[name]: getattr(self, name) for name in names or COUNTERS}
 
     def report_items(self) -> dict[str, int]:
-        """The report's ``items`` rows: processed, changed, failed and skipped always; the
-        retries, dead letters and duplicates prevented when there are any."""
+        """The report's ``items`` rows, by counter name: processed, succeeded, failed and
+        skipped always; the retries, dead letters and duplicates prevented when there are any."""
         return {
-            REPORT_NAMES[name]: getattr(self, name)
+            name: getattr(self, name)
             for name in COUNTERS
             if name in REPORTED_ALWAYS or getattr(self, name)
         }
@@ -57,22 +59,7 @@ def mutated_count(mode: str, succeeded: int) -> int:
 
 COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Counts))
 COLUMNS = {name: f"{name}_count" for name in COUNTERS}
-EVENT_FIELDS = {
-    "processed": "items.processed",
-    "succeeded": "items.succeeded",
-    "failed": "items.failed",
-    "skipped": "items.skipped",
-    "retry_scheduled": "retry.scheduled",
-    "deadlettered": "items.deadlettered",
-    "duplicates_prevented": "duplicates.prevented",
-}
-REPORT_NAMES = {
-    "processed": "processed",
-    "succeeded": "changed",
-    "failed": "failed",
-    "skipped": "skipped",
-    "retry_scheduled": "retry_scheduled",
-    "deadlettered": "dead_lettered",
-    "duplicates_prevented": "duplicates_prevented",
-}
+# The one event field the seed names otherwise than items.<counter> (its job.finished example).
+SEED_EVENT_FIELDS = {"retry_scheduled": "retry.scheduled"}
+EVENT_FIELDS = {name: SEED_EVENT_FIELDS.get(name, f"items.{name}") for name in COUNTERS}
 REPORTED_ALWAYS = ("processed", "succeeded", "failed", "skipped")

@@ -1,5 +1,6 @@
 """How one run should behave (``RunOptions``), its limits (``Limits``), who triggered it, and
-the consent rule an execute with a person behind it needs."""
+the part of the consent rule that needs no database (:func:`check_consent`; the whole rule:
+``qo_ops/platform/run/consent.py``)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class RunOptions:
     scheduled_for: datetime | None = None
     dagster_run_id: str | None = None
     dagster_parent_run_id: str | None = None  # a Dagster re-execution: the run it repeats
-    approval: str | None = None  # the approval a destructive execute cites (approvals.py)
+    approval: str | None = None  # the approval a destructive execute cites (run/consent.py)
     job_run_id: uuid.UUID | None = None  # adopt a row pre-created by the API
     progress_interval_s: float = 10.0
     sample_size: int = 10
@@ -83,6 +84,12 @@ class RunOptions:
         return self.trigger in TRIGGERS_WITH_A_PERSON
 
 
+# Why an execute was refused (``ExecuteRefused.error_code``, the audit row's details.refused).
+REASON_REQUIRED = "reason_required"
+APPROVAL_REQUIRED = "approval_required"
+REASON_REUSED = "reason_reused"
+
+
 class ExecuteRefused(BadInput):
     """An execute a person asked for that the rules do not allow (no reason; a destructive
     job without a valid approval; a reused reason). Nothing was run; ``run_job`` audits it
@@ -90,21 +97,22 @@ class ExecuteRefused(BadInput):
 
     def __init__(self, message: str, *, error_code: str) -> None:
         super().__init__(message)
-        self.error_code = error_code  # reason_required | approval_required | reason_reused
+        self.error_code = error_code  # REASON_REQUIRED | APPROVAL_REQUIRED | REASON_REUSED
 
 
 def check_consent(options: RunOptions, *, destructive: bool = False, job_name: str = "") -> None:
     """Raise :class:`ExecuteRefused` for an execute with a person behind it that gives no
     reason, or that executes a destructive job citing no approval — on every path alike
-    (CLI, Launchpad, backfill, API). Whether the approval it cites allows it needs the
-    database: :func:`qo_ops.platform.actions.approvals.check_approval`."""
+    (CLI, Launchpad, backfill, API). This is step 1 of the consent rule, which
+    :func:`qo_ops.platform.run.consent.check` applies whole (whether the cited approval
+    allows the run, and whether the reason is new, need the database)."""
     if options.mode != "execute" or not options.person_behind:
         return
     if not (options.reason or "").strip():
         raise ExecuteRefused(
             f"an execute by a person ({options.trigger}) needs a reason (CLI: --reason; "
             "Dagster: config reason, or the tag qo_ops/reason on a backfill or re-execution)",
-            error_code="reason_required",
+            error_code=REASON_REQUIRED,
         )
     if destructive and not (options.approval or "").strip():
         job = job_name or "{job}"
@@ -114,7 +122,7 @@ def check_consent(options: RunOptions, *, destructive: bool = False, job_name: s
             f"/internal/jobs/{job}/approvals) and the run cites it (CLI --approval; Launchpad config "
             "approval; backfill tag qo_ops/approval; API approvalId, or an approver's own "
             "request)",
-            error_code="approval_required",
+            error_code=APPROVAL_REQUIRED,
         )
 
 

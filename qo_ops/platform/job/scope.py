@@ -14,6 +14,14 @@ TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 FIRST_DAY = date(1900, 1, 1)
 LAST_DAY = date.max - timedelta(days=1)  # 9999-12-30: its window ends on 9999-12-31
 
+# :func:`tenant_of` in SQL: the tenant of the scope key in the column ``scope`` (of the one
+# table in the statement's FROM that has one). Shared by the statements that read a tenant
+# out of job_run, job_lease and job_checkpoint keys. ix_job_run_retention and
+# ix_job_checkpoint_retention index this expression (migration 0009 writes it out), and so do
+# the run-history retention's predicates, the lease's guard and the archive's sweep, which
+# write it out over an alias (a fragment names one column).
+TENANT_OF_SCOPE = "split_part(scope, '/', 1)"
+
 
 @dataclass(frozen=True)
 class Scope:
@@ -44,6 +52,24 @@ class Scope:
         _check_days(first, last)
         return cls(tenant_id, first, last + timedelta(days=1))
 
+    @classmethod
+    def parse(cls, key: str) -> Scope:
+        """The scope whose :attr:`key` is ``key`` (its one reader: every place that reads a
+        key back goes through here); :class:`BadInput` when ``key`` is not such a key,
+        including a key written another way than :attr:`key` writes it."""
+        tenant, slash, window = key.partition("/")
+        start = end = None
+        if slash:
+            first, _, last = window.partition("..")
+            try:
+                start, end = date.fromisoformat(first), date.fromisoformat(last)
+            except ValueError:
+                raise BadInput(_not_a_key(key)) from None
+        scope = cls(tenant, start, end)  # checks the tenant, the window's order and days
+        if scope.key != key:  # e.g. 20260101 for 2026-01-01: one key per scope
+            raise BadInput(_not_a_key(key))
+        return scope
+
     def window_bounds(self) -> tuple[datetime, datetime]:
         """The window as UTC timestamps: [start 00:00, end 00:00)."""
         assert self.window_start is not None and self.window_end is not None, "not a windowed scope"
@@ -55,7 +81,11 @@ class Scope:
     @property
     def text(self) -> str:
         """The scope as a person reads it (:func:`scope_text`): the last day included."""
-        return scope_text(self.key)
+        if self.window_start is None or self.window_end is None:
+            return self.tenant_id
+        start, last = self.window_start, self.window_end - timedelta(days=1)
+        days = start.isoformat() if last == start else f"{start.isoformat()}..{last.isoformat()}"
+        return f"{self.tenant_id}/{days}"
 
     @property
     def key(self) -> str:
@@ -72,20 +102,20 @@ def scope_text(scope_key: str) -> str:
     (``tenant-001/2026-12-01..2026-12-02`` covers one day), so it is shown
     ``tenant-001/2026-12-01``; ``…/2026-11-20..2026-12-05`` is shown ``…/2026-11-20..2026-12-04``.
     A key that is not a window (a tenant, a chunk) is shown as it is."""
-    tenant, _, window = scope_key.partition("/")
-    first, dots, end = window.partition("..")
     try:
-        start, last = date.fromisoformat(first), date.fromisoformat(end) - timedelta(days=1)
-    except ValueError:
+        return Scope.parse(scope_key).text
+    except BadInput:
         return scope_key
-    if not dots or last < start:
-        return scope_key
-    return f"{tenant}/{start.isoformat()}" + ("" if last == start else f"..{last.isoformat()}")
 
 
 def tenant_of(scope_key: str) -> str:
-    """The tenant of a scope key (:attr:`Scope.key`): ``tenant-001/2026-01-01..`` → ``tenant-001``."""
-    return scope_key.partition("/")[0]
+    """The tenant of a scope key (:attr:`Scope.key`): ``tenant-001/2026-01-01..`` → ``tenant-001``;
+    :class:`BadInput` when it is not a scope key (:meth:`Scope.parse`)."""
+    return Scope.parse(scope_key).tenant_id
+
+
+def _not_a_key(key: str) -> str:
+    return f"not a scope key: {key[:80]!r} (tenant-001 or tenant-001/2026-01-01..2026-01-02)"
 
 
 def _check_days(first: date, last: date) -> None:

@@ -17,12 +17,11 @@ from sqlalchemy.engine import Connection, Engine
 from qo_ops.db import audit, migrate
 from qo_ops.db.availability import db_retry_s
 from qo_ops.errors import BadInput
-from qo_ops.platform.actions.approvals import check_approval
-from qo_ops.platform.actions.consent import check_reason_is_new
 from qo_ops.platform.actions.control import JobSuspended, suspension_for
-from qo_ops.platform.job.options import ExecuteRefused, RunOptions, check_consent
+from qo_ops.platform.job.options import ExecuteRefused, RunOptions
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.run import consent
 from qo_ops.platform.run.stopping import StopSignals
 from qo_ops.platform.schedule.drift import drift_warn_s
 from qo_ops.platform.schedule.tenants import tenant_exists
@@ -32,11 +31,7 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
     """Reject a run that cannot be right, before anything is written; returns the job's
     settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
     options.validated()
-    check_consent(options, destructive=spec.destructive, job_name=spec.name)
-    check_approval(engine, spec, scope, options)  # a destructive execute's cited approval
-    check_reason_is_new(
-        engine, spec.name, scope.key, options
-    )  # a Launchpad relaunch's copied reason
+    consent.check(engine, spec, scope, options)  # a person's execute: reason, approval
     drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
     settings = spec.validate_settings() if spec.validate_settings is not None else None
     windowed = spec.partitioning == "tenant_day"
@@ -52,8 +47,11 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
 
 
 @dataclass(frozen=True)
-class RunRequest:
-    """A run asked for: this job, over this scope, with these options."""
+class Admission:
+    """A run at the door: this job, over this scope, with these options, admitted (or
+    refused) before anything is written, and the audit rows of that decision. (The operator
+    API's request to run a job is :class:`qo_ops.api.service.RunRequest`; Dagster's
+    ``dg.RunRequest`` is a sensor's or schedule's.)"""
 
     spec: JobSpec
     scope: Scope

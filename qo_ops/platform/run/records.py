@@ -21,7 +21,7 @@ from qo_ops.errors import BadInput, one_line
 from qo_ops.platform.job.counts import COLUMNS, Counts
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.outcome import RunSummary
-from qo_ops.platform.job.scope import Scope, tenant_of
+from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.observability.resource import package_version
 from qo_ops.platform.run.liveness import RUN_GONE
 
@@ -260,7 +260,7 @@ def load_accepted(engine: Engine, run_id: uuid.UUID, job_name: str) -> AcceptedR
     return AcceptedRun(
         id=row.id,
         job_name=row.job_name,
-        scope=Scope(tenant_of(row.scope), row.window_start, row.window_end),
+        scope=Scope.parse(row.scope),
         mode=row.mode,
         requester=row.requester,
         reason=row.reason,

@@ -59,7 +59,7 @@ def build_report(
         rows += [ReportRow("sample", i, 1, change) for i in summary.sample_ids[:REPORT_SAMPLE]]
     else:
         rows += [
-            ReportRow("items", k, v, change if k == "changed" else "")
+            ReportRow("items", k, v, change if k == "succeeded" else "")
             for k, v in summary.counts.report_items().items()
         ]
     for key, value in sorted(summary.tally.items()):

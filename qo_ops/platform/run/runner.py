@@ -47,7 +47,7 @@ from qo_ops.platform.job.spec import JobSpec
 from qo_ops.platform.observability.events import METRICS, EventContext, JobMetrics
 from qo_ops.platform.observability.tracing import SpanLike, span
 from qo_ops.platform.run import checkpoint, records
-from qo_ops.platform.run.admission import RunRequest
+from qo_ops.platform.run.admission import Admission
 from qo_ops.platform.run.faults import crash_point, hold_point
 from qo_ops.platform.run.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.run.liveness import Liveness
@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 ENDED_WELL = ("success", "no_work", "skipped")  # job.finished at INFO; the rest at WARNING
 PROGRESS_COUNTS = ("processed", "succeeded", "failed")  # the counters job.progress carries
+SPAN_COUNTS = ("processed", "failed")  # the counters the run's and each batch's span carry
 
 
 def owner_identity() -> str:
@@ -87,7 +88,7 @@ def run_job(
     database restarting, a bug -- the record is finished and the lease given back before
     this returns (or re-raises a foreign interrupt, e.g. Dagster's)."""
     with StopSignals(stop_grace_s()) as stop:  # a signal before the record: nothing written
-        return JobRun(engine, RunRequest(spec, scope, options), stop, metrics).run()
+        return JobRun(engine, Admission(spec, scope, options), stop, metrics).run()
 
 
 class _Step(Enum):
@@ -118,10 +119,10 @@ class JobRun:
     batches_started: float  # monotonic: the progress event's elapsed time counts from it
 
     def __init__(
-        self, engine: Engine, request: RunRequest, stop: StopSignals, metrics: JobMetrics
+        self, engine: Engine, admission: Admission, stop: StopSignals, metrics: JobMetrics
     ) -> None:
-        self.engine, self.request, self.stop, self.metrics = engine, request, stop, metrics
-        self.spec, self.scope, self.options = request.spec, request.scope, request.options
+        self.engine, self.admission, self.stop, self.metrics = engine, admission, stop, metrics
+        self.spec, self.scope, self.options = admission.spec, admission.scope, admission.options
         self.limits = self.spec.defaults.overridden_by(self.options)
         self.owner = owner_identity()
         self.liveness: Liveness | None = None  # taken before the record, given back after it
@@ -130,7 +131,7 @@ class JobRun:
     # ------------------------------------------------------------------ the run
     def run(self) -> RunSummary:
         """Admit the run, write its record, do the work, and end the run."""
-        settings = self.request.admit(self.engine, self.stop)  # nothing written before
+        settings = self.admission.admit(self.engine, self.stop)  # nothing written before
         self._open(settings)
         with span(f"Job {self.spec.name}", **self._root_attributes()) as root:
             ended_by: BaseException | None = None
@@ -157,7 +158,7 @@ class JobRun:
                     )
                     if options.person_behind and options.job_run_id is None:  # API: accepted
                         limits = {"limits": self.limits.as_dict()}
-                        self.request.audit(conn, "allowed", self.run_id, limits)
+                        self.admission.audit(conn, "allowed", self.run_id, limits)
             except BaseException:
                 self._let_go()
                 raise
@@ -379,14 +380,14 @@ class JobRun:
             with (
                 self.stop.deferred(),  # a signal waits for the batch (and its calls) to be recorded
                 span(
-                    "batch", **{"batch.number": number, "items.processed": 0, "items.failed": 0}
+                    "batch", **{"batch.number": number, **Counts().event_fields(SPAN_COUNTS)}
                 ) as batch_span,
             ):
                 outcome = self._batch(conn, room)
                 if isinstance(outcome, BatchOutcome):
                     self._account(outcome)
-                    batch_span.set_attribute("items.processed", outcome.processed)  # never ids
-                    batch_span.set_attribute("items.failed", outcome.failed)
+                    for name, count in outcome.event_fields(SPAN_COUNTS).items():
+                        batch_span.set_attribute(name, count)  # counts only, never ids
                     self._move_on(outcome)
                     self._emit_batch(outcome)
             if outcome is _Step.AGAIN:
@@ -639,8 +640,8 @@ class JobRun:
             },
         )
         root.set_attribute("job.status", summary.status)
-        root.set_attribute("items.processed", summary.counts.processed)
-        root.set_attribute("items.failed", summary.counts.failed)
+        for name, count in summary.counts.event_fields(SPAN_COUNTS).items():
+            root.set_attribute(name, count)
 
     def _let_go(self) -> None:
         """Give the liveness lock back: the record is finished (or was never written)."""

@@ -27,7 +27,7 @@ def test_the_event_fields_keep_their_names():
     fields = Counts(1, 2, 3, 4, 5, 6, 7).event_fields()  # job.finished, as logs know them
     assert " ".join(f"{k}={v}" for k, v in fields.items()) == (
         "items.processed=1 items.succeeded=2 items.failed=3 items.skipped=4 "
-        "retry.scheduled=5 items.deadlettered=6 duplicates.prevented=7"
+        "retry.scheduled=5 items.deadlettered=6 items.duplicates_prevented=7"
     )
     progress = Counts(processed=3, failed=1).event_fields(("processed", "failed"))
     assert progress == {"items.processed": 3, "items.failed": 1}
@@ -53,17 +53,17 @@ def test_a_batch_outcome_adds_into_the_run_counter_by_counter():
 def test_the_report_shows_four_counters_always_and_the_others_when_there_are_any():
     assert list(Counts(processed=4, succeeded=4).report_items().items()) == [
         ("processed", 4),
-        ("changed", 4),
+        ("succeeded", 4),
         ("failed", 0),
         ("skipped", 0),
     ]
     items = Counts(processed=4, failed=4, deadlettered=4, duplicates_prevented=1).report_items()
     assert list(items) == [
         "processed",
-        "changed",
+        "succeeded",
         "failed",
         "skipped",
-        "dead_lettered",
+        "deadlettered",
         "duplicates_prevented",
     ]
 

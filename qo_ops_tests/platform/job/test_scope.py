@@ -9,7 +9,7 @@ from datetime import date
 
 import pytest
 
-from qo_ops.errors import age_text
+from qo_ops.errors import BadInput, age_text
 from qo_ops.platform.job.scope import Scope, scope_text
 
 
@@ -34,6 +34,42 @@ def test_a_scope_of_days_reads_as_the_days_it_was_given():
     assert scope.key == "tenant-001/2026-11-20..2026-12-05"  # the database's form, unchanged
     assert scope.text == "tenant-001/2026-11-20..2026-12-04"
     assert Scope.days("tenant-001", first, first).text == "tenant-001/2026-11-20"
+
+
+@pytest.mark.parametrize(
+    "scope",
+    [
+        Scope("tenant-001"),
+        Scope.days("tenant-001", date(2026, 12, 1), date(2026, 12, 1)),
+        Scope.days("t-9", date(2026, 11, 20), date(2026, 12, 4)),
+        Scope.days("tenant-001", date(1900, 1, 1), date(9999, 12, 30)),  # the first and last days
+    ],
+)
+def test_a_scope_key_reads_back_as_its_scope(scope):
+    assert Scope.parse(scope.key) == scope
+    assert Scope.parse(scope.key).key == scope.key
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "",
+        "Tenant-001",  # not a tenant key
+        "tenant-001/",
+        "tenant-001/2026-12-01",  # a day is written as a window
+        "tenant-001/2026-12-01..",
+        "tenant-001/2026-12-02..2026-12-01",  # reversed
+        "tenant-001/2026-12-01..2026-12-01",  # empty
+        "tenant-001/20261201..20261202",  # a date written another way
+        "tenant-001/not-a-day..2026-12-02",
+        "2: tenant-001..tenant-002",  # a chunk
+        "tenant-001/2026-12-01..2026-12-02/x",
+        "tenant-001/1899-12-31..1900-01-01",  # before the first day
+    ],
+)
+def test_a_malformed_scope_key_is_refused(key):
+    with pytest.raises(BadInput, match="scope key|tenant|window"):
+        Scope.parse(key)
 
 
 @pytest.mark.parametrize(

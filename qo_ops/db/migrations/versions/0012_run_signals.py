@@ -40,7 +40,7 @@ COLUMNS = (
 def upgrade() -> None:
     for statement in COLUMNS:
         op.execute(statement)
-    # the Launchpad rule (qo_ops/platform/actions/consent.py): an earlier Dagster execute of the job
+    # the Launchpad rule (qo_ops/platform/run/consent.py): an earlier Dagster execute of the job
     # with the same reason, found by lookup (a few rows: executes a person gave a reason).
     # Concurrently, last (qo_ops/db/migrations/safe.py): job_run keeps taking writes.
     create_index_concurrently(

@@ -4,7 +4,7 @@ executes a destructive job; schedules, sensors and automatic retries are not per
 rule is in the platform: ``run_job`` refuses, writes nothing but the audit row of the
 refusal, whatever adapter called it.
 
-Tests ``qo_ops.platform.actions.consent`` and the consent rule of
+Tests ``qo_ops.platform.run.consent`` and the consent rule of
 ``qo_ops.platform.job.options``.
 """
 
@@ -28,6 +28,9 @@ from qo_ops.platform.job.options import (
 )
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.run.runner import RunSummary, run_job
+
+# the Dagster world of qo_ops_tests/dagster, not the quotes of run/conftest.py
+from qo_ops_tests.dagster.conftest import loaded  # noqa: F401
 
 # ------------------------------------------------------------------ the predicate (no I/O)
 
@@ -109,7 +112,7 @@ def _audit(engine) -> list[sa.Row]:
         ).all()
 
 
-def test_run_job_refuses_an_unconsented_execute_writes_nothing_and_audits_it(loaded):
+def test_run_job_refuses_an_unconsented_execute_writes_nothing_and_audits_it(loaded):  # noqa: F811
     engine = loaded.engine
     before = _state(engine)
     refusals = [
@@ -142,7 +145,7 @@ def test_run_job_refuses_an_unconsented_execute_writes_nothing_and_audits_it(loa
     assert all(r.job_run_id is None for r in rows)
 
 
-def test_every_execute_with_a_person_behind_it_is_audited_and_automatic_ones_are_not(loaded):
+def test_every_execute_with_a_person_behind_it_is_audited_and_automatic_ones_are_not(loaded):  # noqa: F811
     engine = loaded.engine
     common = {"mode": "execute", "progress_interval_s": 3600}
     backfill = run_job(
@@ -183,7 +186,7 @@ def _dagster_execute(
     return run_job(QE, Scope(tenant), run, engine=engine)
 
 
-def test_a_launchpad_execute_repeating_an_earlier_reason_on_its_scope_is_refused(loaded):
+def test_a_launchpad_execute_repeating_an_earlier_reason_on_its_scope_is_refused(loaded):  # noqa: F811
     """The Launchpad pre-fills an earlier run's config: a relaunch over the same scope that
     carries its reason is refused (audited, nothing claimed); one incident's reason covers
     the next tenant; its own reason, or a re-execution of the run that gave the reason,
@@ -236,7 +239,7 @@ def test_a_launchpad_execute_repeating_an_earlier_reason_on_its_scope_is_refused
         ]  # fmt: skip
 
 
-def test_the_reason_rule_is_for_dagster_launches_only(loaded):
+def test_the_reason_rule_is_for_dagster_launches_only(loaded):  # noqa: F811
     """The CLI and the API send their reason with each request (a repeat is how they resume);
     backfills, automatic retries and dry runs are not a Launchpad's pre-filled execute; and
     another job's reason is no reason of this job's."""
