@@ -1,17 +1,42 @@
 """The codebase's shape, held (issue 22): no module of qo_ops/ outside the migrations is
-longer than 700 lines, no function of qo_ops/platform/ takes more than 6 parameters, and
-the platform, the jobs and the database layer never import Dagster."""
+longer than 700 lines, no function of qo_ops/platform/ takes more than 6 parameters, the
+platform, the jobs and the database layer never import Dagster, and a run's status is
+written as a string only in its enum's module (issue 43)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+from qo_ops.platform.job.statuses import RunStatus
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qo_ops"
 MAX_LINES = 700
 MAX_PARAMETERS = 6
 FREE_OF_DAGSTER = ("platform", "jobs", "db")
+STATUSES_MODULE = PACKAGE / "platform" / "job" / "statuses.py"
+# The string constants equal to a run status that are not one: each a word of another
+# vocabulary, named once in the module that owns it. (module, value): why.
+OTHER_VOCABULARIES: dict[tuple[str, str], str] = {
+    ("qo_ops/platform/job/counts.py", "failed"): "a counter's name (items failed)",
+    ("qo_ops/platform/job/counts.py", "skipped"): "a counter's name (items skipped)",
+    ("qo_ops/platform/job/outcome.py", "success"): "a side effect's result (SideEffectResult)",
+    ("qo_ops/platform/job/outcome.py", "failed"): "a side effect's result (SideEffectResult)",
+    ("qo_ops/platform/job/labels.py", "timeout"): "a call's failure code (CALL_TIMEOUT)",
+    ("qo_ops/downstream/transport.py", "timeout"): "the same call failure code, where the "
+    "bare transport (which imports nothing of qo_ops) raises it",
+    ("qo_ops/downstream/simulator/store.py", "timeout"): "a fault the simulator injects",
+    ("qo_ops/db/migrate.py", "failed"): "a schema upgrade's outcome (UPGRADE_FAILED)",
+    ("qo_ops/db/schema/platform_tables.py", "failed"): "schema_migration.outcome's check "
+    "(UPGRADE_OUTCOMES)",
+    ("qo_ops/jobs/order_reconciliation.py", "failed"): "a mismatch's action outcome "
+    "(ACTION_FAILED)",
+    ("qo_ops/dagster_defs/backfills.py", "accepted"): "an audit decision (free text)",
+    ("qo_ops/dagster_defs/jobs.py", "failed"): "a column of the tenants table: items failed",
+    ("qo_ops/cli/runs.py", "failed"): "a column header: items failed",
+    ("qo_ops/cli/runs.py", "running"): "a column header: runs in progress",
+}
 
 
 def modules(under: Path) -> list[Path]:
@@ -65,6 +90,18 @@ def dagster_imports(source: str) -> list[int]:
     return found
 
 
+def status_literals(source: str) -> list[tuple[int, str]]:
+    """Each string constant that *is* a run status (equal to a value of RunStatus): a
+    status written as a bare string. SQL text and docstrings that mention one are longer,
+    so never equal to one."""
+    values = {s.value for s in RunStatus}
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in values
+    ]
+
+
 def test_no_module_is_longer_than_700_lines():
     assert too_long(modules(PACKAGE)) == []
 
@@ -88,6 +125,24 @@ def test_the_platform_the_jobs_and_the_database_never_import_dagster():
     assert found == []
 
 
+def test_a_run_status_is_written_only_as_a_run_status():
+    """Python names a run's status through RunStatus (qo_ops/platform/job/statuses.py); SQL
+    text may write one. A word of another vocabulary that is spelled like a status is
+    listed in OTHER_VOCABULARIES, with its owner."""
+    found, used = [], set()
+    for path in modules(PACKAGE):
+        if path == STATUSES_MODULE:
+            continue
+        label = str(path.relative_to(ROOT))
+        for line, value in status_literals(path.read_text()):
+            if (label, value) in OTHER_VOCABULARIES:
+                used.add((label, value))
+            else:
+                found.append(f"{label}:{line}: {value!r}")
+    assert found == []
+    assert set(OTHER_VOCABULARIES) - used == set()  # an exemption nothing needs any more
+
+
 def test_the_checks_find_what_breaks_them(tmp_path):
     long = tmp_path / "long.py"
     long.write_text("x = 1\n" * (MAX_LINES + 1))
@@ -101,3 +156,14 @@ def test_the_checks_find_what_breaks_them(tmp_path):
     assert dagster_imports("from dagster_postgres import x") == [1]
     assert dagster_imports("from qo_ops.dagster_defs.partitions import y") == [1]
     assert dagster_imports("import dagsterish\nfrom qo_ops.platform import spec") == []
+    assert status_literals('if summary.status == "partial_success":\n    x = ("no_work",)') == [
+        (1, "partial_success"),
+        (2, "no_work"),
+    ]
+    assert (
+        status_literals(
+            '"""Ends success or failed."""\nq = sa.text("SELECT 1 WHERE status = \'running\'")\n'
+            "ok = RunStatus.SUCCESS\nname = 'successful'"
+        )
+        == []
+    )

@@ -76,6 +76,9 @@ MAX_RESUBMIT_GRACE_MINUTES = 7 * 24 * 60
 RESUBMIT_MAX_ENV = "QO_OPS_RESUBMIT_MAX"
 DEFAULT_RESUBMIT_MAX = 3
 MAX_RESUBMIT_MAX = 10  # 0: never re-submit, every missing order goes to a person
+# An action that could not be done: a mismatch's outcome (reconciliation_result), not a
+# run's status
+ACTION_FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -463,7 +466,7 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
             adopted = conn.execute(
                 ADOPT_STATUS, {"id": r["id"], "version": r["version"], "status": r["downstream"]}
             ).first()
-            outcome = "corrected" if adopted else "failed"
+            outcome = "corrected" if adopted else ACTION_FAILED
             detail = (
                 None if adopted else "the order changed since it was read; left for the next run"
             )
@@ -502,7 +505,7 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Any]) -
             },
         )
         out.tally[f"action_{outcome}"] = out.tally.get(f"action_{outcome}", 0) + 1
-        if outcome == "failed":
+        if outcome == ACTION_FAILED:
             out.failed += 1
         elif outcome == "pending":
             out.skipped += 1  # nothing changed: waiting for the earlier re-submission
@@ -566,7 +569,7 @@ SPEC = JobSpec(
         mismatch_types=tuple(ACTIONS),
         corrections={
             "action_corrected": "corrected",
-            "action_failed": "failed",
+            "action_failed": ACTION_FAILED,
             "action_pending": "pending",
         },
         unresolved={

@@ -76,3 +76,4 @@ REPORT_NAMES = {
     "duplicates_prevented": "duplicates_prevented",
 }
 REPORTED_ALWAYS = ("processed", "succeeded", "failed", "skipped")
+PROGRESS = ("processed", "succeeded", "failed")  # the counters job.progress carries
