@@ -166,8 +166,9 @@ class JobRun:
             limits=self.limits, settings=settings, stop=self.stop,
         )  # fmt: skip
         self.summary = RunSummary(
-            job_run_id=str(self.run_id), job_name=spec.name, status=RunStatus.RUNNING, mode=options.mode,
-            scope=scope.key, trigger=options.trigger, requester=options.requester,
+            job_run_id=str(self.run_id), job_name=spec.name, status=RunStatus.RUNNING,
+            mode=options.mode, scope=scope.key, trigger=options.trigger,
+            requester=options.requester,
         )  # fmt: skip
         self.events = EventContext(
             job_name=spec.name, run_id=str(self.run_id), trigger=options.trigger,
