@@ -53,7 +53,7 @@ def wait_runs(d: Deployment, url: URL, ids: list[str], timeout: float) -> list[A
     run must have succeeded."""
     import dagster as dg
 
-    from qo_ops.platform.run.records import FINAL_STATUSES
+    from qo_ops.platform.job.statuses import FINAL
 
     engine = engine_for(url)
     records: list[Any] = []
@@ -69,7 +69,7 @@ def wait_runs(d: Deployment, url: URL, ids: list[str], timeout: float) -> list[A
                     "SELECT count(*) FROM job_run WHERE dagster_run_id = ANY(:ids) "
                     "AND status <> ALL(:final)"
                 ),
-                {"ids": ids, "final": list(FINAL_STATUSES)},
+                {"ids": ids, "final": list(FINAL)},
             )
         return open_rows == 0
 

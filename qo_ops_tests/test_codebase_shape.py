@@ -1,8 +1,10 @@
 """The codebase's shape, held (issues 22 and 43): no module of qo_ops/ outside the
 migrations, and none of bench/, is longer than 700 lines, no function of qo_ops/platform/
-takes more than 6 parameters, the platform, the jobs and the database layer never import Dagster, no two modules of qo_ops
-import each other however indirectly (type-only and function-level imports count), and the
-job's vocabulary (qo_ops/platform/job/) imports nothing else of qo_ops but its errors."""
+takes more than 6 parameters, the platform, the jobs and the database layer never import
+Dagster, no two modules of qo_ops import each other however indirectly (type-only and
+function-level imports count), the job's vocabulary (qo_ops/platform/job/) imports nothing
+else of qo_ops but its errors, and a run's status is written as a string only in its
+enum's module."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import ast
 import re
 from collections.abc import Mapping
 from pathlib import Path
+
+from qo_ops.platform.job.statuses import RunStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qo_ops"
@@ -21,6 +25,28 @@ VOCABULARY = "qo_ops.platform.job"
 # What the vocabulary may import of qo_ops besides itself: the error classes, which import
 # nothing of qo_ops (checked below), so the vocabulary stays the bottom layer.
 VOCABULARY_MAY_IMPORT = ("qo_ops.errors",)
+STATUSES_MODULE = PACKAGE / "platform" / "job" / "statuses.py"
+# The string constants equal to a run status that are not one: each a word of another
+# vocabulary, named once in the module that owns it. (module, value): why.
+OTHER_VOCABULARIES: dict[tuple[str, str], str] = {
+    ("qo_ops/platform/job/counts.py", "failed"): "a counter's name (items failed)",
+    ("qo_ops/platform/job/counts.py", "skipped"): "a counter's name (items skipped)",
+    ("qo_ops/platform/job/outcome.py", "success"): "a side effect's result (SideEffectResult)",
+    ("qo_ops/platform/job/outcome.py", "failed"): "a side effect's result (SideEffectResult)",
+    ("qo_ops/platform/job/labels.py", "timeout"): "a call's failure code (CALL_TIMEOUT)",
+    ("qo_ops/downstream/transport.py", "timeout"): "the same call failure code, where the "
+    "bare transport (which imports nothing of qo_ops) raises it",
+    ("qo_ops/downstream/simulator/store.py", "timeout"): "a fault the simulator injects",
+    ("qo_ops/db/migrate.py", "failed"): "a schema upgrade's outcome (UPGRADE_FAILED)",
+    ("qo_ops/db/schema/platform_tables.py", "failed"): "schema_migration.outcome's check "
+    "(UPGRADE_OUTCOMES)",
+    ("qo_ops/jobs/order_reconciliation.py", "failed"): "a mismatch's action outcome "
+    "(ACTION_FAILED)",
+    ("qo_ops/dagster_defs/backfills.py", "accepted"): "an audit decision (free text)",
+    ("qo_ops/dagster_defs/jobs.py", "failed"): "a column of the tenants table: items failed",
+    ("qo_ops/cli/runs.py", "failed"): "a column header: items failed",
+    ("qo_ops/cli/runs.py", "running"): "a column header: runs in progress",
+}
 
 
 def modules(under: Path) -> list[Path]:
@@ -74,6 +100,18 @@ def dagster_imports(source: str) -> list[int]:
     return found
 
 
+def status_literals(source: str) -> list[tuple[int, str]]:
+    """Each string constant that *is* a run status (equal to a value of RunStatus): a
+    status written as a bare string. SQL text and docstrings that mention one are longer,
+    so never equal to one."""
+    values = {s.value for s in RunStatus}
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in values
+    ]
+
+
 def test_no_module_is_longer_than_700_lines():
     bench = modules(BENCH)
     assert BENCH / "suite.py" in bench and BENCH / "nemesis" / "__main__.py" in bench
@@ -97,6 +135,24 @@ def test_the_platform_the_jobs_and_the_database_never_import_dagster():
         for line in dagster_imports(path.read_text())
     ]
     assert found == []
+
+
+def test_a_run_status_is_written_only_as_a_run_status():
+    """Python names a run's status through RunStatus (qo_ops/platform/job/statuses.py); SQL
+    text may write one. A word of another vocabulary that is spelled like a status is
+    listed in OTHER_VOCABULARIES, with its owner."""
+    found, used = [], set()
+    for path in modules(PACKAGE):
+        if path == STATUSES_MODULE:
+            continue
+        label = str(path.relative_to(ROOT))
+        for line, value in status_literals(path.read_text()):
+            if (label, value) in OTHER_VOCABULARIES:
+                used.add((label, value))
+            else:
+                found.append(f"{label}:{line}: {value!r}")
+    assert found == []
+    assert set(OTHER_VOCABULARIES) - used == set()  # an exemption nothing needs any more
 
 
 def test_the_checks_find_what_breaks_them(tmp_path):
@@ -275,3 +331,15 @@ def test_a_misplaced_platform_test_file_is_found(tmp_path):
         "qo_ops_tests/platform/test_lease.py: not in a folder named after a group of "
         "qo_ops/platform/",
     ]
+
+    assert status_literals('if summary.status == "partial_success":\n    x = ("no_work",)') == [
+        (1, "partial_success"),
+        (2, "no_work"),
+    ]
+    assert (
+        status_literals(
+            '"""Ends success or failed."""\nq = sa.text("SELECT 1 WHERE status = \'running\'")\n'
+            "ok = RunStatus.SUCCESS\nname = 'successful'"
+        )
+        == []
+    )

@@ -11,6 +11,7 @@ from qo_ops.api import service
 from qo_ops.api.dagster import DagsterClient, DagsterUnavailable
 from qo_ops.api.deps import ApiState
 from qo_ops.api.errors import ApiError
+from qo_ops.platform.job.statuses import RunStatus
 from qo_ops.platform.observability.events import log_event
 from qo_ops.platform.schedule.partition_keys import (
     JOB_RUN_TAG,
@@ -72,7 +73,7 @@ def launch(
 
 def stale_reason(dagster: DagsterClient, active: dict[str, Any]) -> str | None:
     """Why an accepted run will never start, or None (it may still)."""
-    if active.get("status") != "accepted":
+    if active.get("status") != RunStatus.ACCEPTED:
         return None
     if active.get("dagster_run_id"):
         state = dagster.status(active["dagster_run_id"])

@@ -20,6 +20,7 @@ from qo_ops.db.schema import api_idempotency, job_run
 from qo_ops.platform.actions import approvals
 from qo_ops.platform.job.scope import Scope, tenant_of
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import ACTIVE, RunStatus
 from qo_ops.platform.run import records
 from qo_ops.platform.schedule import tenants
 
@@ -57,7 +58,7 @@ _ACTIVE_RUN = (
     .where(
         job_run.c.job_name == sa.bindparam("job_name"),
         job_run.c.scope == sa.bindparam("scope"),
-        job_run.c.status.in_(records.ACTIVE_STATUSES),
+        job_run.c.status.in_(ACTIVE),
     )
     .order_by(job_run.c.created_at)
     .limit(1)
@@ -216,7 +217,7 @@ def _submit_once(engine: Engine, submission: Submission) -> Submitted:
             )
             return Submitted("conflict", active["id"], active["status"], active)
         run_id = uuid.uuid4()
-        status = "awaiting_approval" if submission.hold else "accepted"
+        status = RunStatus.AWAITING_APPROVAL if submission.hold else RunStatus.ACCEPTED
         approval_id = request.approval
         if submission.grant:  # the approver's role is the approval; the run cites it
             approval_id = _grant_for_run(
@@ -270,7 +271,7 @@ def expire_stale(engine: Engine, run_id: uuid.UUID, reason: str, meta: RequestMe
     """End an accepted run that will never start (its Dagster run ended or its launch was
     lost); audited. False if it started meanwhile."""
     with engine.begin() as conn:
-        done = records.finish_unstarted(conn, run_id, "failed", reason, reason)
+        done = records.finish_unstarted(conn, run_id, RunStatus.FAILED, reason, reason)
         if done:
             audit.append_audit(
                 conn, meta.entry("qo-ops-api", "expire", f"failed: {reason}", job_run_id=run_id)
@@ -289,7 +290,9 @@ def record_launch_failed(
 ) -> None:
     """The run could not be handed to Dagster: it ends ``failed``/``launch_failed``."""
     with engine.begin() as conn:
-        records.finish_unstarted(conn, run_id, "failed", "launch_failed", "launch_failed", message)
+        records.finish_unstarted(
+            conn, run_id, RunStatus.FAILED, "launch_failed", "launch_failed", message
+        )
         audit.append_audit(
             conn,
             meta.entry(
@@ -328,7 +331,7 @@ def approve(
     returns the status it had."""
     with engine.begin() as conn:
         row = conn.execute(_LOCK_RUN, {"run_id": run_id}).one()
-        held = row.status == "awaiting_approval"
+        held = row.status == RunStatus.AWAITING_APPROVAL
         if held:
             granted = _grant_for_run(
                 conn, identity, row.job_name, tenant_of(row.scope), reason, meta

@@ -24,6 +24,7 @@ from qo_ops.cli_support import (
 )
 from qo_ops.errors import BadInput
 from qo_ops.platform.job.counts import COLUMNS, REPORTED_ALWAYS
+from qo_ops.platform.job.statuses import RunStatus
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -33,14 +34,14 @@ if TYPE_CHECKING:
 
 # The catalog, the runner and SQLAlchemy are imported inside the command (qo_ops.cli_support).
 
-EXIT_BY_STATUS = {
-    "success": 0,
-    "no_work": 0,
-    "failed": 1,
-    "partial_success": 3,
-    "skipped": 4,
-    "timeout": 5,
-    "cancelled": 6,
+EXIT_BY_STATUS: dict[str, int] = {
+    RunStatus.SUCCESS: 0,
+    RunStatus.NO_WORK: 0,
+    RunStatus.FAILED: 1,
+    RunStatus.PARTIAL_SUCCESS: 3,
+    RunStatus.SKIPPED: 4,
+    RunStatus.TIMEOUT: 5,
+    RunStatus.CANCELLED: 6,
 }
 # The key=value lines of a run's summary: who and what, then the counters every report shows.
 SUMMARY_KEYS = (

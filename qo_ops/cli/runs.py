@@ -341,11 +341,8 @@ def cancel_command(
     requester: RequesterOpt = None,
 ) -> None:
     """Ask a running run to stop after its current batch (it ends `cancelled`)."""
-    from qo_ops.platform.run.records import (
-        UNSTARTED_STATUSES,
-        request_cancel,
-        running_run_by_prefix,
-    )
+    from qo_ops.platform.job.statuses import UNSTARTED, RunStatus
+    from qo_ops.platform.run.records import request_cancel, running_run_by_prefix
 
     try:
         parsed: uuid.UUID | None = uuid.UUID(run_id)
@@ -362,9 +359,9 @@ def cancel_command(
     if parsed is None:
         parsed = running_run_by_prefix(engine, run_id.lower())
     status = request_cancel(engine, parsed, resolve_requester(requester), reason)
-    if status == "running":
+    if status == RunStatus.RUNNING:
         typer.echo("cancel requested")
-    elif status in UNSTARTED_STATUSES:
+    elif status in UNSTARTED:
         typer.echo(f"run was {status}; cancelled before it started")
     else:
         typer.echo(f"run is already {status}; nothing to cancel")

@@ -118,7 +118,8 @@ def all_tenants(conn: Connection) -> tuple[list[Tenant], float | None]:
 
 
 def recent_tenants(conn: Connection, spec: JobSpec) -> set[str]:
-    """Tenants whose last execute run of ``spec`` ended success/no_work within the limit."""
+    """Tenants with an execute run of ``spec`` that ended in one of its fresh statuses
+    (``spec.fresh_statuses``) within the limit."""
     return set(
         conn.execute(
             _RECENT_SUCCESS,

@@ -44,6 +44,7 @@ from qo_ops.platform.job.counts import COLUMNS
 from qo_ops.platform.job.options import RunOptions, check_consent
 from qo_ops.platform.job.scope import Scope, scope_text
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import ENDED_WELL, FAILING, RunStatus
 from qo_ops.platform.observability.events import EVENT_LOGGER
 from qo_ops.platform.run.runner import RunSummary, run_job
 from qo_ops.platform.run.stopping import TERMINATED
@@ -55,9 +56,9 @@ from qo_ops.platform.schedule.partition_keys import (
     scope_tag,
 )
 
-FAILING_STATUSES = ("failed", "timeout", "cancelled")
+FAILING_STATUSES = (*FAILING, RunStatus.CANCELLED)  # the op fails with the run
 TENANT_TAG = "qo_ops/tenant"  # on a run of one tenant (a chunk names its range in qo_ops/scope)
-KEPT_RIGHT = ("success", "no_work", "partial_success")  # an execute run that kept its outcome
+KEPT_RIGHT = (*ENDED_WELL, RunStatus.PARTIAL_SUCCESS)  # an execute run that kept its outcome
 
 
 REPORT_COLUMNS = (("kind", "string"), ("name", "string"), ("count", "int"), ("detail", "string"))
@@ -239,7 +240,7 @@ def check_evaluations(
     """The run's outcome checks, each on the tenant's partition of the outcome asset,
     judging its latest materialization (the one just recorded, when the run kept it right);
     after a success, ``recent_success`` passing there too (the tenant is fresh at once)."""
-    if summary.mode != "execute" or summary.status == "skipped":
+    if summary.mode != "execute" or summary.status == RunStatus.SKIPPED:
         return
     declared = {c.name: c for c in spec.checks}
     judged = judged_materialization(instance, asset_key, scope.tenant_id)
@@ -313,7 +314,7 @@ def run_tenants(
         )
         if len(scopes) == 1:
             context.log.info(line)
-        elif summary.status not in ("success", "no_work"):  # what needs a look: on its own
+        elif summary.status not in ENDED_WELL:  # what needs a look: on its own
             context.log.warning(f"{line} [{n}/{len(scopes)}]")
         progress.tick(n, outcomes)
         if asset_key is not None:
@@ -408,7 +409,7 @@ def finish_chunk(
         if o.summary is not None
         and not o.failed
         and o.summary.mode == "execute"
-        and o.summary.status != "skipped"
+        and o.summary.status != RunStatus.SKIPPED
         and any(not c.passed and c.name in declared_blocking for c in o.summary.checks)
     ]
     by_status: dict[str, int] = {}
@@ -446,7 +447,7 @@ def finish_single(spec: JobSpec, outcome: TenantOutcome) -> dg.Output[dict[str, 
     if outcome.summary is None:
         raise dg.Failure(description=str(outcome.refused or outcome.error), allow_retries=False)
     summary = outcome.summary
-    if summary.status == "partial_success":
+    if summary.status == RunStatus.PARTIAL_SUCCESS:
         dg.get_dagster_logger().warning(f"partial success: {summary.counts.failed} item(s) failed")
     metadata = summary_metadata(summary, outcome.scope)
     if summary.status in FAILING_STATUSES:
@@ -460,7 +461,7 @@ def finish_single(spec: JobSpec, outcome: TenantOutcome) -> dg.Output[dict[str, 
         for c in summary.checks
         if not c.passed and any(d.name == c.name and d.blocking for d in spec.checks)
     ]
-    if summary.mode == "execute" and summary.status != "skipped" and blocking_failed:
+    if summary.mode == "execute" and summary.status != RunStatus.SKIPPED and blocking_failed:
         raise dg.Failure(
             description=f"business outcome not met after {spec.name}: {', '.join(blocking_failed)}",
             metadata=metadata,

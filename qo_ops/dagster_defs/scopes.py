@@ -21,6 +21,7 @@ from qo_ops.errors import BadInput, QoOpsError, error_class
 from qo_ops.platform.job.options import TRIGGERS_WITH_A_PERSON, RunOptions
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import RunStatus
 from qo_ops.platform.run import records
 from qo_ops.platform.schedule.partition_keys import (
     FAILED_TENANTS_TAG,
@@ -153,7 +154,7 @@ def refuse_accepted(engine: Any, job_run_tag: str, exc: QoOpsError) -> None:
         return
     with engine.begin() as conn:
         code = error_class(exc, "bad_input")  # e.g. "suspended" (the kill switch)
-        records.finish_unstarted(conn, run_id, "failed", "refused_at_start", code, str(exc))
+        records.finish_unstarted(conn, run_id, RunStatus.FAILED, "refused_at_start", code, str(exc))
 
 
 def _parent_failed_tenants(context: dg.OpExecutionContext, tags: dict[str, str]) -> set[str] | None:

@@ -50,6 +50,7 @@ from qo_ops.platform.job.counts import Counts
 from qo_ops.platform.job.outcome import BatchContext, RunSummary
 from qo_ops.platform.job.scope import Scope, tenant_of
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import RunStatus
 from qo_ops.platform.run.records import finish_unstarted
 from qo_ops.platform.schedule.freshness import STALE_FACTOR, job_due, stale_limit_s
 from qo_ops.platform.schedule.overdue import backlog_scope, database_now, tenant_backlog
@@ -560,7 +561,7 @@ def build_outside_runs_sensor(
                 spec = by_name.get(row.job_name)
                 if spec is not None and spec.outcome_asset:
                     events.append(_outside_event(conn, spec, row))
-                    executed = row.mode == "execute" and row.status != "skipped"
+                    executed = row.mode == "execute" and row.status != RunStatus.SKIPPED
                     judge.setdefault(spec.name, {})[tenant_of(row.scope)] = executed
         if rows:
             last = rows[-1]
@@ -659,7 +660,9 @@ def run_failure_recorder(context: dg.RunFailureSensorContext, database: QoOpsDat
     with database.engine().begin() as conn:
         accepted = _job_run_id(run.tags.get(JOB_RUN_TAG))
         if accepted is not None:  # an API run that failed before its op adopted the row
-            finish_unstarted(conn, accepted, "failed", "dagster_run_failed", "dagster_run_failed")
+            finish_unstarted(
+                conn, accepted, RunStatus.FAILED, "dagster_run_failed", "dagster_run_failed"
+            )
         if refused:  # refused before queueing when the database could not audit it then
             append_audit(conn, refusal_audit(run, run.tags.get(REFUSED_TAG, "bad_input"), message))
             return

@@ -147,6 +147,10 @@ class Step:
     contract: bool
 
 
+# How an upgrade ended (schema_migration.outcome, whose check lists the same words)
+UPGRADE_OK, UPGRADE_FAILED, UPGRADE_REFUSED = "ok", "failed", "refused"
+
+
 @dataclass
 class UpgradeReport:
     """What one ``db upgrade`` did."""
@@ -158,7 +162,7 @@ class UpgradeReport:
     lock_timeouts: int = 0  # lock timeouts met (each retried, or the last one failed)
     attempts: int = 0  # migrations tried, retries included
     duration_s: float = 0.0
-    outcome: str = "ok"  # ok | failed | refused
+    outcome: str = UPGRADE_OK  # or UPGRADE_FAILED, UPGRADE_REFUSED
     error: str | None = None
 
 
@@ -391,7 +395,7 @@ def upgrade(
                     busy = older_code_busy(conn, step.revision)
                     conn.commit()
                     if busy:
-                        report.outcome = "refused"
+                        report.outcome = UPGRADE_REFUSED
                         raise MigrationBlocked(
                             f"contract step {step.revision} refused: {len(busy)} run(s) of older "
                             f"code still hold a lease or are running ({'; '.join(busy[:3])}); "
@@ -399,8 +403,8 @@ def upgrade(
                         )
                 _apply(conn, command, step, report, sleep)
         except BaseException as exc:
-            if report.outcome == "ok":
-                report.outcome = "failed"
+            if report.outcome == UPGRADE_OK:
+                report.outcome = UPGRADE_FAILED
             report.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise
         finally:
@@ -455,7 +459,7 @@ def _record(
     """The upgrade's end event, its row in schema_migration and its audit entry (once the
     table exists: 0018)."""
     _event(
-        logging.INFO if report.outcome == "ok" else logging.ERROR,
+        logging.INFO if report.outcome == UPGRADE_OK else logging.ERROR,
         "migration.end",
         **{
             "from": report.before,
@@ -466,7 +470,7 @@ def _record(
             "duration_s": round(report.duration_s, 3),
         },
     )
-    if not report.applied and report.outcome == "ok":
+    if not report.applied and report.outcome == UPGRADE_OK:
         return  # nothing to do, nothing to record
     from qo_ops.db.audit import AuditEntry, append_audit
 

@@ -34,13 +34,23 @@ from qo_ops.platform.calls.retry import (
     RetryPolicy,
     policy_from_env,
 )
-from qo_ops.platform.job.labels import ITEM_RETRY_EXHAUSTED, ITEM_RETRY_PREFIX, retry_reason
-from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, run_settings
+from qo_ops.platform.job.labels import (
+    CALL_TIMEOUT,
+    ITEM_RETRY_EXHAUSTED,
+    ITEM_RETRY_PREFIX,
+    retry_reason,
+)
+from qo_ops.platform.job.outcome import (
+    BatchContext,
+    BatchOutcome,
+    SideEffectResult,
+    run_settings,
+)
 
 RATE_LIMIT_ENV = "QO_OPS_DOWNSTREAM_RATE_LIMIT"
 RETRY_BUDGET_ENV = "QO_OPS_RETRY_BUDGET"
 BREAKER_OPEN_ENV = "QO_OPS_BREAKER_OPEN_S"
-SYSTEMIC_CODES = frozenset({"timeout", "connect_error", "connection_reset", "transport_error"})
+SYSTEMIC_CODES = frozenset({CALL_TIMEOUT, "connect_error", "connection_reset", "transport_error"})
 
 
 @dataclass(frozen=True)
@@ -437,14 +447,19 @@ def outcome_of(
     )
     for r, _ in decisions:
         if r.ok and r.item_id not in recorded:
-            outcome.side_effect(side_effect, "ambiguous", reason="claim_lost_after_call")
+            outcome.side_effect(
+                side_effect, SideEffectResult.AMBIGUOUS, reason="claim_lost_after_call"
+            )
         elif r.ok:
-            outcome.side_effect(side_effect, "duplicate_prevented" if r.duplicate else "success")
+            outcome.side_effect(
+                side_effect,
+                SideEffectResult.DUPLICATE_PREVENTED if r.duplicate else SideEffectResult.SUCCESS,
+            )
         elif r.released and not r.outcome_unknown:
             continue  # never sent: no attempt at the side effect
         elif r.outcome_unknown:
             reason = "unreadable_answer" if r.code == "bad_response" else f"{r.code}_after_send"
-            outcome.side_effect(side_effect, "ambiguous", reason=reason)
+            outcome.side_effect(side_effect, SideEffectResult.AMBIGUOUS, reason=reason)
         else:
-            outcome.side_effect(side_effect, "failed")
+            outcome.side_effect(side_effect, SideEffectResult.FAILED)
     return outcome

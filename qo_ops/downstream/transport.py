@@ -23,6 +23,9 @@ from collections.abc import Mapping
 from urllib.parse import unquote, urlencode, urlsplit
 
 KEEPALIVE_S = 4.0
+# The failure code of a call that got no answer in time (labels.CALL_TIMEOUT: the transport
+# imports nothing of qo_ops)
+TIMEOUT = "timeout"
 
 
 class NoAnswer(Exception):
@@ -40,7 +43,7 @@ def _no_answer(exc: BaseException, reading: bool) -> NoAnswer:
     was refused locally before anything was written."""
     kind = type(exc).__name__
     if isinstance(exc, TimeoutError):  # socket.timeout while writing or reading
-        return NoAnswer("timeout", True, "ReadTimeout" if reading else "WriteTimeout")
+        return NoAnswer(TIMEOUT, True, "ReadTimeout" if reading else "WriteTimeout")
     if isinstance(exc, OSError | http.client.HTTPException):  # reset, EOF, a garbled answer
         return NoAnswer("connection_reset", True, kind)
     return NoAnswer("transport_error", False, kind)  # e.g. an illegal header value
@@ -88,7 +91,7 @@ class ConnectionPool:
         """Send one request; its status, headers (lower-case names) and body, or
         :class:`NoAnswer`."""
         if not self._slots.acquire(timeout=self.pool_timeout):
-            raise NoAnswer("timeout", False, "PoolTimeout")
+            raise NoAnswer(TIMEOUT, False, "PoolTimeout")
         try:
             conn = self._take_idle() or self._connect()
             reading = False
@@ -123,7 +126,7 @@ class ConnectionPool:
             conn.connect()  # TCP (and TLS): nothing of the request has left yet
         except TimeoutError:
             conn.close()
-            raise NoAnswer("timeout", False, "ConnectTimeout") from None
+            raise NoAnswer(TIMEOUT, False, "ConnectTimeout") from None
         except OSError as exc:  # refused, unreachable, no such host, a TLS failure
             conn.close()
             raise NoAnswer("connect_error", False, type(exc).__name__) from None

@@ -77,6 +77,9 @@ MAX_RESUBMIT_GRACE_MINUTES = 7 * 24 * 60
 RESUBMIT_MAX_ENV = "QO_OPS_RESUBMIT_MAX"
 DEFAULT_RESUBMIT_MAX = 3
 MAX_RESUBMIT_MAX = 10  # 0: never re-submit, every missing order goes to a person
+# An action that could not be done: a mismatch's outcome (reconciliation_result), not a
+# run's status
+ACTION_FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -548,7 +551,7 @@ def _repair(
         adopted = conn.execute(
             ADOPT_STATUS, {"id": order.id, "version": order.version, "status": theirs}
         ).first()
-        outcome = "corrected" if adopted else "failed"
+        outcome = "corrected" if adopted else ACTION_FAILED
         detail = None if adopted else "the order changed since it was read; left for the next run"
         if adopted:
             append_event(
@@ -583,7 +586,7 @@ def _repair(
         },
     )
     out.tally[f"action_{outcome}"] = out.tally.get(f"action_{outcome}", 0) + 1
-    if outcome == "failed":
+    if outcome == ACTION_FAILED:
         out.failed += 1
     elif outcome == "pending":
         out.skipped += 1  # nothing changed: waiting for the earlier re-submission
@@ -646,7 +649,7 @@ SPEC = JobSpec(
         mismatch_types=tuple(ACTIONS),
         corrections={
             "action_corrected": "corrected",
-            "action_failed": "failed",
+            "action_failed": ACTION_FAILED,
             "action_pending": "pending",
         },
         unresolved={

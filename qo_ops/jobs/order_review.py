@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.db.schema.business_tables import ORDER_STATUSES
 from qo_ops.errors import BadInput
-from qo_ops.platform.job.outcome import BatchOutcome
+from qo_ops.platform.job.outcome import BatchOutcome, SideEffectResult
 from qo_ops.platform.job.review import Review, ReviewAction, ReviewItem
 
 # A correction's event, under its business key (adopted:<status>, resubmit:<n>).
@@ -47,7 +47,10 @@ def append_event(
 ) -> None:
     """Append a correction event under its business key, counted as ``side_effect``."""
     appended = conn.execute(EVENT, values).rowcount == 1
-    out.side_effect(side_effect, "success" if appended else "duplicate_prevented")
+    out.side_effect(
+        side_effect,
+        SideEffectResult.SUCCESS if appended else SideEffectResult.DUPLICATE_PREVENTED,
+    )
     out.events_written += appended
     out.duplicates_prevented += not appended
 

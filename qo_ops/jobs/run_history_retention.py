@@ -79,11 +79,11 @@ TS = sa.DateTime(timezone=True)
 # A prunable run of the tenant (alias r). The selection and the delete share this one
 # predicate, and that is the safety: the delete re-checks exactly what the selection chose
 # by, so a run that changed since (a newer run vanished, a lease named it) stays. The status
-# lists are records.FINAL_STATUSES, written out (test_run_history_retention checks them). The
-# keep-rules are two per-row lookups by index: ``OFFSET 0`` keeps PostgreSQL from turning an
-# EXISTS into a join (a hash join would read all of job_run), and two of them (rather than
-# one per rule) keep its estimate of the rows they pass realistic, so the plan walks
-# ix_job_run_retention in order and stops at the batch size.
+# lists are statuses.FINAL and statuses.ENDED_WELL, written out (test_run_history_retention
+# checks them). The keep-rules are two per-row lookups by index: ``OFFSET 0`` keeps
+# PostgreSQL from turning an EXISTS into a join (a hash join would read all of job_run), and
+# two of them (rather than one per rule) keep its estimate of the rows they pass realistic,
+# so the plan walks ix_job_run_retention in order and stops at the batch size.
 PRUNABLE_RUN = """
     split_part(r.scope, '/', 1) = :tenant
     AND r.finished_at < now() - make_interval(days => CAST(:days AS integer))
@@ -113,7 +113,7 @@ PRUNABLE_RUN = """
 
 # A prunable checkpoint of the tenant (alias c): old, and nobody is working on its scope:
 # no unexpired lease (primary key), no active run (ix_job_run_active, whose predicate the
-# literal records.ACTIVE_STATUSES imply); one per-row lookup. Shared by the selection and the
+# literal statuses.ACTIVE implies); one per-row lookup. Shared by the selection and the
 # delete, like PRUNABLE_RUN, for the same reason.
 PRUNABLE_CHECKPOINT = """
     split_part(c.scope, '/', 1) = :tenant

@@ -88,6 +88,7 @@ from qo_ops.platform.calls.object_store import (
 )
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck, ReportRow
+from qo_ops.platform.job.outcome import SideEffectResult as Result
 from qo_ops.platform.job.outcome import run_settings as settings_of_run
 from qo_ops.platform.job.resources import RunResources
 from qo_ops.platform.job.spec import CheckSpec, JobSpec
@@ -495,8 +496,8 @@ def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) 
         tally=tally,
     )
     # an object already gone was removed by an earlier attempt whose commit did not happen
-    outcome.side_effect(SIDE_EFFECT, "success", removed)
-    outcome.side_effect(SIDE_EFFECT, "duplicate_prevented", already_gone)
+    outcome.side_effect(SIDE_EFFECT, Result.SUCCESS, removed)
+    outcome.side_effect(SIDE_EFFECT, Result.DUPLICATE_PREVENTED, already_gone)
     return outcome
 
 

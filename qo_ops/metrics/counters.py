@@ -22,7 +22,7 @@ from qo_ops.platform.job.labels import (
     RUN_RETRY_REASONS,
 )
 from qo_ops.platform.job.outcome import SIDE_EFFECT_RESULTS
-from qo_ops.platform.run.records import FINAL_STATUSES
+from qo_ops.platform.job.statuses import FINAL
 from qo_ops.platform.schedule.missed import MISSED_REASONS
 
 DOWNSTREAM_FAMILIES = {  # metric → (help, its label besides job_name, the label's values)
@@ -101,7 +101,7 @@ def _run_families(feed: RunFeed) -> Iterator[Metric]:
         "job_completed_total",
         "Runs finished, by status",
         ["status"],
-        [(job, st) for job in names for st in FINAL_STATUSES],
+        [(job, st) for job in names for st in FINAL],
         feed.completed,
     )
     yield _declared(
@@ -235,7 +235,7 @@ def _reconciliation_families(feed: RunFeed) -> Iterator[Metric]:
         "reconciliation_runs_total",
         "Reconciliation runs, by status",
         ["status"],
-        [(s.name, st) for s in feed.specs if s.reconciliation is not None for st in FINAL_STATUSES],
+        [(s.name, st) for s in feed.specs if s.reconciliation is not None for st in FINAL],
         feed.completed,
     )
     scanned = CounterMetricFamily(

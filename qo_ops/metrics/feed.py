@@ -37,11 +37,11 @@ from qo_ops.platform.job.labels import (
 )
 from qo_ops.platform.job.outcome import CHECKPOINT_RESETS, CHECKPOINT_UPDATES, SIDE_EFFECT_RESULTS
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import FAILING, RunStatus
 from qo_ops.platform.schedule.cron import cron_ticks
 from qo_ops.platform.schedule.missed import first_scheduled_tick, missed_runs, tick_window_s
 
 SETTLE_S = 2.0  # rows newer than this may still be in uncommitted transactions
-FAILING = ("failed", "timeout")
 MISSED_LOOKBACK_S = 7 * 86400.0  # a starting exporter judges the ticks of the last week
 MAX_TICKS_PER_SCRAPE = 5000  # per job: a long backlog of ticks is judged over a few scrapes
 
@@ -299,7 +299,7 @@ class RunFeed:
             self.sums[("job_lease_lost_total", g.job_name)] += n
         if g.anomaly:
             self.sums[("job_anomaly_stops_total", g.job_name)] += n
-        if g.status == "skipped":
+        if g.status == RunStatus.SKIPPED:
             self.sums[("job_skipped_total", g.job_name)] += n
         self.histograms.observe("job_duration_seconds", (g.job_name, g.status), g)
 

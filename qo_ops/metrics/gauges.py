@@ -15,14 +15,13 @@ import sqlalchemy as sa
 from prometheus_client.core import GaugeMetricFamily, Metric
 from sqlalchemy.engine import Connection
 
-from qo_ops.metrics.feed import FAILING
 from qo_ops.platform.actions.control import Suspension
 from qo_ops.platform.actions.status import BreakerStatus
 from qo_ops.platform.calls import call_stats
 from qo_ops.platform.calls.breaker import CLOSED
 from qo_ops.platform.job.scope import tenant_of
 from qo_ops.platform.job.spec import JobSpec
-from qo_ops.platform.run.records import FINAL_STATUSES
+from qo_ops.platform.job.statuses import FAILING, FINAL, UNSTARTED, RunStatus
 from qo_ops.platform.schedule.cron import cadence_seconds
 from qo_ops.platform.schedule.run_queue import QueueReading
 
@@ -39,7 +38,7 @@ _NOW = sa.text(
           AND status = ANY(CAST(:fresh AS text[])) AND mode = 'execute'
         ORDER BY finished_at DESC LIMIT 1) AS last_success,
       (SELECT started_at FROM job_run WHERE job_name = :job AND mode = 'execute'
-          AND status NOT IN ('awaiting_approval', 'accepted')
+          AND status <> ALL(CAST(:unstarted AS text[]))
         ORDER BY started_at DESC LIMIT 1) AS last_start,
       (SELECT status FROM job_run WHERE job_name = :job AND finished_at IS NOT NULL
         ORDER BY finished_at DESC LIMIT 1) AS last_status,
@@ -134,7 +133,10 @@ def run_families(
         labels=["job_name", "status"],
     )
     for spec in specs:
-        row = conn.execute(_NOW, {"job": spec.name, "fresh": list(spec.fresh_statuses)}).one()
+        row = conn.execute(
+            _NOW,
+            {"job": spec.name, "fresh": list(spec.fresh_statuses), "unstarted": list(UNSTARTED)},
+        ).one()
         g["job_last_success_timestamp_seconds"].add_metric([spec.name], _epoch(row.last_success))
         g["job_last_run_timestamp_seconds"].add_metric([spec.name], _epoch(row.last_start))
         g["job_running"].add_metric([spec.name], float(row.running))
@@ -142,7 +144,7 @@ def run_families(
         g["job_lease_held"].add_metric([spec.name], float(row.leases))
         g["job_lease_age_seconds"].add_metric([spec.name], float(row.lease_age or 0))
         g["job_checkpoint_age_seconds"].add_metric([spec.name], float(row.checkpoint_age or 0))
-        for final in FINAL_STATUSES:
+        for final in FINAL:
             status.add_metric([spec.name, final], 1.0 if row.last_status == final else 0.0)
         # per tenant, not per scope: a windowed job's every day is a new scope
         streaks: dict[str, int] = {}
@@ -153,7 +155,10 @@ def run_families(
                 continue  # a suspended tenant's streak waits for its resumption
             if run.status in FAILING:
                 streaks[tenant] = streaks.get(tenant, 0) + 1
-            elif run.status not in ("cancelled", "skipped"):  # neither breaks nor extends
+            elif run.status not in (
+                RunStatus.CANCELLED,
+                RunStatus.SKIPPED,
+            ):  # neither breaks nor extends
                 broken.add(tenant)
         g["job_consecutive_failures"].add_metric(
             [spec.name], float(max(streaks.values(), default=0))

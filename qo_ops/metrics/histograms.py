@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client.core import HistogramMetricFamily, Metric
 
 from qo_ops.platform.job.options import TRIGGERS
-from qo_ops.platform.run.records import FINAL_STATUSES
+from qo_ops.platform.job.statuses import FINAL
 
 DURATION_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200)
 DRIFT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600)
@@ -30,9 +30,7 @@ class HistogramSpec:
 
 
 HISTOGRAMS: dict[str, HistogramSpec] = {
-    "job_duration_seconds": HistogramSpec(
-        "Run duration", DURATION_BUCKETS, ("status", FINAL_STATUSES)
-    ),
+    "job_duration_seconds": HistogramSpec("Run duration", DURATION_BUCKETS, ("status", FINAL)),
     "job_scheduler_drift_seconds": HistogramSpec(
         "How late a scheduled run started after its tick", DRIFT_BUCKETS
     ),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
@@ -10,6 +12,7 @@ from sqlalchemy.exc import DBAPIError
 
 from qo_ops.db import migrate
 from qo_ops.db.schema import BUSINESS_TABLES, PLATFORM_TABLES, metadata
+from qo_ops.platform.job.statuses import RunStatus
 
 
 def _schema_diff(engine: sa.Engine) -> list:
@@ -78,6 +81,28 @@ EXPECTED_INDEXES = {
     "customer_order": {"ix_customer_order_tenant_submitted", "ix_customer_order_tenant_id"},
     "job_run": {"ix_job_run_history", "ix_job_run_running"},
 }
+
+
+def _check_values(engine: sa.Engine, table: str, name: str) -> list[str]:
+    """The quoted values of the live check constraint ``name`` on ``table``, in order."""
+    with engine.connect() as conn:
+        definition = conn.scalar(
+            sa.text(
+                "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+                "WHERE conrelid = CAST(:table AS regclass) AND conname = :name"
+            ),
+            {"table": table, "name": name},
+        )
+    assert definition is not None, (table, name)
+    return re.findall(r"'([^']*)'", definition)
+
+
+def test_the_migrated_status_check_allows_exactly_the_run_statuses(db):
+    """The migrations, not the declared schema, say what job_run.status may hold (the schema
+    comparison above does not compare a check's text): a status added to RunStatus without
+    a migration fails here."""
+    allowed = _check_values(db.engine, "job_run", "ck_job_run_status_allowed")
+    assert sorted(allowed) == sorted(s.value for s in RunStatus)
 
 
 def test_selection_indexes_exist(db):

@@ -22,9 +22,9 @@ from qo_ops.jobs.run_history_retention import (
     SPEC,
     history_days,
 )
+from qo_ops.platform.job import statuses
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.scope import Scope
-from qo_ops.platform.run import records
 from qo_ops.platform.run.runner import RunSummary, run_job
 from qo_ops_tests.conftest import base_env, run_cli, standing_approval
 
@@ -359,5 +359,6 @@ def _statuses(predicate: str, column: str) -> set[str]:
 def test_the_predicates_name_the_platforms_statuses():
     """The shared predicates write the status lists out (literals, so that every plan of the
     checkpoint lookup implies ix_job_run_active's predicate): they are the platform's."""
-    assert _statuses(PRUNABLE_RUN, "r.status") == set(records.FINAL_STATUSES)
-    assert _statuses(PRUNABLE_CHECKPOINT, "a.status") == set(records.ACTIVE_STATUSES)
+    assert _statuses(PRUNABLE_RUN, "r.status") == set(statuses.FINAL)
+    assert _statuses(PRUNABLE_RUN, "n.status") == set(statuses.ENDED_WELL)  # the last success
+    assert _statuses(PRUNABLE_CHECKPOINT, "a.status") == set(statuses.ACTIVE)

@@ -20,6 +20,7 @@ from qo_ops.api.models import ACCEPTED_HEADERS, Accepted, ApprovalBody, ReasonBo
 from qo_ops.errors import BadInput
 from qo_ops.platform.actions import approvals
 from qo_ops.platform.job.scope import Scope, tenant_of
+from qo_ops.platform.job.statuses import RunStatus
 
 router = APIRouter()
 
@@ -69,7 +70,7 @@ def approve_run(
             mode=row["mode"], job_run_id=run.id, reason=body.reason,
         )  # fmt: skip
     before = service.approve(api.engine, p.identity, run.id, body.reason, audit.meta)
-    if before != "awaiting_approval":
+    if before != RunStatus.AWAITING_APPROVAL:
         raise ApiError(409, f"run {run.id} is not awaiting approval ({before})")
     held = service.RunRequest(
         spec=run.spec,
@@ -81,4 +82,4 @@ def approve_run(
         request_approval=True,
     )
     launch(api, audit.meta, p.identity, run.id, held)
-    return accepted(run.spec.name, run.id, "accepted", row["mode"])
+    return accepted(run.spec.name, run.id, RunStatus.ACCEPTED, row["mode"])

@@ -31,8 +31,9 @@ from qo_ops.platform.job.counts import mutated_count
 from qo_ops.platform.job.options import ExecuteRefused, RunOptions
 from qo_ops.platform.job.scope import FIRST_DAY, LAST_DAY, Scope, tenant_of
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import ACTIVE, UNSTARTED, RunStatus
 from qo_ops.platform.run.consent import check_approval
-from qo_ops.platform.run.records import ACTIVE_STATUSES, UNSTARTED_STATUSES, request_cancel
+from qo_ops.platform.run.records import request_cancel
 
 MAX_WINDOW_DAYS = 366
 
@@ -119,7 +120,7 @@ def submit_run(
             active_run=str(submitted.run_id),
         )
     assert submitted.run_id is not None and submitted.status is not None
-    if submitted.outcome == "created" and submitted.status == "accepted":
+    if submitted.outcome == "created" and submitted.status == RunStatus.ACCEPTED:
         launch(api, audit.meta, p.identity, submitted.run_id, run_request)
     return accepted(spec.name, submitted.run_id, submitted.status, body.mode)
 
@@ -157,7 +158,7 @@ def cancel_run(
         api.engine, run.id, p.identity, body.reason,
         request_id=audit.meta.request_id, client_address=audit.meta.client_address,
     )  # fmt: skip
-    if before not in ACTIVE_STATUSES:
+    if before not in ACTIVE:
         raise ApiError(409, f"run {run.id} already ended ({before})")
     terminated = None
     dagster_run_id = row["dagster_run_id"]  # set at launch, before any cancel
@@ -166,7 +167,7 @@ def cancel_run(
             terminated = api.dagster.terminate(dagster_run_id)
         except DagsterUnavailable:
             terminated = False  # the cancel flag stops it at its next batch anyway
-    status = "cancelled" if before in UNSTARTED_STATUSES else "cancel_requested"
+    status = RunStatus.CANCELLED if before in UNSTARTED else "cancel_requested"
     return {"jobRunId": str(run.id), "status": status, "dagsterTerminated": terminated}
 
 

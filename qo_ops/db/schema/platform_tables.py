@@ -8,21 +8,14 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 from qo_ops.db.schema.base import NOW, TS, metadata, status_check
+from qo_ops.platform.job.statuses import RunStatus
 
-JOB_RUN_STATUSES = (
-    "awaiting_approval",  # an API request for a destructive execute, held for a second identity
-    "accepted",  # created by the API; the Dagster run adopts it when its op starts
-    "running",
-    "success",
-    "partial_success",
-    "failed",
-    "timeout",
-    "cancelled",
-    "skipped",
-    "no_work",
-)
+# job_run.status's check constraint (a status added here needs a migration: test_migrations)
+JOB_RUN_STATUSES = tuple(s.value for s in RunStatus)
 RUN_MODES = ("dry_run", "execute")
 TRIGGER_TYPES = ("schedule", "sensor", "manual", "backfill", "retry", "api")
+# How a schema upgrade ended (schema_migration.outcome): not a run's status
+UPGRADE_OUTCOMES = ("ok", "failed", "refused")
 
 # One row per (job, scope): whoever holds an unexpired lease may write for that scope.
 job_lease = sa.Table(
@@ -361,7 +354,7 @@ schema_migration = sa.Table(
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("duration_ms", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("code_version", sa.Text),
-    status_check("outcome", ("ok", "failed", "refused")),
+    status_check("outcome", UPGRADE_OUTCOMES),
 )
 
 PLATFORM_TABLES = (

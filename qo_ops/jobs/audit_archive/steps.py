@@ -42,7 +42,7 @@ from qo_ops.jobs.audit_archive.storage import (
     sweep_orphans,
     write_file,
 )
-from qo_ops.platform.job.outcome import BatchContext, BatchOutcome
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, SideEffectResult
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.run.faults import crash_point
 from qo_ops.platform.run.lease import LeaseLost
@@ -436,7 +436,7 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[FileResul
             tally("orphan_files_removed", result.orphans_removed)
         tally("archives_adopted" if chunk.adopted else "archives_written")
         if chunk.adopted:  # an earlier attempt wrote this file and did not get to delete
-            outcome.side_effect(SIDE_EFFECT, "duplicate_prevented")
+            outcome.side_effect(SIDE_EFFECT, SideEffectResult.DUPLICATE_PREVENTED)
         if result.ok and sha256_or_none(resolve_path(chunk.file_path)) != chunk.sha256:
             # the file is still the bytes that were verified, right before the delete
             result.ok, result.reason = False, "file changed after verification"
@@ -452,14 +452,14 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[FileResul
             outcome.succeeded += chunk.row_count
             tally("archives_verified")
             if not chunk.adopted:
-                outcome.side_effect(SIDE_EFFECT, "success")
+                outcome.side_effect(SIDE_EFFECT, SideEffectResult.SUCCESS)
         else:
             conn.execute(_MARK_FAILED, {"id": chunk.manifest_id})
             outcome.failed += chunk.row_count
             outcome.failed_items.append((str(chunk.manifest_id), VERIFICATION_FAILED))
             tally("archives_failed")
             if not chunk.adopted:
-                outcome.side_effect(SIDE_EFFECT, "failed")
+                outcome.side_effect(SIDE_EFFECT, SideEffectResult.FAILED)
             ctx.run_state(ArchiveRun).failure = (
                 f"archive {chunk.manifest_id} ({chunk.tenant_id} {chunk.day}) failed "
                 f"verification: {result.reason}; nothing of it was deleted"

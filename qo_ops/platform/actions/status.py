@@ -18,11 +18,11 @@ from qo_ops.platform.calls.breaker import FAILED, BreakerSettings
 from qo_ops.platform.job.outcome import BatchContext
 from qo_ops.platform.job.scope import TENANT_OF_SCOPE, Scope
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import FAILING, UNSTARTED, RunStatus
 from qo_ops.platform.run.liveness import RUN_GONE
 from qo_ops.platform.run.selection import capped_count
 from qo_ops.platform.schedule.freshness import job_due, stale_limit_s
 
-FAILING_STATUSES = ("failed", "timeout")  # a tenant whose last run ended so is failing
 BACKLOG_ROWS = 200  # without a list of tenants, backlog is counted when a job has this few
 BACKLOG_CAP = 100_000  # a backlog is counted up to this (a capped count: bounded reads)
 
@@ -69,7 +69,7 @@ _STATUS = sa.text(
                      AND (CAST(:tenant AS text) IS NULL OR scope = :tenant
                           OR scope LIKE :tenant || '/%')),
          last AS (SELECT DISTINCT ON (tenant) tenant, started_at, mode, status, code
-                    FROM runs WHERE status NOT IN ('awaiting_approval', 'accepted')
+                    FROM runs WHERE status <> ALL(CAST(:unstarted AS text[]))
                    ORDER BY tenant, started_at DESC),
          ok AS (SELECT tenant, max(finished_at) AS at FROM runs
                  WHERE mode = 'execute' AND status = ANY(CAST(:fresh AS text[]))
@@ -114,12 +114,15 @@ def job_status(
     fresh = list(spec.fresh_statuses)
     with engine.connect() as conn:
         due = job_due(conn, spec)  # a job newer than its limit judges no tenant stale yet
-        found = conn.execute(_STATUS, {"job": spec.name, "tenant": tenant, "fresh": fresh}).all()
+        found = conn.execute(
+            _STATUS,
+            {"job": spec.name, "tenant": tenant, "fresh": fresh, "unstarted": list(UNSTARTED)},
+        ).all()
         counted = set(backlog_of) if backlog_of is not None else (
             {r.tenant for r in found} if len(found) <= BACKLOG_ROWS else set()
         )  # fmt: skip
         rows: list[ScopeStatus] = []
-        partial_fails = "partial_success" not in spec.fresh_statuses
+        partial_fails = RunStatus.PARTIAL_SUCCESS not in spec.fresh_statuses
         for r in found:
             rows.append(
                 ScopeStatus(
@@ -134,8 +137,8 @@ def job_status(
                     last_mode=r.last_mode,
                     last_code=r.last_code,
                     running=int(r.running),
-                    failing=r.last_status in FAILING_STATUSES
-                    or (partial_fails and r.last_status == "partial_success"),
+                    failing=r.last_status in FAILING
+                    or (partial_fails and r.last_status == RunStatus.PARTIAL_SUCCESS),
                     stale=due
                     and float(r.tenant_age) > limit_s
                     and (r.success_age is None or float(r.success_age) > limit_s),

@@ -48,9 +48,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from qo_ops.platform.job.labels import CALL_TIMEOUT
+
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 FAILED, ANSWERED = "F", "S"  # one call's outcome in ``downstream_breaker.recent``
-TIMEOUT = "timeout"  # the failure code of a call that got no answer in time
 _WAIT_S = 0.05  # how often a caller waiting for a probe looks at the stop request
 
 
@@ -229,7 +230,7 @@ class CircuitBreaker:
         failure). Any other answer ahead of the evidence ends it: a fast failure may have
         overtaken slower successes (a 503 needs no work), a timeout never has."""
         ahead = self._answers
-        if any(a is not True or self._codes[t] != TIMEOUT for t, a in ahead.items()):
+        if any(a is not True or self._codes[t] != CALL_TIMEOUT for t, a in ahead.items()):
             return 0
         return self.evidence.streak + len(ahead)
 

@@ -3,7 +3,7 @@ business key, and published later by the relay (consumers dedupe on the event id
 
 from __future__ import annotations
 
-from qo_ops.platform.job.outcome import BatchOutcome
+from qo_ops.platform.job.outcome import BatchOutcome, SideEffectResult
 
 
 def transitions_with_events(
@@ -19,6 +19,6 @@ def transitions_with_events(
         events_written=events,
         duplicates_prevented=changed - events,
     )
-    outcome.side_effect(side_effect, "success", events)
-    outcome.side_effect(side_effect, "duplicate_prevented", changed - events)
+    outcome.side_effect(side_effect, SideEffectResult.SUCCESS, events)
+    outcome.side_effect(side_effect, SideEffectResult.DUPLICATE_PREVENTED, changed - events)
     return outcome

@@ -63,3 +63,5 @@ COLUMNS = {name: f"{name}_count" for name in COUNTERS}
 SEED_EVENT_FIELDS = {"retry_scheduled": "retry.scheduled"}
 EVENT_FIELDS = {name: SEED_EVENT_FIELDS.get(name, f"items.{name}") for name in COUNTERS}
 REPORTED_ALWAYS = ("processed", "succeeded", "failed", "skipped")
+PROGRESS = ("processed", "succeeded", "failed")  # the counters job.progress carries
+SPAN = ("processed", "failed")  # the counters the run's and each batch's span carry

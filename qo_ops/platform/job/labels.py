@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from qo_ops.platform.job.statuses import RunStatus
+
 OTHER = "other"  # any value outside a declared set
 
 # job_lock_acquire_total{result}: an execute run took its scope's lease, or found it held
@@ -29,9 +31,11 @@ ITEM_RETRY_REASONS = (
 RUN_RETRY_REASONS = ("worker_crashed",)  # the only runs Dagster retries (dagster.yaml)
 ITEM_RETRY_PREFIX = "retry.item."  # tally: retry.item.<reason>, an item's retry scheduled
 ITEM_RETRY_EXHAUSTED = "retry_exhausted.item"  # tally: dead-lettered with every attempt used
+# The failure code of a call that got no answer in time (a call's code, not a run's status).
+CALL_TIMEOUT = "timeout"
 
 _CODE_REASONS = {
-    "timeout": "dependency_timeout",
+    CALL_TIMEOUT: "dependency_timeout",
     "connect_error": "dependency_connection",
     "connection_reset": "dependency_connection",
     "http_429": "dependency_rate_limited",
@@ -54,12 +58,12 @@ def retry_reason(code: str | None) -> str:
 # job_manual_reruns_total{reason}: an execute a person asked for over a scope that had an
 # earlier finished execute run, by how that run ended
 MANUAL_RERUN_REASONS: Mapping[str, str] = {
-    "failed": "after_failure",
-    "timeout": "after_failure",
-    "partial_success": "after_partial_success",
-    "cancelled": "after_cancelled",
-    "success": "after_success",
-    "no_work": "after_success",
+    RunStatus.FAILED: "after_failure",
+    RunStatus.TIMEOUT: "after_failure",
+    RunStatus.PARTIAL_SUCCESS: "after_partial_success",
+    RunStatus.CANCELLED: "after_cancelled",
+    RunStatus.SUCCESS: "after_success",
+    RunStatus.NO_WORK: "after_success",
 }
 # job_checkpoint_resets_total{reason}: a checkpoint forgotten because a rescanning job went
 # through its whole scope (the runner), or because a person reset it (qo-ops checkpoint reset)

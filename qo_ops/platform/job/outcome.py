@@ -8,6 +8,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol, TypeVar, cast
 
 from qo_ops.platform.job.counts import Counts, mutated_count
@@ -129,7 +130,7 @@ class BatchOutcome(Counts):
         ``job_side_effect_ambiguity_total``."""
         if result not in SIDE_EFFECT_RESULTS:
             raise ValueError(f"unknown side-effect result {result!r}")
-        if (result == "ambiguous") != bool(reason):
+        if (result == SideEffectResult.AMBIGUOUS) != bool(reason):
             raise ValueError("an ambiguous side effect, and only that, names its reason")
         if n <= 0:
             return
@@ -144,11 +145,22 @@ class BatchOutcome(Counts):
 CHECKPOINT_UPDATES = "checkpoint.updates"
 CHECKPOINT_RESETS = "checkpoint.resets"  # a rescanning job forgot its finished cursor
 
+
 # How an attempt at a side effect ended: done; not repeated because the business key or the
 # other system's idempotency key showed it was done before; refused or failed (retried or
 # dead-lettered); or unknown (the request may have landed, or it landed and our record of
-# it did not) -- those need reconciliation, and are counted by reason too.
-SIDE_EFFECT_RESULTS = ("success", "duplicate_prevented", "failed", "ambiguous")
+# it did not) -- those need reconciliation, and are counted by reason too. Not a run's
+# status (statuses.RunStatus), though two of the words are the same.
+class SideEffectResult(StrEnum):
+    """How one attempt at a side effect ended (the ``result`` label)."""
+
+    SUCCESS = "success"
+    DUPLICATE_PREVENTED = "duplicate_prevented"
+    FAILED = "failed"
+    AMBIGUOUS = "ambiguous"
+
+
+SIDE_EFFECT_RESULTS = tuple(r.value for r in SideEffectResult)
 
 
 @dataclass(frozen=True)
@@ -182,7 +194,7 @@ class RunSummary:
 
     job_run_id: str
     job_name: str
-    status: str
+    status: str  # a RunStatus's value
     mode: str
     scope: str
     trigger: str
@@ -209,6 +221,11 @@ class RunSummary:
     checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
     dead_letters: int | None = None  # items dead-lettered now, all tenants (capped count)
     report: list[dict[str, Any]] = field(default_factory=list)  # ReportRow dicts
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A status is kept as its plain value: the summary goes into Dagster's metadata,
+        # whose serializer refuses an enum it does not know (RunStatus.SUCCESS == "success").
+        super().__setattr__(name, str(value) if name == "status" else value)
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``mutated_count`` after ``eligible_count`` (the seed's run

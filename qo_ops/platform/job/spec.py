@@ -14,6 +14,7 @@ from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck, ReportRow
 from qo_ops.platform.job.resources import RunResources
 from qo_ops.platform.job.review import DeadLetterKind, Review
+from qo_ops.platform.job.statuses import RunStatus, fresh_statuses
 
 Partitioning = Literal["tenant", "tenant_day"]
 
@@ -118,10 +119,6 @@ class JobSpec:
     partial_success_is_fresh: bool = False
 
     @property
-    def fresh_statuses(self) -> tuple[str, ...]:
+    def fresh_statuses(self) -> tuple[RunStatus, ...]:
         """The final statuses of an execute run that keep a tenant fresh."""
-        return (
-            "success",
-            "no_work",
-            *(("partial_success",) if self.partial_success_is_fresh else ()),
-        )
+        return fresh_statuses(self.partial_success_is_fresh)

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qo_ops.errors import redact
 from qo_ops.platform.job.outcome import BatchOutcome, RunSummary
+from qo_ops.platform.job.statuses import ENDED_WELL, RunStatus
 from qo_ops.platform.observability.resource import process_resource
 from qo_ops.platform.observability.tracing import trace_id
 
@@ -260,11 +261,11 @@ class JobMetrics:
         status = summary.status
         self.completed.labels(job_name, status).inc()
         self.duration.labels(job_name, status).observe(seconds)
-        if status == "skipped":
+        if status == RunStatus.SKIPPED:
             self.skipped.labels(job_name).inc()
-        if status == "failed":
+        if status == RunStatus.FAILED:
             self.failed.labels(job_name, summary.error_code or "unknown").inc()
-        if status in ("success", "no_work"):
+        if status in ENDED_WELL:
             self.last_success.labels(job_name).set(time.time())
 
 

@@ -16,20 +16,18 @@ from sqlalchemy.engine import Connection, Engine
 
 from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.db.migrate import HEAD_REVISION
-from qo_ops.db.schema import JOB_RUN_STATUSES, job_run
+from qo_ops.db.schema import job_run
 from qo_ops.errors import BadInput, one_line
 from qo_ops.platform.job.counts import COLUMNS, Counts
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.outcome import RunSummary
 from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.statuses import FINAL, UNSTARTED, RunStatus
 from qo_ops.platform.observability.resource import package_version
 from qo_ops.platform.run.liveness import RUN_GONE
 
 # A run's figures as its row holds them: what it found eligible, then the Counts' columns.
 COUNTERS = ("eligible_count", *COLUMNS.values())
-UNSTARTED_STATUSES = ("awaiting_approval", "accepted")  # created by the API, not yet adopted
-ACTIVE_STATUSES = (*UNSTARTED_STATUSES, "running")
-FINAL_STATUSES = tuple(s for s in JOB_RUN_STATUSES if s not in ACTIVE_STATUSES)
 ERROR_TEXT_LIMIT = 500
 
 
@@ -73,7 +71,7 @@ def create_run(
         "code_revision": HEAD_REVISION,
         "owner_id": owner.owner_id,
         "options": resolved,
-        "status": "running",
+        "status": RunStatus.RUNNING,
         "liveness_key": owner.liveness_key,
         # the lock was taken before this: a time after it, on the database's clock
         "liveness_since": None if owner.liveness_key is None else sa.func.clock_timestamp(),
@@ -82,7 +80,7 @@ def create_run(
         adopted = conn.execute(
             sa.update(job_run)
             .where(job_run.c.id == options.job_run_id, job_run.c.job_name == job_name)
-            .where(job_run.c.status == "accepted")
+            .where(job_run.c.status == RunStatus.ACCEPTED)
             .values(
                 **{**values, "requested_at": job_run.c.created_at},  # the API's acceptance
                 started_at=sa.func.clock_timestamp(),
@@ -172,14 +170,14 @@ def finish_run(engine: Engine, summary: RunSummary, owner_id: str) -> None:
     (never twice), or one the reaper ended as orphaned while its process (``owner_id``) was
     in fact alive (its liveness session was cut): the run itself says how it ended. The
     lease the run took (its fencing token) and how long taking it took go on the record too."""
-    assert summary.status in FINAL_STATUSES, summary.status
+    assert summary.status in FINAL, summary.status
     error_text = summary.error_text
     reaped_alive = sa.and_(job_run.c.status_reason == "orphaned", job_run.c.owner_id == owner_id)
     with engine.begin() as conn:
         conn.execute(
             sa.update(job_run)
             .where(job_run.c.id == uuid.UUID(summary.job_run_id))
-            .where(sa.or_(job_run.c.status == "running", reaped_alive))
+            .where(sa.or_(job_run.c.status == RunStatus.RUNNING, reaped_alive))
             .values(
                 status=summary.status,
                 status_reason=summary.status_reason,
@@ -249,7 +247,7 @@ def load_accepted(engine: Engine, run_id: uuid.UUID, job_name: str) -> AcceptedR
             sa.select(job_run).where(
                 job_run.c.id == run_id,
                 job_run.c.job_name == job_name,
-                job_run.c.status == "accepted",
+                job_run.c.status == RunStatus.ACCEPTED,
             )
         ).first()
     if row is None:
@@ -273,16 +271,16 @@ def load_accepted(engine: Engine, run_id: uuid.UUID, job_name: str) -> AcceptedR
 def finish_unstarted(
     conn: Connection,
     run_id: uuid.UUID,
-    status: str,
+    status: RunStatus,
     reason: str,
     error_code: str | None = None,
     error_text: str | None = None,
 ) -> bool:
     """End a run that never started (accepted or awaiting approval); False if it had."""
-    assert status in FINAL_STATUSES, status
+    assert status in FINAL, status
     done = conn.execute(
         sa.update(job_run)
-        .where(job_run.c.id == run_id, job_run.c.status.in_(UNSTARTED_STATUSES))
+        .where(job_run.c.id == run_id, job_run.c.status.in_(UNSTARTED))
         .values(
             status=status,
             status_reason=reason,
@@ -314,11 +312,13 @@ def request_cancel(
         ).first()
         if row is None:
             raise BadInput(f"no job run {run_id}")
-        decision = "requested" if row.status == "running" else f"ignored: run is {row.status}"
-        if row.status in UNSTARTED_STATUSES:
-            finish_unstarted(conn, run_id, "cancelled", "cancelled before start")
+        decision = (
+            "requested" if row.status == RunStatus.RUNNING else f"ignored: run is {row.status}"
+        )
+        if row.status in UNSTARTED:
+            finish_unstarted(conn, run_id, RunStatus.CANCELLED, "cancelled before start")
             decision = "cancelled before start"
-        if row.status == "running":
+        if row.status == RunStatus.RUNNING:
             conn.execute(
                 sa.update(job_run)
                 .where(job_run.c.id == run_id)
@@ -407,7 +407,7 @@ def running_run_by_prefix(engine: Engine, prefix: str) -> uuid.UUID:
         found = (
             conn.execute(
                 sa.select(job_run.c.id)
-                .where(job_run.c.status == "running")
+                .where(job_run.c.status == RunStatus.RUNNING)
                 .where(sa.cast(job_run.c.id, sa.Text).startswith(prefix, autoescape=True))
                 .limit(2)
             )

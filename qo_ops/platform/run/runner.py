@@ -33,7 +33,7 @@ from qo_ops.db.availability import (
     retry_while_unavailable,
 )
 from qo_ops.errors import DatabaseUnavailable, error_class, one_line
-from qo_ops.platform.job.counts import Counts
+from qo_ops.platform.job.counts import PROGRESS, SPAN, Counts
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.outcome import (
     CHECKPOINT_RESETS,
@@ -44,6 +44,7 @@ from qo_ops.platform.job.outcome import (
 )
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import ENDED_WELL, RunStatus
 from qo_ops.platform.observability.events import METRICS, EventContext, JobMetrics
 from qo_ops.platform.observability.tracing import SpanLike, span
 from qo_ops.platform.run import checkpoint, records
@@ -61,9 +62,7 @@ __all__ = ["JobRun", "RunSummary", "count_eligible", "owner_identity", "run_job"
 
 log = logging.getLogger(__name__)
 
-ENDED_WELL = ("success", "no_work", "skipped")  # job.finished at INFO; the rest at WARNING
-PROGRESS_COUNTS = ("processed", "succeeded", "failed")  # the counters job.progress carries
-SPAN_COUNTS = ("processed", "failed")  # the counters the run's and each batch's span carry
+QUIET_ENDINGS = (*ENDED_WELL, RunStatus.SKIPPED)  # job.finished at INFO; the rest at WARNING
 
 
 def owner_identity() -> str:
@@ -167,8 +166,9 @@ class JobRun:
             limits=self.limits, settings=settings, stop=self.stop,
         )  # fmt: skip
         self.summary = RunSummary(
-            job_run_id=str(self.run_id), job_name=spec.name, status="running", mode=options.mode,
-            scope=scope.key, trigger=options.trigger, requester=options.requester,
+            job_run_id=str(self.run_id), job_name=spec.name, status=RunStatus.RUNNING,
+            mode=options.mode, scope=scope.key, trigger=options.trigger,
+            requester=options.requester,
         )  # fmt: skip
         self.events = EventContext(
             job_name=spec.name, run_id=str(self.run_id), trigger=options.trigger,
@@ -196,7 +196,10 @@ class JobRun:
             self._execute()
         crash_point("before_finalize")
         summary = self.summary
-        not_done = summary.status in ("skipped", "running") or summary.error_code == UNAVAILABLE
+        not_done = (
+            summary.status in (RunStatus.SKIPPED, RunStatus.RUNNING)
+            or summary.error_code == UNAVAILABLE
+        )
         if not_done or self.stop.requested:
             return  # nothing was done, or the checks cannot run now: nothing to check
         self._check_outcome()
@@ -254,7 +257,7 @@ class JobRun:
             sample = conn.execute(spec.eligible(ctx).limit(self.options.sample_size)).scalars()
             summary.sample_ids = [str(v) for v in sample]
         records.set_eligible(self.engine, self.run_id, summary.eligible_count, None)
-        summary.status = "success" if summary.eligible_count else "no_work"
+        summary.status = RunStatus.SUCCESS if summary.eligible_count else RunStatus.NO_WORK
 
     def _execute(self) -> None:
         """Under the lease, the batches; the lease goes back whatever happens, before the run
@@ -278,7 +281,7 @@ class JobRun:
                 )
             self._batches()
         except LeaseLost as exc:
-            summary.status, summary.error_code = "failed", "lease_lost"
+            summary.status, summary.error_code = RunStatus.FAILED, "lease_lost"
             summary.status_reason, summary.error_text = "lease_lost", str(exc)
             self.events.emit("job.lock.lost", logging.ERROR, **{"lock.name": self._lock_name()})
         except Exception as exc:  # any failure ends the run as failed, with a safe one-line reason
@@ -289,7 +292,7 @@ class JobRun:
             self.heartbeat.stop()
             with self.stop.deferred():
                 self._release()
-        if summary.status == "running":
+        if summary.status == RunStatus.RUNNING:
             summary.status = self._final_status()
 
     def _lock_name(self) -> str:
@@ -312,12 +315,12 @@ class JobRun:
             acquiring.set_attribute("lock.acquired", lease is not None)
         if lease is None:
             if self.stop.requested:  # asked to stop while waiting for the lease
-                summary.status, summary.status_reason = "cancelled", TERMINATED
+                summary.status, summary.status_reason = RunStatus.CANCELLED, TERMINATED
                 return None
             self.metrics.lock_failed.labels(self.spec.name).inc()
             refused = {"lock.name": self._lock_name(), "wait_ms": summary.lock_wait_ms}
             self.events.emit("job.lock.acquire.failed", logging.WARNING, **refused)
-            summary.status, summary.status_reason = "skipped", "lease-not-acquired"
+            summary.status, summary.status_reason = RunStatus.SKIPPED, "lease-not-acquired"
             return None
         self.events.emit(
             "job.lock.acquire.succeeded",
@@ -380,13 +383,13 @@ class JobRun:
             with (
                 self.stop.deferred(),  # a signal waits for the batch (and its calls) to be recorded
                 span(
-                    "batch", **{"batch.number": number, **Counts().event_fields(SPAN_COUNTS)}
+                    "batch", **{"batch.number": number, **Counts().event_fields(SPAN)}
                 ) as batch_span,
             ):
                 outcome = self._batch(conn, room)
                 if isinstance(outcome, BatchOutcome):
                     self._account(outcome)
-                    for name, count in outcome.event_fields(SPAN_COUNTS).items():
+                    for name, count in outcome.event_fields(SPAN).items():
                         batch_span.set_attribute(name, count)  # counts only, never ids
                     self._move_on(outcome)
                     self._emit_batch(outcome)
@@ -404,10 +407,10 @@ class JobRun:
         if self.heartbeat.lost.is_set():
             raise LeaseLost("heartbeat found the lease taken over or expired")
         if self.stop.requested:  # SIGTERM/SIGINT: every batch before this one is recorded
-            summary.status, summary.status_reason = "cancelled", TERMINATED
+            summary.status, summary.status_reason = RunStatus.CANCELLED, TERMINATED
             return 0
         if time.monotonic() >= self.deadline:
-            summary.status, summary.status_reason = "timeout", "deadline reached"
+            summary.status, summary.status_reason = RunStatus.TIMEOUT, "deadline reached"
             return 0
         room = self.limits.max_items - summary.counts.processed
         if room <= 0:
@@ -428,7 +431,7 @@ class JobRun:
         started = time.perf_counter()
         with self._transaction(conn) as must_stop:
             if must_stop:  # at a batch boundary: the batches before it are all committed
-                self.summary.status, self.summary.status_reason = "cancelled", must_stop
+                self.summary.status, self.summary.status_reason = RunStatus.CANCELLED, must_stop
                 return _Step.DONE
             items = select_batch(conn, self.spec, self.ctx, min(self.limits.batch_size, room))
             if not items and self.ctx.position is not None:
@@ -524,7 +527,7 @@ class JobRun:
         events.progress(
             **{
                 "batch_number": summary.batches,
-                **summary.counts.event_fields(PROGRESS_COUNTS),
+                **summary.counts.event_fields(PROGRESS),
                 "elapsed_ms": int(elapsed * 1000),
                 "throughput_per_second": round(summary.counts.processed / elapsed, 1)
                 if elapsed
@@ -538,7 +541,7 @@ class JobRun:
             return False
         code, reason = outcome.halt
         if code is not None:
-            self.summary.status, self.summary.error_code = "failed", code
+            self.summary.status, self.summary.error_code = RunStatus.FAILED, code
         self.summary.status_reason = reason
         return True
 
@@ -569,31 +572,31 @@ class JobRun:
             summary.status_reason = summary.status_reason or "interrupted during outcome checks"
             raise
 
-    def _final_status(self) -> str:
+    def _final_status(self) -> RunStatus:
         """How the batches ended, by their counters."""
         counts = self.summary.counts
         if counts.processed == 0:
-            return "no_work"
+            return RunStatus.NO_WORK
         if counts.failed == 0:
-            return "success"
+            return RunStatus.SUCCESS
         if counts.succeeded > 0:
-            return "partial_success"
+            return RunStatus.PARTIAL_SUCCESS
         self.summary.error_code = self.summary.error_code or "items_failed"
-        return "failed"
+        return RunStatus.FAILED
 
     def _stopped_by_signal(self, where: str) -> None:
         """A run stopped by SIGTERM/SIGINT: ``cancelled``/``terminated``, unless its work was
         already over (then it keeps that status, and the reason says what was cut short)."""
         summary = self.summary
-        if summary.status == "running":
-            summary.status, summary.status_reason = "cancelled", TERMINATED
+        if summary.status == RunStatus.RUNNING:
+            summary.status, summary.status_reason = RunStatus.CANCELLED, TERMINATED
         else:
             summary.status_reason = summary.status_reason or f"{TERMINATED}{where}"
 
     def _failed(self, exc: BaseException) -> None:
         """A run that ends on an error: ``failed``, with its class and a safe one-line text."""
         summary = self.summary
-        summary.status = "failed"
+        summary.status = RunStatus.FAILED
         summary.error_code = UNAVAILABLE if is_unavailable(exc) else _error_class(exc)
         summary.status_reason = summary.error_code
         summary.error_text = one_line(
@@ -603,8 +606,8 @@ class JobRun:
 
     def _interrupted(self) -> None:
         """A run its caller interrupted: ``cancelled`` unless its work was already over."""
-        if self.summary.status == "running":
-            self.summary.status = "cancelled"
+        if self.summary.status == RunStatus.RUNNING:
+            self.summary.status = RunStatus.CANCELLED
         self.summary.status_reason = self.summary.status_reason or "interrupted"
 
     def _end(self, root: SpanLike, ended_by: BaseException | None) -> None:
@@ -626,7 +629,7 @@ class JobRun:
         self.metrics.count_run(self.spec.name, summary, time.monotonic() - self.started)
         self.events.emit(
             "job.finished",
-            logging.INFO if summary.status in ENDED_WELL else logging.WARNING,
+            logging.INFO if summary.status in QUIET_ENDINGS else logging.WARNING,
             **{
                 "job.status": summary.status,
                 "job.status_reason": summary.status_reason,
@@ -640,7 +643,7 @@ class JobRun:
             },
         )
         root.set_attribute("job.status", summary.status)
-        for name, count in summary.counts.event_fields(SPAN_COUNTS).items():
+        for name, count in summary.counts.event_fields(SPAN).items():
             root.set_attribute(name, count)
 
     def _let_go(self) -> None:

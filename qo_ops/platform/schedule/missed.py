@@ -36,6 +36,7 @@ from sqlalchemy.engine import Connection
 from qo_ops.errors import QoOpsError
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import RunStatus
 from qo_ops.platform.schedule.cron import cadence_seconds
 
 MISSED_REASONS = (
@@ -47,7 +48,11 @@ MISSED_REASONS = (
 )
 TICK_RECORDS_KEPT = timedelta(days=2)  # longer than the exporter looks back for missed ticks
 WINDOW_CAP_S = 3600.0
-NOT_RUN = ("skipped", "accepted", "awaiting_approval")  # records of runs that did no work
+NOT_RUN = (
+    RunStatus.SKIPPED,
+    RunStatus.ACCEPTED,
+    RunStatus.AWAITING_APPROVAL,
+)  # records of runs that did no work
 
 
 def tick_window_s(spec: JobSpec) -> float:
