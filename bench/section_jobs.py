@@ -689,8 +689,8 @@ def _then_checks(
         engine = engine_for(url)
         with engine.connect() as conn:
             failed = [c.name for c in spec.check(conn, ctx) if not c.passed]
-            if spec.lag is not None:
-                spec.lag(conn, ctx)
+            if spec.signals.lag is not None:
+                spec.signals.lag(conn, ctx)
         engine.dispose()
         if failed:
             raise SystemExit(f"{job} second limit: outcome checks failed: {failed}")
@@ -701,7 +701,7 @@ def _then_checks(
 
 _CHECKS_NOTE = (
     "the one statement above, then the job's own outcome checks and lag (`JobSpec.check`, "
-    "`JobSpec.lag`, the same statements on a new connection, every check required to pass): "
+    "`JobSpec.signals.lag`, the same statements on a new connection, every check required to pass): "
     "the proof of the outcome a run must give before it reports success, inside the job's "
     "duration and not in the first limit"
 )
@@ -1159,8 +1159,8 @@ def _plan(rows: Any) -> list[str]:
 
 def _explain_selection(conn: Any, spec: Any, ctx: BatchContext, limit: int) -> list[str]:
     query = spec.eligible(ctx).limit(limit)
-    if spec.compete_with_skip_locked:
-        query = query.with_for_update(skip_locked=True, of=spec.lock_of)
+    if spec.batching.locks is not None:
+        query = query.with_for_update(skip_locked=True, of=spec.batching.locks.of)
     compiled = query.compile(dialect=conn.dialect)
     return _plan(
         conn.exec_driver_sql(
@@ -1196,7 +1196,7 @@ def explain_batches(case: Case, url: URL, n: int, w: Window | None) -> dict[str,
             )
             half = (
                 list(conn.execute(spec.eligible(ctx).limit(max(1, n // 2))).scalars())
-                if spec.external is None
+                if spec.then is None
                 else []
             )
             if half:  # (none left when the first batch took them all)
@@ -1336,7 +1336,7 @@ def run(profile: Profile) -> Section:
         p99 = Spread.of([x["batch_ms_p99"] for x in jobs])
         worst = max(x["batch_ms_max"] for x in jobs)
         batches = int(median([x["batches"] for x in jobs]))
-        external = get_spec(case.job).external is not None
+        external = get_spec(case.job).then is not None
         rows.append(
             Row(
                 what=f"batch transaction: {case.job}",

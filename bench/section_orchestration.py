@@ -1,5 +1,5 @@
 """Orchestration at tenant scale: a schedule tick through a real Dagster deployment, run by
-chunks of tenants (``JobSpec.tenants_per_run``), against the same ``run_job`` calls in one
+chunks of tenants (``Deployment.tenants_per_run``), against the same ``run_job`` calls in one
 process; the chunk size; tenant runs starting in the same second when several jobs share a
 cron; and, at 10,000 tenants, every schedule's and sensor's tick evaluation and every
 PartitionsDefinition's size (``bench/tick_evaluation.py``).
@@ -645,7 +645,8 @@ def schedule_requests(d: Deployment, url: URL, size: int, when: datetime) -> lis
     from qo_ops.dagster_defs.schedules import build_schedule
     from qo_ops.jobs.catalog import CATALOG
 
-    spec = replace(CATALOG[JOB], tenants_per_run=size)
+    spec = CATALOG[JOB]
+    spec = replace(spec, deployment=replace(spec.deployment, tenants_per_run=size))
     job = build_job(spec)
     schedule = build_schedule(spec, job)
     database = QoOpsDatabase(url=env_url(url))
@@ -732,9 +733,9 @@ def daemon_tick(d: Deployment, names: list[str]) -> list[dict[str, Any]]:
     wanted = {}
     for name, state in states.items():
         data = state.instigator_data
-        due[name] = _last_cron_time(data.cron_schedule, now)
+        due[name] = _last_cron_time(data.deployment.cron_schedule, now)
         wanted[name] = state.with_status(InstigatorStatus.RUNNING).with_data(
-            ScheduleInstigatorData(data.cron_schedule, due[name].timestamp() - 1)
+            ScheduleInstigatorData(data.deployment.cron_schedule, due[name].timestamp() - 1)
         )
         d.instance.update_instigator_state(wanted[name])
     ticks: dict[str, Any] = {}
@@ -824,7 +825,7 @@ def real_tick(d: Deployment, url: URL, tenants: list[str], expected: int) -> dic
     settle(url)
     (tick,) = daemon_tick(d, [f"{JOB}_schedule"])
     ids = tick["run_ids"]
-    size = CATALOG[JOB].tenants_per_run
+    size = CATALOG[JOB].deployment.tenants_per_run
     if len(ids) != math.ceil(len(tenants) / size):
         raise AssertionError(f"the tick requested {len(ids)} runs for {len(tenants)} tenants")
     out = finish(d, url, tenants, expected, ids, tick["created"])
@@ -842,7 +843,9 @@ def stagger(d: Deployment, url: URL, tenants: list[str]) -> dict[str, Any]:
     run started (job_run.started_at), per second."""
     from qo_ops.jobs.catalog import CATALOG
 
-    names = [f"{s.name}_schedule" for s in CATALOG.values() if s.cron_schedule == STAGGER_CRON]
+    names = [
+        f"{s.name}_schedule" for s in CATALOG.values() if s.deployment.cron_schedule == STAGGER_CRON
+    ]
     d.set_tenants(tenants)
     settle(url)
     ticks = daemon_tick(d, names)
@@ -976,7 +979,7 @@ def run(profile: Profile) -> Section:
     big = ticks[-1]
     from qo_ops.jobs.catalog import CATALOG
 
-    default = CATALOG[JOB].tenants_per_run
+    default = CATALOG[JOB].deployment.tenants_per_run
     # one disjoint tenant set per Dagster measurement; the chunk sizes at the largest tick
     counts = [("tick", n) for n in ticks] + [(f"chunk{s}", big) for s in sizes if s != default]
     sets: dict[str, list[str]] = {}
