@@ -75,6 +75,7 @@ from qo_ops.platform.calls.retry import policy_from_env
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.outcome import BatchContext
 from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import ExternalPhase
 from qo_ops.platform.run.runner import run_job
 
 SEQ_ITEMS, CONC_ITEMS, PROBE_ITEMS = 300, 8_000, 3_000
@@ -232,6 +233,8 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
     with fresh_database(f"{PREFIX}_instrumented") as url, simulator() as sim:
         load(url, n)
         client = _TimedClient(sim.url)
+        phase = SPEC.then
+        assert isinstance(phase, ExternalPhase)
 
         def eligible(ctx: BatchContext) -> Any:
             marks.append({"select": time.perf_counter()})
@@ -252,18 +255,19 @@ def instrumented(n: int, concurrency: int, batch_size: int) -> dict[str, Any]:
                 old.close()
                 calls.client = client
             marks[-1]["calls_start"] = time.perf_counter()
-            results = SPEC.external(ctx, work)  # type: ignore[misc]
+            results = phase.call(ctx, work)
             marks[-1]["calls_end"] = time.perf_counter()
             return results
 
         def record(conn: Any, ctx: BatchContext, results: list[Any]) -> Any:
             started = time.perf_counter()
-            outcome = SPEC.record(conn, ctx, results)  # type: ignore[misc]
+            outcome = phase.record(conn, ctx, results)
             marks[-1]["record_stmt"] = time.perf_counter() - started
             return outcome
 
         spec = dataclasses.replace(
-            SPEC, eligible=eligible, transition=transition, external=external, record=record,
+            SPEC, eligible=eligible, transition=transition,
+            then=ExternalPhase(call=external, record=record),
             validate_settings=lambda: CallSettings(sim.url, policy_from_env()),  # in-process run
         )  # fmt: skip
         engine = sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)

@@ -359,8 +359,8 @@ def _plan(rows: Any) -> list[str]:
 
 def _explain_selection(conn: Any, spec: Any, ctx: BatchContext, limit: int) -> list[str]:
     query = spec.eligible(ctx).limit(limit)
-    if spec.compete_with_skip_locked:
-        query = query.with_for_update(skip_locked=True, of=spec.lock_of)
+    if spec.batching.locks is not None:
+        query = query.with_for_update(skip_locked=True, of=spec.batching.locks.of)
     compiled = query.compile(dialect=conn.dialect)
     return _plan(
         conn.exec_driver_sql(
@@ -396,7 +396,7 @@ def explain_batches(case: Case, url: URL, n: int, w: Window | None) -> dict[str,
             )
             half = (
                 list(conn.execute(spec.eligible(ctx).limit(max(1, n // 2))).scalars())
-                if spec.external is None
+                if spec.then is None
                 else []
             )
             if half:  # (none left when the first batch took them all)

@@ -173,8 +173,8 @@ def then_checks(
         engine = engine_for(url)
         with engine.connect() as conn:
             failed = [c.name for c in spec.check(conn, ctx) if not c.passed]
-            if spec.lag is not None:
-                spec.lag(conn, ctx)
+            if spec.signals.lag is not None:
+                spec.signals.lag(conn, ctx)
         engine.dispose()
         if failed:
             raise SystemExit(f"{job} second limit: outcome checks failed: {failed}")
@@ -185,7 +185,7 @@ def then_checks(
 
 CHECKS_NOTE = (
     "the limit above, then the job's own outcome checks and lag (`JobSpec.check`, "
-    "`JobSpec.lag`, the same statements on a new connection, every check required to pass): "
+    "`JobSpec.signals.lag`, the same statements on a new connection, every check required to pass): "
     "the proof of the outcome a run must give before it reports success, inside the job's "
     "duration and not in the first limit"
 )

@@ -182,7 +182,8 @@ def schedule_requests(d: Deployment, url: URL, size: int, when: datetime) -> lis
     from qo_ops.dagster_defs.schedules import build_schedule
     from qo_ops.jobs.catalog import CATALOG
 
-    spec = replace(CATALOG[JOB], tenants_per_run=size)
+    spec = CATALOG[JOB]
+    spec = replace(spec, deployment=replace(spec.deployment, tenants_per_run=size))
     job = build_job(spec)
     schedule = build_schedule(spec, job)
     database = QoOpsDatabase(url=env_url(url))
@@ -269,9 +270,9 @@ def daemon_tick(d: Deployment, names: list[str]) -> list[dict[str, Any]]:
     wanted = {}
     for name, state in states.items():
         data = state.instigator_data
-        due[name] = _last_cron_time(data.cron_schedule, now)
+        due[name] = _last_cron_time(data.deployment.cron_schedule, now)
         wanted[name] = state.with_status(InstigatorStatus.RUNNING).with_data(
-            ScheduleInstigatorData(data.cron_schedule, due[name].timestamp() - 1)
+            ScheduleInstigatorData(data.deployment.cron_schedule, due[name].timestamp() - 1)
         )
         d.instance.update_instigator_state(wanted[name])
     ticks: dict[str, Any] = {}
@@ -361,7 +362,7 @@ def real_tick(d: Deployment, url: URL, tenants: list[str], expected: int) -> dic
     settle(url)
     (tick,) = daemon_tick(d, [f"{JOB}_schedule"])
     ids = tick["run_ids"]
-    size = CATALOG[JOB].tenants_per_run
+    size = CATALOG[JOB].deployment.tenants_per_run
     if len(ids) != math.ceil(len(tenants) / size):
         raise AssertionError(f"the tick requested {len(ids)} runs for {len(tenants)} tenants")
     out = finish(d, url, tenants, expected, ids, tick["created"])
@@ -379,7 +380,9 @@ def stagger(d: Deployment, url: URL, tenants: list[str]) -> dict[str, Any]:
     run started (job_run.started_at), per second."""
     from qo_ops.jobs.catalog import CATALOG
 
-    names = [f"{s.name}_schedule" for s in CATALOG.values() if s.cron_schedule == STAGGER_CRON]
+    names = [
+        f"{s.name}_schedule" for s in CATALOG.values() if s.deployment.cron_schedule == STAGGER_CRON
+    ]
     d.set_tenants(tenants)
     settle(url)
     ticks = daemon_tick(d, names)

@@ -203,7 +203,7 @@ def _load(url: URL, rows: int) -> dict[str, int]:
     )
     specs = list(CATALOG.values())
     sizes = {table: max(TENANTS, int(rows * share)) for table, share in SHARES.items()}
-    checkpointed = [s.name for s in specs if s.uses_checkpoint]
+    checkpointed = [s.name for s in specs if s.batching.checkpoint is not None]
     with engine.begin() as conn:
         conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
         conn.exec_driver_sql("SET LOCAL work_mem = '256MB'")
@@ -219,7 +219,9 @@ def _load(url: URL, rows: int) -> dict[str, int]:
                         "base": base,
                         "names": [s.name for s in specs],
                         "windowed": [s.partitioning == "tenant_day" for s in specs],
-                        "cadence": [int(cadence_seconds(s.cron_schedule)) for s in specs],
+                        "cadence": [
+                            int(cadence_seconds(s.deployment.cron_schedule)) for s in specs
+                        ],
                     },
                 )
         conn.execute(
@@ -275,7 +277,7 @@ def _sensors(url: URL, repeats: int) -> dict[str, dict[str, Any]]:
     jobs = {s.name: build_job(s) for s in specs}
     sensors = [
         tenants_sensor,
-        *(build_backlog_sensor(s, jobs[s.name]) for s in specs if s.backlog_threshold),
+        *(build_backlog_sensor(s, jobs[s.name]) for s in specs if s.deployment.backlog_threshold),
         build_stale_success_sensor(specs),
         build_checkpoint_age_sensor(specs),
     ]
@@ -382,7 +384,7 @@ def _stale(url: URL) -> int:
         for spec in CATALOG.values():
             if not job_due(conn, spec):
                 continue
-            limit_s = STALE_FACTOR * cadence_seconds(spec.cron_schedule)
+            limit_s = STALE_FACTOR * cadence_seconds(spec.deployment.cron_schedule)
             ages: dict[str, Any] = dict(
                 conn.execute(
                     sa.text(

@@ -176,7 +176,7 @@ def run(profile: Profile) -> Section:
         p99 = Spread.of([x["batch_ms_p99"] for x in jobs])
         worst = max(x["batch_ms_max"] for x in jobs)
         batches = int(median([x["batches"] for x in jobs]))
-        external = get_spec(case.job).external is not None
+        external = get_spec(case.job).then is not None
         rows.append(
             Row(
                 what=f"batch transaction: {case.job}",

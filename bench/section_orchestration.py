@@ -1,5 +1,5 @@
 """Orchestration at tenant scale: a schedule tick through a real Dagster deployment, run by
-chunks of tenants (``JobSpec.tenants_per_run``), against the same ``run_job`` calls in one
+chunks of tenants (``Deployment.tenants_per_run``), against the same ``run_job`` calls in one
 process; the chunk size; tenant runs starting in the same second when several jobs share a
 cron; and, at 10,000 tenants, every schedule's and sensor's tick evaluation and every
 PartitionsDefinition's size (``bench/tick_evaluation.py``).
@@ -123,7 +123,7 @@ def run(profile: Profile) -> Section:
     big = ticks[-1]
     from qo_ops.jobs.catalog import CATALOG
 
-    default = CATALOG[JOB].tenants_per_run
+    default = CATALOG[JOB].deployment.tenants_per_run
     # one disjoint tenant set per Dagster measurement; the chunk sizes at the largest tick
     counts = [("tick", n) for n in ticks] + [(f"chunk{s}", big) for s in sizes if s != default]
     sets: dict[str, list[str]] = {}

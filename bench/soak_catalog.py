@@ -22,7 +22,8 @@ def accelerate() -> None:
     per_run = int(os.environ[PER_RUN_ENV])
     for name in JOBS:
         module = importlib.import_module(f"qo_ops.jobs.{name}")
-        module.SPEC = replace(module.SPEC, cron_schedule=CRON, tenants_per_run=per_run)
+        faster = replace(module.SPEC.deployment, cron_schedule=CRON, tenants_per_run=per_run)
+        module.SPEC = replace(module.SPEC, deployment=faster)
 
 
 def exporter() -> None:

@@ -140,7 +140,7 @@ def load_history(url: URL, n: int) -> dict[str, Any]:
     from qo_ops.platform.schedule.cron import cadence_seconds
 
     specs = list(CATALOG.values())
-    cadence = [int(cadence_seconds(s.cron_schedule)) for s in specs]
+    cadence = [int(cadence_seconds(s.deployment.cron_schedule)) for s in specs]
     stale = stale_tenants(n)
     params = {
         "n": n,
@@ -300,12 +300,13 @@ def evaluate(tenants: int, repeats: int) -> dict[str, Any]:
             ]
             want = sorted(set(keys) - (busy if job == "quote_expiration" else set()))
             if sorted(covered) != want or any(
-                len(r.run_config["ops"][f"{job}_op"]["config"]["tenants"]) > spec.tenants_per_run
+                len(r.run_config["ops"][f"{job}_op"]["config"]["tenants"])
+                > spec.deployment.tenants_per_run
                 for r in requests
             ):
                 raise AssertionError(
                     f"{schedule.name}: {len(requests)} runs cover {len(covered)} tenants "
-                    f"(expected {len(want)}, ≤ {spec.tenants_per_run} a run); skip: "
+                    f"(expected {len(want)}, ≤ {spec.deployment.tenants_per_run} a run); skip: "
                     f"{result.skip_message}"
                 )
             schedules[schedule.name] = {

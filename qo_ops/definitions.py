@@ -46,7 +46,11 @@ def build_definitions() -> dg.Definitions:
         schedules=[build_schedule(spec, jobs[spec.name]) for spec in specs],
         sensors=[
             tenants_sensor,
-            *(build_backlog_sensor(s, jobs[s.name]) for s in specs if s.backlog_threshold),
+            *(
+                build_backlog_sensor(s, jobs[s.name])
+                for s in specs
+                if s.deployment.backlog_threshold
+            ),
             build_stale_success_sensor(specs),
             build_checkpoint_age_sensor(specs),
             build_run_queue_sensor(specs),

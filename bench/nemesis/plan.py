@@ -130,7 +130,11 @@ def scheduled_day_age(job: str) -> int | None:
     spec = CATALOG[job]
     if spec.partitioning != "tenant_day":
         return None
-    return spec.scheduled_window_age_days() if spec.scheduled_window_age_days else 1
+    return (
+        spec.deployment.scheduled_window_age_days()
+        if spec.deployment.scheduled_window_age_days
+        else 1
+    )
 
 
 def plan_iterations(seed: int, initial_tenants: int) -> Iterator[IterationPlan]:

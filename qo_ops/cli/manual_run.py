@@ -57,7 +57,7 @@ def _demo_downstream(spec: JobSpec, engine: Engine) -> Iterator[None]:
     """On the embedded demo database with no QO_OPS_DOWNSTREAM_URL, a job that calls the
     downstream calls the local simulator (seeded from the demo data, as `make demo` does),
     and says so on stderr; anywhere else the URL is the operator's to give."""
-    if not spec.calls_downstream:
+    if not spec.deployment.calls_downstream:
         yield
         return
     from qo_ops.config import DATABASE_URL_ENV

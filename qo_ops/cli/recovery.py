@@ -132,7 +132,7 @@ def review_list_command(
         typer.echo("nothing is waiting for review")
         return
     offered = {
-        name: "|".join(CATALOG[name].review.actions)  # type: ignore[union-attr]
+        name: "|".join(CATALOG[name].recovery.review.actions)  # type: ignore[union-attr]
         for name in {n for n, _ in found}
     }
     print_table(

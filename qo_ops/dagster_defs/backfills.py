@@ -224,7 +224,7 @@ def build_backfill_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
             for tenant in tenants if requires_approval(spec, options) else ():
                 check_approval(engine, spec, Scope(tenant), options)  # covers each, or none
             with engine.begin() as conn:
-                size = config.tenants_per_run or spec.tenants_per_run  # type: ignore[attr-defined]
+                size = config.tenants_per_run or spec.deployment.tenants_per_run  # type: ignore[attr-defined]
                 if windows:  # a windowed job's runs follow its tenant chunks
                     chosen = set(tenants)
                     per_chunk = [

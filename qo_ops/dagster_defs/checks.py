@@ -32,7 +32,7 @@ MAX_DETAIL = 10  # failing tenants whose figures are shown
 
 
 def outcome_asset_key(spec: JobSpec) -> dg.AssetKey:
-    return dg.AssetKey(["qo_ops", spec.outcome_asset])
+    return dg.AssetKey(["qo_ops", spec.presentation.outcome_asset])
 
 
 TargetMaterialization = AssetCheckEvaluationTargetMaterializationData
@@ -60,8 +60,8 @@ def build_outcome_assets(specs: Sequence[JobSpec]) -> list[dg.AssetSpec]:
     """One asset per business outcome named in the catalog."""
     by_asset: dict[str, list[JobSpec]] = {}
     for spec in specs:
-        if spec.outcome_asset:
-            by_asset.setdefault(spec.outcome_asset, []).append(spec)
+        if spec.presentation.outcome_asset:
+            by_asset.setdefault(spec.presentation.outcome_asset, []).append(spec)
     return [
         dg.AssetSpec(
             key=dg.AssetKey(["qo_ops", asset]),
@@ -77,7 +77,7 @@ def build_outcome_assets(specs: Sequence[JobSpec]) -> list[dg.AssetSpec]:
 def _asset_description(jobs: Sequence[JobSpec]) -> str:
     """Who keeps the asset right, what healthy looks like, and what its plots show."""
     names = ", ".join(j.name for j in jobs)
-    healthy = " ".join(j.healthy for j in jobs if j.healthy)
+    healthy = " ".join(j.presentation.healthy for j in jobs if j.presentation.healthy)
     return (
         f"Business state kept right by: {names}, one partition per tenant. Healthy: {healthy} "
         "Each tenant's run records on the tenant's partition what it did (a materialization "
@@ -211,7 +211,7 @@ OUTCOME_CHECKS_JOB = "outcome_checks_job"
 def build_outcome_checks_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
     """``outcome_checks_job``: a person judges a job's declared checks now, for some or
     every tenant, from the Launchpad; each result lands on the tenant's partition."""
-    by_name = {s.name: s for s in specs if s.outcome_asset and s.checks}
+    by_name = {s.name: s for s in specs if s.presentation.outcome_asset and s.checks}
     target = enum.Enum("CheckedJob", {n: n for n in by_name})  # type: ignore[misc]
 
     class OutcomeChecksConfig(dg.Config):
@@ -269,4 +269,4 @@ def build_outcome_checks_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
 
 def build_outcome_checks(specs: Sequence[JobSpec]) -> list[dg.AssetChecksDefinition]:
     """Every check every catalog job declares, each partitioned by tenant."""
-    return [_build_check(s, c) for s in specs if s.outcome_asset for c in s.checks]
+    return [_build_check(s, c) for s in specs if s.presentation.outcome_asset for c in s.checks]

@@ -22,7 +22,7 @@ A tenant is judged once it has existed for the limit, and once the job has been 
 the limit (its first run finished, or its first tick evaluated, that long ago): a tenant
 created a minute ago, or a daily job on a fresh deployment, has not yet missed three
 cadences. A run ending ``partial_success`` counts as a success where the catalog says so
-(``JobSpec.partial_success_is_fresh``: items failing on purpose, such as poison items).
+(``JobSpec.signals.partial_success_is_fresh``: items failing on purpose, such as poison items).
 """
 
 import warnings
@@ -277,14 +277,14 @@ def build_recent_success_checks(specs: Sequence[JobSpec]) -> list[dg.AssetChecks
     """One tenant-partitioned ``recent_success`` check per job with an outcome asset."""
     owners: dict[str, str] = {}
     for spec in specs:
-        if spec.outcome_asset:
-            other = owners.setdefault(spec.outcome_asset, spec.name)
+        if spec.presentation.outcome_asset:
+            other = owners.setdefault(spec.presentation.outcome_asset, spec.name)
             if other != spec.name:
                 raise ValueError(
-                    f"{spec.name} and {other} share outcome asset {spec.outcome_asset}: "
+                    f"{spec.name} and {other} share outcome asset {spec.presentation.outcome_asset}: "
                     f"{RECENT_SUCCESS_CHECK} is one check per asset"
                 )
-    return [_build_check(spec) for spec in specs if spec.outcome_asset]
+    return [_build_check(spec) for spec in specs if spec.presentation.outcome_asset]
 
 
 class RecentSuccessConfig(dg.Config):
@@ -296,7 +296,7 @@ class RecentSuccessConfig(dg.Config):
 def build_recent_success_job(specs: Sequence[JobSpec]) -> dg.JobDefinition:
     """The run that records ``recent_success`` evaluations: it judges the tenants it is
     given, per job, and records one evaluation on each tenant's partition."""
-    by_name = {s.name: s for s in specs if s.outcome_asset}
+    by_name = {s.name: s for s in specs if s.presentation.outcome_asset}
 
     @dg.op(name="recent_success_op")
     def recent_success_op(

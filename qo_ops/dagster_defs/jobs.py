@@ -282,7 +282,11 @@ def run_tenants(
     A tenant refused, failing or raising does not stop the others; a stop signal, or the
     database gone (every tenant would wait out its retry), stops the rest, which count as
     failed so that a re-execution runs them."""
-    asset_key = dg.AssetKey(["qo_ops", spec.outcome_asset]) if spec.outcome_asset else None
+    asset_key = (
+        dg.AssetKey(["qo_ops", spec.presentation.outcome_asset])
+        if spec.presentation.outcome_asset
+        else None
+    )
     progress = ChunkProgress(spec.name, len(scopes), context.log)
     for n, scope in enumerate(scopes, 1):
         outcome = TenantOutcome(scope)
@@ -490,8 +494,8 @@ def launchpad_config(spec: JobSpec) -> dict[str, Any]:
 def job_description(spec: JobSpec) -> str:
     """The job's description in the UI: what it does, its safe default, how to execute."""
     lines = [spec.description + "."]
-    if spec.change:
-        lines.append(f"Per item: {spec.change}.")
+    if spec.presentation.change:
+        lines.append(f"Per item: {spec.presentation.change}.")
     lines.append(
         "Launched by hand or by a backfill it runs as a dry run (counts and a sample, no "
         "change) unless config says mode: execute (with a reason)."

@@ -20,7 +20,7 @@ IN_A_POD_ENV = ("K8S_POD_NAME", "KUBERNETES_SERVICE_HOST")  # either: the code l
 def run_pod_resources(spec: JobSpec) -> dict[str, Any]:
     """Kubernetes ``resources`` of the run container of ``spec``: requests and a memory limit;
     no CPU limit (a throttled batch only holds its row locks longer)."""
-    wanted = spec.run_resources
+    wanted = spec.deployment.run_resources
     return {
         "requests": {"cpu": wanted.cpu_request, "memory": wanted.memory_request},
         "limits": {"memory": wanted.memory_limit},

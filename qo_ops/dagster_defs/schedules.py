@@ -1,6 +1,6 @@
 """One schedule per catalog job at its declared cadence, fanning out over every tenant in
-chunks (``JobSpec.tenants_per_run`` tenants per run, deterministic run keys). Windowed jobs run one day: yesterday, or for retention jobs the
-day that has just aged past retention (``JobSpec.scheduled_window_age_days``), one run per
+chunks (``JobSpec.deployment.tenants_per_run`` tenants per run, deterministic run keys). Windowed jobs run one day: yesterday, or for retention jobs the
+day that has just aged past retention (``JobSpec.deployment.scheduled_window_age_days``), one run per
 tenant chunk of their day × chunk partitions (``qo_ops.platform.schedule.partition_keys``)."""
 
 from collections.abc import Iterator, Sequence
@@ -39,10 +39,10 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
 
     @dg.schedule(
         name=f"{spec.name}_schedule",
-        cron_schedule=spec.cron_schedule,
+        cron_schedule=spec.deployment.cron_schedule,
         job=job,
         execution_timezone=SCHEDULE_TIMEZONE,
-        description=f"{spec.name} for every tenant, {spec.cron_schedule} ({SCHEDULE_TIMEZONE})",
+        description=f"{spec.name} for every tenant, {spec.deployment.cron_schedule} ({SCHEDULE_TIMEZONE})",
     )
     def catalog_schedule(
         context: dg.ScheduleEvaluationContext, database: QoOpsDatabase
@@ -73,7 +73,11 @@ def build_schedule(spec: JobSpec, job: dg.JobDefinition) -> dg.ScheduleDefinitio
         day = None
         if spec.partitioning == "tenant_day":
             try:
-                age = spec.scheduled_window_age_days() if spec.scheduled_window_age_days else 1
+                age = (
+                    spec.deployment.scheduled_window_age_days()
+                    if spec.deployment.scheduled_window_age_days
+                    else 1
+                )
             except QoOpsError as exc:  # a bad retention setting: say so, start nothing
                 yield dg.SkipReason(f"{spec.name}: {exc}")
                 return

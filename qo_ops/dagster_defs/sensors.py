@@ -104,8 +104,8 @@ def tenants_sensor(context: dg.SensorEvaluationContext, database: QoOpsDatabase)
 
 
 def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefinition:
-    """Launch ``spec`` for tenants whose eligible backlog reached ``spec.backlog_threshold``."""
-    threshold = spec.backlog_threshold or 0
+    """Launch ``spec`` for tenants whose eligible backlog reached ``spec.deployment.backlog_threshold``."""
+    threshold = spec.deployment.backlog_threshold or 0
 
     @dg.sensor(
         name=f"{spec.name}_backlog_sensor",
@@ -189,7 +189,7 @@ def build_backlog_sensor(spec: JobSpec, job: dg.JobDefinition) -> dg.SensorDefin
                 )
                 for tenant, waiting in figures.items()
             ]
-            if spec.outcome_asset
+            if spec.presentation.outcome_asset
             else []
         )
         if runs:
@@ -297,7 +297,7 @@ def build_stale_success_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
     ``MAX_STALE_EVENTS_PER_TICK`` a run; the rest follow once it has succeeded). The skip
     reason, the run's ``qo_ops/stale`` tag and the daemon log name the stale ones."""
     by_name = {s.name: s for s in specs}
-    marked = {s.name for s in specs if s.outcome_asset}  # jobs with partitions to mark
+    marked = {s.name for s in specs if s.presentation.outcome_asset}  # jobs with partitions to mark
 
     @dg.sensor(
         name="stale_success_sensor",
@@ -448,7 +448,7 @@ def build_run_queue_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
 
 def build_checkpoint_age_sensor(specs: Sequence[JobSpec]) -> dg.SensorDefinition:
     """Say which checkpointed job has a running run whose checkpoint stopped advancing."""
-    names = [s.name for s in specs if s.uses_checkpoint]
+    names = [s.name for s in specs if s.batching.checkpoint is not None]
 
     @dg.sensor(
         name="checkpoint_age_sensor",
@@ -559,7 +559,7 @@ def build_outside_runs_sensor(
             ).all()
             for row in rows:
                 spec = by_name.get(row.job_name)
-                if spec is not None and spec.outcome_asset:
+                if spec is not None and spec.presentation.outcome_asset:
                     events.append(_outside_event(conn, spec, row))
                     executed = row.mode == "execute" and row.status != RunStatus.SKIPPED
                     judge.setdefault(spec.name, {})[tenant_of(row.scope)] = executed

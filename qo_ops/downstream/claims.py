@@ -33,6 +33,7 @@ from qo_ops.downstream.client import DownstreamClient
 from qo_ops.platform.calls.retry import CallResult, Disposition, dispose
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, run_settings
+from qo_ops.platform.job.spec import ExternalPhase
 
 Decision = tuple[CallResult, Disposition]  # a call's result and what the retry policy made of it
 
@@ -57,9 +58,7 @@ class CallingSteps(TypedDict):
     """The JobSpec fields a claim → call → record job takes from its :class:`ClaimedCalls`."""
 
     transition: Callable[[Connection, BatchContext, Sequence[Any]], BatchOutcome]
-    external: Callable[[BatchContext, list[ClaimedItem]], list[CallResult]]
-    record: Callable[[Connection, BatchContext, list[CallResult]], BatchOutcome]
-    side_effects: tuple[str, ...]
+    then: ExternalPhase
     validate_settings: Callable[[], CallSettings]
     defaults: Limits
 
@@ -91,13 +90,11 @@ class ClaimedCalls:
 
     @property
     def steps(self) -> CallingSteps:
-        """Its three steps, its side effect, the downstream's settings (URL, retry policy,
-        manners: checked before any claim) and the batch defaults, for the job's JobSpec."""
+        """Its three steps, the downstream's settings (URL, retry policy, manners: checked
+        before any claim) and the batch defaults, for the job's JobSpec."""
         return CallingSteps(
             transition=self.claim_batch,
-            external=self.call_batch,
-            record=self.record_batch,
-            side_effects=(self.side_effect,),
+            then=ExternalPhase(call=self.call_batch, record=self.record_batch),
             validate_settings=call_settings,
             defaults=CALLING_DEFAULTS,
         )

@@ -21,7 +21,15 @@ from qo_ops.db.schema import checkout_session
 from qo_ops.platform.calls.outbox import transitions_with_events
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck, run_settings
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    Batching,
+    CheckSpec,
+    Deployment,
+    JobSpec,
+    Positions,
+    Presentation,
+    Signals,
+)
 from qo_ops.platform.run.selection import (
     after_position,
     id_array,
@@ -176,6 +184,17 @@ OLDEST_IDLE_SECONDS = sa.text(
 )
 
 
+# Declared once: its results (check_abandoned_checkouts) carry these descriptions too.
+NO_IDLE_OPEN_CHECKOUTS = CheckSpec(
+    "no_idle_open_checkouts",
+    "No OPEN checkout session is idle past the timeout beyond the grace period",
+)
+ONE_EVENT_PER_ABANDONED_CHECKOUT = CheckSpec(
+    "one_event_per_abandoned_checkout",
+    "Every checkout session the job abandoned has exactly one CheckoutAbandoned event",
+)
+
+
 def check_abandoned_checkouts(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """No OPEN session idle past the timeout (beyond grace); one event per session the job
     closed."""
@@ -187,16 +206,11 @@ def check_abandoned_checkouts(conn: Connection, ctx: BatchContext) -> list[Outco
         EVENT_CHECK, {"tenant": ctx.scope.tenant_id, "min_idle": MIN_IDLE_HOURS}
     ).one()
     return [
-        OutcomeCheck(
-            "no_idle_open_checkouts",
-            idle == 0,
-            "no OPEN checkout session is idle past the timeout (beyond the grace period)",
-            {"idle_open_checkouts": idle, "idle_timeout_hours": hours},
+        NO_IDLE_OPEN_CHECKOUTS.result(
+            idle == 0, {"idle_open_checkouts": idle, "idle_timeout_hours": hours}
         ),
-        OutcomeCheck(
-            "one_event_per_abandoned_checkout",
+        ONE_EVENT_PER_ABANDONED_CHECKOUT.result(
             events.missing == 0 and events.duplicated == 0,
-            "every checkout session the job abandoned has exactly one CheckoutAbandoned event",
             {"missing_events": events.missing, "duplicated_events": events.duplicated},
         ),
     ]
@@ -211,7 +225,6 @@ def oldest_idle_seconds(conn: Connection, ctx: BatchContext) -> float | None:
 
 
 SPEC = JobSpec(
-    validate_settings=idle_timeout_hours,
     name="abandoned_checkout_close",
     kind="sweep",
     description="Abandon OPEN checkout sessions idle past the timeout and emit one "
@@ -220,22 +233,15 @@ SPEC = JobSpec(
     eligible=idle_checkouts,
     transition=close_checkout_batch,
     check=check_abandoned_checkouts,
-    lag=oldest_idle_seconds,
-    outcome_asset="checkout_sessions",
-    checks=(
-        CheckSpec(
-            "no_idle_open_checkouts",
-            "No OPEN checkout session is idle past the timeout beyond the grace period",
-        ),
-        CheckSpec(
-            "one_event_per_abandoned_checkout",
-            "Every checkout session the job abandoned has exactly one CheckoutAbandoned event",
-        ),
-    ),
-    cron_schedule="*/30 * * * *",
-    backlog_threshold=1000,
+    checks=(NO_IDLE_OPEN_CHECKOUTS, ONE_EVENT_PER_ABANDONED_CHECKOUT),
     defaults=Limits(batch_size=1000),
-    change="OPEN → ABANDONED, CheckoutAbandoned event",
-    healthy="No OPEN checkout session idle past the timeout (backlog 0 after each run).",
-    side_effects=(SIDE_EFFECT,),
+    validate_settings=idle_timeout_hours,
+    batching=Batching(positions=Positions()),
+    presentation=Presentation(
+        outcome_asset="checkout_sessions",
+        change="OPEN → ABANDONED, CheckoutAbandoned event",
+        healthy="No OPEN checkout session idle past the timeout (backlog 0 after each run).",
+    ),
+    deployment=Deployment(cron_schedule="*/30 * * * *", backlog_threshold=1000),
+    signals=Signals(lag=oldest_idle_seconds, side_effects=(SIDE_EFFECT,)),
 )

@@ -17,7 +17,16 @@ from sqlalchemy.engine import Connection
 from qo_ops.db.schema import catalog_cache, catalog_item
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    Batching,
+    CheckSpec,
+    Deployment,
+    JobSpec,
+    Positions,
+    Presentation,
+    Signals,
+    SkipLocked,
+)
 from qo_ops.platform.run.selection import seconds_or_none
 
 # An item needs a refresh when its cache entry is missing (NULL through the LEFT JOIN) or
@@ -102,14 +111,18 @@ OLDEST_STALE_SECONDS = sa.text(
 )
 
 
+# Declared once: its results (check_catalog_cache) carry this description too.
+CACHE_VERSIONS_MATCH_SOURCE = CheckSpec(
+    "cache_versions_match_source", "Every catalog item has a cache entry at its current version"
+)
+
+
 def check_catalog_cache(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """Every catalog item of the tenant has a cache entry at its current version."""
     row = conn.execute(MISSING_AND_STALE, {"tenant": ctx.scope.tenant_id}).one()
     return [
-        OutcomeCheck(
-            "cache_versions_match_source",
+        CACHE_VERSIONS_MATCH_SOURCE.result(
             row.missing == 0 and row.stale == 0,
-            "every catalog item of the tenant has a cache entry at its current version",
             {"missing_entries": row.missing, "stale_entries": row.stale},
         )
     ]
@@ -129,18 +142,17 @@ SPEC = JobSpec(
     eligible=stale_catalog_items,
     transition=refresh_cache_batch,
     check=check_catalog_cache,
-    lag=oldest_stale_seconds,
-    lock_of=catalog_item,  # the selection LEFT JOINs the cache: lock the item rows only
-    outcome_asset="catalog_cache",
-    checks=(
-        CheckSpec(
-            "cache_versions_match_source",
-            "Every catalog item has a cache entry at its current version",
-        ),
-    ),
-    cron_schedule="*/10 * * * *",
-    backlog_threshold=1000,
+    checks=(CACHE_VERSIONS_MATCH_SOURCE,),
     defaults=Limits(batch_size=500),
-    change="cache entry rewritten at the item's version",
-    healthy="No catalog cache entry missing or behind its item's version (backlog 0).",
+    batching=Batching(
+        locks=SkipLocked(of=catalog_item),  # the selection LEFT JOINs the cache: lock items only
+        positions=Positions(),
+    ),
+    presentation=Presentation(
+        outcome_asset="catalog_cache",
+        change="cache entry rewritten at the item's version",
+        healthy="No catalog cache entry missing or behind its item's version (backlog 0).",
+    ),
+    deployment=Deployment(cron_schedule="*/10 * * * *", backlog_threshold=1000),
+    signals=Signals(lag=oldest_stale_seconds),
 )

@@ -23,7 +23,14 @@ from qo_ops.downstream.client import DownstreamClient
 from qo_ops.errors import one_line
 from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck
 from qo_ops.platform.job.review import DeadLetterKind
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    CheckSpec,
+    Deployment,
+    JobSpec,
+    Presentation,
+    Recovery,
+    Signals,
+)
 from qo_ops.platform.run.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 
 # literals, so the selection matches the partial index's predicate in every plan
@@ -186,15 +193,18 @@ DEAD_ITEMS = sa.select(delivery_attempt_item.c.id).where(
 )
 
 
+# Declared once: its results (check_deliveries) carry this description too.
+NO_DELIVERY_PAST_LAG_SLO = CheckSpec(
+    "no_delivery_past_lag_slo", "No due delivery item older than the lag SLO", blocking=False
+)
+
+
 def check_deliveries(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """No due item older than the lag SLO; dead letters counted."""
     row = conn.execute(LATE_AND_DEAD, {"tenant": ctx.scope.tenant_id, "slo": LAG_SLO_S}).one()
     return [
-        OutcomeCheck(
-            "no_delivery_past_lag_slo",
-            row.late == 0,
-            f"no due delivery item has waited more than {LAG_SLO_S // 60} minutes",
-            {"late_items": row.late, "dead_letters": row.dead},
+        NO_DELIVERY_PAST_LAG_SLO.result(
+            row.late == 0, {"late_items": row.late, "dead_letters": row.dead}
         )
     ]
 
@@ -213,29 +223,28 @@ def dead_lettered(conn: Connection) -> int:
 
 SPEC = JobSpec(
     name="delivery_retry",
-    calls_downstream=True,
     kind="sweep",
     description="Send due fulfilment deliveries with their idempotency key; retry with backoff or dead-letter",
     partitioning="tenant",
     eligible=due_items,
     check=check_deliveries,
-    lag=oldest_due_seconds,
-    dead_letters=dead_lettered,
-    # poison items fail on purpose and are dead-lettered (their own signal and alert): a run
-    # ending partial_success because of them still keeps the tenant fresh
-    partial_success_is_fresh=True,
-    dead_letters_requeue=DeadLetterKind("delivery item", DEAD_TO_REQUEUE, REQUEUE_DEAD),
-    outcome_asset="delivery_items",
-    checks=(
-        CheckSpec(
-            "no_delivery_past_lag_slo",
-            "No due delivery item older than the lag SLO",
-            blocking=False,
-        ),
+    checks=(NO_DELIVERY_PAST_LAG_SLO,),
+    **DELIVERIES.steps,  # claim → call → record, the downstream's settings and the defaults
+    presentation=Presentation(
+        outcome_asset="delivery_items",
+        change="sent with its idempotency key: delivered, retried or dead-lettered",
+        healthy="No delivery due for longer than 15 minutes, and no dead letter waiting for a person.",
     ),
-    cron_schedule="*/5 * * * *",
-    backlog_threshold=500,
-    change="sent with its idempotency key: delivered, retried or dead-lettered",
-    healthy="No delivery due for longer than 15 minutes, and no dead letter waiting for a person.",
-    **DELIVERIES.steps,  # claim → call → record, its side effect, settings and defaults
+    deployment=Deployment(
+        cron_schedule="*/5 * * * *", backlog_threshold=500, calls_downstream=True
+    ),
+    signals=Signals(
+        lag=oldest_due_seconds,
+        dead_letters=dead_lettered,
+        side_effects=(DELIVERIES.side_effect,),
+        # poison items fail on purpose and are dead-lettered (their own signal and alert): a
+        # run ending partial_success because of them still keeps the tenant fresh
+        partial_success_is_fresh=True,
+    ),
+    recovery=Recovery(requeue=DeadLetterKind("delivery item", DEAD_TO_REQUEUE, REQUEUE_DEAD)),
 )

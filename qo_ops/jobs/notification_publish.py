@@ -22,7 +22,14 @@ from qo_ops.downstream.client import DownstreamClient
 from qo_ops.errors import one_line
 from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck
 from qo_ops.platform.job.review import DeadLetterKind
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    CheckSpec,
+    Deployment,
+    JobSpec,
+    Presentation,
+    Recovery,
+    Signals,
+)
 from qo_ops.platform.run.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 
 MAX_PUBLISH_ATTEMPTS = 8
@@ -179,15 +186,19 @@ def dead_lettered(conn: Connection) -> int:
     return capped_count(conn, DEAD_EVENTS, DEAD_LETTER_CAP)
 
 
+# Declared once: its results (check_outbox) carry this description too.
+OLDEST_UNPUBLISHED_WITHIN_SLO = CheckSpec(
+    "oldest_unpublished_within_slo", "Oldest due, unpublished event within the SLO", blocking=False
+)
+
+
 def check_outbox(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """The oldest due, unpublished event is within the SLO."""
     age = oldest_unpublished_seconds(conn, ctx)
     dead = conn.execute(TENANT_DEAD_EVENTS, {"t": ctx.scope.tenant_id}).scalar()
     return [
-        OutcomeCheck(
-            "oldest_unpublished_within_slo",
+        OLDEST_UNPUBLISHED_WITHIN_SLO.result(
             age is None or age <= LAG_SLO_S,
-            f"the oldest due, unpublished event waited at most {LAG_SLO_S // 60} minutes",
             {"oldest_unpublished_seconds": round(age or 0.0, 1), "dead_lettered_events": dead},
         )
     ]
@@ -195,29 +206,26 @@ def check_outbox(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
 
 SPEC = JobSpec(
     name="notification_publish",
-    calls_downstream=True,
     kind="relay",
     description="Publish due outbox events (delayed ones included) to the notification sink, deduped by event id",
     partitioning="tenant",
     eligible=due_events,
     check=check_outbox,
-    lag=oldest_unpublished_seconds,
-    dead_letters=dead_lettered,
-    # poison items fail on purpose and are dead-lettered (their own signal and alert): a run
-    # ending partial_success because of them still keeps the tenant fresh
-    partial_success_is_fresh=True,
-    dead_letters_requeue=DeadLetterKind("outbox event", DEAD_TO_REQUEUE, REQUEUE_DEAD),
-    outcome_asset="outbox",
-    checks=(
-        CheckSpec(
-            "oldest_unpublished_within_slo",
-            "Oldest due, unpublished event within the SLO",
-            blocking=False,
-        ),
+    checks=(OLDEST_UNPUBLISHED_WITHIN_SLO,),
+    **EVENTS.steps,  # claim → call → record, the downstream's settings and the defaults
+    presentation=Presentation(
+        outcome_asset="outbox",
+        change="published once by event id, retried or dead-lettered",
+        healthy="No outbox event overdue for publishing, and no dead letter waiting for a person.",
     ),
-    cron_schedule="* * * * *",
-    backlog_threshold=1000,
-    change="published once by event id, retried or dead-lettered",
-    healthy="No outbox event overdue for publishing, and no dead letter waiting for a person.",
-    **EVENTS.steps,  # claim → call → record, its side effect, settings and defaults
+    deployment=Deployment(cron_schedule="* * * * *", backlog_threshold=1000, calls_downstream=True),
+    signals=Signals(
+        lag=oldest_unpublished_seconds,
+        dead_letters=dead_lettered,
+        side_effects=(EVENTS.side_effect,),
+        # poison items fail on purpose and are dead-lettered (their own signal and alert): a
+        # run ending partial_success because of them still keeps the tenant fresh
+        partial_success_is_fresh=True,
+    ),
+    recovery=Recovery(requeue=DeadLetterKind("outbox event", DEAD_TO_REQUEUE, REQUEUE_DEAD)),
 )

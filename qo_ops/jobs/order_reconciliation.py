@@ -62,7 +62,17 @@ from qo_ops.platform.job.outcome import (
     ReportRow,
     run_settings,
 )
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    Batching,
+    Checkpointing,
+    CheckSpec,
+    Deployment,
+    ExternalPhase,
+    JobSpec,
+    Presentation,
+    Recovery,
+    Signals,
+)
 
 IN_FLIGHT: list[sa.ColumnElement[str]] = [
     sa.literal_column("'SUBMITTED'"),
@@ -602,6 +612,12 @@ def report_mismatches(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
     ]
 
 
+# Declared once: its results (check_reconciliation) carry this description too.
+NO_REPAIRED_ORDER_STILL_MISMATCHED = CheckSpec(
+    "no_repaired_order_still_mismatched", "No repaired order is still mismatched"
+)
+
+
 def check_reconciliation(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """No order repaired in this scope is still mismatched; unresolved ones counted by type."""
     start, end = ctx.scope.window_bounds()
@@ -609,10 +625,8 @@ def check_reconciliation(conn: Connection, ctx: BatchContext) -> list[OutcomeChe
         STILL_MISMATCHED, {"t": ctx.scope.tenant_id, "start": start, "end": end}
     ).one()
     return [
-        OutcomeCheck(
-            "no_repaired_order_still_mismatched",
+        NO_REPAIRED_ORDER_STILL_MISMATCHED.result(
             row.still_mismatched == 0,
-            "every order whose status was adopted from the downstream now has it",
             {"still_mismatched": row.still_mismatched, "unresolved_mismatches": row.unresolved},
         )
     ]
@@ -620,42 +634,43 @@ def check_reconciliation(conn: Connection, ctx: BatchContext) -> list[OutcomeChe
 
 SPEC = JobSpec(
     name="order_reconciliation",
-    calls_downstream=True,
     kind="reconciliation",
     description="Compare in-flight orders of a day with the fulfilment system; repair or flag each mismatch",
     partitioning="tenant_day",
     eligible=in_flight_orders,
     transition=read_orders,
-    external=ask_downstream,
-    record=repair_mismatches,
-    report=report_mismatches,
+    then=ExternalPhase(call=ask_downstream, record=repair_mismatches),
     check=check_reconciliation,
-    outcome_asset="orders",
-    checks=(
-        CheckSpec("no_repaired_order_still_mismatched", "No repaired order is still mismatched"),
-    ),
-    cron_schedule="15 3 * * *",
+    checks=(NO_REPAIRED_ORDER_STILL_MISMATCHED,),
     defaults=Limits(batch_size=200, concurrency=16),
-    change="compared with the fulfilment system; mismatch repaired or flagged",
-    healthy="No in-flight order of a day still mismatched with the fulfilment system after its run.",
-    uses_checkpoint=True,
-    rescan_when_complete=True,
-    dry_run_scans=True,
-    compete_with_skip_locked=False,  # read-only selection: one run per scope holds the lease
-    side_effects=(ADOPTED_EVENT, RESUBMIT_EVENT),
     validate_settings=reconciliation_settings,  # refused before anything is read or written
-    review=REVIEW,
-    reconciliation=Reconciliation(
-        mismatch_types=tuple(ACTIONS),
-        corrections={
-            "action_corrected": "corrected",
-            "action_failed": ACTION_FAILED,
-            "action_pending": "pending",
-        },
-        unresolved={
-            "action_flagged": "manual_review_required",
-            "action_budget_exhausted": "budget_exhausted",
-            "action_dead_letter_flagged": "dead_letter_flagged",
-        },
+    batching=Batching(
+        locks=None,  # read-only selection: one run per scope holds the lease
+        checkpoint=Checkpointing(rescan_when_complete=True),
+        dry_run_scans=True,
     ),
+    presentation=Presentation(
+        outcome_asset="orders",
+        change="compared with the fulfilment system; mismatch repaired or flagged",
+        healthy="No in-flight order of a day still mismatched with the fulfilment system after its run.",
+    ),
+    deployment=Deployment(cron_schedule="15 3 * * *", calls_downstream=True),
+    signals=Signals(
+        report=report_mismatches,
+        side_effects=(ADOPTED_EVENT, RESUBMIT_EVENT),
+        reconciliation=Reconciliation(
+            mismatch_types=tuple(ACTIONS),
+            corrections={
+                "action_corrected": "corrected",
+                "action_failed": ACTION_FAILED,
+                "action_pending": "pending",
+            },
+            unresolved={
+                "action_flagged": "manual_review_required",
+                "action_budget_exhausted": "budget_exhausted",
+                "action_dead_letter_flagged": "dead_letter_flagged",
+            },
+        ),
+    ),
+    recovery=Recovery(review=REVIEW),
 )

@@ -29,7 +29,15 @@ from qo_ops.db.schema import quote
 from qo_ops.errors import ClassifiedError
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    Batching,
+    Checkpointing,
+    CheckSpec,
+    Deployment,
+    JobSpec,
+    Presentation,
+    Signals,
+)
 from qo_ops.platform.run.selection import id_array
 
 CHECK_NAME = "current_snapshot_for_every_quote"
@@ -165,6 +173,12 @@ VERIFY_WINDOW = sa.text(
 )
 
 
+# Declared once: its results (check_snapshots) carry this description too.
+CURRENT_SNAPSHOT_FOR_EVERY_QUOTE = CheckSpec(
+    CHECK_NAME, "Every quote of the window has a snapshot for the current price book; totals match"
+)
+
+
 def check_snapshots(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """Every quote of the window has a snapshot at the current version with the right total."""
     start, end = ctx.scope.window_bounds()
@@ -174,11 +188,8 @@ def check_snapshots(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     has_price_book = row.current_version is not None
     passed = row.quotes == 0 or (has_price_book and row.missing == 0 and row.mismatched == 0)
     return [
-        OutcomeCheck(
-            CHECK_NAME,
+        CURRENT_SNAPSHOT_FOR_EVERY_QUOTE.result(
             passed,
-            "every quote of the window has a snapshot for the current price book whose total "
-            "and line count equal the recomputed ones",
             {
                 "quotes": int(row.quotes),
                 "missing_snapshots": int(row.missing),
@@ -197,19 +208,17 @@ SPEC = JobSpec(
     eligible=quotes_after_cursor,
     transition=recalculate_batch,
     check=check_snapshots,
-    outcome_asset="pricing_snapshots",
-    checks=(
-        CheckSpec(
-            CHECK_NAME,
-            "Every quote of the window has a snapshot for the current price book; totals match",
-        ),
-    ),
-    cron_schedule="45 1 * * *",  # daily, UTC
+    checks=(CURRENT_SNAPSHOT_FOR_EVERY_QUOTE,),
     defaults=Limits(batch_size=2000, throttle_ms=0),
-    change="snapshot recomputed for the current price book",
-    healthy="Every quote of a day has a snapshot of the current price book equal to its lines.",
-    uses_checkpoint=True,
-    rescan_when_complete=False,  # a backfill: a window gone through stays done
-    compete_with_skip_locked=False,  # one run per scope holds the lease; see the docstring
-    error_classes=(NoCurrentPriceBook.error_code,),
+    batching=Batching(
+        locks=None,  # one run per scope holds the lease; see the docstring
+        checkpoint=Checkpointing(rescan_when_complete=False),  # a window gone through stays done
+    ),
+    presentation=Presentation(
+        outcome_asset="pricing_snapshots",
+        change="snapshot recomputed for the current price book",
+        healthy="Every quote of a day has a snapshot of the current price book equal to its lines.",
+    ),
+    deployment=Deployment(cron_schedule="45 1 * * *"),  # daily, UTC
+    signals=Signals(error_classes=(NoCurrentPriceBook.error_code,)),
 )

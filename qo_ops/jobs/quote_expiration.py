@@ -17,7 +17,15 @@ from qo_ops.db.schema import quote
 from qo_ops.platform.calls.outbox import transitions_with_events
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    Batching,
+    CheckSpec,
+    Deployment,
+    JobSpec,
+    Positions,
+    Presentation,
+    Signals,
+)
 from qo_ops.platform.run.selection import (
     after_position,
     id_array,
@@ -122,6 +130,15 @@ OLDEST_OVERDUE_SECONDS = sa.text(
 )
 
 
+# Declared once: its results (check_quote_expiration) carry these descriptions too.
+NO_OVERDUE_ACTIVE_QUOTES = CheckSpec(
+    "no_overdue_active_quotes", "No ACTIVE quote is past its expiry beyond the grace period"
+)
+ONE_EVENT_PER_EXPIRED_QUOTE = CheckSpec(
+    "one_event_per_expired_quote", "Every EXPIRED quote has exactly one QuoteExpired event"
+)
+
+
 def check_quote_expiration(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """No ACTIVE quote past expiry (beyond grace); every EXPIRED quote has one event."""
     tenant = {"tenant": ctx.scope.tenant_id}
@@ -129,16 +146,9 @@ def check_quote_expiration(conn: Connection, ctx: BatchContext) -> list[OutcomeC
     without_parallel_workers(conn)  # the events counted once, not once per worker
     bad_events = conn.execute(EXPIRED_QUOTE_EVENTS, tenant).one()
     return [
-        OutcomeCheck(
-            "no_overdue_active_quotes",
-            overdue == 0,
-            "no ACTIVE quote is past its expiry by more than the grace period",
-            {"overdue_active_quotes": overdue},
-        ),
-        OutcomeCheck(
-            "one_event_per_expired_quote",
+        NO_OVERDUE_ACTIVE_QUOTES.result(overdue == 0, {"overdue_active_quotes": overdue}),
+        ONE_EVENT_PER_EXPIRED_QUOTE.result(
             bad_events.missing == 0 and bad_events.duplicated == 0,
-            "every EXPIRED quote has exactly one QuoteExpired event",
             {"missing_events": bad_events.missing, "duplicated_events": bad_events.duplicated},
         ),
     ]
@@ -158,20 +168,14 @@ SPEC = JobSpec(
     eligible=eligible_quotes,
     transition=expire_quote_batch,
     check=check_quote_expiration,
-    lag=oldest_overdue_seconds,
-    outcome_asset="quotes",
-    checks=(
-        CheckSpec(
-            "no_overdue_active_quotes", "No ACTIVE quote is past its expiry beyond the grace period"
-        ),
-        CheckSpec(
-            "one_event_per_expired_quote", "Every EXPIRED quote has exactly one QuoteExpired event"
-        ),
+    checks=(NO_OVERDUE_ACTIVE_QUOTES, ONE_EVENT_PER_EXPIRED_QUOTE),
+    defaults=Limits(batch_size=2000),  # bench/TUNING.md
+    batching=Batching(positions=Positions()),
+    presentation=Presentation(
+        outcome_asset="quotes",
+        change="ACTIVE → EXPIRED, QuoteExpired event",
+        healthy="No ACTIVE quote past its expiry (backlog 0 after each run; oldest due age near 0).",
     ),
-    cron_schedule="*/15 * * * *",
-    backlog_threshold=1000,
-    defaults=Limits(batch_size=2000),  # measured: p99 batch 125 ms at 1M (bench)
-    change="ACTIVE → EXPIRED, QuoteExpired event",
-    healthy="No ACTIVE quote past its expiry (backlog 0 after each run; oldest due age near 0).",
-    side_effects=(SIDE_EFFECT,),
+    deployment=Deployment(cron_schedule="*/15 * * * *", backlog_threshold=1000),
+    signals=Signals(lag=oldest_overdue_seconds, side_effects=(SIDE_EFFECT,)),
 )

@@ -23,7 +23,15 @@ from sqlalchemy.engine import Connection
 from qo_ops.db.schema import customer_order, order_read_model
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    Batching,
+    CheckSpec,
+    Deployment,
+    JobSpec,
+    Positions,
+    Presentation,
+    SkipLocked,
+)
 from qo_ops.platform.run.selection import after_position, id_array
 
 # Drift by kind: the row is missing, or a column derived from the order differs.
@@ -126,16 +134,20 @@ def drift_of_window(ctx: BatchContext) -> sa.Select[Any]:
     return _orders_of_window(cast(sa.Select[Any], sa.select(*counts)), ctx)
 
 
+# Declared once: its results (check_read_model) carry this description too.
+READ_MODEL_MATCHES_SOURCE = CheckSpec(
+    "read_model_matches_source", "The read model equals its source for the scope"
+)
+
+
 def check_read_model(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """The read model equals its source for every order of the scope; drift counted by kind
     (so a dry-run's summary says what execute would repair, and why). The count of drifted
     orders is the selection's from its start: the run's backlog too."""
     row = conn.execute(drift_of_window(ctx)).one()
     return [
-        OutcomeCheck(
-            "read_model_matches_source",
+        READ_MODEL_MATCHES_SOURCE.result(
             row.drifted == 0,
-            "every order of the window has a read-model row equal to its source",
             {"drifted_rows": row.drifted, **{f"drift_{k}": row._mapping[k] for k in _DRIFT_KINDS}},
             backlog=row.drifted,
         )
@@ -150,15 +162,18 @@ SPEC = JobSpec(
     eligible=drifted_orders,
     transition=repair_read_model_batch,
     check=check_read_model,
-    lock_of=customer_order,
-    count_before_last_pass=True,  # the last pass's LIMIT plan walks every order of the window
-    outcome_asset="order_read_model",
-    checks=(
-        CheckSpec("read_model_matches_source", "The read model equals its source for the scope"),
-    ),
-    cron_schedule="30 2 * * *",
+    checks=(READ_MODEL_MATCHES_SOURCE,),
     defaults=Limits(batch_size=2000),
-    change="read-model row recomputed from its order",
-    healthy="No order_read_model row drifted from its order.",
     destructive=True,
+    batching=Batching(
+        locks=SkipLocked(of=customer_order),
+        # the last pass's LIMIT plan walks every order of the window: count first
+        positions=Positions(count_before_last_pass=True),
+    ),
+    presentation=Presentation(
+        outcome_asset="order_read_model",
+        change="read-model row recomputed from its order",
+        healthy="No order_read_model row drifted from its order.",
+    ),
+    deployment=Deployment(cron_schedule="30 2 * * *"),
 )

@@ -64,7 +64,15 @@ from qo_ops.platform.job.outcome import (
     ReportRow,
     run_settings,
 )
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    Batching,
+    CheckSpec,
+    Deployment,
+    JobSpec,
+    Positions,
+    Presentation,
+    Signals,
+)
 from qo_ops.platform.run.selection import seconds_or_none
 
 DAYS_ENV = "QO_OPS_RUN_HISTORY_DAYS"
@@ -311,16 +319,21 @@ def _counts(
     return found
 
 
+# Declared once: its results (check_run_history) carry this description too.
+NO_EXPIRED_RUN_HISTORY = CheckSpec(
+    "no_expired_run_history",
+    "No run or checkpoint of the tenant is past the retention period beyond grace, "
+    "apart from the ones that must be kept",
+)
+
+
 def check_run_history(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """Nothing of the tenant's history is past the period (beyond grace) but what must be
     kept."""
     expired = _counts(conn, ctx, GRACE)
     return [
-        OutcomeCheck(
-            "no_expired_run_history",
+        NO_EXPIRED_RUN_HISTORY.result(
             sum(expired.values()) == 0,
-            "no run or checkpoint of the tenant is past the retention period (beyond an hour "
-            "of grace) apart from the ones that must be kept",
             {
                 "expired_runs": expired["job_run"],
                 "expired_checkpoints": expired["job_checkpoint"],
@@ -350,7 +363,6 @@ def oldest_prunable_seconds(conn: Connection, ctx: BatchContext) -> float | None
 
 
 SPEC = JobSpec(
-    validate_settings=history_days,
     name="run_history_retention",
     kind="cleanup",
     description="Delete the tenant's job runs and checkpoints older than the retention period "
@@ -360,23 +372,25 @@ SPEC = JobSpec(
     eligible=prunable_history,
     transition=prune_history_batch,
     check=check_run_history,
-    lag=oldest_prunable_seconds,
-    report=report_run_history,
-    outcome_asset="run_history",
-    checks=(
-        CheckSpec(
-            "no_expired_run_history",
-            "No run or checkpoint of the tenant is past the retention period beyond grace, "
-            "apart from the ones that must be kept",
-        ),
-    ),
-    cron_schedule="40 4 * * *",  # daily, a quiet hour after the nightly jobs (UTC)
-    backlog_threshold=None,
-    reports_backlog=False,  # history ages out all day; the daily run clears it
+    checks=(NO_EXPIRED_RUN_HISTORY,),
     defaults=Limits(batch_size=500),
-    compete_with_skip_locked=False,  # a union cannot be locked; the lease keeps one run per tenant
-    change="run or checkpoint deleted (job_audit kept)",
-    healthy="No run or checkpoint older than the retention period, apart from the latest and "
-    "last successful run of each job and scope, leased scopes' and runs named by business records.",
     destructive=True,
+    validate_settings=history_days,
+    batching=Batching(
+        locks=None,  # a union cannot be locked; the lease keeps one run per tenant
+        positions=Positions(),
+    ),
+    presentation=Presentation(
+        outcome_asset="run_history",
+        change="run or checkpoint deleted (job_audit kept)",
+        healthy="No run or checkpoint older than the retention period, apart from the latest and "
+        "last successful run of each job and scope, leased scopes' and runs named by business records.",
+    ),
+    # daily, a quiet hour after the nightly jobs (UTC); no backlog sensor
+    deployment=Deployment(cron_schedule="40 4 * * *", backlog_threshold=None),
+    signals=Signals(
+        lag=oldest_prunable_seconds,
+        report=report_run_history,
+        reports_backlog=False,  # history ages out all day; the daily run clears it
+    ),
 )

@@ -12,8 +12,8 @@ Stored objects live under ``QO_OPS_HOME/objects/<storage_path>``, reached throug
 relative path, or that goes through a symlinked directory, is ``unsafe_storage_path`` (the
 file fails, its row and object stay).
 
-**Per batch, two transactions** (the runner's claim → external → record steps; nothing
-outside this process is called between them):
+**Per batch, two transactions** (the transition, then the platform's
+:class:`~qo_ops.platform.job.spec.SecondTransaction`; nothing is called between them):
 
 1. *decide* — the selected rows are locked (FOR UPDATE SKIP LOCKED). On the run's first batch
    the anomaly gate runs. Each selected object is hashed and a tombstone *intent* is written
@@ -91,7 +91,16 @@ from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
 from qo_ops.platform.job.outcome import SideEffectResult as Result
 from qo_ops.platform.job.outcome import run_settings as settings_of_run
 from qo_ops.platform.job.resources import RunResources
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    Batching,
+    CheckSpec,
+    Deployment,
+    JobSpec,
+    Positions,
+    Presentation,
+    SecondTransaction,
+    Signals,
+)
 from qo_ops.platform.run.faults import crash_point
 from qo_ops.platform.run.selection import after_position, id_array, seconds_or_none
 
@@ -394,12 +403,6 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
     return BatchOutcome(work=work)
 
 
-def hand_over(ctx: BatchContext, work: list[Any]) -> list[Any]:
-    """Between the two transactions: nothing to call; the objects are removed in step 2,
-    while their rows' delete is pending."""
-    return work
-
-
 # ------------------------------------------------------------------------------ step 2: remove
 
 
@@ -543,6 +546,21 @@ def _window(ctx: BatchContext) -> dict[str, Any]:
     return {"tenant": ctx.scope.tenant_id, "start": start, "end": end}
 
 
+# Declared once: their results (check_cleanup) carry these descriptions too.
+NO_LEGAL_HOLD_REMOVED = CheckSpec("no_legal_hold_removed", "No file on legal hold was ever deleted")
+NOTHING_ELIGIBLE_PAST_GRACE = CheckSpec(
+    "nothing_eligible_past_grace", "No deletable file of the window is past retention plus grace"
+)
+DELETED_OBJECTS_GONE = CheckSpec(
+    "deleted_objects_gone", "Every file the job deleted has no stored object left", blocking=False
+)
+ELIGIBLE_WITHIN_ANOMALY_THRESHOLD = CheckSpec(
+    "eligible_within_anomaly_threshold",
+    "What is eligible stays within the anomaly thresholds",
+    blocking=False,
+)
+
+
 def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """Legal holds intact; nothing eligible left past retention + grace; deleted objects gone;
     the eligible set within the anomaly thresholds."""
@@ -565,34 +583,20 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
         leftover = sum(store.count_stored(p) for p in deleted_paths.partitions(_PATHS_PART))
     measure = measure_anomaly(conn, ctx)
     return [
-        OutcomeCheck(
-            "no_legal_hold_removed",
+        NO_LEGAL_HOLD_REMOVED.result(
             held_deleted == 0 and guard_enforced and held_bytes_lost == 0,
-            "no file on legal hold was deleted (tombstones, the database guard, held objects)",
             {
                 "held_rows_deleted": held_deleted,
                 "guard_trigger_enforced": guard_enforced,
                 "held_objects_removed": held_bytes_lost,
             },
         ),
-        OutcomeCheck(
-            "nothing_eligible_past_grace",
+        NOTHING_ELIGIBLE_PAST_GRACE.result(
             overdue == 0,
-            f"no deletable file of the window is past retention plus {GRACE_DAYS} day of grace",
             {"overdue_files": overdue, "retention_days": settings.retention_days},
         ),
-        OutcomeCheck(
-            "deleted_objects_gone",
-            leftover == 0,
-            "every file the job deleted has no stored object left",
-            {"objects_left": leftover},
-        ),
-        OutcomeCheck(
-            "eligible_within_anomaly_threshold",
-            not measure.breaches(),
-            "what is eligible now stays within the anomaly thresholds",
-            measure.as_metadata(),
-        ),
+        DELETED_OBJECTS_GONE.result(leftover == 0, {"objects_left": leftover}),
+        ELIGIBLE_WITHIN_ANOMALY_THRESHOLD.result(not measure.breaches(), measure.as_metadata()),
     ]
 
 
@@ -656,43 +660,36 @@ SPEC = JobSpec(
     partitioning="tenant_day",
     eligible=eligible_files,
     transition=decide_batch,
-    external=hand_over,
-    record=remove_batch,
+    then=SecondTransaction(finish=remove_batch),  # step 2, after step 1 committed
     check=check_cleanup,
-    lag=overdue_seconds,
-    report=report_cleanup,
-    outcome_asset="temp_files",
     checks=(
-        CheckSpec("no_legal_hold_removed", "No file on legal hold was ever deleted"),
-        CheckSpec(
-            "nothing_eligible_past_grace",
-            "No deletable file of the window is past retention plus grace",
-        ),
-        CheckSpec(
-            "deleted_objects_gone",
-            "Every file the job deleted has no stored object left",
-            blocking=False,
-        ),
-        CheckSpec(
-            "eligible_within_anomaly_threshold",
-            "What is eligible stays within the anomaly thresholds",
-            blocking=False,
-        ),
+        NO_LEGAL_HOLD_REMOVED,
+        NOTHING_ELIGIBLE_PAST_GRACE,
+        DELETED_OBJECTS_GONE,
+        ELIGIBLE_WITHIN_ANOMALY_THRESHOLD,
     ),
-    validate_settings=settings_from_env,  # a bad setting is refused before anything is written
-    scheduled_window_age_days=lambda: settings_from_env().retention_days + 1,
-    cron_schedule="15 3 * * *",
     defaults=Limits(batch_size=500),  # each batch hashes its objects inside step 1
-    change="row and stored object deleted, tombstoned",
-    healthy="No deletable temp file past retention plus a day of grace, and no file on legal hold ever deleted.",
-    run_resources=RunResources(cpu_request="500m"),  # sha256 of every object it deletes
     destructive=True,
-    side_effects=(SIDE_EFFECT,),
-    error_classes=(
-        AnomalyThreshold.error_code,
-        CleanupConfigError.error_code,
-        ObjectStoreError.error_code,
+    validate_settings=settings_from_env,  # a bad setting is refused before anything is written
+    batching=Batching(positions=Positions()),
+    presentation=Presentation(
+        outcome_asset="temp_files",
+        change="row and stored object deleted, tombstoned",
+        healthy="No deletable temp file past retention plus a day of grace, and no file on legal hold ever deleted.",
+    ),
+    deployment=Deployment(
+        cron_schedule="15 3 * * *",
+        run_resources=RunResources(cpu_request="500m"),  # sha256 of every object it deletes
+        scheduled_window_age_days=lambda: settings_from_env().retention_days + 1,
+    ),
+    signals=Signals(
+        lag=overdue_seconds,
+        report=report_cleanup,
+        side_effects=(SIDE_EFFECT,),
+        error_classes=(
+            AnomalyThreshold.error_code,
+            CleanupConfigError.error_code,
+            ObjectStoreError.error_code,
+        ),
     ),
 )
-
-__all__ = ["SPEC", "AnomalyThreshold", "CleanupConfigError", "CleanupSettings", "settings_from_env"]

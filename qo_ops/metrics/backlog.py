@@ -46,9 +46,11 @@ class BacklogSampler:
             tenants = list(conn.execute(_TENANTS).scalars())
             paused = suspended_tenants(suspensions(conn))
             for spec in self.specs:
-                if spec.dead_letters is not None:
-                    values["job_deadletter_items"][spec.name] = float(spec.dead_letters(conn))
-                if spec.partitioning != "tenant" or not spec.reports_backlog:
+                if spec.signals.dead_letters is not None:
+                    values["job_deadletter_items"][spec.name] = float(
+                        spec.signals.dead_letters(conn)
+                    )
+                if spec.partitioning != "tenant" or not spec.signals.reports_backlog:
                     continue  # a windowed job's backlog belongs to its windows
                 backlog, worst = 0, 0.0
                 for tenant in tenants:
@@ -56,10 +58,10 @@ class BacklogSampler:
                         continue  # its items wait on purpose until it is resumed
                     ctx = BatchContext(spec.name, Scope(tenant), "dry_run", uuid.uuid4())
                     backlog += capped_count(conn, spec.eligible(ctx), BACKLOG_CAP_PER_TENANT)
-                    if spec.lag is not None:
-                        worst = max(worst, spec.lag(conn, ctx) or 0.0)
+                    if spec.signals.lag is not None:
+                        worst = max(worst, spec.signals.lag(conn, ctx) or 0.0)
                 values["job_backlog_items"][spec.name] = float(backlog)
-                if spec.lag is not None:
+                if spec.signals.lag is not None:
                     values["job_lag_seconds"][spec.name] = worst
         with self._lock:
             self._values = values

@@ -138,7 +138,7 @@ def _run_families(feed: RunFeed) -> Iterator[Metric]:
         labels=["job_name", "side_effect", "result"],
     )
     for spec in feed.specs:
-        for name in spec.side_effects:
+        for name in spec.signals.side_effects:
             for result in SIDE_EFFECT_RESULTS:
                 effects.add_metric(
                     [spec.name, name, result],
@@ -154,7 +154,7 @@ def _run_families(feed: RunFeed) -> Iterator[Metric]:
         labels=["job_name", "reason"],
     )
     for spec in feed.specs:
-        if spec.side_effects:
+        if spec.signals.side_effects:
             for reason in AMBIGUITY_REASONS:
                 ambiguity.add_metric(
                     [spec.name, reason], feed.ambiguity.get((spec.name, reason), 0)
@@ -235,7 +235,7 @@ def _reconciliation_families(feed: RunFeed) -> Iterator[Metric]:
         "reconciliation_runs_total",
         "Reconciliation runs, by status",
         ["status"],
-        [(s.name, st) for s in feed.specs if s.reconciliation is not None for st in FINAL],
+        [(s.name, st) for s in feed.specs if s.signals.reconciliation is not None for st in FINAL],
         feed.completed,
     )
     scanned = CounterMetricFamily(
@@ -261,7 +261,7 @@ def _reconciliation_families(feed: RunFeed) -> Iterator[Metric]:
         ),
     }
     for spec in feed.specs:
-        recon = spec.reconciliation
+        recon = spec.signals.reconciliation
         if recon is None:
             continue
         job = spec.name

@@ -216,10 +216,11 @@ class RunFeed:
     def __init__(self, specs: list[JobSpec], missed_lookback_s: float = MISSED_LOOKBACK_S) -> None:
         self.specs = specs
         self._by_name = {s.name: s for s in specs}
-        self.reconciling = [s.name for s in specs if s.reconciliation is not None]
+        self.reconciling = [s.name for s in specs if s.signals.reconciliation is not None]
         # job → the error classes job_failed_total serves it (the platform's, then its own)
         self.error_classes = {
-            s.name: tuple(dict.fromkeys((*PLATFORM_ERROR_CLASSES, *s.error_classes))) for s in specs
+            s.name: tuple(dict.fromkeys((*PLATFORM_ERROR_CLASSES, *s.signals.error_classes)))
+            for s in specs
         }
         self.missed_lookback_s = missed_lookback_s
         origin = (datetime(1970, 1, 1, tzinfo=UTC), uuid.UUID(int=0))
@@ -278,7 +279,7 @@ class RunFeed:
 
     def _count_operator_resets(self, conn: Connection, cutoff: datetime) -> None:
         """Checkpoints reset by a person since the last scrape (their audit rows)."""
-        jobs = [s.name for s in self.specs if s.uses_checkpoint]
+        jobs = [s.name for s in self.specs if s.batching.checkpoint is not None]
         ts, last = self.audit_cursor
         params = {"jobs": jobs, "cutoff": cutoff, "ts": ts, "id": last}
         for g in conn.execute(_OPERATOR_RESETS, {**params, "action": CHECKPOINT_RESET}):
@@ -327,7 +328,7 @@ class RunFeed:
         if spec is None:
             return
         parts = key.split(".")
-        recon = spec.reconciliation
+        recon = spec.signals.reconciliation
         if recon is not None and key in recon.mismatch_types:
             self.signals[("reconciliation_mismatches_total", job, key)] += n
         elif recon is not None and key in recon.corrections:
@@ -348,7 +349,7 @@ class RunFeed:
             metric, label, scale = DOWNSTREAM_COUNTERS[key]
             self.downstream[(metric, job, label)] += n * scale
         elif len(parts) == 3 and parts[0] == "side_effect":
-            name = parts[1] if parts[1] in spec.side_effects else "other"
+            name = parts[1] if parts[1] in spec.signals.side_effects else "other"
             result = parts[2] if parts[2] in SIDE_EFFECT_RESULTS else "other"
             self.side_effects[(job, name, result)] += n
         elif len(parts) == 2 and parts[0] == "side_effect_ambiguity":
@@ -368,7 +369,7 @@ class RunFeed:
                     first - timedelta(microseconds=1),
                     now - timedelta(seconds=self.missed_lookback_s),
                 )
-            ticks = cron_ticks(spec.cron_schedule, after, until)[:MAX_TICKS_PER_SCRAPE]
+            ticks = cron_ticks(spec.deployment.cron_schedule, after, until)[:MAX_TICKS_PER_SCRAPE]
             if not ticks:
                 continue
             for missed in missed_runs(conn, spec, ticks):

@@ -97,7 +97,7 @@ def catalog_families(specs: list[JobSpec], suspension_alert_after_s: float) -> I
         labels=["job_name"],
     )
     for spec in specs:
-        cadence = cadence_seconds(spec.cron_schedule)
+        cadence = cadence_seconds(spec.deployment.cron_schedule)
         interval.add_metric([spec.name], cadence)
         budget.add_metric([spec.name], min(cadence, spec.defaults.deadline_s))
     yield interval

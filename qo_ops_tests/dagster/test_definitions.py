@@ -19,8 +19,8 @@ def test_every_catalog_job_has_its_job_schedule_sensors_and_checks(defs):
         assert job.partitions_def is not None
         schedule = defs.resolve_schedule_def(f"{spec.name}_schedule")
         assert schedule.execution_timezone == "UTC"
-        assert schedule.cron_schedule == spec.cron_schedule
-        if spec.backlog_threshold:
+        assert schedule.cron_schedule == spec.deployment.cron_schedule
+        if spec.deployment.backlog_threshold:
             assert defs.resolve_sensor_def(f"{spec.name}_backlog_sensor").job_name == spec.name
         checks = {key.name for key in defs.resolve_asset_graph().asset_check_keys}
         assert {c.name for c in spec.checks} <= checks

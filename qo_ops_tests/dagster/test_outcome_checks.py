@@ -791,7 +791,10 @@ def test_the_days_that_can_hold_overdue_work_end_where_the_schedule_has_run():
     window (1 h) and a run deadline (1 h) old. Retention jobs run the day that just aged
     out, so their last due day lies retention + 1 days before the tick."""
     repair, cleanup = CATALOG["read_model_repair"], CATALOG["temp_file_cleanup"]
-    assert repair.cron_schedule == "30 2 * * *" and cleanup.cron_schedule == "15 3 * * *"
+    assert (
+        repair.deployment.cron_schedule == "30 2 * * *"
+        and cleanup.deployment.cron_schedule == "15 3 * * *"
+    )
     at = datetime(2026, 3, 10, tzinfo=UTC)
     # before 04:30 the 02:30 tick of the 10th may still be running: the 9th is not due yet
     assert last_scheduled_day(repair, at.replace(hour=4, minute=29)) == date(2026, 3, 8)
@@ -901,5 +904,5 @@ def test_a_windowed_run_plots_the_tenants_whole_backlog(env, job_name):
     assert point.metadata["backlog"].value == left
     assert point.partition == TENANT
     assert point.metadata["run_scope"].value == scope_text(summary["scope"])
-    if spec.lag is not None:  # and its age is the oldest of them, however old its day
+    if spec.signals.lag is not None:  # and its age is the oldest of them, however old its day
         assert point.metadata["oldest_due_age_s"].value > (last_due - day).days * 86400

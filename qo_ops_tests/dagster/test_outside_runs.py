@@ -24,7 +24,7 @@ from qo_ops.platform.run.runner import run_job
 from qo_ops_tests.dagster.test_sensors import _database
 
 QE = CATALOG["quote_expiration"]
-ASSET = dg.AssetKey(["qo_ops", QE.outcome_asset])
+ASSET = dg.AssetKey(["qo_ops", QE.presentation.outcome_asset])
 
 
 def _tick(defs, instance, loaded, cursor: str | None) -> dg.SensorResult:

@@ -51,7 +51,7 @@ def _outcome_events(
     result, instance, job_name: str
 ) -> list[dg.AssetMaterialization | dg.AssetObservation]:
     """What the run recorded on its outcome asset: materializations and observations."""
-    key = dg.AssetKey(["qo_ops", CATALOG[job_name].outcome_asset])
+    key = dg.AssetKey(["qo_ops", CATALOG[job_name].presentation.outcome_asset])
     events: list[dg.AssetMaterialization | dg.AssetObservation] = []
     for fetch in (instance.fetch_materializations, instance.fetch_observations):
         for r in fetch(key, limit=100).records:
@@ -71,12 +71,12 @@ def test_a_dry_run_reports_its_sample_with_the_change_execute_would_make(
     metadata = _output_metadata(result)
     rows = _report(metadata)
     assert instance.get_run_by_id(result.run_id).tags[MODE_TAG] == "dry_run"
-    if not spec.dry_run_scans:  # a selection: counts and a sample of ids
+    if not spec.batching.dry_run_scans:  # a selection: counts and a sample of ids
         would = [r for r in rows if r["kind"] == "would_change"]
         assert would == [
             {
                 "kind": "would_change",
-                "name": spec.change,
+                "name": spec.presentation.change,
                 "count": summary["eligible_count"],
                 "detail": "",
             }
@@ -84,8 +84,8 @@ def test_a_dry_run_reports_its_sample_with_the_change_execute_would_make(
         sample = [r for r in rows if r["kind"] == "sample"]
         assert [r["name"] for r in sample] == summary["sample_ids"][:REPORT_SAMPLE]
         assert len(sample) == min(len(summary["sample_ids"]), REPORT_SAMPLE) > 0
-        assert {r["detail"] for r in sample} == {spec.change}
-        if not spec.uses_checkpoint:
+        assert {r["detail"] for r in sample} == {spec.presentation.change}
+        if spec.batching.checkpoint is None:
             assert metadata["backlog"].value == summary["eligible_count"]
     for name in ("fencing_token", "duration_ms", "eligible_count"):
         assert name not in metadata or isinstance(metadata[name].value, (int, float))
@@ -125,9 +125,10 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
         assert own, f"{job_name}: no {kind} rows in {rows}"
         if counter is not None:
             assert sum(r["count"] for r in own) == summary[counter]
-    if spec.uses_checkpoint:  # a backfill keeps its checkpoint; a rescan forgets it when done
-        assert ("checkpoint_after" in metadata) is not spec.rescan_when_complete
-        assert ("checkpoint_age_s" in metadata) is not spec.rescan_when_complete
+    checkpointing = spec.batching.checkpoint
+    if checkpointing is not None:  # a backfill keeps its checkpoint; a rescan forgets it when done
+        assert ("checkpoint_after" in metadata) is not checkpointing.rescan_when_complete
+        assert ("checkpoint_age_s" in metadata) is not checkpointing.rescan_when_complete
 
     (outcome,) = _outcome_events(result, instance, job_name)
     assert isinstance(outcome, dg.AssetMaterialization)  # an execute run kept its outcome
@@ -142,13 +143,13 @@ def test_an_execute_run_reports_counters_job_rows_checks_and_observes_its_asset(
             == scope_text(summary["scope"])
             == f"tenant-001/{partition.split('|')[0]}"
         )
-    if not spec.uses_checkpoint and not spec.dry_run_scans:
+    if spec.batching.checkpoint is None and not spec.batching.dry_run_scans:
         # what is still due for the tenant, every day of it, from the job's own selection
         with loaded.engine.connect() as conn:
             scope = backlog_scope(spec, run_scope.tenant_id, database_now(conn))
             ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
             assert figures["backlog"].value == count_eligible(conn, spec, ctx)
-    if spec.dead_letters is not None:
+    if spec.signals.dead_letters is not None:
         assert isinstance(figures["dead_letters"].value, int)
 
 

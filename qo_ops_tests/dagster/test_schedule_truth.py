@@ -116,7 +116,9 @@ def test_a_run_still_queued_in_dagster_takes_its_scopes_off_the_next_ticks(defs,
     with engine.connect() as conn:
         now = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
     cadence = timedelta(minutes=15)
-    t0 = cron_ticks(SPEC.cron_schedule, now, now + cadence)[0]  # after the tenants were made
+    t0 = cron_ticks(SPEC.deployment.cron_schedule, now, now + cadence)[
+        0
+    ]  # after the tenants were made
     t1, t2, t3 = t0 + cadence, t0 + 2 * cadence, t0 + 3 * cadence
     window = timedelta(seconds=tick_window_s(SPEC) + SETTLE_S + 1)
     frozen = {"now": t1 + window}
@@ -176,7 +178,9 @@ def test_a_run_held_across_the_next_tick_is_one_missed_run(defs, instance, loade
     with engine.connect() as conn:
         now = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
     cadence = timedelta(minutes=15)  # quote_expiration: */15
-    t0 = cron_ticks(SPEC.cron_schedule, now - cadence, now)[-1]  # the tick that just passed
+    t0 = cron_ticks(SPEC.deployment.cron_schedule, now - cadence, now)[
+        -1
+    ]  # the tick that just passed
     t1, t2 = t0 + cadence, t0 + 2 * cadence
     # the exporter's frozen clock: just after a tick's window (the cadence) has passed
     window = timedelta(seconds=tick_window_s(SPEC) + SETTLE_S + 1)

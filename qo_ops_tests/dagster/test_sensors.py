@@ -209,7 +209,7 @@ def test_schedule_fans_out_over_tenants_in_chunks_with_deterministic_run_keys(
     defs, instance, loaded
 ):
     when = datetime(2026, 11, 29, 12, 15, tzinfo=UTC)
-    size = CATALOG["quote_expiration"].tenants_per_run
+    size = CATALOG["quote_expiration"].deployment.tenants_per_run
 
     def tick() -> list[dg.RunRequest]:
         result = schedule_tick(defs, instance, loaded, "quote_expiration_schedule", when)

@@ -125,7 +125,7 @@ def test_every_partitions_definition_stays_under_100k_at_10k_tenants_and_3_years
             {"day": days_partitions_def, "tenant": tenants_partitions_def}
         )
         old_count = old.get_num_partitions()
-    chunks = sf.SCALE_TENANTS // CATALOG["order_reconciliation"].tenants_per_run
+    chunks = sf.SCALE_TENANTS // CATALOG["order_reconciliation"].deployment.tenants_per_run
     assert windowed and all(counts[n] == days * chunks for n in windowed)
     assert MAX_PARTITIONS // chunks == 1000  # days before a windowed job reaches the limit
     others = {n: c for n, c in counts.items() if n not in windowed}
@@ -145,7 +145,7 @@ def test_every_partitions_definition_stays_under_100k_at_10k_tenants_and_3_years
 def _assert_chunked(requests, job_name: str, expected: list[str]) -> None:
     """Exactly ceil(n / tenants_per_run) runs, every tenant in exactly one, chunks sorted
     and no larger than tenants_per_run, queue tags naming the chunk."""
-    size = CATALOG[job_name].tenants_per_run
+    size = CATALOG[job_name].deployment.tenants_per_run
     chunks = [sf.chunk_tenants_of(r, job_name) for r in requests]
     assert len(requests) == math.ceil(len(expected) / size)
     assert all(0 < len(c) <= size and c == sorted(c) for c in chunks)
@@ -182,7 +182,7 @@ def test_a_schedule_tick_over_10k_tenants_requests_one_run_per_chunk(
     first_s = time.perf_counter() - started
     requests = list(result.run_requests or [])
     _assert_chunked(requests, job_name, expected)
-    assert len(requests) == math.ceil(sf.SCALE_TENANTS / spec.tenants_per_run)
+    assert len(requests) == math.ceil(sf.SCALE_TENANTS / spec.deployment.tenants_per_run)
     day = (when - timedelta(days=1)).date().isoformat()
     keys = {f"{day}|{c}" for c in chunk_keys(sf.SCALE_TENANTS)} if windowed else {None}
     assert {r.partition_key for r in requests} == keys  # windowed: one run per day × chunk
@@ -214,7 +214,7 @@ def test_the_backlog_sensor_over_10k_tenants_launches_chunks_once_per_cooldown(
     instance, tenants = scale
     job_name = "quote_expiration"
     spec = CATALOG[job_name]
-    threshold = spec.backlog_threshold
+    threshold = spec.deployment.backlog_threshold
     assert threshold is not None
     # 160 tenants of the first tick's window past the threshold (more than one chunk), 5 far
     # apart, one just below it; one past it is suspended
@@ -254,7 +254,7 @@ def test_the_backlog_sensor_over_10k_tenants_launches_chunks_once_per_cooldown(
                 launches += [(t, bucket) for t in chunk]
         per_rotation.append(launched)
     # the first window's 159 due tenants: one run of 100 and one of 59, not 159 runs
-    assert spec.tenants_per_run == 100
+    assert spec.deployment.tenants_per_run == 100
     assert first_tick_chunks == [59, 100]
     # one rotation visits every tenant once: every tenant past the threshold, exactly once
     assert sorted(per_rotation[0]) == due
@@ -408,7 +408,7 @@ def test_a_failing_tenant_fails_only_itself_and_the_run_names_it(env, defs, demo
 
 def _check_records(instance, spec, tenant):
     """{check name: [execution records]} of the tenant's partition of the outcome asset."""
-    asset = dg.AssetKey(["qo_ops", spec.outcome_asset])
+    asset = dg.AssetKey(["qo_ops", spec.presentation.outcome_asset])
     return {
         c.name: instance.event_log_storage.get_asset_check_execution_history(
             dg.AssetCheckKey(asset, c.name),

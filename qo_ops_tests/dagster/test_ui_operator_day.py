@@ -300,9 +300,9 @@ def _outcome_assets() -> dict[str, list[str]]:
     """Each outcome asset and the checks on it: the declared ones and recent_success."""
     assets: dict[str, list[str]] = {}
     for spec in CATALOG.values():
-        if spec.outcome_asset:
+        if spec.presentation.outcome_asset:
             names = [c.name for c in spec.checks] + [RECENT_SUCCESS_CHECK]
-            assets.setdefault(spec.outcome_asset, []).extend(names)
+            assets.setdefault(spec.presentation.outcome_asset, []).extend(names)
     return assets
 
 

@@ -191,7 +191,10 @@ print(json.dumps({
         name: {
             "partitioning": spec.partitioning,
             "destructive": bool(getattr(spec, "destructive", False)),
-            "calls_downstream": bool(getattr(spec, "calls_downstream", False)),
+            # a JobSpec with a Deployment part declares it there, an older one at the top
+            "calls_downstream": bool(
+                getattr(getattr(spec, "deployment", spec), "calls_downstream", False)
+            ),
         }
         for name, spec in CATALOG.items()
     },

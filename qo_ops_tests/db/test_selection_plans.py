@@ -40,8 +40,8 @@ def selection(spec: JobSpec) -> sa.Select[Any]:
     scope = Scope.days(TENANT, day, day) if spec.partitioning == "tenant_day" else Scope(TENANT)
     ctx = BatchContext(spec.name, scope, "execute", uuid.uuid4())
     query = spec.eligible(ctx).limit(spec.defaults.batch_size)
-    if spec.compete_with_skip_locked:
-        query = query.with_for_update(skip_locked=True, of=spec.lock_of)
+    if spec.batching.locks is not None:
+        query = query.with_for_update(skip_locked=True, of=spec.batching.locks.of)
     return query
 
 

@@ -237,7 +237,7 @@ def test_every_run_pod_gets_exactly_its_catalog_resources(catalog_jobs):
     """Nothing the code location or the launcher sets leaks into a run's resources (a CPU
     limit there would throttle every run); what the catalog declares is what the pod asks."""
     for name, job in catalog_jobs.items():
-        wanted = CATALOG[name].run_resources
+        wanted = CATALOG[name].deployment.run_resources
         resources = run_pod(dict(job.run_tags))["spec"]["containers"][0]["resources"]
         assert resources == {
             "requests": {"cpu": wanted.cpu_request, "memory": wanted.memory_request},

@@ -1,4 +1,4 @@
-"""Each catalog job's run pod resources: declared once in the catalog (``JobSpec.run_resources``,
+"""Each catalog job's run pod resources: declared once in the catalog (``JobSpec.deployment.run_resources``,
 plain data), carried by the job's ``dagster-k8s/config`` run tag, which dagster-k8s's
 ``K8sRunLauncher`` reads and every other launcher ignores."""
 
@@ -44,10 +44,10 @@ def test_every_jobs_runs_carry_its_catalog_resources(run_tags):
             "container_config": {
                 "resources": {
                     "requests": {
-                        "cpu": spec.run_resources.cpu_request,
-                        "memory": spec.run_resources.memory_request,
+                        "cpu": spec.deployment.run_resources.cpu_request,
+                        "memory": spec.deployment.run_resources.memory_request,
                     },
-                    "limits": {"memory": spec.run_resources.memory_limit},
+                    "limits": {"memory": spec.deployment.run_resources.memory_limit},
                 }
             }
         }, name
@@ -57,10 +57,12 @@ def test_every_jobs_runs_carry_its_catalog_resources(run_tags):
 def test_the_heavy_jobs_ask_for_more_than_the_default(run_tags):
     default = RunResources()
     # audit_archive holds a Parquet chunk (batch_size records) in memory
-    archive = CATALOG["audit_archive"].run_resources
+    archive = CATALOG["audit_archive"].deployment.run_resources
     assert memory_bytes(archive.memory_limit) > memory_bytes(default.memory_limit)
     assert memory_bytes(archive.memory_request) > memory_bytes(default.memory_request)
-    cleanup = CATALOG["temp_file_cleanup"].run_resources  # hashes every object it deletes
+    cleanup = CATALOG[
+        "temp_file_cleanup"
+    ].deployment.run_resources  # hashes every object it deletes
     assert cleanup.cpu_request != default.cpu_request
     tags = {run_tags[name][K8S_CONFIG_TAG] for name in CATALOG}
     assert len(tags) >= 3, "the default plus the two heavy jobs"

@@ -428,7 +428,7 @@ def test_lag_is_the_age_of_the_oldest_record_past_retention(seeded, home):
     db = seeded
     ctx = BatchContext(SPEC.name, WINDOW, "dry_run", uuid.uuid4())
     with db.engine.connect() as conn:
-        lag = SPEC.lag(conn, ctx)
+        lag = SPEC.signals.lag(conn, ctx)
         oldest = conn.scalar(
             sa.text(
                 "SELECT extract(epoch FROM now() - interval '365 days' - min(occurred_at)) "
@@ -439,7 +439,7 @@ def test_lag_is_the_age_of_the_oldest_record_past_retention(seeded, home):
     assert lag is not None and abs(lag - float(oldest)) < 5
     _execute(db.engine)
     with db.engine.connect() as conn:
-        assert SPEC.lag(conn, ctx) is None
+        assert SPEC.signals.lag(conn, ctx) is None
 
 
 def test_checks_catch_a_record_in_both_places_and_a_tampered_file(seeded, home):

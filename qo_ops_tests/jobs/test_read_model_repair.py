@@ -107,7 +107,9 @@ def test_a_run_stopped_midway_resumes_and_its_check_sees_what_is_left(db):
     assert drifted > 10
     ctx = BatchContext(SPEC.name, WINDOW, "execute", uuid.uuid4())
     with db.engine.connect() as holder, holder.begin():  # the first drifted order, locked
-        holder.execute(SPEC.eligible(ctx).limit(1).with_for_update(of=SPEC.lock_of)).scalar_one()
+        holder.execute(
+            SPEC.eligible(ctx).limit(1).with_for_update(of=SPEC.batching.locks.of)
+        ).scalar_one()
         part = run_job(
             SPEC,
             WINDOW,
@@ -138,7 +140,9 @@ def test_a_row_held_during_its_batch_is_repaired_by_the_last_pass(db):
     ctx = BatchContext(SPEC.name, WINDOW, "execute", uuid.uuid4())
     with db.engine.connect() as holder:
         held = holder.begin()  # the first drifted order, locked until the first batch is done
-        holder.execute(SPEC.eligible(ctx).limit(1).with_for_update(of=SPEC.lock_of)).scalar_one()
+        holder.execute(
+            SPEC.eligible(ctx).limit(1).with_for_update(of=SPEC.batching.locks.of)
+        ).scalar_one()
 
         def repair_then_free_the_held_row(conn, batch_ctx, ids):
             outcome = SPEC.transition(conn, batch_ctx, ids)

@@ -7,7 +7,7 @@ simulator receives no new distinct delivery or notification.
 
 One test per catalog entry, parametrized over ``CATALOG`` itself, so a new job is covered
 the day it is added. Windowed jobs run over the week ending on the day their schedule would
-run today (``JobSpec.scheduled_window_age_days``, default yesterday): each first run must
+run today (``JobSpec.deployment.scheduled_window_age_days``, default yesterday): each first run must
 find work there, or the property would hold for nothing.
 """
 
@@ -63,7 +63,11 @@ def scope_with_work(spec: JobSpec) -> Scope:
     """The tenant, and for a windowed job the week ending on the day its schedule runs today."""
     if spec.partitioning == "tenant":
         return Scope(TENANT)
-    age = spec.scheduled_window_age_days() if spec.scheduled_window_age_days else 1
+    age = (
+        spec.deployment.scheduled_window_age_days()
+        if spec.deployment.scheduled_window_age_days
+        else 1
+    )
     last = datetime.now(UTC).date() - timedelta(days=age)
     return Scope(TENANT, last - timedelta(days=WINDOW_DAYS - 1), last + timedelta(days=1))
 

@@ -347,7 +347,11 @@ def test_a_bad_period_through_the_cli_exits_2_with_one_line(db):
 def test_settings_and_catalog_entry():
     assert history_days({}) == 90 and history_days({DAYS_ENV: " 30 "}) == 30
     assert CATALOG[JOB] is SPEC
-    assert SPEC.destructive and SPEC.partitioning == "tenant" and SPEC.backlog_threshold is None
+    assert (
+        SPEC.destructive
+        and SPEC.partitioning == "tenant"
+        and SPEC.deployment.backlog_threshold is None
+    )
 
 
 def _statuses(predicate: str, column: str) -> set[str]:

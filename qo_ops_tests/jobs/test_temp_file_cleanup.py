@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from qo_ops.db import migrate
@@ -29,8 +30,9 @@ from qo_ops.jobs import temp_file_cleanup as tfc
 from qo_ops.jobs.temp_file_cleanup import SPEC
 from qo_ops.platform.calls import object_store
 from qo_ops.platform.job.options import RunOptions
-from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome
 from qo_ops.platform.job.scope import Scope
+from qo_ops.platform.job.spec import SecondTransaction
 from qo_ops.platform.run.records import reap_orphans
 from qo_ops.platform.run.runner import RunSummary, run_job
 from qo_ops_tests.conftest import base_env, run_cli, standing_approval
@@ -355,15 +357,17 @@ def test_a_hold_put_on_between_decision_and_removal_is_respected(loaded):
     expected = expected_ids(db.engine, scope)
     victim = expected[1]
 
-    def put_on_hold(ctx: BatchContext, work: list[tfc.DecidedFile]) -> list[tfc.DecidedFile]:
+    def put_on_hold(
+        conn: Connection, ctx: BatchContext, work: list[tfc.DecidedFile]
+    ) -> BatchOutcome:
         if any(w.id == victim for w in work):  # someone places a hold right now
-            with db.engine.begin() as conn:
-                conn.execute(
+            with db.engine.begin() as other:
+                other.execute(
                     sa.text("UPDATE temp_file SET legal_hold = true WHERE id = :id"), {"id": victim}
                 )
-        return tfc.hand_over(ctx, work)
+        return tfc.remove_batch(conn, ctx, work)
 
-    racing = dataclasses.replace(SPEC, external=put_on_hold)
+    racing = dataclasses.replace(SPEC, then=SecondTransaction(finish=put_on_hold))
     done = run_job(
         racing,
         scope,

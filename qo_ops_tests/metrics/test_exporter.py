@@ -494,7 +494,7 @@ def test_each_cron_form_has_its_cadence(cron, seconds):
 def test_every_catalog_schedule_has_the_cadence_its_ticks_keep(name):
     """The cadence served as job_expected_interval_seconds is the gap between two of the
     schedule's own ticks, every gap of a day of them (cron_ticks counts them apart)."""
-    cron = CATALOG[name].cron_schedule
+    cron = CATALOG[name].deployment.cron_schedule
     start = datetime(2026, 3, 1, tzinfo=UTC)
     ticks = cron_ticks(cron, start, start + timedelta(days=2))
     gaps = {(b - a).total_seconds() for a, b in zip(ticks, ticks[1:], strict=False)}

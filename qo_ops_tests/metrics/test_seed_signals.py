@@ -94,7 +94,7 @@ def expected_zero_series() -> list[tuple[str, dict[str, str]]]:
                 ("job_retries_total", {**j, "scope": "item", "reason": r}) for r in ITEM_REASONS
             ]
             out += [("job_retry_exhausted_total", {**j, "scope": "item"})]
-        if spec.side_effects:
+        if spec.signals.side_effects:
             out += [("job_side_effect_ambiguity_total", {**j, "reason": r}) for r in AMBIGUITY]
     recon = {"job_name": "order_reconciliation"}
     out += [("reconciliation_runs_total", {**recon, "status": s}) for s in STATUSES]

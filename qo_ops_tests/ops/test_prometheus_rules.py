@@ -457,10 +457,10 @@ def test_backlog_window_covers_every_job_with_a_backlog() -> None:
     ticks, a run clears them) only for jobs that run at least every 30 minutes. The exporter
     reports a backlog for the per-tenant jobs; a slower one needs a longer window."""
     slow = {
-        spec.name: cadence_seconds(spec.cron_schedule)
+        spec.name: cadence_seconds(spec.deployment.cron_schedule)
         for spec in CATALOG.values()
         if spec.partitioning == "tenant"
-        and spec.reports_backlog
-        and cadence_seconds(spec.cron_schedule) > BACKLOG_WINDOW_S
+        and spec.signals.reports_backlog
+        and cadence_seconds(spec.deployment.cron_schedule) > BACKLOG_WINDOW_S
     }
     assert not slow, f"jobs with a backlog slower than the rule's 30 m window: {slow}"

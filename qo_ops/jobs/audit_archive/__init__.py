@@ -93,7 +93,13 @@ from __future__ import annotations
 
 from qo_ops.db.schema import audit_record
 from qo_ops.jobs.audit_archive.batch import Chunk, FileResult, Work
-from qo_ops.jobs.audit_archive.checks import check_archive, overdue_seconds, report_archive
+from qo_ops.jobs.audit_archive.checks import (
+    ACCOUNTS_FOR_EVERY_RECORD,
+    ARCHIVES_VERIFY,
+    check_archive,
+    overdue_seconds,
+    report_archive,
+)
 from qo_ops.jobs.audit_archive.errors import (
     VERIFICATION_FAILED,
     ArchiveConfigError,
@@ -121,7 +127,16 @@ from qo_ops.jobs.audit_archive.steps import (
 from qo_ops.jobs.audit_archive.storage import relative_path, resolve_path, sha256_of
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.resources import RunResources
-from qo_ops.platform.job.spec import CheckSpec, JobSpec
+from qo_ops.platform.job.spec import (
+    Batching,
+    Deployment,
+    ExternalPhase,
+    JobSpec,
+    Positions,
+    Presentation,
+    Signals,
+    SkipLocked,
+)
 
 SPEC = JobSpec(
     name=JOB_NAME,
@@ -133,36 +148,33 @@ SPEC = JobSpec(
     partitioning="tenant_day",
     eligible=archivable_records,
     transition=select_chunks,
-    external=write_and_verify,
-    record=delete_verified,
+    then=ExternalPhase(call=write_and_verify, record=delete_verified),
     check=check_archive,
-    lag=overdue_seconds,
-    report=report_archive,
-    lock_of=audit_record,
-    outcome_asset="audit_records",
-    checks=(
-        CheckSpec(
-            "archive_accounts_for_every_record",
-            "Archived (VERIFIED) + remaining records = the records of the window; none in both",
-        ),
-        CheckSpec(
-            "archives_verify", "Every VERIFIED archive file still matches its manifest checksum"
-        ),
-    ),
-    cron_schedule="15 3 * * *",
+    checks=(ACCOUNTS_FOR_EVERY_RECORD, ARCHIVES_VERIFY),
     defaults=Limits(batch_size=MAX_ROWS_PER_FILE),
-    change="archived to a verified Parquet file, then deleted",
-    healthy="No audit record past retention left in the source, and every VERIFIED archive still matches its checksum.",
-    # measured: 224-244 MiB peak RSS archiving 5,000-record chunks (CLI); a run worker adds Dagster
-    run_resources=RunResources(cpu_request="500m", memory_request="1Gi", memory_limit="2Gi"),
     destructive=True,
     validate_settings=archive_settings,  # retention and a writable archive directory
-    scheduled_window_age_days=lambda: retention_days() + 1,
-    side_effects=(SIDE_EFFECT,),
-    error_classes=(
-        ArchiveError.error_code,
-        ArchiveVerificationFailed.error_code,
-        ArchiveConfigError.error_code,
+    batching=Batching(locks=SkipLocked(of=audit_record), positions=Positions()),
+    presentation=Presentation(
+        outcome_asset="audit_records",
+        change="archived to a verified Parquet file, then deleted",
+        healthy="No audit record past retention left in the source, and every VERIFIED archive still matches its checksum.",
+    ),
+    deployment=Deployment(
+        cron_schedule="15 3 * * *",
+        # a chunk of records is held in memory as Arrow; a run worker adds Dagster (bench/TUNING.md)
+        run_resources=RunResources(cpu_request="500m", memory_request="1Gi", memory_limit="2Gi"),
+        scheduled_window_age_days=lambda: retention_days() + 1,
+    ),
+    signals=Signals(
+        lag=overdue_seconds,
+        report=report_archive,
+        side_effects=(SIDE_EFFECT,),
+        error_classes=(
+            ArchiveError.error_code,
+            ArchiveVerificationFailed.error_code,
+            ArchiveConfigError.error_code,
+        ),
     ),
 )
 

@@ -13,6 +13,7 @@ from qo_ops.jobs.audit_archive.batch import ArchiveRun
 from qo_ops.jobs.audit_archive.settings import retention_cutoff
 from qo_ops.jobs.audit_archive.storage import resolve_path, sha256_or_none
 from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck, ReportRow
+from qo_ops.platform.job.spec import CheckSpec
 from qo_ops.platform.run.selection import seconds_or_none
 
 # The VERIFIED archives of a window (by the day they hold), in file order: what counts as
@@ -51,6 +52,16 @@ _PLACES = sa.text(
 )
 
 
+# Declared once: their results (check_archive) carry these descriptions too.
+ACCOUNTS_FOR_EVERY_RECORD = CheckSpec(
+    "archive_accounts_for_every_record",
+    "Archived (VERIFIED) + remaining records = the records of the window; none in both",
+)
+ARCHIVES_VERIFY = CheckSpec(
+    "archives_verify", "Every VERIFIED archive file still matches its manifest checksum"
+)
+
+
 def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     """Every record of the window is in exactly one place; every archive file verifies."""
     scope = ctx.scope
@@ -73,11 +84,8 @@ def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
         if sha256_or_none(resolve_path(m.file_path)) != m.sha256:
             mismatched.append(str(m.id))
     return [
-        OutcomeCheck(
-            "archive_accounts_for_every_record",
+        ACCOUNTS_FOR_EVERY_RECORD.result(
             accounts,
-            "records of the window = remaining source rows + rows of VERIFIED archives, "
-            "and no record is in both",
             {
                 "remaining_records": int(row.remaining),
                 "archived_records": archived,
@@ -88,10 +96,8 @@ def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
                 "unverified_archives": int(row.not_counted),
             },
         ),
-        OutcomeCheck(
-            "archives_verify",
+        ARCHIVES_VERIFY.result(
             not mismatched,
-            "every VERIFIED archive file of the window still has its manifest's sha256",
             {
                 "files_checked": len(manifests),
                 "files_mismatched": len(mismatched),

@@ -3,10 +3,10 @@ done, as commands (``qo-ops requeue``, ``review``, ``checkpoint``) and API actio
 code path.
 
 - **Dead letters back to work** (:func:`requeue`): a job declares how its dead letters are
-  requeued (``JobSpec.dead_letters_requeue``: a :class:`DeadLetterKind`).
+  requeued (``JobSpec.recovery.requeue``: a :class:`DeadLetterKind`).
 - **The manual-review queue** (:func:`waiting_for_review`, :func:`resolve`): a job that flags
   items for a person declares how they are listed and the actions it offers
-  (``JobSpec.review``: a :class:`Review`). An action runs in one transaction behind the
+  (``JobSpec.recovery.review``: a :class:`Review`). An action runs in one transaction behind the
   lease's guard, as the job's own writes do.
 - **Checkpoints** (:func:`checkpoints`, :func:`reset_checkpoints`): a reset forgets where a
   checkpointed job's scopes stopped, so their next run starts from the beginning.
@@ -109,9 +109,9 @@ class Outcome:
 
 
 def dead_letter_kind(spec: JobSpec) -> DeadLetterKind:
-    if spec.dead_letters_requeue is None:
+    if spec.recovery.requeue is None:
         raise NotOffered(f"{spec.name} keeps no dead letters to requeue")
-    return spec.dead_letters_requeue
+    return spec.recovery.requeue
 
 
 @dataclass(frozen=True)
@@ -182,9 +182,9 @@ def requeue(
 
 def review_queue(spec: JobSpec) -> Review:
     """The job's review queue, or :class:`NotOffered`."""
-    if spec.review is None:
+    if spec.recovery.review is None:
         raise NotOffered(f"{spec.name} flags nothing for manual review")
-    return spec.review
+    return spec.recovery.review
 
 
 def review_action(spec: JobSpec, action: str) -> tuple[Review, ReviewAction]:
@@ -206,10 +206,10 @@ def waiting_for_review(
         raise BadInput(f"the limit must be between 1 and {MAX_LISTED}")
     found: list[tuple[str, ReviewItem]] = []
     for spec in specs:
-        if spec.review is None:
+        if spec.recovery.review is None:
             continue
         rows = conn.execute(
-            spec.review.waiting, {"tenant": tenant, "item": None, "limit": limit}
+            spec.recovery.review.waiting, {"tenant": tenant, "item": None, "limit": limit}
         ).mappings()
         found += [(spec.name, ReviewItem(**row)) for row in rows]
     return found[:limit]
@@ -393,7 +393,7 @@ def checkpoint_days(spec: JobSpec, which: Checkpoints) -> tuple[date, date] | No
     """Check a checkpoint request before anything is read: the job keeps checkpoints, the
     tenant is well formed, and days (both or neither) only for a windowed job."""
     tenant, first, last = which.tenant, which.first, which.last
-    if not spec.uses_checkpoint:
+    if spec.batching.checkpoint is None:
         raise NotOffered(f"{spec.name} keeps no checkpoint")
     Scope(tenant)
     if first is None and last is None:

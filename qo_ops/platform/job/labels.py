@@ -71,7 +71,7 @@ CHECKPOINT_RESET_REASONS = ("rescan_complete", "operator")
 MANUAL_TRIGGERS = ("manual", "api", "backfill")  # a Dagster run retry is not a person's rerun
 
 # job_failed_total{error_class}: the platform's error classes of a failed or timed-out run;
-# a job adds its own (JobSpec.error_classes)
+# a job adds its own (JobSpec.signals.error_classes)
 PLATFORM_ERROR_CLASSES = (
     "items_failed",  # every item of the run failed
     "deadline",  # status timeout: the run's deadline passed (its progress is kept)

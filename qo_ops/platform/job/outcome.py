@@ -123,7 +123,7 @@ class BatchOutcome(Counts):
 
     def side_effect(self, name: str, result: str, n: int = 1, *, reason: str = "") -> None:
         """Count ``n`` attempts at the side effect ``name`` (one the job declares in
-        ``JobSpec.side_effects``) that ended in ``result`` (:data:`SIDE_EFFECT_RESULTS`); an
+        ``JobSpec.signals.side_effects``) that ended in ``result`` (:data:`SIDE_EFFECT_RESULTS`); an
         ``ambiguous`` one says why (``reason``: a short snake_case word). Kept in the run's
         tally (``side_effect.<name>.<result>``, ``side_effect_ambiguity.<reason>``); the
         exporter turns them into ``job_side_effects_total`` and

@@ -1,8 +1,16 @@
-"""What a job is: ``JobSpec``, declared once per job; every trigger and adapter derives from it."""
+"""What a job is: ``JobSpec``, declared once per job; every trigger and adapter derives from it.
+
+Up front, what the job does: its selection, its transition (and what follows it), its outcome
+check and its limits. Beside them, small parts grouped by who reads them: ``Batching`` (the
+runner), ``Presentation`` (the Dagster UI and the run's report), ``Deployment`` (schedules,
+sensors, Kubernetes), ``Signals`` (the exporter and the run's report) and ``Recovery``
+(the operator's actions). Fields that only work together are one object, so that a wrong
+pairing cannot be written; the remaining rules are checked when a spec is made.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,15 +25,181 @@ from qo_ops.platform.job.review import DeadLetterKind, Review
 from qo_ops.platform.job.statuses import RunStatus, fresh_statuses
 
 Partitioning = Literal["tenant", "tenant_day"]
+Transition = Callable[[Connection, BatchContext, Sequence[Any]], BatchOutcome]
+Record = Callable[[Connection, BatchContext, list[Any]], BatchOutcome]
 
 
 @dataclass(frozen=True)
 class CheckSpec:
-    """A business outcome check a job declares (its result comes from ``JobSpec.check``)."""
+    """A business outcome check a job declares. The job's ``check`` function judges it with
+    :meth:`result`, so the description Dagster shows on the asset check is also the one
+    every result carries: it is written once, here."""
 
     name: str
     description: str
     blocking: bool = True  # a failed outcome fails the run
+
+    def result(
+        self, passed: bool, metadata: Mapping[str, Any] | None = None, *, backlog: int | None = None
+    ) -> OutcomeCheck:
+        """This check's result: whether it passed, its figures, and (for a check that counted
+        exactly what the selection matches now) the backlog it counted."""
+        return OutcomeCheck(self.name, passed, self.description, dict(metadata or {}), backlog)
+
+
+# ------------------------------------------------------------------ what follows the transition
+
+
+@dataclass(frozen=True)
+class ExternalPhase:
+    """A side effect outside the database, between two transactions per batch: the
+    transition only claims (and commits), ``call`` calls the other system with no
+    transaction open and no row locked, and ``record`` writes the results in a second
+    transaction under the lease's guard."""
+
+    call: Callable[[BatchContext, list[Any]], list[Any]]
+    record: Record
+
+
+@dataclass(frozen=True)
+class SecondTransaction:
+    """A second transaction per batch, under the lease's guard, right after the
+    transition's commit; nothing is called in between. ``finish`` gets the claim's
+    ``BatchOutcome.work`` (temp_file_cleanup: write the intents, commit, then delete)."""
+
+    finish: Record
+
+
+# ------------------------------------------------------------------ the runner: Batching
+
+
+@dataclass(frozen=True)
+class SkipLocked:
+    """Lock the selected rows ``FOR UPDATE SKIP LOCKED``, so that rival runs share the work.
+    ``of`` names the table whose rows a joined selection locks (all of them when None)."""
+
+    of: sa.Table | None = None
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Each batch's selection starts after the previous batch's last row (its transition
+    returns ``BatchOutcome.position``), and the run ends with one pass from the start,
+    because rows other runs held are due too.
+
+    ``count_before_last_pass``: take that last pass only if the selection, counted from
+    the start without LIMIT or locks (held rows included), still matches something. For a
+    selection whose LIMIT plan walks the whole scope when nothing is left."""
+
+    count_before_last_pass: bool = False
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """The job keeps a cursor per scope (``job_checkpoint``), written with each batch and
+    read back when a run starts, so that a rerun resumes where the last commit left off.
+
+    ``rescan_when_complete``: a job that re-checks its whole scope on every run
+    (reconciliation) forgets the cursor once a run has gone through the scope; a backfill
+    keeps it (done is done)."""
+
+    rescan_when_complete: bool
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How the runner takes the selection, batch by batch. Read by the runner (and by the
+    reports and sensors that say where a run stands)."""
+
+    # Rival runs share the work by skipping each other's locked rows; None for a selection
+    # that takes no row locks (one run per scope holds the lease).
+    locks: SkipLocked | None = SkipLocked()
+    positions: Positions | None = None  # within a run, each batch starts after the last
+    checkpoint: Checkpointing | None = None  # across runs, a run starts where the last stopped
+    # A dry run that must look (e.g. ask the downstream) runs the batches too; the job's
+    # functions write nothing when ``ctx.mode == "dry_run"``, and no checkpoint is saved.
+    dry_run_scans: bool = False
+
+
+# ------------------------------------------------------------------ the Dagster UI: Presentation
+
+
+@dataclass(frozen=True)
+class Presentation:
+    """What people see of the job beyond its name and description. Read by the Dagster
+    adapter (the outcome asset, its page, the job's description) and the run's report."""
+
+    outcome_asset: str = ""  # the business asset whose outcome the checks prove, e.g. "quotes"
+    healthy: str = ""  # what healthy looks like for that asset (shown on its page)
+    change: str = ""  # what execute does to one item, in a few words (the report, the UI)
+
+
+# ------------------------------------------------------------------ deployment: Deployment
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How the job is scheduled and run. Read by the Dagster schedules and sensors, the
+    Kubernetes run launcher, the lateness checks and the CLI."""
+
+    cron_schedule: str = "0 * * * *"  # the default cadence of its schedule (UTC)
+    backlog_threshold: int | None = None  # a backlog sensor launches the job past this
+    # Tenants one Dagster run covers when a tick fans out: one run (one pod) per chunk.
+    tenants_per_run: int = 100
+    run_resources: RunResources = RunResources()  # one run's CPU and memory
+    calls_downstream: bool = False  # its runs need QO_OPS_DOWNSTREAM_URL (the fulfilment API)
+    # Windowed jobs: how many days before its tick lies the day a schedule runs (None: 1,
+    # yesterday). Retention jobs return retention + 1, the day that has just aged out.
+    scheduled_window_age_days: Callable[[], int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tenants_per_run < 1:
+            raise ValueError(f"tenants_per_run must be at least 1, not {self.tenants_per_run}")
+
+
+# ------------------------------------------------------------------ metrics: Signals
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What the job reports about itself beyond the platform's counters. Read by the
+    exporter (its metrics and their label values), the freshness checks, and the run's
+    report."""
+
+    # The age in seconds of the oldest eligible item (job_lag_seconds; the run's report).
+    lag: Callable[[Connection, BatchContext], float | None] | None = None
+    # Whether the exporter serves its eligible items as job_backlog_items (and lag), which
+    # QoOpsJobBacklogGrowing watches; False for a job whose items pile up all day by design.
+    reports_backlog: bool = True
+    # How many items sit dead-lettered now, all tenants (a capped count; exporter, report).
+    dead_letters: Callable[[Connection], int] | None = None
+    # Rows about what one run did beyond its counters (per day, per mismatch type…), read
+    # after the run by its job_run id; ids, states and numbers only.
+    report: Callable[[Connection, BatchContext], list[ReportRow]] | None = None
+    # The side effects it counts (``BatchOutcome.side_effect``): the side_effect label's values.
+    side_effects: tuple[str, ...] = ()
+    # The ``error_code`` of its own exceptions, beside the platform's: job_failed_total's values.
+    error_classes: tuple[str, ...] = ()
+    reconciliation: Reconciliation | None = None  # a reconciliation job's reconciliation_* family
+    # Whether a run ending partial_success keeps the tenant fresh (the recent_success check,
+    # job_last_success_timestamp_seconds, the stale-success sensor): True where some items
+    # failing is normal (poison items dead-lettered by design, each with its own signal).
+    partial_success_is_fresh: bool = False
+
+
+# ------------------------------------------------------------------ the operator: Recovery
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """How a person hands work back to the job. Read by ``qo_ops.platform.actions.recovery``
+    (qo-ops requeue, qo-ops review and the API's matching actions)."""
+
+    requeue: DeadLetterKind | None = None  # how its dead letters go back to work
+    review: Review | None = None  # what it flags for a person, and what a person may do
+
+
+# ------------------------------------------------------------------ the job
 
 
 @dataclass(frozen=True)
@@ -34,8 +208,12 @@ class JobSpec:
 
     ``eligible`` builds the ordered, index-backed selection (the same query serves the
     dry-run count, the sample and each batch); ``transition`` applies one batch inside the
-    batch transaction; ``check`` proves the business outcome; ``lag`` gives the age of the
-    oldest eligible item.
+    batch transaction, and ``then`` (if any) is what follows its commit: an external call
+    and a second transaction (:class:`ExternalPhase`), or a second transaction alone
+    (:class:`SecondTransaction`); ``check`` judges the declared ``checks``.
+    ``validate_settings`` reads and checks every setting the job's functions use before the
+    run writes or claims anything: it raises ConfigError, else returns them, and the job's
+    functions get that value through ``run_settings(ctx, <this function>)``.
     """
 
     name: str
@@ -43,82 +221,35 @@ class JobSpec:
     description: str
     partitioning: Partitioning
     eligible: Callable[[BatchContext], sa.Select[Any]]
-    transition: Callable[[Connection, BatchContext, Sequence[Any]], BatchOutcome]
+    transition: Transition
     check: Callable[[Connection, BatchContext], list[OutcomeCheck]]
-    lag: Callable[[Connection, BatchContext], float | None] | None = None
-    outcome_asset: str = ""  # the business asset whose outcome the checks prove, e.g. "quotes"
+    then: ExternalPhase | SecondTransaction | None = None
     checks: tuple[CheckSpec, ...] = ()
-    cron_schedule: str = "0 * * * *"  # default cadence of its schedule (UTC)
-    backlog_threshold: int | None = None  # a backlog sensor launches the job past this
-    # Whether the exporter serves its eligible items as job_backlog_items (and lag), which
-    # QoOpsJobBacklogGrowing watches. A daily job whose items pile up by design all day
-    # (run_history_retention) opts out: its backlog grows between healthy runs.
-    reports_backlog: bool = True
     defaults: Limits = field(default_factory=Limits)
-    run_resources: RunResources = field(default_factory=RunResources)  # one run's CPU and memory
-    # Tenants one Dagster run covers when a schedule or sensor tick fans out (one run, and on
-    # Kubernetes one pod, per chunk; each tenant still runs through run_job on its own).
-    tenants_per_run: int = (
-        100  # measured at 1,000 tenants: 20 → 0.09, 50 → 0.12, 100 → 0.21 of in-process
-    )
-    destructive: bool = False
-    calls_downstream: bool = False  # its runs need QO_OPS_DOWNSTREAM_URL (the fulfilment API)
-    uses_checkpoint: bool = False
-    compete_with_skip_locked: bool = True  # lock selected rows FOR UPDATE SKIP LOCKED
-    lock_of: sa.Table | None = None  # the table whose rows a joined selection locks
-    # A job whose batches start after a position ends with one pass from the start (rows
-    # others held are due too). With this, that pass is taken only if the selection, counted
-    # from the start (no LIMIT, no locks: it counts held rows too), still matches something:
-    # for a selection whose LIMIT plan walks the whole scope when nothing is left
-    # (read_model_repair: 1.9 s at 1,000,000 orders, the count 0.6–1 s).
-    count_before_last_pass: bool = False
-    # Jobs whose side effect leaves the database run in three steps per batch: the
-    # transition only claims (its own transaction), ``external`` calls the other system with
-    # no transaction open, and ``record`` writes the results (a second guarded transaction).
-    external: Callable[[BatchContext, list[Any]], list[Any]] | None = None
-    record: Callable[[Connection, BatchContext, list[Any]], BatchOutcome] | None = None
-    # A dry-run that must look (e.g. ask the downstream) runs the batches too; the job's
-    # functions write nothing when ``ctx.mode == "dry_run"``, and no checkpoint is saved.
-    dry_run_scans: bool = False
-    # A cursor job that re-checks its whole scope on every run (reconciliation) forgets its
-    # checkpoint once a run has gone through the scope; a backfill keeps it (done is done).
-    rescan_when_complete: bool = False
-    # Windowed jobs: how many days before its tick the day a schedule runs lies (default 1:
-    # yesterday). Retention jobs return retention + 1, the day that has just aged out.
-    scheduled_window_age_days: Callable[[], int] | None = None
-    # How many items sit dead-lettered now, all tenants (capped count; for the exporter).
-    dead_letters: Callable[[Connection], int] | None = None
-    # How a person puts its dead letters back to work (qo-ops requeue, the API's requeue).
-    dead_letters_requeue: DeadLetterKind | None = None
-    # What it flags for a person, and what a person may do with each (qo-ops review).
-    review: Review | None = None
-    # Reads and checks every setting (environment) the job's functions use, before the run
-    # writes or claims anything: raises ConfigError (exit 2, one line), else returns them;
-    # the job's functions get that value through run_settings(ctx, <this function>).
+    destructive: bool = False  # an execute by a person cites an approval
     validate_settings: Callable[[], object] | None = None
-    # What execute does to one item, in a few words (the dry-run report's "transition").
-    change: str = ""
-    # What healthy looks like for its outcome asset (shown on the asset's page).
-    healthy: str = ""
-    # Rows about what one run did, beyond its counters (per day, per mismatch type…), read
-    # after the run by its job_run id; ids, states and numbers only.
-    report: Callable[[Connection, BatchContext], list[ReportRow]] | None = None
-    # The side effects the job counts (``BatchOutcome.side_effect``), e.g. an outbox event or
-    # a call to the downstream: the only values the ``side_effect`` metric label takes.
-    side_effects: tuple[str, ...] = ()
-    # The error classes its own failures raise (an exception's ``error_code``), beside the
-    # platform's (signals.PLATFORM_ERROR_CLASSES): the values job_failed_total serves.
-    error_classes: tuple[str, ...] = ()
-    # A reconciliation job's mismatch types and action outcomes (the reconciliation_* family)
-    reconciliation: Reconciliation | None = None
-    # How a run ending partial_success counts for freshness (stale_success_sensor, the
-    # recent_success check, job_last_success_timestamp_seconds, QoOpsJobNotSucceeding):
-    # True where some items failing is the job's normal state (poison items dead-lettered
-    # by design, each with its own signal), so such a run keeps the tenant fresh; False
-    # (the default) where it means work left undone, so only success and no_work do.
-    partial_success_is_fresh: bool = False
+    batching: Batching = Batching()
+    presentation: Presentation = Presentation()
+    deployment: Deployment = Deployment()
+    signals: Signals = Signals()
+    recovery: Recovery = Recovery()
+
+    def __post_init__(self) -> None:
+        """The rules between parts that types cannot say."""
+        problems = []
+        if self.checks and not self.presentation.outcome_asset:
+            problems.append("its checks need presentation.outcome_asset, the asset they judge")
+        names = [c.name for c in self.checks]
+        if len(set(names)) != len(names):
+            problems.append(f"two checks share a name: {names}")
+        if self.deployment.scheduled_window_age_days and self.partitioning != "tenant_day":
+            problems.append("deployment.scheduled_window_age_days is for windowed jobs only")
+        if self.recovery.requeue is not None and self.signals.dead_letters is None:
+            problems.append("recovery.requeue needs signals.dead_letters, the count of them")
+        if problems:
+            raise ValueError(f"JobSpec {self.name}: " + "; ".join(problems))
 
     @property
     def fresh_statuses(self) -> tuple[RunStatus, ...]:
         """The final statuses of an execute run that keep a tenant fresh."""
-        return fresh_statuses(self.partial_success_is_fresh)
+        return fresh_statuses(self.signals.partial_success_is_fresh)

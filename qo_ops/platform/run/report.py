@@ -20,15 +20,17 @@ REPORT_SAMPLE = 20  # sample rows of a dry run's report
 def add_report(conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunSummary) -> None:
     """What the run left behind (its backlog, its checkpoint, the dead letters) and its
     report rows, onto its summary."""
-    if spec.uses_checkpoint:
+    if spec.batching.checkpoint is not None:
         saved = checkpoint.saved(conn, spec.name, ctx.scope.key)
         if saved is not None:
             summary.checkpoint_after = checkpoint.as_text(saved.cursor)
             summary.checkpoint_age_s = saved.age_s
-    elif not spec.dry_run_scans:  # a selection of what is due: what is still due is backlog
+    elif (
+        not spec.batching.dry_run_scans
+    ):  # a selection of what is due: what is still due is backlog
         summary.backlog = _backlog(conn, spec, ctx, summary)
-    if spec.dead_letters is not None:
-        summary.dead_letters = spec.dead_letters(conn)
+    if spec.signals.dead_letters is not None:
+        summary.dead_letters = spec.signals.dead_letters(conn)
     summary.report = [asdict(row) for row in build_report(conn, spec, ctx, summary)]
 
 
@@ -53,7 +55,7 @@ def build_report(
     counters, the job's own tallies and rows, its calls to the downstream (retry pressure,
     rate limiting, breaker), and the checks."""
     rows: list[ReportRow] = []
-    change = spec.change or "changed"
+    change = spec.presentation.change or "changed"
     if summary.mode == "dry_run":
         rows.append(ReportRow("would_change", change, summary.eligible_count))
         rows += [ReportRow("sample", i, 1, change) for i in summary.sample_ids[:REPORT_SAMPLE]]
@@ -66,8 +68,8 @@ def build_report(
         if not is_manners_key(key):
             rows.append(_tally_row(key, value))
     rows += manners_rows(summary.tally, summary.error_code, summary.status_reason)
-    if spec.report is not None:
-        rows += spec.report(conn, ctx)
+    if spec.signals.report is not None:
+        rows += spec.signals.report(conn, ctx)
     words = ("met now", "not met now") if summary.mode == "dry_run" else ("passed", "FAILED")
     rows += [
         ReportRow("check", c.name, int(c.passed), words[0] if c.passed else words[1])

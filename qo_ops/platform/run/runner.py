@@ -43,7 +43,7 @@ from qo_ops.platform.job.outcome import (
     RunSummary,
 )
 from qo_ops.platform.job.scope import Scope
-from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.spec import ExternalPhase, JobSpec
 from qo_ops.platform.job.statuses import ENDED_WELL, RunStatus
 from qo_ops.platform.observability.events import METRICS, EventContext, JobMetrics
 from qo_ops.platform.observability.tracing import SpanLike, span
@@ -190,7 +190,7 @@ class JobRun:
         the work (dry run or batches), then the outcome checks."""
         self._announce()
         self._reap_orphans()
-        if self.options.mode == "dry_run" and not self.spec.dry_run_scans:
+        if self.options.mode == "dry_run" and not self.spec.batching.dry_run_scans:
             self._dry_run()
         else:
             self._execute()
@@ -244,7 +244,7 @@ class JobRun:
     # ------------------------------------------------------------------ the work
     def _load_checkpoint(self) -> None:
         """A checkpointed job starts (and a dry run looks) where the last run stopped."""
-        if self.spec.uses_checkpoint:
+        if self.spec.batching.checkpoint is not None:
             self.ctx.cursor = checkpoint.load(self.engine, self.spec.name, self.scope.key)
             self.summary.checkpoint_before = checkpoint.as_text(self.ctx.cursor)
 
@@ -427,7 +427,7 @@ class JobRun:
 
     def _batch(self, conn: Connection, room: int) -> BatchOutcome | _Step:
         """One batch: guard, select, transition, checkpoint and counters in one transaction
-        (for a job with an external phase, then its calls and a second transaction)."""
+        (for a job with a second step, the transition only claims: ``_second_step``)."""
         started = time.perf_counter()
         with self._transaction(conn) as must_stop:
             if must_stop:  # at a batch boundary: the batches before it are all committed
@@ -445,30 +445,37 @@ class JobRun:
             outcome = self.spec.transition(conn, self.ctx, items)
             outcome.processed = len(items)
             crash_point("before_commit")
-            if self.spec.external is None:
+            if self.spec.then is None:
                 self._commit_effects(conn, outcome)
         crash_point("after_commit")
-        outcome = self._external_phase(conn, outcome)
+        outcome = self._second_step(conn, outcome)
         self.batch_ms.append((time.perf_counter() - started) * 1000)
         return outcome
 
     def _anything_left(self, conn: Connection) -> bool:
         """Whether the last pass from the start may find anything: always, unless the job
-        counts its selection first (``JobSpec.count_before_last_pass``) and it matches
+        counts its selection first (``Positions.count_before_last_pass``) and it matches
         nothing, held rows included."""
-        return not self.spec.count_before_last_pass or count_eligible(conn, self.spec, self.ctx) > 0
+        positions = self.spec.batching.positions
+        counts_first = positions is not None and positions.count_before_last_pass
+        return not counts_first or count_eligible(conn, self.spec, self.ctx) > 0
 
-    def _external_phase(self, conn: Connection, claimed: BatchOutcome) -> BatchOutcome:
-        """A job whose side effect leaves the database calls the other system with no
-        transaction open and no rows locked, then records the results in a second guarded
-        transaction; any other job's outcome is already recorded."""
-        external, record = self.spec.external, self.spec.record
-        if external is None or record is None:
+    def _second_step(self, conn: Connection, claimed: BatchOutcome) -> BatchOutcome:
+        """What follows the claim's commit (``JobSpec.then``): for an external phase, the call
+        to the other system with no transaction open and no rows locked; then the second
+        guarded transaction, which records the batch. Any other job's outcome is already
+        recorded."""
+        then = self.spec.then
+        if then is None:
             return claimed
-        results = external(self.ctx, claimed.work)
-        crash_point("after_external_call")
+        if isinstance(then, ExternalPhase):
+            results = then.call(self.ctx, claimed.work)
+            crash_point("after_external_call")
+            finish = then.record
+        else:  # a second transaction, nothing called in between
+            results, finish = claimed.work, then.finish
         with self._transaction(conn):
-            outcome = record(conn, self.ctx, results)
+            outcome = finish(conn, self.ctx, results)
             outcome.processed = claimed.processed  # the claim knows what was selected
             outcome.cursor = outcome.cursor or claimed.cursor  # and the position
             self._commit_effects(conn, outcome)
@@ -476,7 +483,8 @@ class JobRun:
 
     def _commit_effects(self, conn: Connection, outcome: BatchOutcome) -> None:
         """The rest of a batch's transaction: checkpoint and run counters."""
-        if self.spec.uses_checkpoint and outcome.cursor is not None and self.ctx.mode == "execute":
+        checkpointed = self.spec.batching.checkpoint is not None
+        if checkpointed and outcome.cursor is not None and self.ctx.mode == "execute":
             with span("checkpoint.update", **{"job.name": self.spec.name}):
                 checkpoint.save(conn, self.spec.name, self.scope.key, self.run_id, outcome.cursor)
             outcome.tally[CHECKPOINT_UPDATES] = outcome.tally.get(CHECKPOINT_UPDATES, 0) + 1
@@ -484,8 +492,8 @@ class JobRun:
 
     def _rescan_next_time(self, conn: Connection) -> None:
         """A job that re-checks its whole scope each run forgets its finished cursor."""
-        spec = self.spec
-        rescan = spec.uses_checkpoint and spec.rescan_when_complete
+        spec, checkpointing = self.spec, self.spec.batching.checkpoint
+        rescan = checkpointing is not None and checkpointing.rescan_when_complete
         if (
             rescan
             and self.ctx.mode == "execute"
@@ -507,8 +515,10 @@ class JobRun:
         """Where the next batch starts: the outcome's position, and a checkpointed job's
         cursor."""
         if outcome.position is not None:
+            if self.spec.batching.positions is None:
+                raise TypeError(f"{self.spec.name} returned a position but declares no positions")
             self.ctx.position = outcome.position
-        if self.spec.uses_checkpoint and outcome.cursor is not None:
+        if self.spec.batching.checkpoint is not None and outcome.cursor is not None:
             self.ctx.cursor = outcome.cursor
             self.events.emit(
                 "job.checkpoint.updated",
@@ -553,7 +563,8 @@ class JobRun:
             hold_point("before_finalize")  # the outcome-check phase, as far as a signal knows
             with self.engine.connect() as conn:
                 summary.checks = self.spec.check(conn, self.ctx)
-                lag = self.spec.lag(conn, self.ctx) if self.spec.lag else None
+                lag_of = self.spec.signals.lag
+                lag = lag_of(conn, self.ctx) if lag_of else None
                 summary.oldest_due_age_s = lag
                 add_report(conn, self.spec, self.ctx, self.summary)
             self.metrics.lag.labels(self.spec.name).set(lag or 0.0)

@@ -22,8 +22,9 @@ def count_eligible(conn: Connection, spec: JobSpec, ctx: BatchContext) -> int:
 def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int) -> list[Any]:
     """The next ``limit`` items, locked for this transaction (skipping ones others hold)."""
     query = spec.eligible(ctx).limit(limit)
-    if spec.compete_with_skip_locked:
-        query = query.with_for_update(skip_locked=True, of=spec.lock_of)
+    locks = spec.batching.locks
+    if locks is not None:
+        query = query.with_for_update(skip_locked=True, of=locks.of)
     return list(conn.execute(query).scalars().all())
 
 

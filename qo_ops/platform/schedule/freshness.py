@@ -16,7 +16,7 @@ STALE_FACTOR = 3
 
 def stale_limit_s(spec: JobSpec) -> float:
     """Seconds without a success after which a tenant of ``spec`` is stale."""
-    return STALE_FACTOR * cadence_seconds(spec.cron_schedule)
+    return STALE_FACTOR * cadence_seconds(spec.deployment.cron_schedule)
 
 
 # How long the job has been at work here: since its first finished run or evaluated tick

@@ -57,7 +57,7 @@ NOT_RUN = (
 
 def tick_window_s(spec: JobSpec) -> float:
     """How long after its tick a scheduled run may start and still count as that tick's."""
-    return min(cadence_seconds(spec.cron_schedule), WINDOW_CAP_S)
+    return min(cadence_seconds(spec.deployment.cron_schedule), WINDOW_CAP_S)
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,11 @@ def first_scheduled_tick(conn: Connection, job_name: str) -> datetime | None:
 def scheduled_day(spec: JobSpec, tick: datetime) -> date:
     """The day a windowed job's schedule runs at ``tick`` (yesterday, or for retention jobs
     the day that has just aged out); :class:`QoOpsError` for a bad retention setting."""
-    age = spec.scheduled_window_age_days() if spec.scheduled_window_age_days else 1
+    age = (
+        spec.deployment.scheduled_window_age_days()
+        if spec.deployment.scheduled_window_age_days
+        else 1
+    )
     return (tick - timedelta(days=age)).date()
 
 

@@ -43,7 +43,7 @@ def last_scheduled_day(spec: JobSpec, now: datetime) -> date:
     a scheduled run may start that late and run that long. Raises :class:`QoOpsError` when
     the job has a bad retention setting."""
     until = now - timedelta(seconds=tick_window_s(spec) + spec.defaults.deadline_s)
-    ticks = cron_ticks(spec.cron_schedule, until - timedelta(days=2), until)
+    ticks = cron_ticks(spec.deployment.cron_schedule, until - timedelta(days=2), until)
     return scheduled_day(spec, ticks[-1])
 
 
@@ -80,6 +80,6 @@ def tenant_backlog(conn: Connection, spec: JobSpec, tenant_id: str) -> Backlog:
     scope = backlog_scope(spec, tenant_id, database_now(conn))
     ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
     items = None
-    if not (spec.uses_checkpoint or spec.dry_run_scans):
+    if spec.batching.checkpoint is None and not spec.batching.dry_run_scans:
         items = count_eligible(conn, spec, ctx)
-    return Backlog(items, spec.lag(conn, ctx) if spec.lag else None)
+    return Backlog(items, spec.signals.lag(conn, ctx) if spec.signals.lag else None)

@@ -139,11 +139,11 @@ def scope_tag(spec: JobSpec, key: str) -> dict[str, str]:
 def chunk_tenants(
     spec: JobSpec, tenants: Sequence[str], size: int | None = None
 ) -> list[list[str]]:
-    """Split ``tenants`` (sorted) into runs of at most ``size`` (``spec.tenants_per_run``).
+    """Split ``tenants`` (sorted) into runs of at most ``size`` (``spec.deployment.tenants_per_run``).
     The chunks start at an offset derived from the job's name, so jobs that share a cron
     do not all begin with the same tenants at the same second."""
     ordered = sorted(tenants)
-    size = size or spec.tenants_per_run
+    size = size or spec.deployment.tenants_per_run
     chunks = [ordered[i : i + size] for i in range(0, len(ordered), size)]
     if not chunks:
         return []

@@ -19,7 +19,7 @@ from qo_ops.demo.data import load_demo_data
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
 from qo_ops.platform.job.scope import Scope
-from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.spec import Batching, Checkpointing, JobSpec
 from qo_ops.platform.run.runner import run_job
 
 
@@ -52,7 +52,7 @@ BUMP = JobSpec(
     eligible=_after_cursor,
     transition=_bump,
     check=_no_checks,
-    uses_checkpoint=True,
+    batching=Batching(checkpoint=Checkpointing(rescan_when_complete=False)),
 )
 
 

@@ -42,7 +42,7 @@ def _add(engine: sa.Engine, first: int, last: int) -> None:
 
 def test_a_chunk_is_as_many_tenants_as_a_windowed_run_takes():
     windowed = [s for s in CATALOG.values() if s.partitioning == "tenant_day"]
-    assert windowed and all(s.tenants_per_run == CHUNK_SIZE for s in windowed)
+    assert windowed and all(s.deployment.tenants_per_run == CHUNK_SIZE for s in windowed)
 
 
 def test_chunk_keys_and_windowed_keys_are_read_both_ways():
