@@ -27,7 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qo_ops.errors import redact
 from qo_ops.platform.job.outcome import BatchOutcome, RunSummary
-from qo_ops.platform.job.statuses import ENDED_WELL, RunStatus
+from qo_ops.platform.job.spec import JobSpec
+from qo_ops.platform.job.statuses import RunStatus
 from qo_ops.platform.observability.resource import process_resource
 from qo_ops.platform.observability.tracing import trace_id
 
@@ -224,7 +225,7 @@ class JobMetrics:
         )
         self.last_success = Gauge(
             "job_last_success_timestamp_seconds",
-            "When a run last ended success/no_work",
+            "When an execute run last ended in one of its job's fresh statuses",
             ["job_name"],
             registry=r,
         )
@@ -256,16 +257,18 @@ class JobMetrics:
         self.deadletter.labels(job_name).inc(outcome.deadlettered)
         self.duplicates_prevented.labels(job_name).inc(outcome.duplicates_prevented)
 
-    def count_run(self, job_name: str, summary: RunSummary, seconds: float) -> None:
-        """A finished run: by status and duration; skipped, failed by class, last success."""
-        status = summary.status
+    def count_run(self, spec: JobSpec, summary: RunSummary, seconds: float) -> None:
+        """A finished run: by status and duration; skipped, failed by class, and the last
+        success as the exporter counts it (an execute ending in one of the job's fresh
+        statuses)."""
+        job_name, status = spec.name, summary.status
         self.completed.labels(job_name, status).inc()
         self.duration.labels(job_name, status).observe(seconds)
         if status == RunStatus.SKIPPED:
             self.skipped.labels(job_name).inc()
         if status == RunStatus.FAILED:
             self.failed.labels(job_name, summary.error_code or "unknown").inc()
-        if status in ENDED_WELL:
+        if summary.mode == "execute" and status in spec.fresh_statuses:
             self.last_success.labels(job_name).set(time.time())
 
 

@@ -637,7 +637,7 @@ class JobRun:
                 self._write_record()
             finally:
                 self._let_go()
-        self.metrics.count_run(self.spec.name, summary, time.monotonic() - self.started)
+        self.metrics.count_run(self.spec, summary, time.monotonic() - self.started)
         self.events.emit(
             "job.finished",
             logging.INFO if summary.status in QUIET_ENDINGS else logging.WARNING,

@@ -15,8 +15,10 @@ import pytest
 import sqlalchemy as sa
 
 from qo_ops.demo.data import load_demo_data
+from qo_ops.jobs.catalog import CATALOG
 from qo_ops.jobs.quote_expiration import SPEC
 from qo_ops.platform.job.options import RunOptions
+from qo_ops.platform.job.outcome import RunSummary
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.observability.events import EVENT_LOGGER, JobMetrics
 from qo_ops.platform.run.runner import run_job
@@ -236,6 +238,27 @@ def test_metrics_of_a_skipped_run(demo):
     assert sample(metrics, "job_completed_total", status="skipped") == 1
     assert sample(metrics, "job_items_processed_total") is None
     assert sample(metrics, "job_last_success_timestamp_seconds") is None
+
+
+def test_the_last_success_is_an_execute_ending_in_one_of_the_jobs_fresh_statuses():
+    """The in-process gauge names the same last success as the exporter and ``qo-ops status``:
+    a delivery job's partial success (its poison items fail on purpose) counts, a sweep's
+    does not, and a dry run never does (issue 43)."""
+
+    def last_success(job: str, status: str, mode: str = "execute") -> float | None:
+        metrics = JobMetrics()
+        summary = RunSummary("r", job, status, mode, "tenant-001", "manual", None)
+        metrics.count_run(CATALOG[job], summary, 1.0)
+        return metrics.registry.get_sample_value(
+            "job_last_success_timestamp_seconds", {"job_name": job}
+        )
+
+    assert last_success("delivery_retry", "partial_success")
+    assert last_success("delivery_retry", "no_work")
+    assert last_success(JOB, "partial_success") is None
+    assert last_success(JOB, "success")
+    assert last_success(JOB, "success", mode="dry_run") is None
+    assert last_success(JOB, "failed") is None
 
 
 def test_metric_labels_never_carry_tenant_run_or_item_ids(demo):
