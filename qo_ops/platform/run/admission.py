@@ -1,10 +1,10 @@
-"""Whether a run may start: what is checked before anything is written, and the audit row
-of a run started (or refused) for a person.
+"""Whether a run may start. This module checks a run before anything is written, and it
+writes the audit row of a run started (or refused) for a person.
 
-A run that cannot be right (impossible options, a bad setting, the wrong kind of scope, an
-unknown tenant) is refused with nothing written; an execute a person may not start (no
-reason, a reused one, a destructive job without a valid approval) and a run of a suspended job are
-refused with an audit row (``denied``)."""
+A run that cannot be right is refused with nothing written. Examples are impossible options,
+a bad setting, the wrong kind of scope, or an unknown tenant. Two other refusals leave an
+audit row (``denied``). One is an execute a person may not start: no reason, a reused reason,
+or a destructive job without a valid approval. The other is a run of a suspended job."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ from qo_ops.platform.schedule.tenants import tenant_exists
 
 
 def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOptions) -> object:
-    """Reject a run that cannot be right, before anything is written; returns the job's
-    settings (``JobSpec.validate_settings``), which the run then uses (``run_settings``)."""
+    """Reject a run that cannot be right, before anything is written.
+
+    Returns the job's settings (``JobSpec.validate_settings``), which the run then uses
+    (``run_settings``)."""
     options.validated()
-    consent.check(engine, spec, scope, options)  # a person's execute: reason, approval
-    drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
+    consent.check(engine, spec, scope, options)  # a person's execute needs reason, approval
+    drift_warn_s(), db_retry_s()  # the runner's own settings; it reads them again later
     settings = spec.validate_settings() if spec.validate_settings is not None else None
     windowed = spec.partitioning == "tenant_day"
     if windowed and scope.window_start is None:
@@ -48,24 +50,27 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
 
 @dataclass(frozen=True)
 class Admission:
-    """A run at the door: this job, over this scope, with these options, admitted (or
-    refused) before anything is written, and the audit rows of that decision. (The operator
-    API's request to run a job is :class:`qo_ops.api.service.RunRequest`; Dagster's
-    ``dg.RunRequest`` is a sensor's or schedule's.)"""
+    """A run at the door: this job, over this scope, with these options.
+
+    It is admitted or refused before anything is written, and it writes the audit rows of
+    that decision. The operator API's request to run a job is a different type,
+    :class:`qo_ops.api.service.RunRequest`. Dagster's ``dg.RunRequest`` is a sensor's or a
+    schedule's."""
 
     spec: JobSpec
     scope: Scope
     options: RunOptions
 
     def admit(self, engine: Engine, stop: StopSignals) -> object:
-        """Refuse a run that cannot be right or may not start now (raising, the refusal
-        audited where a person or a suspension is behind it); returns the job's settings."""
-        # a run worker started before a contract step retired its code (a queued Dagster
-        # run launches in the image it was created with) starts nothing, in one line
+        """Raise if the run cannot be right or may not start now, else return the job's settings.
+
+        A refusal is audited when a person or a suspension is behind it."""
+        # A queued Dagster run launches in the image it was created with. If a contract step
+        # has since retired that code, this line makes the run start nothing.
         migrate.require_current_cached(engine)
         try:
             settings = validate_request(engine, self.spec, self.scope, self.options)
-        except ExecuteRefused as refused:  # a person's execute without consent: on record
+        except ExecuteRefused as refused:  # a person's execute without consent is recorded
             with stop.deferred(), engine.begin() as conn:
                 self.audit(
                     conn, "denied", self.options.job_run_id,
@@ -76,7 +81,7 @@ class Admission:
         return settings
 
     def _refuse_if_suspended(self, engine: Engine) -> None:
-        """A suspended job starts no run, whatever triggered it; the refusal is audited."""
+        """A suspended job starts no run, whatever triggered it. The refusal is audited."""
         with engine.begin() as conn:
             found = suspension_for(conn, self.spec.name, self.scope.tenant_id)
             if found is None:

@@ -1,9 +1,9 @@
-"""The lease: who may write for a (job, scope), decided by the database clock alone.
+"""The lease decides which run may write for a (job, scope). Only the database clock counts.
 
-A lease is taken by one conditional upsert (free or expired → ours, fencing token + 1),
-kept alive by a heartbeat, and checked — token and fencing token, under a share lock —
-inside every batch transaction, so a holder that was paused or cut off past its expiry
-writes nothing once another run has taken over.
+A run takes the lease with one conditional upsert. That succeeds when the lease is free or
+expired, and it raises the fencing token by one. A heartbeat keeps the lease alive. Every
+batch transaction checks the token and the fencing token under a share lock. So a holder
+that was paused or cut off past its expiry writes nothing once another run has taken over.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from qo_ops.platform.run.liveness import RUN_GONE
 
 log = logging.getLogger(__name__)
 
-# Free, expired, or held by a run whose process is gone (its liveness lock dropped) →
-# ours; the fencing token only ever goes up.
+# We take the lease when it is free, expired, or held by a run whose process is gone (its
+# liveness lock dropped). The fencing token only ever goes up.
 # Twice: a held, unexpired lease of a live holder matches nothing (the upsert's WHERE), so
 # of two racing acquires one wins, and a second acquire by the winner finds it held.
 _ACQUIRE = sa.text(
@@ -44,7 +44,7 @@ _ACQUIRE = sa.text(
     """
 )
 
-# Extend only while still ours and unexpired: a lapsed lease is never revived.
+# Extend the lease only while it is still ours and unexpired. A lapsed lease is never revived.
 # Twice: extending again only moves the expiry to now + TTL once more.
 _HEARTBEAT = sa.text(
     """
@@ -56,15 +56,18 @@ _HEARTBEAT = sa.text(
     """
 )
 
-# The fence: inside the batch transaction, still ours and unexpired, and held (FOR SHARE)
-# so that no one can take the lease over until this transaction ends. It also reads the
-# run's cancel flag, saving the batch a round trip.
-# Why the run must stop now, if it must: a cancel asked on its job_run row, or a
-# suspension of its job for its tenant or for every scope (the kill switch, job_control).
-# And, in the same round trip, SET LOCAL idle_in_transaction_session_timeout to the lease's
-# TTL (:idle_ms, bound: SET takes no parameters), before the transaction can first be idle:
-# a holder frozen mid-transaction is cut off by the server, releasing its locks. No row (the
-# lease is lost) sets nothing, and the transaction is rolled back.
+# The fence. Inside the batch transaction it checks that the lease is still ours and
+# unexpired, and it holds the row FOR SHARE, so no one can take the lease over until this
+# transaction ends.
+# It also says why the run must stop now, if it must. That is either a cancel asked on its
+# job_run row, or a suspension of its job for its tenant or for every scope (the kill
+# switch, job_control). Reading this here saves the batch a round trip.
+# In the same round trip it sets idle_in_transaction_session_timeout (SET LOCAL) to the
+# lease's TTL, before the transaction can first be idle. The value is bound as :idle_ms,
+# because SET takes no parameters. The server then cuts off a holder frozen
+# mid-transaction, which releases its locks.
+# When the lease is lost, no row comes back, nothing is set, and the transaction is rolled
+# back.
 _GUARD = sa.text(
     """
     SELECT CASE
@@ -83,8 +86,8 @@ _GUARD = sa.text(
 )
 
 # Give the lease back by expiring it; the row (and its fencing token) stays.
-# Twice: it matches only our token and fencing token, so a second release re-expires our own
-# lapsed lease and never touches a lease another run took since (a new token).
+# Twice: it matches only our token and fencing token. A second release re-expires our own
+# lapsed lease, and it never touches a lease another run has taken since (a new token).
 _RELEASE = sa.text(
     """
     UPDATE job_lease SET expires_at = clock_timestamp(), heartbeat_at = clock_timestamp()
@@ -94,7 +97,7 @@ _RELEASE = sa.text(
 
 
 class LeaseLost(Exception):
-    """The run no longer holds its lease: it must write nothing more."""
+    """The run no longer holds its lease, so it must write nothing more."""
 
 
 @dataclass(frozen=True)
@@ -118,9 +121,9 @@ class Lease:
         }
 
     def guard(self, conn: Connection, run_id: uuid.UUID | None = None) -> str | None:
-        """Raise :class:`LeaseLost` unless this lease is still ours, and hold it until commit;
-        the transaction's ``idle_in_transaction_session_timeout`` becomes the lease's TTL.
+        """Raise :class:`LeaseLost` unless this lease is still ours, and hold it until commit.
 
+        The transaction's ``idle_in_transaction_session_timeout`` becomes the lease's TTL.
         Returns why run ``run_id`` must stop ("cancel requested", "suspended"), or None.
         """
         idle_ms = f"{int(self.ttl_s * 1000)}ms"
@@ -131,7 +134,7 @@ class Lease:
         return stop
 
     def heartbeat(self, engine: Engine) -> bool:
-        """Extend the lease; False when it has been lost (expired or taken over)."""
+        """Extend the lease. Returns False when it has been lost (expired or taken over)."""
         with engine.begin() as conn:
             return conn.execute(_HEARTBEAT, self._params()).first() is not None
 
@@ -156,8 +159,8 @@ class Lease:
             )
 
 
-LOCK_TIMEOUT_MS = 2000  # taking the lease waits this long for a holder's batch to commit
-# SET LOCAL lock_timeout, with the value bound (SET itself takes no parameters).
+LOCK_TIMEOUT_MS = 2000  # how long taking the lease waits for a holder's batch to commit
+# SET LOCAL lock_timeout. The value is bound, because SET itself takes no parameters.
 _LOCK_TIMEOUT = sa.text("SELECT set_config('lock_timeout', :ms, true)")
 
 
@@ -169,9 +172,9 @@ def acquire(
     ttl_s: float,
     job_run_id: uuid.UUID,
 ) -> Lease | None:
-    """Take the lease of (job, scope) if it is free or expired; None if someone holds it.
+    """Take the lease of (job, scope) if it is free or expired. Returns None if someone holds it.
 
-    Waiting is bounded: if a holder's batch transaction keeps the lease row locked longer
+    Waiting is bounded. If a holder's batch transaction keeps the lease row locked longer
     than :data:`LOCK_TIMEOUT_MS`, the lease counts as held.
     """
     token = secrets.token_hex(16)
@@ -201,9 +204,9 @@ def acquire(
 class Heartbeat:
     """Extends a lease every ``ttl / 3`` seconds in a background thread until stopped.
 
-    When an extension finds the lease gone, ``lost`` is set; the runner checks it between
-    batches (and the guard refuses inside them regardless). Each beat then calls ``on_beat``
-    (the runner's: keep its liveness lock, reap the runs whose process is gone).
+    When an extension finds the lease gone, it sets ``lost``. The runner checks that flag
+    between batches, and the guard refuses inside them regardless. After each beat it calls
+    ``on_beat``. The runner's keeps its liveness lock and reaps the runs whose process is gone.
     """
 
     def __init__(
@@ -250,7 +253,7 @@ class Heartbeat:
             self._thread.join(timeout=10)
 
 
-# The scopes of a job whose lease is unexpired and whose holder is not gone. Read-only.
+# The scopes of a job whose lease is unexpired and whose holder is not gone. It only reads.
 _HELD = sa.text(
     f"""
     SELECT l.scope FROM job_lease l
@@ -261,6 +264,6 @@ _HELD = sa.text(
 
 
 def held_scopes(conn: Connection, job_name: str) -> set[str]:
-    """The scopes of ``job_name`` whose lease is held now by a run that is not gone (a run
-    is working on them)."""
+    """The scopes of ``job_name`` whose lease a live run holds now, so a run is working on
+    them."""
     return set(conn.execute(_HELD, {"job": job_name}).scalars())

@@ -3,12 +3,12 @@
     reap orphans -> lease -> bounded batches (guard, select, transition, checkpoint,
     counters: one transaction each) -> final status -> outcome check -> release
 
-A run stops between batches when its deadline passes (``timeout``), when it is asked to
-(``cancelled``: a flag on its job_run row, or SIGTERM/SIGINT), or when its lease is gone
-(``failed``/``lease_lost``); whatever committed stays, and a rerun carries on from there.
+A run stops between batches in three cases. Its deadline passes (``timeout``). It is asked
+to stop by a flag on its job_run row or by SIGTERM/SIGINT (``cancelled``). Its lease is gone
+(``failed``/``lease_lost``). Whatever committed stays, and a rerun carries on from there.
 
-One run is one :class:`JobRun`: ``run_job`` makes it, and its ``run`` method reads top to
-bottom as the run goes, each step a method of its own.
+One run is one :class:`JobRun`, which ``run_job`` makes. Its ``run`` method reads top to
+bottom in the order the run goes, and each step is a method of its own.
 """
 
 from __future__ import annotations
@@ -57,16 +57,16 @@ from qo_ops.platform.run.selection import count_eligible, select_batch
 from qo_ops.platform.run.stopping import TERMINATED, StopSignals, Terminated, stop_grace_s
 from qo_ops.platform.schedule.drift import drift_reason, drift_s, drift_warn_s
 
-# count_eligible and select_batch live in selection.py; callers import them from here too
+# count_eligible and select_batch live in selection.py. Callers import them from here too.
 __all__ = ["JobRun", "RunSummary", "count_eligible", "owner_identity", "run_job", "select_batch"]
 
 log = logging.getLogger(__name__)
 
-QUIET_ENDINGS = (*ENDED_WELL, RunStatus.SKIPPED)  # job.finished at INFO; the rest at WARNING
+QUIET_ENDINGS = (*ENDED_WELL, RunStatus.SKIPPED)  # job.finished at INFO; others at WARNING
 
 
 def owner_identity() -> str:
-    """Who holds a lease: host, process and a per-process nonce (no secrets)."""
+    """Who holds a lease, as host, process and a per-process nonce. It holds no secrets."""
     return f"{socket.gethostname()}:{os.getpid()}:{_PROCESS_NONCE}"
 
 
@@ -81,12 +81,12 @@ def run_job(
     engine: Engine,
     metrics: JobMetrics = METRICS,
 ) -> RunSummary:
-    """Run ``spec`` over ``scope`` once, safely; see the module docstring for the shape.
+    """Run ``spec`` over ``scope`` once, safely. The module docstring shows the shape.
 
-    Whatever happens after the run record is written -- SIGTERM/SIGINT at any point, the
-    database restarting, a bug -- the record is finished and the lease given back before
-    this returns (or re-raises a foreign interrupt, e.g. Dagster's)."""
-    with StopSignals(stop_grace_s()) as stop:  # a signal before the record: nothing written
+    Something may happen after the run record is written: SIGTERM/SIGINT at any point, the
+    database restarting, or a bug. In every case the record is finished and the lease given
+    back before this returns, or before it re-raises a foreign interrupt such as Dagster's."""
+    with StopSignals(stop_grace_s()) as stop:  # a signal before the record writes nothing
         return JobRun(engine, Admission(spec, scope, options), stop, metrics).run()
 
 
@@ -100,22 +100,23 @@ class _Step(Enum):
 class JobRun:
     """One run of one job over one scope, from its admission to its finished record.
 
-    It holds what the run's steps share (spec, options, limits, owner, stop signals,
-    metrics; once recorded, the context its batches see, its summary and events; once
-    leased, the lease, its heartbeat, the deadline and the batch timings), so that each
-    step takes only what varies: a connection, a batch's outcome."""
+    It holds what the run's steps share, so each step takes only what varies (a connection,
+    a batch's outcome). From the start it holds spec, options, limits, owner, stop signals
+    and metrics. Once the run is recorded, it also holds the context the batches see, the
+    summary and the events. Once leased, it holds the lease, its heartbeat, the deadline and
+    the batch timings."""
 
     # once the record is written (_open)
     run_id: uuid.UUID
     ctx: BatchContext
     summary: RunSummary
     events: EventContext
-    started: float  # monotonic, just before the record: the run's duration counts from it
+    started: float  # monotonic, just before the record. The run's duration counts from it.
     # once the lease is taken (_execute)
     lease: Lease
     heartbeat: Heartbeat
     deadline: float  # monotonic
-    batches_started: float  # monotonic: the progress event's elapsed time counts from it
+    batches_started: float  # monotonic. The progress event's elapsed time counts from it.
 
     def __init__(
         self, engine: Engine, admission: Admission, stop: StopSignals, metrics: JobMetrics
@@ -130,13 +131,13 @@ class JobRun:
     # ------------------------------------------------------------------ the run
     def run(self) -> RunSummary:
         """Admit the run, write its record, do the work, and end the run."""
-        settings = self.admission.admit(self.engine, self.stop)  # nothing written before
+        settings = self.admission.admit(self.engine, self.stop)  # it writes nothing before
         self._open(settings)
         with span(f"Job {self.spec.name}", **self._root_attributes()) as root:
             ended_by: BaseException | None = None
             try:
                 self._work()
-            except BaseException as exc:  # whatever ended the work, the record is finished
+            except BaseException as exc:  # the record is finished whatever ended the work
                 ended_by = exc
             self._end(root, ended_by)
         if ended_by is not None and not isinstance(ended_by, Terminated | Exception):
@@ -144,18 +145,19 @@ class JobRun:
         return self.summary
 
     def _open(self, settings: object) -> None:
-        """Write the run's ``running`` record; the context, summary and events follow it."""
+        """Write the run's ``running`` record, then make the context, summary and events."""
         spec, scope, options = self.spec, self.scope, self.options
         self.started = time.monotonic()
         with self.stop.deferred():
-            self.liveness = Liveness.take(self.engine)  # before the record: never "gone" early
+            self.liveness = Liveness.take(self.engine)  # before the record, never "gone" early
             owner = records.RunOwner(self.owner, self.liveness.key if self.liveness else None)
             try:
                 with self.engine.begin() as conn:  # a person's run is audited with its record
                     self.run_id = records.create_run(
                         conn, spec.name, scope, options, owner, self.limits.as_dict()
                     )
-                    if options.person_behind and options.job_run_id is None:  # API: accepted
+                    # A person's run is audited here, unless the API accepted it (and audited it).
+                    if options.person_behind and options.job_run_id is None:
                         limits = {"limits": self.limits.as_dict()}
                         self.admission.audit(conn, "allowed", self.run_id, limits)
             except BaseException:
@@ -186,8 +188,8 @@ class JobRun:
         }  # fmt: skip
 
     def _work(self) -> None:
-        """Everything between the run record's creation and its end: start events, orphans,
-        the work (dry run or batches), then the outcome checks."""
+        """Everything between the run record's creation and its end. That is the start
+        events, the orphans, the work (dry run or batches), then the outcome checks."""
         self._announce()
         self._reap_orphans()
         if self.options.mode == "dry_run" and not self.spec.batching.dry_run_scans:
@@ -201,11 +203,11 @@ class JobRun:
             or summary.error_code == UNAVAILABLE
         )
         if not_done or self.stop.requested:
-            return  # nothing was done, or the checks cannot run now: nothing to check
+            return  # nothing was done, or the checks cannot run now, so nothing is checked
         self._check_outcome()
 
     def _announce(self) -> None:
-        """job.started, and job.scheduler.drift.detected when a scheduled run starts late."""
+        """Emit job.started, and job.scheduler.drift.detected when a scheduled run is late."""
         self.metrics.started.labels(self.spec.name).inc()
         late, tick = drift_s(self.options), self.options.scheduled_for
         self.events.emit(
@@ -228,15 +230,15 @@ class JobRun:
             self._reap()
 
     def _reap(self) -> None:
-        """Finish the records of runs whose process is gone (any job), and of this job's runs
-        whose heartbeat and lease lapsed."""
+        """Finish the records of runs whose process is gone (any job). Also finish those of
+        this job's runs whose heartbeat and lease lapsed."""
         reaped = records.reap_orphans(self.engine, self.spec.name, grace_s=self.limits.lease_ttl_s)
         if ids := [str(r) for r in reaped]:
             self.events.emit("job.orphans.reaped", logging.WARNING, count=len(ids), run_ids=ids)
 
     def _on_beat(self) -> None:
-        """At each heartbeat (its thread): keep the liveness lock, and reap, so that a killed
-        run's record is finished by any run still at work, not only by the next to start."""
+        """At each heartbeat, in its thread, keep the liveness lock and reap. So any run still
+        at work finishes a killed run's record, not only the next run to start."""
         if self.liveness is not None:
             self.liveness.keep(self.run_id)
         self._reap()
@@ -249,7 +251,7 @@ class JobRun:
             self.summary.checkpoint_before = checkpoint.as_text(self.ctx.cursor)
 
     def _dry_run(self) -> None:
-        """Count and sample exactly what execute would select; write nothing but the run row."""
+        """Count and sample exactly what execute would select. Write nothing but the run row."""
         spec, ctx, summary = self.spec, self.ctx, self.summary
         self._load_checkpoint()
         with self.engine.connect() as conn:
@@ -260,8 +262,8 @@ class JobRun:
         summary.status = RunStatus.SUCCESS if summary.eligible_count else RunStatus.NO_WORK
 
     def _execute(self) -> None:
-        """Under the lease, the batches; the lease goes back whatever happens, before the run
-        is recorded as ended."""
+        """Run the batches under the lease. Whatever happens, the lease goes back before the
+        run is recorded as ended."""
         lease = self._acquire()
         if lease is None:
             return
@@ -284,11 +286,11 @@ class JobRun:
             summary.status, summary.error_code = RunStatus.FAILED, "lease_lost"
             summary.status_reason, summary.error_text = "lease_lost", str(exc)
             self.events.emit("job.lock.lost", logging.ERROR, **{"lock.name": self._lock_name()})
-        except Exception as exc:  # any failure ends the run as failed, with a safe one-line reason
+        except Exception as exc:  # any failure ends the run failed, with a safe one-line reason
             self._failed(exc)
             if summary.error_code != UNAVAILABLE and not self._still_held():
                 summary.error_code = summary.status_reason = "lease_lost"
-        finally:  # on a signal too: the lease goes back before the run is recorded as ended
+        finally:  # on a signal too, the lease goes back before the run is recorded as ended
             self.heartbeat.stop()
             with self.stop.deferred():
                 self._release()
@@ -299,12 +301,12 @@ class JobRun:
         return f"{self.spec.name}:{self.scope.key}"
 
     def _acquire(self) -> Lease | None:
-        """The scope's lease, or None (then the summary says why: skipped, or cancelled while
-        waiting)."""
+        """The scope's lease, or None. Then the summary says why (skipped, or cancelled
+        while waiting)."""
         summary = self.summary
         with (
             span("lease.acquire", **{"lock.name": self._lock_name()}) as acquiring,
-            self.stop.deferred(),  # taken or not, never half: the token must reach us
+            self.stop.deferred(),  # taken or not, never half, because the token must reach us
         ):
             asked = time.monotonic()
             lease = acquire(
@@ -335,8 +337,8 @@ class JobRun:
         return lease
 
     def _release(self) -> None:
-        """Give the lease back, riding out a database restart for a bounded time; if the
-        database stays away, the lease expires by itself (its TTL)."""
+        """Give the lease back, riding out a database restart for a bounded time. If the
+        database stays away, the lease expires by itself after its TTL."""
         try:
             retry_while_unavailable(
                 lambda: self.lease.release(self.engine),
@@ -354,15 +356,15 @@ class JobRun:
             return False
 
     def _db_patience(self) -> float:
-        """How long a write rides out a database restart: ``QO_OPS_DB_RETRY_S``, within what
-        is left of the stop grace once a stop was asked."""
+        """How long a write rides out a database restart. That is ``QO_OPS_DB_RETRY_S``,
+        capped by what is left of the stop grace once a stop was asked."""
         if self.stop.requested:
             return min(db_retry_s(), self.stop.remaining_s())
         return db_retry_s()
 
     # ------------------------------------------------------------------ the batches
     def _batches(self) -> None:
-        """The batch loop on one connection; the batch times go on the summary."""
+        """Run the batch loop on one connection, and put the batch times on the summary."""
         try:
             with self.engine.connect() as conn:  # one connection for all of the run's batches
                 self._batch_loop(conn)
@@ -397,16 +399,16 @@ class JobRun:
                 continue
             if outcome is _Step.DONE or self._halted(outcome):
                 return
-            if self.limits.throttle_ms:  # a stop signal wakes it: the loop head ends the run
+            if self.limits.throttle_ms:  # a stop signal wakes it, and the loop head ends the run
                 self.stop.event.wait(self.limits.throttle_ms / 1000.0)
 
     def _room(self) -> int:
-        """How many more items this run may take; 0 when it must end now (a stop, its
-        deadline, its item limit: the summary says which)."""
+        """How many more items this run may take. It is 0 when the run must end now, because
+        of a stop, its deadline or its item limit. The summary says which."""
         summary = self.summary
         if self.heartbeat.lost.is_set():
             raise LeaseLost("heartbeat found the lease taken over or expired")
-        if self.stop.requested:  # SIGTERM/SIGINT: every batch before this one is recorded
+        if self.stop.requested:  # SIGTERM/SIGINT; every batch before this one is recorded
             summary.status, summary.status_reason = RunStatus.CANCELLED, TERMINATED
             return 0
         if time.monotonic() >= self.deadline:
@@ -419,25 +421,26 @@ class JobRun:
 
     @contextmanager
     def _transaction(self, conn: Connection) -> Iterator[str | None]:
-        """One batch's transaction on the run's connection, under the lease's guard (which
-        also cuts the transaction off if it idles past the lease's TTL); yields why the run
-        must stop (a cancel asked, the job suspended), or None."""
+        """One batch's transaction on the run's connection, under the lease's guard.
+
+        The guard also cuts the transaction off if it idles past the lease's TTL. Yields why
+        the run must stop (a cancel asked, the job suspended), or None."""
         with conn.begin():
             yield self.lease.guard(conn, self.run_id)
 
     def _batch(self, conn: Connection, room: int) -> BatchOutcome | _Step:
-        """One batch: guard, select, transition, checkpoint and counters in one transaction
-        (for a job with a second step, the transition only claims: ``_second_step``)."""
+        """One batch: guard, select, transition, checkpoint and counters in one transaction.
+        For a job with a second step, the transition only claims (see ``_second_step``)."""
         started = time.perf_counter()
         with self._transaction(conn) as must_stop:
-            if must_stop:  # at a batch boundary: the batches before it are all committed
+            if must_stop:  # at a batch boundary, so the batches before it are all committed
                 self.summary.status, self.summary.status_reason = RunStatus.CANCELLED, must_stop
                 return _Step.DONE
             items = select_batch(conn, self.spec, self.ctx, min(self.limits.batch_size, room))
             if not items and self.ctx.position is not None:
                 self.ctx.position = None
                 if self._anything_left(conn):
-                    return _Step.AGAIN  # one last pass from the start: rows others held are due too
+                    return _Step.AGAIN  # one last pass from the start; rows others held are due
             if not items:
                 self._rescan_next_time(conn)
                 return _Step.DONE
@@ -453,18 +456,19 @@ class JobRun:
         return outcome
 
     def _anything_left(self, conn: Connection) -> bool:
-        """Whether the last pass from the start may find anything: always, unless the job
-        counts its selection first (``Positions.count_before_last_pass``) and it matches
-        nothing, held rows included."""
+        """Whether the last pass from the start may find anything. It may, unless the job
+        counts its selection first (``Positions.count_before_last_pass``) and the count,
+        held rows included, is zero."""
         positions = self.spec.batching.positions
         counts_first = positions is not None and positions.count_before_last_pass
         return not counts_first or count_eligible(conn, self.spec, self.ctx) > 0
 
     def _second_step(self, conn: Connection, claimed: BatchOutcome) -> BatchOutcome:
-        """What follows the claim's commit (``JobSpec.then``): for an external phase, the call
-        to the other system with no transaction open and no rows locked; then the second
-        guarded transaction, which records the batch. Any other job's outcome is already
-        recorded."""
+        """Do what follows the claim's commit (``JobSpec.then``).
+
+        An external phase first calls the other system, with no transaction open and no rows
+        locked. Then a second guarded transaction records the batch. For any other job the
+        outcome is already recorded."""
         then = self.spec.then
         if then is None:
             return claimed
@@ -482,7 +486,7 @@ class JobRun:
         return outcome
 
     def _commit_effects(self, conn: Connection, outcome: BatchOutcome) -> None:
-        """The rest of a batch's transaction: checkpoint and run counters."""
+        """Write the rest of a batch's transaction, the checkpoint and the run counters."""
         checkpointed = self.spec.batching.checkpoint is not None
         if checkpointed and outcome.cursor is not None and self.ctx.mode == "execute":
             with span("checkpoint.update", **{"job.name": self.spec.name}):
@@ -503,7 +507,7 @@ class JobRun:
             self.summary.tally[CHECKPOINT_RESETS] = 1
 
     def _account(self, outcome: BatchOutcome) -> None:
-        """A recorded batch's counters, into the summary and the metrics."""
+        """Add a recorded batch's counters to the summary and the metrics."""
         summary = self.summary
         summary.batches += 1
         summary.counts += outcome
@@ -512,8 +516,8 @@ class JobRun:
         self.metrics.count_batch(self.spec.name, outcome)
 
     def _move_on(self, outcome: BatchOutcome) -> None:
-        """Where the next batch starts: the outcome's position, and a checkpointed job's
-        cursor."""
+        """Set where the next batch starts: the outcome's position, and a checkpointed
+        job's cursor."""
         if outcome.position is not None:
             if self.spec.batching.positions is None:
                 raise TypeError(f"{self.spec.name} returned a position but declares no positions")
@@ -526,7 +530,7 @@ class JobRun:
             )
 
     def _emit_batch(self, outcome: BatchOutcome) -> None:
-        """A recorded batch's events: its failed items, its notes, the run's progress."""
+        """Emit a recorded batch's events: its failed items, its notes, the run's progress."""
         events, summary = self.events, self.summary
         for item_id, item_error in outcome.failed_items:
             failed = {"item.id": item_id, "error.type": item_error}
@@ -546,7 +550,7 @@ class JobRun:
         )
 
     def _halted(self, outcome: BatchOutcome) -> bool:
-        """Whether the outcome stops the run (e.g. the downstream's breaker opened)."""
+        """Whether the outcome stops the run (for example, the downstream's breaker opened)."""
         if outcome.halt is None:
             return False
         code, reason = outcome.halt
@@ -557,10 +561,10 @@ class JobRun:
 
     # ------------------------------------------------------------------ the end
     def _check_outcome(self) -> None:
-        """The business outcome checks, the job's lag, and what the run left behind."""
+        """Run the business outcome checks, read the job's lag, and report what is left."""
         summary = self.summary
         try:
-            hold_point("before_finalize")  # the outcome-check phase, as far as a signal knows
+            hold_point("before_finalize")  # a signal sees this as the outcome-check phase
             with self.engine.connect() as conn:
                 summary.checks = self.spec.check(conn, self.ctx)
                 lag_of = self.spec.signals.lag
@@ -575,7 +579,7 @@ class JobRun:
         except Exception as exc:
             if not is_unavailable(exc):
                 raise
-            summary.checks = []  # the work is recorded; its checks wait for the next run
+            summary.checks = []  # the work is recorded. Its checks wait for the next run.
             summary.status_reason = (
                 summary.status_reason or "outcome checks skipped: database unavailable"
             )
@@ -584,7 +588,7 @@ class JobRun:
             raise
 
     def _final_status(self) -> RunStatus:
-        """How the batches ended, by their counters."""
+        """How the batches ended, judged by their counters."""
         counts = self.summary.counts
         if counts.processed == 0:
             return RunStatus.NO_WORK
@@ -596,8 +600,8 @@ class JobRun:
         return RunStatus.FAILED
 
     def _stopped_by_signal(self, where: str) -> None:
-        """A run stopped by SIGTERM/SIGINT: ``cancelled``/``terminated``, unless its work was
-        already over (then it keeps that status, and the reason says what was cut short)."""
+        """A run stopped by SIGTERM/SIGINT ends ``cancelled``/``terminated``. If its work was
+        already over, it keeps its status, and the reason says what was cut short."""
         summary = self.summary
         if summary.status == RunStatus.RUNNING:
             summary.status, summary.status_reason = RunStatus.CANCELLED, TERMINATED
@@ -605,7 +609,7 @@ class JobRun:
             summary.status_reason = summary.status_reason or f"{TERMINATED}{where}"
 
     def _failed(self, exc: BaseException) -> None:
-        """A run that ends on an error: ``failed``, with its class and a safe one-line text."""
+        """A run that ends on an error is ``failed``, with its class and a safe one-line text."""
         summary = self.summary
         summary.status = RunStatus.FAILED
         summary.error_code = UNAVAILABLE if is_unavailable(exc) else _error_class(exc)
@@ -616,19 +620,20 @@ class JobRun:
         log.debug("run failed", exc_info=True)
 
     def _interrupted(self) -> None:
-        """A run its caller interrupted: ``cancelled`` unless its work was already over."""
+        """A run its caller interrupted is ``cancelled``, unless its work was already over."""
         if self.summary.status == RunStatus.RUNNING:
             self.summary.status = RunStatus.CANCELLED
         self.summary.status_reason = self.summary.status_reason or "interrupted"
 
     def _end(self, root: SpanLike, ended_by: BaseException | None) -> None:
-        """The run ends, here only, whatever ended it: its status, its duration, its final
-        record, its metrics, job.finished and the root span's attributes."""
+        """End the run. This is the only place it ends, whatever ended it. It sets the status
+        and duration, writes the final record and metrics, emits job.finished and sets the
+        root span's attributes."""
         if isinstance(ended_by, Terminated):
             self._stopped_by_signal("")
         elif isinstance(ended_by, Exception):  # a failure outside the batches
             self._failed(ended_by)
-        elif ended_by is not None:  # interrupted by the caller: the batches' outcome stays
+        elif ended_by is not None:  # interrupted by the caller; the batches' outcome stays
             self._interrupted()
         summary = self.summary
         summary.duration_ms = int((time.monotonic() - self.started) * 1000)  # checks included
@@ -658,14 +663,14 @@ class JobRun:
             root.set_attribute(name, count)
 
     def _let_go(self) -> None:
-        """Give the liveness lock back: the record is finished (or was never written)."""
+        """Give the liveness lock back, once the record is finished (or was never written)."""
         if self.liveness is not None:
             self.liveness.release()
             self.liveness = None
 
     def _write_record(self) -> None:
-        """Write the run's final record, riding out a database restart for a bounded time (the
-        stop grace, when stopping); if the database never comes back, the reaper ends it."""
+        """Write the run's final record, riding out a database restart for a bounded time
+        (the stop grace, when stopping). If the database never comes back, the reaper ends it."""
         limit = self._db_patience()
         try:
             retry_while_unavailable(
@@ -685,6 +690,6 @@ class JobRun:
 
 
 def _error_class(exc: BaseException) -> str:
-    """The run's error class: the one ``exc`` declares (a job's own stop, e.g.
+    """The run's error class. It is the one ``exc`` declares (a job's own stop, such as
     anomaly_threshold), else ``database_error`` or ``internal_error``."""
     return error_class(exc, "database_error" if isinstance(exc, DBAPIError) else "internal_error")
