@@ -17,20 +17,20 @@ from qo_ops.platform.job.scope import Scope
 
 
 class StopRequest(Protocol):
-    """The run's stop request as a job's external phase sees it
-    (:class:`qo_ops.platform.run.stopping.StopSignals` is the runner's)."""
+    """The run's stop request as a job's external phase sees it. The runner's side of it is
+    :class:`qo_ops.platform.run.stopping.StopSignals`."""
 
     @property
     def requested(self) -> bool: ...
 
     @property
-    def event(self) -> threading.Event: ...  # set once a stop is asked (waits can watch it)
+    def event(self) -> threading.Event: ...  # set once a stop is asked, so waits can watch it
 
     def calls_deadline(self) -> float | None: ...
 
 
 class NoStopRequest:
-    """The stop request of a context made outside a run: never asked."""
+    """The stop request of a context made outside a run. It is never asked."""
 
     requested = False
 
@@ -52,26 +52,27 @@ class BatchContext:
     scope: Scope
     mode: Mode
     job_run_id: uuid.UUID
-    limits: Limits = field(default_factory=Limits)  # a context made outside a run: defaults
+    limits: Limits = field(default_factory=Limits)  # the defaults, outside a run
     settings: object | None = None  # what the job's validate_settings returned (run_settings)
-    # a checkpointed job's cursor: loaded when the run starts, then each batch's
+    # A checkpointed job's cursor. It is loaded when the run starts, then set by each batch.
     cursor: dict[str, Any] | None = None
-    # where the next selection may start within this run (BatchOutcome.position), never
-    # persisted: lets a state-based sweep skip the index entries its earlier batches left dead
+    # Where the next selection may start within this run (BatchOutcome.position). It is never
+    # persisted. It lets a state-based sweep skip the index entries its earlier batches left dead.
     position: dict[str, Any] | None = None
-    # the run's stop request (SIGTERM/SIGINT): external phases send no call once it is set
+    # The run's stop request (SIGTERM/SIGINT). External phases send no call once it is set.
     stop: StopRequest = field(default_factory=NoStopRequest)
-    # the job's own state between its steps within one run, one object per type (run_state)
+    # The job's own state between its steps within one run, one object per type (run_state).
     _run_states: dict[type, object] = field(default_factory=dict, init=False, repr=False)
 
     def run_state(self, kind: type[S], make: Callable[[], S] | None = None) -> S:
-        """The run's one object of type ``kind``: the job's own state between its steps
-        within this run (e.g. the downstream calls' client, a safety gate's decision), made
-        on first use by ``make`` (by default ``kind()``), the same object after.
+        """The run's one object of type ``kind``, which holds the job's own state between its
+        steps within this run. Examples are the downstream calls' client and a safety gate's
+        decision. ``make`` makes it on first use (by default ``kind()``), and later calls get
+        the same object.
 
         Each job keeps its run state in a class of its own, so the type is the key and mypy
-        checks what comes back; the platform never reads it, and a context made outside a
-        run starts with none."""
+        checks what comes back. The platform never reads it. A context made outside a run
+        starts with none."""
         found = self._run_states.get(kind)
         if found is None:
             found = self._run_states[kind] = (make or kind)()
@@ -80,7 +81,7 @@ class BatchContext:
         return found
 
     def run_state_if_made(self, kind: type[S]) -> S | None:
-        """The run's object of type ``kind`` if a step made it (:meth:`run_state`), or None."""
+        """The run's object of type ``kind`` if a step made it (:meth:`run_state`), else None."""
         found = self._run_states.get(kind)
         return found if isinstance(found, kind) else None
 
@@ -89,10 +90,12 @@ T = TypeVar("T")
 
 
 def run_settings(ctx: BatchContext, read: Callable[[], T]) -> T:
-    """The job's settings as the run uses them: the value the runner got from the job's
-    ``validate_settings`` before the run wrote anything (``read`` is that same function),
-    so what was validated is what is used, read once. A context made outside a run (an
-    outcome check, a backlog count) reads them with ``read`` on first use."""
+    """The job's settings as the run uses them.
+
+    This is the value the runner got from the job's ``validate_settings`` before the run
+    wrote anything, and ``read`` is that same function. So what was validated is what is
+    used, and the settings are read once. A context made outside a run (an outcome check, a
+    backlog count) reads them with ``read`` on first use."""
     if ctx.settings is None:
         ctx.settings = read()
     return cast(T, ctx.settings)
@@ -100,34 +103,38 @@ def run_settings(ctx: BatchContext, read: Callable[[], T]) -> T:
 
 @dataclass
 class BatchOutcome(Counts):
-    """What one transition did: its :class:`Counts` (a job sets ``succeeded``, ``failed`` …;
-    the runner sets ``processed`` to the items it selected), which add up into the run
-    record, and what the runner does next."""
+    """What one transition did, and what the runner does next.
+
+    Its :class:`Counts` add up into the run record. A job sets ``succeeded``, ``failed`` and
+    so on, and the runner sets ``processed`` to the items it selected."""
 
     events_written: int = 0
     cursor: dict[str, Any] | None = None  # the checkpoint after this batch, for cursor jobs
-    # where the next selection may start within this run (kept in memory, never persisted):
-    # lets a state-based sweep skip the index entries its earlier batches left dead
+    # Where the next selection may start within this run. It is kept in memory, never
+    # persisted. It lets a state-based sweep skip the index entries its earlier batches left dead.
     position: dict[str, Any] | None = None
     failed_items: list[tuple[str, str]] = field(default_factory=list)  # (item id, error class)
-    # what a claiming transition hands the external phase
+    # What a claiming transition hands the external phase.
     work: list[Any] = field(default_factory=list)
     tally: dict[str, int] = field(
         default_factory=dict
-    )  # job-specific counts, e.g. mismatches by type
-    # events the runner emits for this batch: (name, fields), e.g. a breaker's transition
+    )  # job-specific counts, such as mismatches by type
+    # Events the runner emits for this batch, as (name, fields). An example is a breaker's
+    # transition.
     notes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    # the run stops after this batch: (error class or None, reason). With an error class it
-    # ends failed with it (e.g. dependency_unavailable); without, as its counts say
+    # Set to stop the run after this batch, as (error class or None, reason). With an error
+    # class the run ends failed with it (such as dependency_unavailable). Without one, the run
+    # ends as its counts say.
     halt: tuple[str | None, str] | None = None
 
     def side_effect(self, name: str, result: str, n: int = 1, *, reason: str = "") -> None:
-        """Count ``n`` attempts at the side effect ``name`` (one the job declares in
-        ``JobSpec.signals.side_effects``) that ended in ``result`` (:data:`SIDE_EFFECT_RESULTS`); an
-        ``ambiguous`` one says why (``reason``: a short snake_case word). Kept in the run's
-        tally (``side_effect.<name>.<result>``, ``side_effect_ambiguity.<reason>``); the
-        exporter turns them into ``job_side_effects_total`` and
-        ``job_side_effect_ambiguity_total``."""
+        """Count ``n`` attempts at the side effect ``name`` that ended in ``result``.
+
+        The job declares ``name`` in ``JobSpec.signals.side_effects``, and ``result`` is one
+        of :data:`SIDE_EFFECT_RESULTS`. An ``ambiguous`` result says why in ``reason``, a
+        short snake_case word. The counts go into the run's tally
+        (``side_effect.<name>.<result>``, ``side_effect_ambiguity.<reason>``). The exporter
+        turns them into ``job_side_effects_total`` and ``job_side_effect_ambiguity_total``."""
         if result not in SIDE_EFFECT_RESULTS:
             raise ValueError(f"unknown side-effect result {result!r}")
         if (result == SideEffectResult.AMBIGUOUS) != bool(reason):
@@ -146,11 +153,12 @@ CHECKPOINT_UPDATES = "checkpoint.updates"
 CHECKPOINT_RESETS = "checkpoint.resets"  # a rescanning job forgot its finished cursor
 
 
-# How an attempt at a side effect ended: done; not repeated because the business key or the
-# other system's idempotency key showed it was done before; refused or failed (retried or
-# dead-lettered); or unknown (the request may have landed, or it landed and our record of
-# it did not) -- those need reconciliation, and are counted by reason too. Not a run's
-# status (statuses.RunStatus), though two of the words are the same.
+# How an attempt at a side effect ended. SUCCESS means it was done. DUPLICATE_PREVENTED means
+# it was not repeated, because the business key or the other system's idempotency key showed
+# it was done before. FAILED means it was refused or failed, and is retried or dead-lettered.
+# AMBIGUOUS means nobody knows: the request may have landed, or it landed and our record of it
+# did not. Ambiguous attempts need reconciliation, and they are counted by reason too.
+# This is not a run's status (statuses.RunStatus), though two of the words are the same.
 class SideEffectResult(StrEnum):
     """How one attempt at a side effect ended (the ``result`` label)."""
 
@@ -165,22 +173,22 @@ SIDE_EFFECT_RESULTS = tuple(r.value for r in SideEffectResult)
 
 @dataclass(frozen=True)
 class OutcomeCheck:
-    """The business outcome checked after a run (e.g. no ACTIVE quote past expiry)."""
+    """The business outcome checked after a run (for example, no ACTIVE quote past expiry)."""
 
     name: str
     passed: bool
     description: str
     metadata: dict[str, Any] = field(default_factory=dict)
-    # A check that counted exactly what the job's selection matches now (from its start, no
-    # position) says so here: the run's report takes it as the backlog instead of counting
-    # the same rows again (a full pass over the scope for a repair job).
+    # A check that counted exactly what the job's selection matches now (from its start, with
+    # no position) puts the count here. The run's report then takes it as the backlog instead
+    # of counting the same rows again, which for a repair job is a full pass over the scope.
     backlog: int | None = None
 
 
 @dataclass(frozen=True)
 class ReportRow:
     """One row of a run's report: what (``kind``, ``name``), how many (``count``), and a
-    short ``detail``. Ids, states and classes only: never personal data or payloads."""
+    short ``detail``. It holds only ids, states and classes, never personal data or payloads."""
 
     kind: str
     name: str
@@ -203,7 +211,7 @@ class RunSummary:
     counts: Counts = field(default_factory=Counts)  # the batches' counters, added up
     batches: int = 0
     duration_ms: int = 0
-    batch_ms_p50: float | None = None  # batch transaction times (guard to commit)
+    batch_ms_p50: float | None = None  # batch transaction times, from guard to commit
     batch_ms_p99: float | None = None
     batch_ms_max: float | None = None
     status_reason: str | None = None
@@ -219,22 +227,25 @@ class RunSummary:
     backlog: int | None = None  # items still eligible when the run ended
     oldest_due_age_s: float | None = None  # age of the oldest of them (the job's lag)
     checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
-    dead_letters: int | None = None  # items dead-lettered now, all tenants (capped count)
+    dead_letters: int | None = None  # items dead-lettered now, over all tenants (capped count)
     report: list[dict[str, Any]] = field(default_factory=list)  # ReportRow dicts
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # A status is kept as its plain value: the summary goes into Dagster's metadata,
-        # whose serializer refuses an enum it does not know (RunStatus.SUCCESS == "success").
+        # A status is kept as its plain value, because the summary goes into Dagster's
+        # metadata, whose serializer refuses an enum it does not know. The value compares
+        # equal to the enum (RunStatus.SUCCESS == "success").
         super().__setattr__(name, str(value) if name == "status" else value)
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; ``mutated_count`` after ``eligible_count`` (the seed's run
-        summary), the counters flat where ``counts`` stands, named as the job_run row names
-        them (``processed_count``, ``succeeded_count`` …)."""
+        """The summary as a JSON-ready dict.
+
+        ``mutated_count`` comes after ``eligible_count``, as in the seed's run summary. The
+        counters stand flat where ``counts`` stands, named as the job_run row names them
+        (``processed_count``, ``succeeded_count`` …)."""
         flat: dict[str, Any] = {}
         for key, value in asdict(self).items():
             flat |= self.counts.columns() if key == "counts" else {key: value}
-            if key == "eligible_count":  # the seed's pair: eligible, then mutated
+            if key == "eligible_count":  # the seed's pair is eligible, then mutated
                 flat["mutated_count"] = self.mutated_count
         return flat
 

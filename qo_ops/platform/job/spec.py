@@ -1,11 +1,13 @@
-"""What a job is: ``JobSpec``, declared once per job; every trigger and adapter derives from it.
+"""What a job is. Each job declares one ``JobSpec``, and every trigger and adapter derives
+from it.
 
-Up front, what the job does: its selection, its transition (and what follows it), its outcome
-check and its limits. Beside them, small parts grouped by who reads them: ``Batching`` (the
-runner), ``Presentation`` (the Dagster UI and the run's report), ``Deployment`` (schedules,
-sensors, Kubernetes), ``Signals`` (the exporter and the run's report) and ``Recovery``
-(the operator's actions). Fields that only work together are one object, so that a wrong
-pairing cannot be written; the remaining rules are checked when a spec is made.
+Up front it says what the job does: its selection, its transition (and what follows it),
+its outcome check and its limits. Beside them are small parts, grouped by who reads them:
+``Batching`` (the runner), ``Presentation`` (the Dagster UI and the run's report),
+``Deployment`` (schedules, sensors, Kubernetes), ``Signals`` (the exporter and the run's
+report) and ``Recovery`` (the operator's actions). Fields that only work together are one
+object, so a wrong pairing cannot be written. The remaining rules are checked when a spec
+is made.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ Record = Callable[[Connection, BatchContext, list[Any]], BatchOutcome]
 @dataclass(frozen=True)
 class CheckSpec:
     """A business outcome check a job declares. The job's ``check`` function judges it with
-    :meth:`result`, so the description Dagster shows on the asset check is also the one
-    every result carries: it is written once, here."""
+    :meth:`result`. So the description Dagster shows on the asset check is also the one
+    every result carries, and it is written once, here."""
 
     name: str
     description: str
@@ -42,8 +44,8 @@ class CheckSpec:
     def result(
         self, passed: bool, metadata: Mapping[str, Any] | None = None, *, backlog: int | None = None
     ) -> OutcomeCheck:
-        """This check's result: whether it passed, its figures, and (for a check that counted
-        exactly what the selection matches now) the backlog it counted."""
+        """This check's result: whether it passed, and its figures. A check that counted
+        exactly what the selection matches now also gives the backlog it counted."""
         return OutcomeCheck(self.name, passed, self.description, dict(metadata or {}), backlog)
 
 
@@ -52,9 +54,10 @@ class CheckSpec:
 
 @dataclass(frozen=True)
 class ExternalPhase:
-    """A side effect outside the database, between two transactions per batch: the
-    transition only claims (and commits), ``call`` calls the other system with no
-    transaction open and no row locked, and ``record`` writes the results in a second
+    """A side effect outside the database, between two transactions per batch.
+
+    The transition only claims, and commits. Then ``call`` calls the other system with no
+    transaction open and no row locked. Then ``record`` writes the results in a second
     transaction under the lease's guard."""
 
     call: Callable[[BatchContext, list[Any]], list[Any]]
@@ -64,8 +67,9 @@ class ExternalPhase:
 @dataclass(frozen=True)
 class SecondTransaction:
     """A second transaction per batch, under the lease's guard, right after the
-    transition's commit; nothing is called in between. ``finish`` gets the claim's
-    ``BatchOutcome.work`` (temp_file_cleanup: write the intents, commit, then delete)."""
+    transition's commit. Nothing is called in between. ``finish`` gets the claim's
+    ``BatchOutcome.work``. For example, temp_file_cleanup writes the intents, commits, and
+    then deletes."""
 
     finish: Record
 
@@ -75,49 +79,50 @@ class SecondTransaction:
 
 @dataclass(frozen=True)
 class SkipLocked:
-    """Lock the selected rows ``FOR UPDATE SKIP LOCKED``, so that rival runs share the work.
-    ``of`` names the table whose rows a joined selection locks (all of them when None)."""
+    """Lock the selected rows ``FOR UPDATE SKIP LOCKED``, so rival runs share the work.
+    ``of`` names the table whose rows a joined selection locks. None locks all of them."""
 
     of: sa.Table | None = None
 
 
 @dataclass(frozen=True)
 class Positions:
-    """Each batch's selection starts after the previous batch's last row (its transition
-    returns ``BatchOutcome.position``), and the run ends with one pass from the start,
-    because rows other runs held are due too.
+    """Each batch's selection starts after the previous batch's last row, which its
+    transition returns as ``BatchOutcome.position``. The run ends with one pass from the
+    start, because rows other runs held are due too.
 
-    ``count_before_last_pass``: take that last pass only if the selection, counted from
-    the start without LIMIT or locks (held rows included), still matches something. For a
-    selection whose LIMIT plan walks the whole scope when nothing is left."""
+    With ``count_before_last_pass``, the run takes that last pass only if the selection
+    still matches something. It is counted from the start, without LIMIT or locks, held
+    rows included. This suits a selection whose LIMIT plan walks the whole scope when
+    nothing is left."""
 
     count_before_last_pass: bool = False
 
 
 @dataclass(frozen=True)
 class Checkpointing:
-    """The job keeps a cursor per scope (``job_checkpoint``), written with each batch and
-    read back when a run starts, so that a rerun resumes where the last commit left off.
+    """The job keeps a cursor per scope (``job_checkpoint``). It is written with each batch
+    and read back when a run starts, so a rerun resumes where the last commit left off.
 
-    ``rescan_when_complete``: a job that re-checks its whole scope on every run
-    (reconciliation) forgets the cursor once a run has gone through the scope; a backfill
-    keeps it (done is done)."""
+    Set ``rescan_when_complete`` for a job that re-checks its whole scope on every run
+    (reconciliation). It forgets the cursor once a run has gone through the scope. A
+    backfill keeps the cursor, because done is done."""
 
     rescan_when_complete: bool
 
 
 @dataclass(frozen=True)
 class Batching:
-    """How the runner takes the selection, batch by batch. Read by the runner (and by the
-    reports and sensors that say where a run stands)."""
+    """How the runner takes the selection, batch by batch. The runner reads it, and so do
+    the reports and sensors that say where a run stands."""
 
-    # Rival runs share the work by skipping each other's locked rows; None for a selection
-    # that takes no row locks (one run per scope holds the lease).
+    # Rival runs share the work by skipping each other's locked rows. Use None for a
+    # selection that takes no row locks (one run per scope holds the lease).
     locks: SkipLocked | None = SkipLocked()
     positions: Positions | None = None  # within a run, each batch starts after the last
     checkpoint: Checkpointing | None = None  # across runs, a run starts where the last stopped
-    # A dry run that must look (e.g. ask the downstream) runs the batches too; the job's
-    # functions write nothing when ``ctx.mode == "dry_run"``, and no checkpoint is saved.
+    # A dry run that must look (for example, ask the downstream) runs the batches too. The
+    # job's functions write nothing when ``ctx.mode == "dry_run"``, and no checkpoint is saved.
     dry_run_scans: bool = False
 
 
@@ -126,8 +131,9 @@ class Batching:
 
 @dataclass(frozen=True)
 class Presentation:
-    """What people see of the job beyond its name and description. Read by the Dagster
-    adapter (the outcome asset, its page, the job's description) and the run's report."""
+    """What people see of the job beyond its name and description. The Dagster adapter
+    reads it (the outcome asset, its page, the job's description), and so does the run's
+    report."""
 
     outcome_asset: str = ""  # the business asset whose outcome the checks prove, e.g. "quotes"
     healthy: str = ""  # what healthy looks like for that asset (shown on its page)
@@ -139,17 +145,18 @@ class Presentation:
 
 @dataclass(frozen=True)
 class Deployment:
-    """How the job is scheduled and run. Read by the Dagster schedules and sensors, the
-    Kubernetes run launcher, the lateness checks and the CLI."""
+    """How the job is scheduled and run. The Dagster schedules and sensors, the Kubernetes
+    run launcher, the lateness checks and the CLI read it."""
 
     cron_schedule: str = "0 * * * *"  # the default cadence of its schedule (UTC)
     backlog_threshold: int | None = None  # a backlog sensor launches the job past this
-    # Tenants one Dagster run covers when a tick fans out: one run (one pod) per chunk.
+    # How many tenants one Dagster run covers when a tick fans out. Each chunk is one run
+    # (one pod).
     tenants_per_run: int = 100
     run_resources: RunResources = RunResources()  # one run's CPU and memory
     calls_downstream: bool = False  # its runs need QO_OPS_DOWNSTREAM_URL (the fulfilment API)
-    # Windowed jobs: how many days before its tick lies the day a schedule runs (None: 1,
-    # yesterday). Retention jobs return retention + 1, the day that has just aged out.
+    # For windowed jobs, how many days before its tick lies the day a schedule runs. None
+    # means 1 (yesterday). Retention jobs return retention + 1, the day that just aged out.
     scheduled_window_age_days: Callable[[], int] | None = None
 
     def __post_init__(self) -> None:
@@ -162,28 +169,32 @@ class Deployment:
 
 @dataclass(frozen=True)
 class Signals:
-    """What the job reports about itself beyond the platform's counters. Read by the
-    exporter (its metrics and their label values), the freshness checks, and the run's
+    """What the job reports about itself beyond the platform's counters. The exporter reads
+    it (its metrics and their label values), and so do the freshness checks and the run's
     report."""
 
-    # The age in seconds of the oldest eligible item (job_lag_seconds; the run's report).
+    # The age in seconds of the oldest eligible item (job_lag_seconds, and the run's report).
     lag: Callable[[Connection, BatchContext], float | None] | None = None
     # Whether the exporter serves its eligible items as job_backlog_items (and lag), which
-    # QoOpsJobBacklogGrowing watches; False for a job whose items pile up all day by design.
+    # QoOpsJobBacklogGrowing watches. Set False for a job whose items pile up all day by design.
     reports_backlog: bool = True
-    # How many items sit dead-lettered now, all tenants (a capped count; exporter, report).
+    # How many items sit dead-lettered now, over all tenants. It is a capped count, read by
+    # the exporter and the report.
     dead_letters: Callable[[Connection], int] | None = None
-    # Rows about what one run did beyond its counters (per day, per mismatch type…), read
-    # after the run by its job_run id; ids, states and numbers only.
+    # Rows about what one run did beyond its counters (per day, per mismatch type…). They
+    # are read after the run by its job_run id, and hold only ids, states and numbers.
     report: Callable[[Connection, BatchContext], list[ReportRow]] | None = None
-    # The side effects it counts (``BatchOutcome.side_effect``): the side_effect label's values.
+    # The side effects it counts (``BatchOutcome.side_effect``). These are the values of the
+    # side_effect label.
     side_effects: tuple[str, ...] = ()
-    # The ``error_code`` of its own exceptions, beside the platform's: job_failed_total's values.
+    # The ``error_code`` of its own exceptions, beside the platform's. They add to the
+    # values of job_failed_total's error_class label.
     error_classes: tuple[str, ...] = ()
     reconciliation: Reconciliation | None = None  # a reconciliation job's reconciliation_* family
-    # Whether a run ending partial_success keeps the tenant fresh (the recent_success check,
-    # job_last_success_timestamp_seconds, the stale-success sensor): True where some items
-    # failing is normal (poison items dead-lettered by design, each with its own signal).
+    # Whether a run ending partial_success keeps the tenant fresh. The recent_success check,
+    # job_last_success_timestamp_seconds and the stale-success sensor all follow it. Set True
+    # where some items failing is normal, such as poison items dead-lettered by design, each
+    # with its own signal.
     partial_success_is_fresh: bool = False
 
 
@@ -192,8 +203,8 @@ class Signals:
 
 @dataclass(frozen=True)
 class Recovery:
-    """How a person hands work back to the job. Read by ``qo_ops.platform.actions.recovery``
-    (qo-ops requeue, qo-ops review and the API's matching actions)."""
+    """How a person hands work back to the job. ``qo_ops.platform.actions.recovery`` reads
+    it, for qo-ops requeue, qo-ops review and the API's matching actions."""
 
     requeue: DeadLetterKind | None = None  # how its dead letters go back to work
     review: Review | None = None  # what it flags for a person, and what a person may do
@@ -206,14 +217,15 @@ class Recovery:
 class JobSpec:
     """One operational job, declared once; every trigger and adapter derives from it.
 
-    ``eligible`` builds the ordered, index-backed selection (the same query serves the
-    dry-run count, the sample and each batch); ``transition`` applies one batch inside the
-    batch transaction, and ``then`` (if any) is what follows its commit: an external call
-    and a second transaction (:class:`ExternalPhase`), or a second transaction alone
-    (:class:`SecondTransaction`); ``check`` judges the declared ``checks``.
-    ``validate_settings`` reads and checks every setting the job's functions use before the
-    run writes or claims anything: it raises ConfigError, else returns them, and the job's
-    functions get that value through ``run_settings(ctx, <this function>)``.
+    ``eligible`` builds the ordered, index-backed selection. The same query serves the
+    dry-run count, the sample and each batch. ``transition`` applies one batch inside the
+    batch transaction. ``then``, if set, is what follows its commit. That is either an
+    external call and a second transaction (:class:`ExternalPhase`), or a second
+    transaction alone (:class:`SecondTransaction`). ``check`` judges the declared ``checks``.
+
+    ``validate_settings`` reads and checks every setting the job's functions use, before the
+    run writes or claims anything. It raises ConfigError, or else returns the settings. The
+    job's functions get that value through ``run_settings(ctx, <this function>)``.
     """
 
     name: str
