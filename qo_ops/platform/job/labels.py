@@ -1,11 +1,12 @@
 """The label values of the seed's job signals, declared once (``docs/observability.md``).
 
-A metric label is one of these bounded sets, never a tenant, an id, a cursor or a message.
-The exporter serves every declared value of every catalog job from its first scrape (at 0),
-so ``increase()`` sees the first occurrence, and shows anything else as ``other``.
+A metric label takes its values from one of these bounded sets. It is never a tenant, an
+id, a cursor or a message. The exporter serves every declared value of every catalog job
+from its first scrape (at 0), so ``increase()`` sees the first occurrence. It shows any
+other value as ``other``.
 
 The runner and the downstream calls write what these count into each run's record (its
-columns and its ``tally``); the exporter reads them back from there.
+columns and its ``tally``). The exporter reads them back from there.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from qo_ops.platform.job.statuses import RunStatus
 
 OTHER = "other"  # any value outside a declared set
 
-# job_lock_acquire_total{result}: an execute run took its scope's lease, or found it held
+# job_lock_acquire_total{result} says whether an execute run took its scope's lease or
+# found it held.
 LOCK_RESULTS = ("acquired", "skipped_already_running")
 
-# job_retries_total{scope, reason} and job_retry_exhausted_total{scope}: scope item or run
+# job_retries_total{scope, reason} and job_retry_exhausted_total{scope}. The scope label is
+# item or run.
 ITEM_RETRY_REASONS = (
     "dependency_timeout",
     "dependency_connection",
@@ -29,9 +32,9 @@ ITEM_RETRY_REASONS = (
     OTHER,
 )
 RUN_RETRY_REASONS = ("worker_crashed",)  # the only runs Dagster retries (dagster.yaml)
-ITEM_RETRY_PREFIX = "retry.item."  # tally: retry.item.<reason>, an item's retry scheduled
-ITEM_RETRY_EXHAUSTED = "retry_exhausted.item"  # tally: dead-lettered with every attempt used
-# The failure code of a call that got no answer in time (a call's code, not a run's status).
+ITEM_RETRY_PREFIX = "retry.item."  # tally key retry.item.<reason>, an item's retry scheduled
+ITEM_RETRY_EXHAUSTED = "retry_exhausted.item"  # tally key, dead-lettered with every attempt used
+# The failure code of a call that got no answer in time. It is a call's code, not a run's status.
 CALL_TIMEOUT = "timeout"
 
 _CODE_REASONS = {
@@ -44,8 +47,9 @@ _CODE_REASONS = {
 
 
 def retry_reason(code: str | None) -> str:
-    """The ``reason`` of an item retry, from the failed call's code (``client.py``):
-    timeouts, connection failures, rate limiting, the dependency's 5xx, else ``other``."""
+    """The ``reason`` of an item retry, from the failed call's code (``client.py``). The
+    reasons are timeouts, connection failures, rate limiting, the dependency's 5xx, and
+    ``other`` for the rest."""
     if code is None:
         return OTHER
     if code in _CODE_REASONS:
@@ -55,8 +59,8 @@ def retry_reason(code: str | None) -> str:
     return OTHER
 
 
-# job_manual_reruns_total{reason}: an execute a person asked for over a scope that had an
-# earlier finished execute run, by how that run ended
+# job_manual_reruns_total{reason} counts an execute a person asked for over a scope that had
+# an earlier finished execute run. The reason is how that run ended.
 MANUAL_RERUN_REASONS: Mapping[str, str] = {
     RunStatus.FAILED: "after_failure",
     RunStatus.TIMEOUT: "after_failure",
@@ -65,18 +69,18 @@ MANUAL_RERUN_REASONS: Mapping[str, str] = {
     RunStatus.SUCCESS: "after_success",
     RunStatus.NO_WORK: "after_success",
 }
-# job_checkpoint_resets_total{reason}: a checkpoint forgotten because a rescanning job went
-# through its whole scope (the runner), or because a person reset it (qo-ops checkpoint reset)
+# job_checkpoint_resets_total{reason} counts forgotten checkpoints. Either a rescanning job
+# went through its whole scope (the runner), or a person reset it (qo-ops checkpoint reset).
 CHECKPOINT_RESET_REASONS = ("rescan_complete", "operator")
 MANUAL_TRIGGERS = ("manual", "api", "backfill")  # a Dagster run retry is not a person's rerun
 
-# job_failed_total{error_class}: the platform's error classes of a failed or timed-out run;
-# a job adds its own (JobSpec.signals.error_classes)
+# job_failed_total{error_class} takes the platform's error classes of a failed or timed-out
+# run. A job adds its own (JobSpec.signals.error_classes).
 PLATFORM_ERROR_CLASSES = (
     "items_failed",  # every item of the run failed
-    "deadline",  # status timeout: the run's deadline passed (its progress is kept)
+    "deadline",  # status timeout; the run's deadline passed, and its progress is kept
     "lease_lost",
-    "orphaned",  # its process died; the reaper ended the record
+    "orphaned",  # its process died, and the reaper ended the record
     "database_unavailable",
     "database_error",
     "dependency_unavailable",  # the downstream's circuit breaker stopped it
@@ -97,8 +101,8 @@ AMBIGUITY_REASONS = (
 
 @dataclass(frozen=True)
 class Reconciliation:
-    """What a reconciliation job counts, as tally keys of its runs: each mismatch type is a
-    key, and the action outcomes it writes map to a correction result or to the reason a
+    """What a reconciliation job counts, as tally keys of its runs. Each mismatch type is a
+    key. Each action outcome it writes maps to a correction result, or to the reason a
     mismatch is left to a person. The seed's reconciliation_* family is read from them."""
 
     mismatch_types: tuple[str, ...]

@@ -1,6 +1,6 @@
-"""How one run should behave (``RunOptions``), its limits (``Limits``), who triggered it, and
-the part of the consent rule that needs no database (:func:`check_consent`; the whole rule:
-``qo_ops/platform/run/consent.py``)."""
+"""How one run should behave (``RunOptions``), its limits (``Limits``) and who triggered it.
+Also the part of the consent rule that needs no database (:func:`check_consent`). The whole
+rule is in ``qo_ops/platform/run/consent.py``."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from qo_ops.errors import BadInput
 Mode = Literal["dry_run", "execute"]
 Trigger = Literal["schedule", "sensor", "manual", "backfill", "retry", "api"]
 TRIGGERS: tuple[str, ...] = ("schedule", "sensor", "manual", "backfill", "retry", "api")
-# Triggers a person stands behind: the CLI, the Launchpad and a person's re-execution
-# (manual), a partition backfill, the operator API, and Dagster's automatic retry of a run
-# a person launched (retries of scheduled and sensor runs keep their parent's trigger).
-# Their executes need a reason and are audited; schedules and sensors are not persons.
+# Triggers a person stands behind. They are the CLI, the Launchpad and a person's
+# re-execution (manual), a partition backfill, the operator API, and Dagster's automatic
+# retry of a run a person launched. Retries of scheduled and sensor runs keep their parent's
+# trigger. Executes by these triggers need a reason and are audited. Schedules and sensors
+# are not persons.
 TRIGGERS_WITH_A_PERSON: tuple[str, ...] = ("manual", "backfill", "retry", "api")
 
 MAX_BATCH_SIZE = 10_000
@@ -31,7 +32,7 @@ MAX_CONCURRENCY = 256
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How one run should behave; ``None`` limits take the job's defaults."""
+    """How one run should behave. A limit left ``None`` takes the job's default."""
 
     mode: Mode = "dry_run"
     trigger: Trigger = "manual"
@@ -45,16 +46,17 @@ class RunOptions:
     correlation_id: str | None = None
     scheduled_for: datetime | None = None
     dagster_run_id: str | None = None
-    dagster_parent_run_id: str | None = None  # a Dagster re-execution: the run it repeats
+    dagster_parent_run_id: str | None = None  # the run a Dagster re-execution repeats
     approval: str | None = None  # the approval a destructive execute cites (run/consent.py)
     job_run_id: uuid.UUID | None = None  # adopt a row pre-created by the API
     progress_interval_s: float = 10.0
     sample_size: int = 10
     concurrency: int | None = None
-    # when the run was asked for, if the trigger knows it (the Dagster run's creation): the
-    # start of job_start_delay_seconds; None: the tick, the API's acceptance or the record
+    # When the run was asked for, if the trigger knows it (the Dagster run's creation).
+    # job_start_delay_seconds counts from it. When None, it counts from the tick, the API's
+    # acceptance or the record.
     requested_at: datetime | None = None
-    retry_number: int = 0  # which of the trigger's automatic retries this run is (0: first)
+    retry_number: int = 0  # which of the trigger's automatic retries this run is (0 is first)
     retries_max: int | None = None  # how many the trigger allows, when it says
 
     def validated(self) -> RunOptions:
@@ -70,7 +72,7 @@ class RunOptions:
         _check_range("lease TTL (s)", self.lease_ttl_s, 1, MAX_LEASE_TTL_S)
         _check_range("concurrency", self.concurrency, 1, MAX_CONCURRENCY)
         for name in ("requester", "correlation_id", "reason", "approval"):
-            if name == "reason":  # a blank reason is no reason: refused (and audited) as such
+            if name == "reason":  # a blank reason is no reason, refused (and audited) as such
                 check_consent(self)
             value = getattr(self, name)
             if value is not None and (len(value) > MAX_TEXT or not value.strip()):
@@ -79,8 +81,8 @@ class RunOptions:
 
     @property
     def person_behind(self) -> bool:
-        """A person asked for this run (:data:`TRIGGERS_WITH_A_PERSON`): an execute needs a
-        reason, and the run is audited."""
+        """Whether a person asked for this run (:data:`TRIGGERS_WITH_A_PERSON`). Then an
+        execute needs a reason, and the run is audited."""
         return self.trigger in TRIGGERS_WITH_A_PERSON
 
 
@@ -91,9 +93,9 @@ REASON_REUSED = "reason_reused"
 
 
 class ExecuteRefused(BadInput):
-    """An execute a person asked for that the rules do not allow (no reason; a destructive
-    job without a valid approval; a reused reason). Nothing was run; ``run_job`` audits it
-    as ``denied``."""
+    """An execute a person asked for that the rules do not allow. It has no reason, a reused
+    reason, or it is a destructive job without a valid approval. Nothing was run, and
+    ``run_job`` audits it as ``denied``."""
 
     def __init__(self, message: str, *, error_code: str) -> None:
         super().__init__(message)
@@ -102,10 +104,12 @@ class ExecuteRefused(BadInput):
 
 def check_consent(options: RunOptions, *, destructive: bool = False, job_name: str = "") -> None:
     """Raise :class:`ExecuteRefused` for an execute with a person behind it that gives no
-    reason, or that executes a destructive job citing no approval — on every path alike
-    (CLI, Launchpad, backfill, API). This is step 1 of the consent rule, which
-    :func:`qo_ops.platform.run.consent.check` applies whole (whether the cited approval
-    allows the run, and whether the reason is new, need the database)."""
+    reason, or that executes a destructive job citing no approval. Every path (CLI,
+    Launchpad, backfill, API) is checked alike.
+
+    This is step 1 of the consent rule. :func:`qo_ops.platform.run.consent.check` applies
+    the whole rule, because whether the cited approval allows the run, and whether the
+    reason is new, need the database."""
     if options.mode != "execute" or not options.person_behind:
         return
     if not (options.reason or "").strip():
@@ -133,8 +137,8 @@ def _check_range(name: str, value: float | None, lo: float, hi: float) -> None:
 
 @dataclass(frozen=True)
 class Limits:
-    """A run's limits: a job declares its defaults (``JobSpec.defaults``); a run's options
-    override each of them (:meth:`overridden_by`)."""
+    """A run's limits. A job declares its defaults (``JobSpec.defaults``), and a run's
+    options override each of them (:meth:`overridden_by`)."""
 
     batch_size: int = 500
     max_items: int = 10_000_000
@@ -155,5 +159,5 @@ class Limits:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (the run record's options, the start event and audit)."""
+        """A JSON-ready dict, for the run record's options, the start event and the audit."""
         return asdict(self)

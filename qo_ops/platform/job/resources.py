@@ -22,10 +22,10 @@ def memory_bytes(quantity: str) -> int:
 
 @dataclass(frozen=True)
 class RunResources:
-    """What one run's process asks of the machine it runs on, as Kubernetes quantities: the
-    CPU and memory it is guaranteed and the memory it may not exceed. The Kubernetes run
-    launcher makes them the run pod's resources; other launchers ignore them. There is no
-    CPU limit on purpose: a throttled batch only holds its row locks longer."""
+    """What one run's process asks of the machine it runs on, as Kubernetes quantities. That
+    is the CPU and memory it is guaranteed, and the memory it may not exceed. The Kubernetes
+    run launcher makes them the run pod's resources, and other launchers ignore them. There
+    is no CPU limit on purpose, because a throttled batch only holds its row locks longer."""
 
     cpu_request: str = "250m"
     memory_request: str = "512Mi"  # a run worker loads Dagster and the whole code location

@@ -1,6 +1,6 @@
 """How a job hands work back to a person: its dead letters (``DeadLetterKind``) and its
-manual-review queue (``Review``), declared beside the job; ``qo_ops.platform.actions.recovery``
-acts on them."""
+manual-review queue (``Review``). They are declared beside the job, and
+``qo_ops.platform.actions.recovery`` acts on them."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from qo_ops.platform.job.scope import Scope
 
 @dataclass(frozen=True)
 class DeadLetterKind:
-    """How a job's dead letters go back to work. Both statements take ``:tenant``, ``:ids``
-    (a ``uuid[]``, or NULL for every dead letter of the tenant) and ``:limit``, oldest first:
-    ``pending`` reads the ids a requeue would move (the dry run), ``requeue`` moves them and
-    returns their ids. A requeue of what is no longer dead matches nothing."""
+    """How a job's dead letters go back to work.
+
+    Both statements take ``:tenant``, ``:ids`` and ``:limit``, and work oldest first.
+    ``:ids`` is a ``uuid[]``, or NULL for every dead letter of the tenant. ``pending`` reads
+    the ids a requeue would move (the dry run). ``requeue`` moves them and returns their
+    ids. A requeue of what is no longer dead matches nothing."""
 
     noun: str  # "delivery item"
     pending: sa.TextClause
@@ -30,14 +32,14 @@ class DeadLetterKind:
 
 @dataclass(frozen=True)
 class ReviewItem:
-    """One item a job flagged for a person: its ``item`` key (an order number …), the scope
-    its job works it in, and why it was flagged (the job's result row)."""
+    """One item a job flagged for a person. It holds its ``item`` key (an order number …),
+    the scope its job works it in, and why it was flagged (the job's result row)."""
 
     tenant: str
     item: str
     day: date | None  # the day of a windowed job's scope
-    kind: str  # e.g. the mismatch type
-    outcome: str  # e.g. dead_letter_flagged
+    kind: str  # for example, the mismatch type
+    outcome: str  # for example, dead_letter_flagged
     detail: str
     ours: str | None = None
     theirs: str | None = None
@@ -53,11 +55,12 @@ class ReviewItem:
 
 @dataclass(frozen=True)
 class ReviewAction:
-    """One thing a person may decide for a flagged item: ``describe`` says what it would do
-    (the dry run; raises :class:`BadInput` when the action does not apply to the item),
-    ``apply`` does it in the guarded transaction and says what it did, or returns None when
-    the item is no longer flagged (its first write is the flag's conditional clearing), or
-    raises :class:`BadInput` to roll everything back."""
+    """One thing a person may decide for a flagged item.
+
+    ``describe`` says what it would do (the dry run). It raises :class:`BadInput` when the
+    action does not apply to the item. ``apply`` does it in the guarded transaction and says
+    what it did. Its first write is the flag's conditional clearing, so it returns None when
+    the item is no longer flagged. It raises :class:`BadInput` to roll everything back."""
 
     help: str
     describe: Callable[[ReviewItem], str]
@@ -66,9 +69,11 @@ class ReviewAction:
 
 @dataclass(frozen=True)
 class Review:
-    """A job's manual-review queue: ``waiting`` lists the flagged items (``:tenant`` and
-    ``:item`` NULL for all, ``:limit``; columns as :class:`ReviewItem`'s fields), ``actions``
-    what a person may do with one."""
+    """A job's manual-review queue.
+
+    ``waiting`` lists the flagged items. It takes ``:tenant`` and ``:item`` (NULL for all)
+    and ``:limit``, and its columns are :class:`ReviewItem`'s fields. ``actions`` says what
+    a person may do with one item."""
 
     waiting: sa.TextClause
     actions: Mapping[str, ReviewAction]

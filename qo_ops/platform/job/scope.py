@@ -1,4 +1,5 @@
-"""The part of the world a run may touch: a tenant, and for a windowed job a date range."""
+"""The part of the world a run may touch. That is a tenant, and for a windowed job a date
+range."""
 
 from __future__ import annotations
 
@@ -9,24 +10,25 @@ from datetime import UTC, date, datetime, time, timedelta
 from qo_ops.errors import BadInput
 
 TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-# The days a window may cover: none before 1900 (older than any business record, and than
-# the day a 100-year retention ages out), none whose end would leave the calendar.
+# The days a window may cover. None lies before 1900, which is older than any business
+# record and than the day a 100-year retention ages out. None has an end that would leave
+# the calendar.
 FIRST_DAY = date(1900, 1, 1)
-LAST_DAY = date.max - timedelta(days=1)  # 9999-12-30: its window ends on 9999-12-31
+LAST_DAY = date.max - timedelta(days=1)  # 9999-12-30, whose window ends on 9999-12-31
 
-# :func:`tenant_of` in SQL: the tenant of the scope key in the column ``scope`` (of the one
-# table in the statement's FROM that has one). Shared by the statements that read a tenant
-# out of job_run, job_lease and job_checkpoint keys. ix_job_run_retention and
-# ix_job_checkpoint_retention index this expression (migration 0009 writes it out), and so do
-# the run-history retention's predicates, the lease's guard and the archive's sweep, which
-# write it out over an alias (a fragment names one column).
+# :func:`tenant_of` in SQL. It reads the tenant of the scope key in the column ``scope``,
+# from the one table in the statement's FROM that has one. The statements that read a tenant
+# out of job_run, job_lease and job_checkpoint keys share it. ix_job_run_retention and
+# ix_job_checkpoint_retention index this expression, and migration 0009 writes it out. The
+# run-history retention's predicates, the lease's guard and the archive's sweep also write
+# it out, over an alias, because a fragment names one column.
 TENANT_OF_SCOPE = "split_part(scope, '/', 1)"
 
 
 @dataclass(frozen=True)
 class Scope:
-    """The part of the world a run may touch: a tenant, and for windowed jobs a date range
-    (``window_start`` inclusive, ``window_end`` exclusive)."""
+    """The part of the world a run may touch. That is a tenant, and for windowed jobs a date
+    range (``window_start`` inclusive, ``window_end`` exclusive)."""
 
     tenant_id: str
     window_start: date | None = None
@@ -46,17 +48,17 @@ class Scope:
 
     @classmethod
     def days(cls, tenant_id: str, first: date, last: date) -> Scope:
-        """The scope of ``tenant_id`` over the days ``first`` to ``last``, both included;
-        :class:`BadInput` when a day lies outside ``FIRST_DAY``..``LAST_DAY`` (so the
-        window's end is always a date)."""
+        """The scope of ``tenant_id`` over the days ``first`` to ``last``, both included.
+        Raises :class:`BadInput` when a day lies outside ``FIRST_DAY``..``LAST_DAY``, so the
+        window's end is always a date."""
         _check_days(first, last)
         return cls(tenant_id, first, last + timedelta(days=1))
 
     @classmethod
     def parse(cls, key: str) -> Scope:
-        """The scope whose :attr:`key` is ``key`` (its one reader: every place that reads a
-        key back goes through here); :class:`BadInput` when ``key`` is not such a key,
-        including a key written another way than :attr:`key` writes it."""
+        """The scope whose :attr:`key` is ``key``. Every place that reads a key back goes
+        through here. Raises :class:`BadInput` when ``key`` is not such a key, including a
+        key written another way than :attr:`key` writes it."""
         tenant, slash, window = key.partition("/")
         start = end = None
         if slash:
@@ -66,12 +68,12 @@ class Scope:
             except ValueError:
                 raise BadInput(_not_a_key(key)) from None
         scope = cls(tenant, start, end)  # checks the tenant, the window's order and days
-        if scope.key != key:  # e.g. 20260101 for 2026-01-01: one key per scope
+        if scope.key != key:  # such as 20260101 for 2026-01-01; one key per scope
             raise BadInput(_not_a_key(key))
         return scope
 
     def window_bounds(self) -> tuple[datetime, datetime]:
-        """The window as UTC timestamps: [start 00:00, end 00:00)."""
+        """The window as UTC timestamps, [start 00:00, end 00:00)."""
         assert self.window_start is not None and self.window_end is not None, "not a windowed scope"
         return (
             datetime.combine(self.window_start, time(), UTC),
@@ -80,7 +82,7 @@ class Scope:
 
     @property
     def text(self) -> str:
-        """The scope as a person reads it (:func:`scope_text`): the last day included."""
+        """The scope as a person reads it (:func:`scope_text`), with the last day included."""
         if self.window_start is None or self.window_end is None:
             return self.tenant_id
         start, last = self.window_start, self.window_end - timedelta(days=1)
@@ -89,19 +91,21 @@ class Scope:
 
     @property
     def key(self) -> str:
-        """The lease and checkpoint key: ``tenant-001`` or ``tenant-001/2026-01-01..2026-01-02``
-        (end exclusive: the database's form; people read :attr:`text`)."""
+        """The lease and checkpoint key, ``tenant-001`` or ``tenant-001/2026-01-01..2026-01-02``.
+        The end is exclusive. This is the database's form, and people read :attr:`text`."""
         if self.window_start is None:
             return self.tenant_id
         return f"{self.tenant_id}/{self.window_start.isoformat()}..{self.window_end.isoformat()}"  # type: ignore[union-attr]
 
 
 def scope_text(scope_key: str) -> str:
-    """A scope key as a person reads it: the days it covers, the last one included, as
-    ``qo-ops run --from/--to`` and a backfill's plan write them. The key's end is exclusive
-    (``tenant-001/2026-12-01..2026-12-02`` covers one day), so it is shown
-    ``tenant-001/2026-12-01``; ``…/2026-11-20..2026-12-05`` is shown ``…/2026-11-20..2026-12-04``.
-    A key that is not a window (a tenant, a chunk) is shown as it is."""
+    """A scope key as a person reads it. It shows the days it covers, the last one included,
+    as ``qo-ops run --from/--to`` and a backfill's plan write them.
+
+    The key's end is exclusive. So ``tenant-001/2026-12-01..2026-12-02`` covers one day and
+    is shown ``tenant-001/2026-12-01``, and ``…/2026-11-20..2026-12-05`` is shown
+    ``…/2026-11-20..2026-12-04``. A key that is not a window (a tenant, a chunk) is shown as
+    it is."""
     try:
         return Scope.parse(scope_key).text
     except BadInput:
@@ -109,8 +113,8 @@ def scope_text(scope_key: str) -> str:
 
 
 def tenant_of(scope_key: str) -> str:
-    """The tenant of a scope key (:attr:`Scope.key`): ``tenant-001/2026-01-01..`` → ``tenant-001``;
-    :class:`BadInput` when it is not a scope key (:meth:`Scope.parse`)."""
+    """The tenant of a scope key (:attr:`Scope.key`). For ``tenant-001/2026-01-01..`` it is
+    ``tenant-001``. Raises :class:`BadInput` when it is not a scope key (:meth:`Scope.parse`)."""
     return Scope.parse(scope_key).tenant_id
 
 
