@@ -1,6 +1,6 @@
-"""A checkpointed job's cursor, one per (job, scope) in ``job_checkpoint``: where its next
-batch, and its next run, start. The runner saves it inside the batch's transaction, so a
-batch's work and the cursor past it commit together."""
+"""A checkpointed job's cursor, one per (job, scope) in ``job_checkpoint``. It says where the
+job's next batch, and its next run, start. The runner saves it inside the batch's
+transaction, so a batch's work and the cursor past it commit together."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection, Engine
 from qo_ops.db.schema import job_checkpoint
 from qo_ops.errors import one_line
 
-# The scope's cursor; no row before its first checkpoint.
+# The scope's cursor. There is no row before its first checkpoint.
 _LOAD = sa.select(job_checkpoint.c.cursor).where(
     job_checkpoint.c.job_name == sa.bindparam("job"),
     job_checkpoint.c.scope == sa.bindparam("scope"),
@@ -34,7 +34,7 @@ _SAVED = sa.select(
 )
 
 # A checkpoint row as _SAVE writes it.
-# Twice: never run alone: _SAVE below is this insert with its conflict rule.
+# Twice: it never runs alone. _SAVE below is this insert with its conflict rule.
 _insert = postgresql.insert(job_checkpoint).values(
     job_name=sa.bindparam("job"),
     scope=sa.bindparam("scope"),
@@ -42,8 +42,8 @@ _insert = postgresql.insert(job_checkpoint).values(
     job_run_id=sa.bindparam("run_id", type_=job_checkpoint.c.job_run_id.type),
     updated_at=sa.func.clock_timestamp(),
 )
-# The cursor past this batch, in the batch's transaction (under the lease's guard).
-# Twice: one row per (job, scope) holds the latest cursor; writing the same cursor again
+# The cursor past this batch, written in the batch's transaction under the lease's guard.
+# Twice: one row per (job, scope) holds the latest cursor. Writing the same cursor again
 # (a retried batch) leaves the same row, and a rival cannot write while the guard holds.
 _SAVE = _insert.on_conflict_do_update(
     index_elements=["job_name", "scope"],
@@ -54,8 +54,8 @@ _SAVE = _insert.on_conflict_do_update(
     },
 )
 
-# A rescanning job's finished cursor goes: its next run starts from the beginning.
-# Twice: the second delete finds no row, and the runner counts a reset only when one went.
+# Delete a rescanning job's finished cursor, so its next run starts from the beginning.
+# Twice: the second delete finds no row, and the runner counts a reset only when a row went.
 _FORGET = sa.delete(job_checkpoint).where(
     job_checkpoint.c.job_name == sa.bindparam("job"),
     job_checkpoint.c.scope == sa.bindparam("scope"),
@@ -64,14 +64,14 @@ _FORGET = sa.delete(job_checkpoint).where(
 
 @dataclass(frozen=True)
 class Saved:
-    """A scope's checkpoint as stored: the cursor, and its age in seconds."""
+    """A scope's checkpoint as stored, with the cursor and its age in seconds."""
 
     cursor: dict[str, Any]
     age_s: float
 
 
 def load(engine: Engine, job_name: str, scope_key: str) -> dict[str, Any] | None:
-    """The cursor the scope's last batch saved, or None (no checkpoint yet)."""
+    """The cursor the scope's last batch saved, or None when there is no checkpoint yet."""
     with engine.connect() as conn:
         cursor: dict[str, Any] | None = conn.execute(
             _LOAD, {"job": job_name, "scope": scope_key}
@@ -93,12 +93,12 @@ def save(
 
 
 def forget(conn: Connection, job_name: str, scope_key: str) -> bool:
-    """Delete the scope's checkpoint; whether there was one."""
+    """Delete the scope's checkpoint. Returns whether there was one."""
     return bool(conn.execute(_FORGET, {"job": job_name, "scope": scope_key}).rowcount)
 
 
 def as_text(cursor: Any) -> str | None:
-    """A cursor as short JSON text (the run summary's ``checkpoint_before``/``_after``)."""
+    """A cursor as short JSON text, for the run summary's ``checkpoint_before``/``_after``."""
     if cursor is None:
         return None
     return one_line(json.dumps(cursor, default=str, sort_keys=True), 200)

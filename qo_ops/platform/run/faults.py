@@ -1,10 +1,10 @@
 """Test-only fault injection, one helper for the runner and the jobs.
 
-With ``QO_OPS_CRASH_AT`` naming a crash point, the process kills itself with SIGKILL when
-it reaches that point, as a crash would; with ``QO_OPS_HOLD_AT`` naming a hold point, the
-run waits there (up to 120 s, as a slow phase would), so that a fault test can send a
-signal then. Unset (always, outside the fault tests), both are one dictionary lookup.
-See docs/platform.md for the points."""
+When ``QO_OPS_CRASH_AT`` names a crash point, the process kills itself with SIGKILL when it
+reaches that point, as a crash would. When ``QO_OPS_HOLD_AT`` names a hold point, the run
+waits there for up to 120 s, as a slow phase would, so a fault test can send a signal then.
+Outside the fault tests both are unset, and each costs one dictionary lookup.
+docs/platform.md lists the points."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import sys
 import time
 
 CRASH_ENV = "QO_OPS_CRASH_AT"
-# The runner's crash points; jobs name their own (e.g. audit_archive.ARCHIVE_CRASH_POINTS).
+# The runner's crash points. Jobs name their own (such as audit_archive.ARCHIVE_CRASH_POINTS).
 CRASH_POINTS = (
     "after_lease_acquire",
     "after_batch_select",
     "before_commit",
     "after_commit",
-    "after_external_call",  # jobs with an external phase: sent, result not yet recorded
+    "after_external_call",  # external phase only; the call was sent, its result not recorded
     "before_finalize",
 )
 
@@ -35,8 +35,8 @@ def crash_point(name: str) -> None:
 
 
 def hold_point(name: str) -> None:
-    """Wait here when ``QO_OPS_HOLD_AT`` names ``name``, saying so on stderr first (the
-    test waits for that line before it sends its signal)."""
+    """Wait here when ``QO_OPS_HOLD_AT`` names ``name``. Say so on stderr first, because the
+    test waits for that line before it sends its signal."""
     if os.environ.get(HOLD_ENV) == name:
         print(f"{HOLD_ENV}: holding at {name}", file=sys.stderr, flush=True)
         time.sleep(HOLD_S)

@@ -1,5 +1,5 @@
-"""A run's report: the rows that say what it did, beyond its status (``RunSummary.report``,
-the CLI's table, Dagster's ``report`` metadata)."""
+"""A run's report: the rows that say what it did, beyond its status. They appear as
+``RunSummary.report``, the CLI's table and Dagster's ``report`` metadata."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ REPORT_SAMPLE = 20  # sample rows of a dry run's report
 
 
 def add_report(conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunSummary) -> None:
-    """What the run left behind (its backlog, its checkpoint, the dead letters) and its
-    report rows, onto its summary."""
+    """Put on the summary what the run left behind (its backlog, its checkpoint, the dead
+    letters) and its report rows."""
     if spec.batching.checkpoint is not None:
         saved = checkpoint.saved(conn, spec.name, ctx.scope.key)
         if saved is not None:
@@ -27,7 +27,7 @@ def add_report(conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunS
             summary.checkpoint_age_s = saved.age_s
     elif (
         not spec.batching.dry_run_scans
-    ):  # a selection of what is due: what is still due is backlog
+    ):  # the selection is of what is due, so what is still due is backlog
         summary.backlog = _backlog(conn, spec, ctx, summary)
     if spec.signals.dead_letters is not None:
         summary.dead_letters = spec.signals.dead_letters(conn)
@@ -35,8 +35,8 @@ def add_report(conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunS
 
 
 def _backlog(conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunSummary) -> int:
-    """What the selection still matches: a dry run's count, a check's count of the same
-    selection (``OutcomeCheck.backlog``), or counted now."""
+    """What the selection still matches. That is a dry run's count, or a check's count of
+    the same selection (``OutcomeCheck.backlog``), or else a count made now."""
     if ctx.mode == "dry_run":
         return summary.eligible_count
     counted = [c.backlog for c in summary.checks if c.backlog is not None]
@@ -51,9 +51,9 @@ def _backlog(conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunSum
 def build_report(
     conn: Connection, spec: JobSpec, ctx: BatchContext, summary: RunSummary
 ) -> list[ReportRow]:
-    """The run's report table: a dry run's sample with the change execute would make, the
-    counters, the job's own tallies and rows, its calls to the downstream (retry pressure,
-    rate limiting, breaker), and the checks."""
+    """The run's report table. It has a dry run's sample with the change execute would
+    make, the counters, the job's own tallies and rows, its calls to the downstream (retry
+    pressure, rate limiting, breaker), and the checks."""
     rows: list[ReportRow] = []
     change = spec.presentation.change or "changed"
     if summary.mode == "dry_run":
@@ -79,9 +79,11 @@ def build_report(
 
 
 def _tally_row(key: str, value: int) -> ReportRow:
-    """A tally counter as a report row; ``outcome.<class>.attempt_<n>.<state>`` (calls to
-    another system) becomes an outcome row by error class and attempt, and side-effect
-    counts a row per side effect and result (or ambiguity reason)."""
+    """A tally counter as a report row.
+
+    ``outcome.<class>.attempt_<n>.<state>`` counts calls to another system. It becomes an
+    outcome row by error class and attempt. Side-effect counts become a row per side effect
+    and result, or per ambiguity reason."""
     parts = key.split(".")
     if len(parts) == 4 and parts[0] == "outcome" and parts[2].startswith("attempt_"):
         attempt = parts[2].removeprefix("attempt_")

@@ -1,4 +1,4 @@
-"""A job's selection as the runner uses it (counted, and taken a batch at a time), and
+"""A job's selection as the runner uses it, counted and taken a batch at a time. Also the
 small pieces the jobs' selections share."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from qo_ops.platform.job.spec import JobSpec
 
 
 def count_eligible(conn: Connection, spec: JobSpec, ctx: BatchContext) -> int:
-    """How many items the run's selection matches now (the dry-run estimate)."""
+    """How many items the run's selection matches now. This is the dry run's estimate."""
     selection = spec.eligible(ctx).order_by(None).subquery()
     return int(conn.execute(sa.select(sa.func.count()).select_from(selection)).scalar() or 0)
 
 
 def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int) -> list[Any]:
-    """The next ``limit`` items, locked for this transaction (skipping ones others hold)."""
+    """The next ``limit`` items, locked for this transaction. Items others hold are skipped."""
     query = spec.eligible(ctx).limit(limit)
     locks = spec.batching.locks
     if locks is not None:
@@ -30,21 +30,23 @@ def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int)
 
 def id_array(ids: Sequence[Any]) -> str:
     """A batch's integer ids as one array value (``{3,1,2}``), bound for
-    ``CAST(:ids AS bigint[])``: psycopg dumps a list element by element (about 5 ms for a
-    batch of 2,000), this is one string. ``int()`` of each: nothing but digits goes in."""
+    ``CAST(:ids AS bigint[])``. psycopg dumps a list element by element, and this is one
+    string instead (bench/TUNING.md has the figure). Each id goes through ``int()``, so
+    nothing but digits goes in."""
     return "{" + ",".join([str(int(i)) for i in ids]) + "}"
 
 
-# For the rest of the caller's transaction, no parallel workers (SET LOCAL, value bound).
+# No parallel workers for the rest of the caller's transaction (SET LOCAL, value bound).
 _NO_PARALLEL_WORKERS = sa.text("SELECT set_config('max_parallel_workers_per_gather', '0', true)")
 
 
 def without_parallel_workers(conn: Connection) -> None:
-    """Plan the rest of ``conn``'s transaction without parallel workers. A count per key in a
-    subquery (``GROUP BY``) joined to its rows gets a parallel plan in which every worker
-    builds that whole aggregate again: at 1,000,000 events an outcome check took 8 s that
-    way and 2.5 s in one process (measured; a parallel hash join, which shares its table,
-    is faster with workers and is left alone)."""
+    """Plan the rest of ``conn``'s transaction without parallel workers.
+
+    A count per key in a subquery (``GROUP BY``) joined to its rows gets a parallel plan in
+    which every worker builds that whole aggregate again. That made an outcome check several
+    times slower (bench/TUNING.md has the figures). A parallel hash join shares its table,
+    so it is faster with workers, and it is left alone."""
     conn.execute(_NO_PARALLEL_WORKERS)
 
 
@@ -54,15 +56,16 @@ def after_position(
     position: dict[str, Any] | None,
     keys: tuple[str, ...],
 ) -> sa.Select[Any]:
-    """``query`` restricted to rows after ``position`` in the order of ``columns`` (a row
-    comparison the index on those columns serves); unchanged when there is no position."""
+    """``query`` restricted to rows after ``position`` in the order of ``columns``. It is a
+    row comparison that the index on those columns serves. With no position, ``query`` is
+    returned unchanged."""
     if not position:
         return query
     return query.where(sa.tuple_(*columns) > sa.tuple_(*(sa.literal(position[k]) for k in keys)))
 
 
 def seconds_or_none(value: Any) -> float | None:
-    """An age from ``extract(epoch …)``: a float, or None when nothing is waiting."""
+    """An age from ``extract(epoch …)`` as a float, or None when nothing is waiting."""
     return float(value) if value is not None else None
 
 
@@ -70,6 +73,7 @@ DEAD_LETTER_CAP = 100_000
 
 
 def capped_count(conn: Connection, selection: sa.Select[Any], cap: int) -> int:
-    """``count(*)`` of ``selection``, reading at most ``cap`` rows (bounded on any table)."""
+    """``count(*)`` of ``selection``, reading at most ``cap`` rows, so it is bounded on any
+    table."""
     limited = selection.limit(cap).subquery()
     return int(conn.execute(sa.select(sa.func.count()).select_from(limited)).scalar_one())
