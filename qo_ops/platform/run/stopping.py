@@ -1,15 +1,15 @@
 """How a run stops when its process is asked to (SIGTERM from Kubernetes, SIGINT from a
 terminal), at any moment, within a grace period.
 
-A signal never tears a write in half. While the run is writing (a batch transaction, the
-external calls of a batch and the recording of their results, the lease, the run record)
-it only sets :attr:`StopSignals.event`; the runner stops at the next safe point: the batch
-loop's head, or, inside an external phase, before the next call (what was not sent is
-released). Everywhere else (validating, counting, waiting, the outcome checks) the signal
-raises :class:`Terminated` at once, and PostgreSQL is told to cancel the running query.
-Should a write still be running when the grace is over, a watchdog interrupts it: the
-batch transaction rolls back as a whole, and the run is recorded ``cancelled``/
-``terminated`` all the same.
+A signal never tears a write in half. A write is a batch transaction, the external calls
+of a batch and the recording of their results, the lease, or the run record. During a
+write the signal only sets :attr:`StopSignals.event`. The runner then stops at the next
+safe point. That is the batch loop's head, or, inside an external phase, the moment before
+the next call (what was not sent is released). Everywhere else (validating, counting,
+waiting, the outcome checks) the signal raises :class:`Terminated` at once, and PostgreSQL
+is told to cancel the running query. If a write is still running when the grace is over, a
+watchdog interrupts it. The batch transaction then rolls back as a whole, and the run is
+recorded ``cancelled``/``terminated`` all the same.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Terminated(KeyboardInterrupt):
     """The process was asked to stop while the run was not writing.
 
-    A ``KeyboardInterrupt`` on purpose: job code's ``except Exception`` does not swallow
-    it, and psycopg cancels the query it interrupts on the server."""
+    It is a ``KeyboardInterrupt`` on purpose. Job code's ``except Exception`` does not
+    swallow it, and psycopg cancels the query it interrupts on the server."""
 
 
 def stop_grace_s(environ: dict[str, str] | None = None) -> float:
     """Seconds a run has from SIGTERM/SIGINT to its recorded end (``QO_OPS_STOP_GRACE_S``,
-    default 10; keep it below the pod's ``terminationGracePeriodSeconds``)."""
+    default 10). Keep it below the pod's ``terminationGracePeriodSeconds``."""
     raw = ((os.environ if environ is None else environ).get(STOP_GRACE_ENV) or "").strip()
     if not raw:
         return DEFAULT_STOP_GRACE_S
@@ -58,8 +58,9 @@ def stop_grace_s(environ: dict[str, str] | None = None) -> float:
 
 
 class StopSignals:
-    """SIGTERM/SIGINT handling for one run (installed from the main thread only; elsewhere,
-    e.g. a test calling ``run_job`` from a thread, only :meth:`request` stops the run)."""
+    """SIGTERM/SIGINT handling for one run. It is installed from the main thread only.
+    Elsewhere, such as a test calling ``run_job`` from a thread, only :meth:`request` stops
+    the run."""
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
@@ -67,7 +68,7 @@ class StopSignals:
         self.signal_name: str | None = None
         self.at: float | None = None  # monotonic time of the first request
         self._writing = 0  # depth of deferred() sections
-        self._forced = False  # the grace is over: interrupt even a write
+        self._forced = False  # the grace is over, so interrupt even a write
         self._previous: dict[int, Any] = {}
         self._watchdog: threading.Timer | None = None
         self._finished = threading.Event()
@@ -93,12 +94,12 @@ class StopSignals:
             raise Terminated(self.signal_name)
 
     def request(self, name: str = "stop") -> None:
-        """Ask the run to stop (what a signal does, callable from any thread)."""
+        """Ask the run to stop, as a signal does. Any thread may call it."""
         if self.event.is_set():
             return
         self.signal_name, self.at = name, time.monotonic()
         self.event.set()
-        if self._previous:  # installed: the main thread can be interrupted
+        if self._previous:  # installed, so the main thread can be interrupted
             self._watchdog = threading.Timer(self.grace_s, self._interrupt_if_still_writing)
             self._watchdog.daemon = True
             self._watchdog.start()
@@ -120,14 +121,14 @@ class StopSignals:
         return max(0.0, self.at + self.grace_s - time.monotonic())
 
     def calls_deadline(self) -> float | None:
-        """Until when calls already sent may still be waited for (monotonic): half the
-        grace, so that recording their results and finishing the run fit in the rest."""
+        """Until when calls already sent may still be waited for (monotonic). That is half
+        the grace, so recording their results and finishing the run fit in the rest."""
         return None if self.at is None else self.at + self.grace_s / 2
 
     @contextmanager
     def deferred(self) -> Iterator[None]:
-        """A section a signal must not interrupt (a write): the request waits for the
-        runner's next safe point instead (until the grace is over)."""
+        """A section a signal must not interrupt (a write). The request waits for the
+        runner's next safe point instead, until the grace is over."""
         self._writing += 1
         try:
             yield
