@@ -26,15 +26,16 @@ from qo_ops.platform.job.statuses import FINAL, UNSTARTED, RunStatus
 from qo_ops.platform.observability.resource import package_version
 from qo_ops.platform.run.liveness import RUN_GONE
 
-# A run's figures as its row holds them: what it found eligible, then the Counts' columns.
+# A run's figures as its row holds them. First what it found eligible, then the Counts' columns.
 COUNTERS = ("eligible_count", *COLUMNS.values())
 ERROR_TEXT_LIMIT = 500
 
 
 @dataclass(frozen=True)
 class RunOwner:
-    """Who runs a run: the process (host, pid, nonce: no secrets) and the key of the
-    liveness lock it holds while the run runs (None: none, only the lease's TTL judges)."""
+    """Who runs a run. That is the process (host, pid and nonce, with no secrets) and the key
+    of the liveness lock it holds while the run runs. With no lock the key is None, and only
+    the lease's TTL judges the run."""
 
     owner_id: str
     liveness_key: int | None = None
@@ -48,8 +49,8 @@ def create_run(
     owner: RunOwner,
     resolved: dict[str, Any],
 ) -> uuid.UUID:
-    """Insert the ``running`` row of a new run, or adopt the one pre-created by the API, in
-    the caller's transaction (the run's audit row goes in with it)."""
+    """Insert the ``running`` row of a new run, or adopt the one pre-created by the API.
+    This happens in the caller's transaction, and the run's audit row goes in with it."""
     values = {
         "job_name": job_name,
         "scope": scope.key,
@@ -66,14 +67,14 @@ def create_run(
         "retry_number": options.retry_number,
         "retries_max": options.retries_max,
         "approval_id": options.approval,
-        # which release ran it: a contract step waits for older code (qo_ops/db/migrate.py)
+        # Which release ran it. A contract step waits for older code (qo_ops/db/migrate.py).
         "code_version": package_version(),
         "code_revision": HEAD_REVISION,
         "owner_id": owner.owner_id,
         "options": resolved,
         "status": RunStatus.RUNNING,
         "liveness_key": owner.liveness_key,
-        # the lock was taken before this: a time after it, on the database's clock
+        # The lock was taken before this, so this time, on the database's clock, is after it.
         "liveness_since": None if owner.liveness_key is None else sa.func.clock_timestamp(),
     }
     if options.job_run_id is not None:
@@ -106,8 +107,8 @@ def create_run(
     return run_id
 
 
-# The job's tally merged key by key into the run's: a count of each key the batch counted
-# added to the run's count of it (0 before), other keys kept.
+# The job's tally, merged key by key into the run's. Each key the batch counted adds to the
+# run's count of it (0 before). Other keys are kept.
 _added = sa.func.jsonb_each_text(sa.bindparam("tally", type_=JSONB)).table_valued("key", "value")
 _tally_added = (
     sa.select(
@@ -120,10 +121,10 @@ _tally_added = (
     .select_from(_added)
     .scalar_subquery()
 )
-# A batch's counters added to its run's, each one bound (the Counts' columns, derived once),
-# and its tally merged in, in the batch's transaction.
-# Twice: never twice for one batch: it commits with the batch's effects, or rolls back with
-# them, and a retried batch is another batch with its own counters.
+# Add a batch's counters to its run's and merge its tally in, in the batch's transaction.
+# Each counter is bound, and the Counts' columns are derived once.
+# Twice: it never runs twice for one batch. It commits with the batch's effects or rolls
+# back with them, and a retried batch is another batch with its own counters.
 _ADD_COUNTS = (
     sa.update(job_run)
     .where(job_run.c.id == sa.bindparam("run_id"))
@@ -145,9 +146,10 @@ _ADD_COUNTS = (
 def add_counts(
     conn: Connection, run_id: uuid.UUID, counts: Counts, tally: dict[str, int] | None = None
 ) -> None:
-    """Add a batch's counters (``counts``) to its run's and its ``tally`` to the run's (key
-    by key), in one statement inside the caller's (batch) transaction. The statement is built
-    once: building it per batch (the tally's keys as literals) took milliseconds of Python."""
+    """Add a batch's counters (``counts``) to its run's, and its ``tally`` to the run's key
+    by key. It is one statement inside the caller's batch transaction. The statement is
+    built once, because building it per batch (the tally's keys as literals) cost Python
+    time on every batch (bench/TUNING.md has the figure)."""
     columns = counts.columns()
     if any(columns.values()) or tally:
         conn.execute(_ADD_COUNTS, {"run_id": run_id, "tally": tally or {}, **columns})
@@ -166,10 +168,12 @@ def set_eligible(
 
 
 def finish_run(engine: Engine, summary: RunSummary, owner_id: str) -> None:
-    """Write the run's final status as ``summary`` says; only a ``running`` row is finished
-    (never twice), or one the reaper ended as orphaned while its process (``owner_id``) was
-    in fact alive (its liveness session was cut): the run itself says how it ended. The
-    lease the run took (its fencing token) and how long taking it took go on the record too."""
+    """Write the run's final status as ``summary`` says.
+
+    Only a ``running`` row is finished, so never twice. The one exception is a row the reaper
+    ended as orphaned while its process (``owner_id``) was in fact alive, because its
+    liveness session was cut. Then the run itself says how it ended. The lease the run took
+    (its fencing token) and how long taking it took go on the record too."""
     assert summary.status in FINAL, summary.status
     error_text = summary.error_text
     reaped_alive = sa.and_(job_run.c.status_reason == "orphaned", job_run.c.owner_id == owner_id)
@@ -190,11 +194,12 @@ def finish_run(engine: Engine, summary: RunSummary, owner_id: str) -> None:
         )
 
 
-# A run is orphaned when it says `running` but its process is gone (its liveness lock
-# dropped: qo_ops/platform/run/liveness.py), whatever its job; or, a run of :job (all jobs when
-# NULL), when it holds no live lease and has not beaten its heartbeat for a whole grace
-# period (a fresh run has not acquired yet): where liveness cannot tell (a run of older
-# code, a lock from before a database restart).
+# A run is orphaned when it says `running` but its process is gone, whatever its job. Its
+# liveness lock dropped (qo_ops/platform/run/liveness.py).
+# A run of :job (all jobs when NULL) is also orphaned when it holds no live lease and has
+# not beaten its heartbeat for a whole grace period. The grace lets a fresh run acquire
+# first. This covers the runs liveness cannot judge, such as a run of older code or a lock
+# from before a database restart.
 # Twice: a reaped run is `failed`, no longer `running`, so a second reaper matches nothing.
 _REAP = sa.text(
     f"""
@@ -218,16 +223,17 @@ _REAP = sa.text(
 def reap_orphans(
     engine: Engine, job_name: str | None = None, grace_s: float = 30.0
 ) -> list[uuid.UUID]:
-    """Turn orphaned ``running`` rows into ``failed``/``orphaned``: those of a gone process
-    (any job), and those of ``job_name`` (every job when None) whose heartbeat and lease
-    lapsed ``grace_s`` ago; returns their ids."""
+    """Turn orphaned ``running`` rows into ``failed``/``orphaned``, and return their ids.
+
+    These are the rows of a gone process (any job), and the rows of ``job_name`` (every job
+    when None) whose heartbeat and lease lapsed ``grace_s`` ago."""
     with engine.begin() as conn:
         return list(conn.execute(_REAP, {"job": job_name, "grace": grace_s}).scalars())
 
 
 @dataclass(frozen=True)
 class AcceptedRun:
-    """A run the API accepted: what its Dagster run must do when its op starts."""
+    """A run the API accepted. It says what its Dagster run must do when its op starts."""
 
     id: uuid.UUID
     job_name: str
@@ -241,7 +247,7 @@ class AcceptedRun:
 
 
 def load_accepted(engine: Engine, run_id: uuid.UUID, job_name: str) -> AcceptedRun:
-    """The accepted (not yet started) run ``run_id`` of ``job_name``; BadInput otherwise."""
+    """The accepted, not yet started run ``run_id`` of ``job_name``. Raises BadInput if none."""
     with engine.connect() as conn:
         row = conn.execute(
             sa.select(job_run).where(
@@ -276,7 +282,7 @@ def finish_unstarted(
     error_code: str | None = None,
     error_text: str | None = None,
 ) -> bool:
-    """End a run that never started (accepted or awaiting approval); False if it had."""
+    """End a run that never started (accepted or awaiting approval). False if it had started."""
     assert status in FINAL, status
     done = conn.execute(
         sa.update(job_run)
@@ -303,7 +309,7 @@ def request_cancel(
     client_address: str | None = None,
 ) -> str:
     """Ask a running run to stop after its current batch, or end a run that has not started
-    yet as ``cancelled``; audited. Returns the status the run had."""
+    yet as ``cancelled``. The request is audited. Returns the status the run had."""
     with engine.begin() as conn:
         row = conn.execute(
             sa.select(job_run.c.job_name, job_run.c.scope, job_run.c.mode, job_run.c.status)
@@ -345,7 +351,7 @@ def request_cancel(
 
 @dataclass(frozen=True)
 class RunRow:
-    """A run as stored (for status and history)."""
+    """A run as stored, for status and history."""
 
     id: uuid.UUID
     job_name: str
@@ -366,7 +372,7 @@ class RunRow:
     failed_count: int
     skipped_count: int
     last_error_code: str | None
-    tally: dict[str, int] | None = None  # job-specific counts, the downstream's manners
+    tally: dict[str, int] | None = None  # job-specific counts and the downstream's manners
 
 
 def list_runs(
@@ -376,10 +382,11 @@ def list_runs(
     limit: int = 20,
     since_s: float | None = None,
 ) -> list[RunRow]:
-    """Most recent runs of a job, or of every job (``job_name`` None), newest first:
-    optionally of one tenant (its scope and, for windowed jobs, every window of it), and
-    only those asked for in the last ``since_s`` seconds (``created_at``:
-    ix_job_run_created)."""
+    """The most recent runs of a job, or of every job (``job_name`` None), newest first.
+
+    ``scope`` limits them to one tenant: its scope and, for windowed jobs, every window of
+    it. ``since_s`` keeps only those asked for in the last ``since_s`` seconds, by
+    ``created_at`` (ix_job_run_created)."""
     query = (
         sa.select(*(job_run.c[f] for f in RunRow.__dataclass_fields__))
         .order_by(job_run.c.started_at.desc())
@@ -401,9 +408,9 @@ def list_runs(
 
 def running_run_by_prefix(engine: Engine, prefix: str) -> uuid.UUID:
     """The one running run whose id starts with ``prefix`` (the short id ``qo-ops runs``
-    shows); BadInput when no running run or more than one has such an id."""
+    shows). Raises BadInput when no running run, or more than one, has such an id."""
     with engine.connect() as conn:
-        # status = 'running': the partial index ix_job_run_running, a few rows at most
+        # status = 'running' uses the partial index ix_job_run_running, a few rows at most
         found = (
             conn.execute(
                 sa.select(job_run.c.id)
