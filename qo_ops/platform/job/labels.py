@@ -78,7 +78,7 @@ MANUAL_TRIGGERS = ("manual", "api", "backfill")  # a Dagster run retry is not a 
 # run. A job adds its own (JobSpec.signals.error_classes).
 PLATFORM_ERROR_CLASSES = (
     "items_failed",  # every item of the run failed
-    "deadline",  # status timeout; the run's deadline passed, and its progress is kept
+    "deadline",  # status timeout. The deadline passed, and the progress is kept.
     "lease_lost",
     "orphaned",  # its process died, and the reaper ended the record
     "database_unavailable",
@@ -106,8 +106,8 @@ class Reconciliation:
     mismatch is left to a person. The seed's reconciliation_* family is read from them."""
 
     mismatch_types: tuple[str, ...]
-    corrections: Mapping[str, str] = field(default_factory=dict)  # tally key → result
-    unresolved: Mapping[str, str] = field(default_factory=dict)  # tally key → reason
+    corrections: Mapping[str, str] = field(default_factory=dict)  # maps a tally key to its result
+    unresolved: Mapping[str, str] = field(default_factory=dict)  # maps a tally key to its reason
 
     @property
     def correction_results(self) -> tuple[str, ...]:

@@ -68,7 +68,7 @@ class Scope:
             except ValueError:
                 raise BadInput(_not_a_key(key)) from None
         scope = cls(tenant, start, end)  # checks the tenant, the window's order and days
-        if scope.key != key:  # such as 20260101 for 2026-01-01; one key per scope
+        if scope.key != key:  # such as 20260101 for 2026-01-01. A scope has one key.
             raise BadInput(_not_a_key(key))
         return scope
 

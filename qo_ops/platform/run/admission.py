@@ -34,7 +34,7 @@ def validate_request(engine: Engine, spec: JobSpec, scope: Scope, options: RunOp
     (``run_settings``)."""
     options.validated()
     consent.check(engine, spec, scope, options)  # a person's execute needs reason, approval
-    drift_warn_s(), db_retry_s()  # the runner's own settings; it reads them again later
+    drift_warn_s(), db_retry_s()  # the runner's own settings, read again when needed
     settings = spec.validate_settings() if spec.validate_settings is not None else None
     windowed = spec.partitioning == "tenant_day"
     if windowed and scope.window_start is None:

@@ -20,7 +20,7 @@ CRASH_POINTS = (
     "after_batch_select",
     "before_commit",
     "after_commit",
-    "after_external_call",  # external phase only; the call was sent, its result not recorded
+    "after_external_call",  # in an external phase, sent but its result not recorded
     "before_finalize",
 )
 

@@ -75,13 +75,13 @@ class Liveness:
 
     def __init__(self, engine: Engine, key: int, conn: Connection) -> None:
         self.engine, self.key = engine, key
-        self._conn: Connection | None = conn  # None when lost; the next heartbeat retakes it
+        self._conn: Connection | None = conn  # None when lost, until the next heartbeat
 
     @classmethod
     def take(cls, engine: Engine) -> Liveness | None:
         """A new lock on a connection of its own, or None when it cannot be had. Then the run
         goes on, judged by its lease's TTL alone."""
-        key = secrets.randbits(63)  # non-negative; pg_locks shows it as two 32-bit halves
+        key = secrets.randbits(63)  # non-negative, for pg_locks shows it as two 32-bit halves
         try:
             conn = cls._locked(engine, key)
         except DBAPIError as exc:

@@ -62,7 +62,7 @@ __all__ = ["JobRun", "RunSummary", "count_eligible", "owner_identity", "run_job"
 
 log = logging.getLogger(__name__)
 
-QUIET_ENDINGS = (*ENDED_WELL, RunStatus.SKIPPED)  # job.finished at INFO; others at WARNING
+QUIET_ENDINGS = (*ENDED_WELL, RunStatus.SKIPPED)  # job.finished at INFO, the rest at WARNING
 
 
 def owner_identity() -> str:
@@ -408,7 +408,7 @@ class JobRun:
         summary = self.summary
         if self.heartbeat.lost.is_set():
             raise LeaseLost("heartbeat found the lease taken over or expired")
-        if self.stop.requested:  # SIGTERM/SIGINT; every batch before this one is recorded
+        if self.stop.requested:  # SIGTERM/SIGINT. Every batch before this one is recorded.
             summary.status, summary.status_reason = RunStatus.CANCELLED, TERMINATED
             return 0
         if time.monotonic() >= self.deadline:
@@ -440,7 +440,7 @@ class JobRun:
             if not items and self.ctx.position is not None:
                 self.ctx.position = None
                 if self._anything_left(conn):
-                    return _Step.AGAIN  # one last pass from the start; rows others held are due
+                    return _Step.AGAIN  # a last pass from the start, for rows others held
             if not items:
                 self._rescan_next_time(conn)
                 return _Step.DONE
@@ -633,7 +633,7 @@ class JobRun:
             self._stopped_by_signal("")
         elif isinstance(ended_by, Exception):  # a failure outside the batches
             self._failed(ended_by)
-        elif ended_by is not None:  # interrupted by the caller; the batches' outcome stays
+        elif ended_by is not None:  # interrupted by the caller. The batches' outcome stays.
             self._interrupted()
         summary = self.summary
         summary.duration_ms = int((time.monotonic() - self.started) * 1000)  # checks included
