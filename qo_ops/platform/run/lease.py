@@ -172,7 +172,7 @@ def acquire(
     ttl_s: float,
     job_run_id: uuid.UUID,
 ) -> Lease | None:
-    """Take the lease of (job, scope) if it is free or expired. Returns None if someone holds it.
+    """Take the lease of (job, scope) if it is free or expired, else return None.
 
     Waiting is bounded. If a holder's batch transaction keeps the lease row locked longer
     than :data:`LOCK_TIMEOUT_MS`, the lease counts as held.

@@ -81,7 +81,7 @@ class Liveness:
     def take(cls, engine: Engine) -> Liveness | None:
         """A new lock on a connection of its own, or None when it cannot be had. Then the run
         goes on, judged by its lease's TTL alone."""
-        key = secrets.randbits(63)  # non-negative, for pg_locks shows it as two 32-bit halves
+        key = secrets.randbits(63)  # non-negative, as pg_locks shows it in two 32-bit halves
         try:
             conn = cls._locked(engine, key)
         except DBAPIError as exc:
