@@ -1,22 +1,24 @@
-"""Approvals: what a destructive execute a person asks for must cite, whatever path asked for it.
+"""Approvals: what a destructive execute that a person asks for must cite, on every path.
 
-A destructive job (cleanup, archive, repair) executed by a person — from the CLI, the
-Dagster Launchpad, a backfill or the operator API — cites an approval (``RunOptions.approval``)
-that an approver granted for that job and the run's tenant, still valid (not expired, not
-revoked). Without one it is refused before anything is claimed, with one line saying how to
-get one, and audited ``denied`` (``approval_required``), on every path alike.
+A destructive job (cleanup, archive, repair) may be executed by a person from the CLI, the
+Dagster Launchpad, a backfill or the operator API. On every path, the run must cite an
+approval (``RunOptions.approval``). An approver must have granted it for that job and the
+run's tenant, and it must still be valid (not expired, not revoked). A run without one is
+refused before anything is claimed. The refusal says in one line how to get an approval, and
+it is audited as ``denied`` (``approval_required``). This is the same on every path.
 
-Who grants: an approver. Through the operator API an identity with the ``approver`` role
-(``POST /internal/jobs/{job}/approvals``; an approver's own destructive execute, or their approval of a
-held request, grants one for that run); from the CLI whoever holds the database credentials
-that may write ``run_approval`` (the owner's or the API's: an administrator), naming
-themselves with ``--by``. The runner's role only reads approvals: a worker cannot grant one.
+An approver grants approvals. Through the operator API, that is an identity with the
+``approver`` role (``POST /internal/jobs/{job}/approvals``). An approver's own destructive
+execute also grants one for that run, and so does their approval of a held request. From
+the CLI, the approver is whoever holds database credentials that may write
+``run_approval``, meaning the owner's or the API's (an administrator). They name themselves
+with ``--by``. The runner's role only reads approvals, so a worker cannot grant one.
 
-An approval covers one job over the tenants it names (or every tenant) until it expires
-(at most a day): one incident's approval covers its runs, retries and backfill chunks.
+An approval covers one job over the tenants it names (or every tenant) until it expires, at
+most a day later. So one incident's approval covers its runs, retries and backfill chunks.
 
-This module grants, revokes and finds approvals; whether the approval a run cites allows it
-is part of the consent rule, :func:`qo_ops.platform.run.consent.check_approval`.
+This module grants, revokes and finds approvals. Whether the approval a run cites allows the
+run is part of the consent rule, :func:`qo_ops.platform.run.consent.check_approval`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from qo_ops.platform.schedule.tenants import tenant_exists
 MIN_VALID_S = 60
 MAX_VALID_S = 24 * 3600
 DEFAULT_VALID_S = 3600
-MAX_TENANTS = 1000  # one approval names at most this many; more: every tenant (tenants NULL)
+# One approval names at most this many tenants. For more, grant every tenant (tenants NULL).
+MAX_TENANTS = 1000
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Approval:
 
     id: str
     job_name: str
-    tenants: list[str] | None  # None: every tenant
+    tenants: list[str] | None  # None means every tenant
     reason: str
     granted_by: str
     granted_at: datetime
@@ -82,9 +85,11 @@ def find(conn: Connection, approval_id: str) -> Approval | None:
 
 @dataclass(frozen=True)
 class Grant:
-    """An approval being granted: of ``job_name``'s execute over ``tenants`` (None: every
-    tenant), by ``granted_by``, for ``valid_for_s``. ``request``: the API request's
-    ``request_id`` and ``client_address``, for the audit row."""
+    """An approval being granted for ``job_name``'s execute over ``tenants``, by
+    ``granted_by``, for ``valid_for_s`` seconds.
+
+    ``tenants`` None means every tenant. ``request`` holds the API request's ``request_id``
+    and ``client_address``, for the audit row."""
 
     job_name: str
     tenants: Sequence[str] | None
@@ -95,9 +100,10 @@ class Grant:
 
 
 def grant(engine: Engine, spec: JobSpec, wanted: Grant) -> Approval:
-    """Record (and audit: ``approve``, ``granted``) the approval ``wanted``; BadInput
-    (nothing written) for a job that needs none, an unknown tenant, a blank reason or a
-    validity out of range."""
+    """Record the approval ``wanted``, with an audit row (``approve``, ``granted``).
+
+    It raises BadInput, and writes nothing, for a job that needs no approval, an unknown
+    tenant, a blank reason or a validity out of range."""
     if not spec.destructive:
         raise BadInput(f"{spec.name} is not destructive: its execute needs no approval")
     if not wanted.reason.strip() or len(wanted.reason) > MAX_TEXT:
@@ -123,8 +129,10 @@ def grant(engine: Engine, spec: JobSpec, wanted: Grant) -> Approval:
 
 
 def record_grant(conn: Connection, wanted: Grant) -> Approval:
-    """Insert and audit an approval, in the caller's transaction (validated by the caller:
-    :func:`grant`, or the API's acceptance of an approver's own execute)."""
+    """Insert and audit an approval, in the caller's transaction.
+
+    The caller has validated it. The callers are :func:`grant` and the API's acceptance of
+    an approver's own execute."""
     row = conn.execute(
         sa.insert(run_approval)
         .values(
@@ -178,8 +186,9 @@ def revoke(
     revoked_by: str,
     request: dict[str, str | None] | None = None,
 ) -> Approval:
-    """Revoke an approval (runs that cite it from now on are refused; audited); BadInput if
-    unknown."""
+    """Revoke an approval, with an audit row. Runs that cite it from now on are refused.
+
+    An unknown approval raises BadInput."""
     with engine.begin() as conn:
         row = conn.execute(
             sa.update(run_approval)
@@ -200,7 +209,7 @@ def revoke(
 def list_approvals(
     engine: Engine, *, job_name: str | None = None, live: bool = True
 ) -> list[Approval]:
-    """Approvals, newest first; ``live``: only those neither expired nor revoked."""
+    """Approvals, newest first. With ``live``, only those neither expired nor revoked."""
     query = sa.select(run_approval).order_by(run_approval.c.granted_at.desc()).limit(200)
     if job_name is not None:
         query = query.where(run_approval.c.job_name == job_name)
@@ -213,6 +222,8 @@ def list_approvals(
 
 
 def new_id() -> str:
-    """``apr-`` and ten lowercase letters and digits: short enough to type in a form."""
+    """A new approval id: ``apr-`` and ten lowercase letters and digits.
+
+    It is short enough to type in a form."""
     alphabet = "abcdefghijkmnpqrstuvwxyz23456789"  # no l, o, 0, 1
     return "apr-" + "".join(secrets.choice(alphabet) for _ in range(10))

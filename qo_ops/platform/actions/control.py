@@ -1,11 +1,14 @@
 """The kill switch: suspend a job for one tenant or for every scope, and resume it.
 
-A suspension is a ``job_control`` row; it is honoured everywhere a run can start or go on:
-``run_job`` refuses to start (:class:`JobSuspended`, with an audit row), a running batch loop
-stops at its next batch boundary (the lease guard reads it: status ``cancelled``, reason
-``suspended``), and the Dagster schedules and sensors skip the scope with a visible reason.
-Suspending and resuming are audited (``job_audit`` actions ``suspend`` / ``resume``) in the
-same transaction as the change.
+A suspension is a ``job_control`` row. It is honoured everywhere a run can start or go on:
+
+- ``run_job`` refuses to start, raising :class:`JobSuspended` and writing an audit row.
+- A running batch loop stops at its next batch boundary, because the lease guard reads the
+  row. The run ends with status ``cancelled`` and reason ``suspended``.
+- The Dagster schedules and sensors skip the scope with a visible reason.
+
+Suspending and resuming are audited (``job_audit`` actions ``suspend`` and ``resume``) in
+the same transaction as the change.
 """
 
 from __future__ import annotations
@@ -24,19 +27,19 @@ from qo_ops.platform.job.options import MAX_TEXT
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.schedule.tenants import tenant_exists
 
-EVERY_SCOPE = ""  # job_control.tenant_id of a suspension covering every tenant
+EVERY_SCOPE = ""  # the job_control.tenant_id of a suspension that covers every tenant
 
 
 class JobSuspended(QoOpsError):
-    """The job is suspended for this scope: nothing was run."""
+    """The job is suspended for this scope, so nothing was run."""
 
-    exit_code = 7  # `qo-ops run`: 0-6 are run outcomes and bad input (README)
+    exit_code = 7  # in `qo-ops run`, 0-6 are run outcomes and bad input (README)
     error_code = "suspended"
 
 
 @dataclass(frozen=True)
 class Suspension:
-    """One suspended job (for ``tenant_id``, or every scope when it is None)."""
+    """One suspended job, for ``tenant_id``, or for every scope when it is None."""
 
     job_name: str
     tenant_id: str | None
@@ -79,8 +82,10 @@ def suspension_for(conn: Connection, job_name: str, tenant_id: str) -> Suspensio
 def suspensions(
     conn: Connection, job_name: str | None = None, tenant_id: str | None = None
 ) -> list[Suspension]:
-    """Every suspension (of one job; that stops one tenant: its own and job-wide ones),
-    job-wide ones first."""
+    """Every suspension, job-wide ones first.
+
+    ``job_name`` keeps one job's suspensions. ``tenant_id`` keeps those that stop one
+    tenant: the tenant's own and the job-wide ones."""
     query = sa.select(job_control).order_by(job_control.c.job_name, job_control.c.tenant_id)
     if job_name is not None:
         query = query.where(job_control.c.job_name == job_name)
@@ -90,7 +95,7 @@ def suspensions(
 
 
 def _row_of(job_name: str, tenant_id: str | None) -> sa.ColumnElement[bool]:
-    """The job_control row of a job for one tenant (None: the job-wide one)."""
+    """The job_control row of a job for one tenant, or the job-wide row when it is None."""
     return sa.and_(
         job_control.c.job_name == job_name,
         job_control.c.tenant_id == (tenant_id or EVERY_SCOPE),
@@ -105,7 +110,7 @@ def _checked(job_name: str, tenant_id: str | None, reason: str | None, known: se
     if job_name not in known:
         raise BadInput(f"unknown job {job_name!r} (known: {', '.join(sorted(known))})")
     if tenant_id is not None:
-        Scope(tenant_id)  # validates the tenant key
+        Scope(tenant_id)  # this validates the tenant key
     text = (reason or "").strip()
     if not text:
         raise BadInput("a reason is required (--reason)")
@@ -116,9 +121,10 @@ def _checked(job_name: str, tenant_id: str | None, reason: str | None, known: se
 
 @dataclass(frozen=True)
 class ControlChange:
-    """A person's suspend or resume: the job, its tenant (None: every scope), who asks and
-    why; ``request`` says where an API request came from (request id, client address), for
-    the audit row."""
+    """A person's suspend or resume: the job, its tenant, who asks and why.
+
+    A tenant of None means every scope. ``request`` says where an API request came from
+    (request id, client address), for the audit row."""
 
     job_name: str
     tenant_id: str | None
@@ -133,8 +139,10 @@ def suspend(
     *,
     known_jobs: set[str],
 ) -> tuple[Suspension, bool]:
-    """Suspend the change's job for its tenant (None: every scope). Returns the suspension
-    and whether it is new (suspending twice keeps the first one, and says so)."""
+    """Suspend the change's job for its tenant (None means every scope).
+
+    It returns the suspension and whether it is new. Suspending twice keeps the first
+    suspension, and says so."""
     job_name, tenant_id, actor = change.job_name, change.tenant_id, change.actor
     text = _checked(job_name, tenant_id, change.reason, known_jobs)
     with engine.begin() as conn:
@@ -172,8 +180,10 @@ def resume(
     *,
     known_jobs: set[str],
 ) -> Suspension | None:
-    """Lift the suspension of the change's job for its tenant (None: the job-wide one).
-    Returns what was lifted, None when nothing was suspended there (audited either way)."""
+    """Lift the suspension of the change's job for its tenant (None means the job-wide one).
+
+    It returns what was lifted, or None when nothing was suspended there. Either way, it
+    writes an audit row."""
     job_name, tenant_id, actor = change.job_name, change.tenant_id, change.actor
     text = _checked(job_name, tenant_id, change.reason, known_jobs)
     with engine.begin() as conn:

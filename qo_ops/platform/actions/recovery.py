@@ -1,21 +1,24 @@
-"""Recovery without database surgery: what an operator does after a job has stopped short of
-done, as commands (``qo-ops requeue``, ``review``, ``checkpoint``) and API actions over one
-code path.
+"""Recovery without database surgery.
 
-- **Dead letters back to work** (:func:`requeue`): a job declares how its dead letters are
-  requeued (``JobSpec.recovery.requeue``: a :class:`DeadLetterKind`).
-- **The manual-review queue** (:func:`waiting_for_review`, :func:`resolve`): a job that flags
-  items for a person declares how they are listed and the actions it offers
-  (``JobSpec.recovery.review``: a :class:`Review`). An action runs in one transaction behind the
+This module holds what an operator does after a job has stopped short of done. The same code
+path serves the commands (``qo-ops requeue``, ``review``, ``checkpoint``) and the API actions.
+
+- **Dead letters back to work** (:func:`requeue`). A job declares how its dead letters are
+  requeued in ``JobSpec.recovery.requeue``, a :class:`DeadLetterKind`.
+- **The manual-review queue** (:func:`waiting_for_review`, :func:`resolve`). A job that flags
+  items for a person declares how they are listed and which actions it offers, in
+  ``JobSpec.recovery.review``, a :class:`Review`. An action runs in one transaction behind the
   lease's guard, as the job's own writes do.
-- **Checkpoints** (:func:`checkpoints`, :func:`reset_checkpoints`): a reset forgets where a
+- **Checkpoints** (:func:`checkpoints`, :func:`reset_checkpoints`). A reset forgets where a
   checkpointed job's scopes stopped, so their next run starts from the beginning.
 
-Every change validates first, takes the lease of each scope it touches (refused with
-:class:`ScopeBusy`, changing nothing, while a run holds one), writes its ``job_audit`` row in
-the transaction of the change, is idempotent (a second call finds nothing left to change),
-and has a dry run that says what it would change and writes nothing. Plain Python over
-SQLAlchemy: no Dagster.
+Every change follows the same rules. It validates its input first. It takes the lease of each
+scope it touches. While a run holds one of them, it is refused with :class:`ScopeBusy` and
+changes nothing. It writes its ``job_audit`` row in the same transaction as the change. It is
+idempotent, so a second call finds nothing left to change. It has a dry run that says what it
+would change and writes nothing.
+
+This is plain Python over SQLAlchemy, without Dagster.
 """
 
 from __future__ import annotations
@@ -41,24 +44,25 @@ from qo_ops.platform.run import lease as leases
 MAX_REQUEUE = 100_000
 MAX_LISTED = 1000
 ACTION_LEASE_TTL_S = 30.0  # an action holds its scope's lease for one short transaction
-LEASE_WAIT_S = 5.0  # how long an action waits for a run to give its scope back
-CHECKPOINT_RESET = "checkpoint_reset"  # the audit action job_checkpoint_resets_total counts
+LEASE_WAIT_S = 5.0  # an action waits this long for a run to give its scope back
+CHECKPOINT_RESET = "checkpoint_reset"  # job_checkpoint_resets_total counts this audit action
 
 
 class NotOffered(BadInput):
-    """The job has no such recovery: it keeps no dead letters, flags nothing, or keeps no
-    checkpoint."""
+    """The job offers no such recovery.
+
+    It keeps no dead letters, flags nothing, or keeps no checkpoint."""
 
 
 class ScopeBusy(QoOpsError):
-    """A run holds the lease of a scope the action would change; nothing was changed."""
+    """A run holds the lease of a scope that the action would change. Nothing was changed."""
 
     exit_code = 4  # like a run skipped because its lease is held
 
 
 @dataclass(frozen=True)
 class Who:
-    """Who asks for a recovery action and why; the API adds where the request came from."""
+    """Who asks for a recovery action, and why. The API adds where the request came from."""
 
     actor: str
     reason: str
@@ -87,8 +91,9 @@ class Who:
 
 @dataclass
 class Outcome:
-    """What a recovery action changed, or would change (``dry_run``): ``items`` are ids,
-    order numbers or checkpoint scopes, never personal data."""
+    """What a recovery action changed, or would change on a ``dry_run``.
+
+    ``items`` are ids, order numbers or checkpoint scopes, never personal data."""
 
     action: str
     job_name: str
@@ -116,7 +121,9 @@ def dead_letter_kind(spec: JobSpec) -> DeadLetterKind:
 
 @dataclass(frozen=True)
 class DeadLetters:
-    """Which dead letters of a tenant: the ones named (``ids``), or all; at most ``limit``."""
+    """Which dead letters of a tenant to requeue: those named in ``ids``, or all of them.
+
+    At most ``limit`` are taken."""
 
     tenant: str
     ids: Sequence[uuid.UUID] | None = None
@@ -127,9 +134,11 @@ def requeue(
     engine: Engine, spec: JobSpec, who: Who, which: DeadLetters, *, dry_run: bool = False
 ) -> Outcome:
     """Put ``which`` dead letters of ``spec`` back to work, oldest first, under the tenant's
-    lease (refused with :class:`ScopeBusy` while a run holds it); one audit row says who,
-    why and how many, in the same transaction. A dry run lists what would move and writes
-    nothing."""
+    lease.
+
+    While a run holds the lease, this is refused with :class:`ScopeBusy`. One audit row, in
+    the same transaction, says who, why and how many. A dry run lists what would move and
+    writes nothing."""
     kind = dead_letter_kind(spec)
     tenant, ids, limit = which.tenant, which.ids, which.limit
     Scope(tenant)
@@ -188,7 +197,9 @@ def review_queue(spec: JobSpec) -> Review:
 
 
 def review_action(spec: JobSpec, action: str) -> tuple[Review, ReviewAction]:
-    """The job's review queue and the action named, or :class:`BadInput` naming those it offers."""
+    """The job's review queue and the named action.
+
+    An unknown action raises :class:`BadInput`, which names the actions the job offers."""
     review = review_queue(spec)
     if action not in review.actions:
         raise BadInput(f"{spec.name} offers --action {'|'.join(review.actions)}, not {action!r}")
@@ -198,8 +209,9 @@ def review_action(spec: JobSpec, action: str) -> tuple[Review, ReviewAction]:
 def waiting_for_review(
     conn: Connection, specs: Sequence[JobSpec], tenant: str | None = None, limit: int = 100
 ) -> list[tuple[str, ReviewItem]]:
-    """The items waiting for a person, per job of ``specs`` that has a review queue, oldest
-    flag first: (job name, item)."""
+    """The items waiting for a person, as (job name, item) pairs, oldest flag first.
+
+    Only the jobs of ``specs`` that have a review queue are listed."""
     if tenant is not None:
         Scope(tenant)
     if not 1 <= limit <= MAX_LISTED:
@@ -226,7 +238,9 @@ def _find(conn: Connection, review: Review, tenant: str, item: str) -> ReviewIte
 
 @dataclass(frozen=True)
 class Decision:
-    """A person's decision on one flagged ``item`` of ``tenant``: an ``action`` its job offers."""
+    """A person's decision on one flagged ``item`` of ``tenant``.
+
+    ``action`` is one of the actions the item's job offers."""
 
     tenant: str
     item: str
@@ -236,9 +250,11 @@ class Decision:
 def resolve(
     engine: Engine, spec: JobSpec, who: Who, decision: Decision, *, dry_run: bool = False
 ) -> Outcome:
-    """Apply the decision's action to its flagged item: under the lease of the item's scope
-    (refused with :class:`ScopeBusy` while a run holds it), in one transaction behind the
-    lease's guard, with its audit row. An item no longer waiting changes nothing."""
+    """Apply the decision's action to its flagged item.
+
+    The action runs under the lease of the item's scope, in one transaction behind the
+    lease's guard, and writes its audit row there. While a run holds the lease, it is refused
+    with :class:`ScopeBusy`. An item that is no longer waiting changes nothing."""
     tenant, item, action = decision.tenant, decision.item, decision.action
     review, chosen = review_action(spec, action)
     Scope(tenant)
@@ -256,7 +272,7 @@ def resolve(
     with _held(engine, spec, [found.scope()], action_id) as held, engine.begin() as conn:
         for lease in held:
             lease.guard(conn)
-        did = chosen.apply(conn, found, action_id)  # None: resolved by another since it was read
+        did = chosen.apply(conn, found, action_id)  # None if someone resolved it since the read
         who.audit(
             conn,
             action=f"review_{action}",
@@ -292,8 +308,11 @@ def _not_waiting(spec: JobSpec, tenant: str, item: str) -> Outcome:
 
 class _held:
     """The leases of ``scopes`` for one recovery action, taken before it writes and released
-    after; :class:`ScopeBusy` when a run holds one of them, or holds a scope of the same
-    tenant whose window overlaps one (a run over a range holds one lease for all its days)."""
+    after.
+
+    It raises :class:`ScopeBusy` when a run holds one of these scopes. It also raises when a
+    run holds a scope of the same tenant whose window overlaps one of them, because a run
+    over a range holds one lease for all its days."""
 
     def __init__(
         self, engine: Engine, spec: JobSpec, scopes: Sequence[Scope], action_id: uuid.UUID
@@ -306,7 +325,7 @@ class _held:
         while busy := self._busy_scopes():
             if time.monotonic() >= deadline:
                 self._busy(busy)
-            time.sleep(0.5)  # polling the leases for a condition, not a timed wait
+            time.sleep(0.5)  # this polls the leases for a condition; it is not a timed wait
         owner = f"recovery:{self.action_id}"
         for scope in self.scopes:
             lease = leases.acquire(
@@ -315,7 +334,7 @@ class _held:
             if lease is None:
                 self.__exit__()
                 self._busy([scope.key])
-            self.leases.append(lease)  # type: ignore[arg-type]  # None raised above
+            self.leases.append(lease)  # type: ignore[arg-type]  # None has raised above
         return self.leases
 
     def _busy_scopes(self) -> list[str]:
@@ -357,13 +376,13 @@ class CheckpointRow:
     cursor: dict[str, Any]
     updated_at: datetime
     job_run_id: str | None
-    held: bool  # a run holds the scope's lease now
+    held: bool  # whether a run holds the scope's lease now
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "updated_at": self.updated_at.isoformat()}
 
 
-# The tenant's checkpoints of a job: the tenant's own scope, and its windows.
+# Read a job's checkpoints for a tenant: the tenant's own scope and its windows.
 _CHECKPOINTS = sa.text(
     """
     SELECT c.scope, c.cursor, c.updated_at, CAST(c.job_run_id AS text) AS job_run_id,
@@ -374,15 +393,18 @@ _CHECKPOINTS = sa.text(
      ORDER BY c.scope
     """
 )
-# Forget one checkpoint (the lease of its scope held by the reset, checked by its guard).
+# Forget one checkpoint. The reset holds the lease of its scope, and the lease's guard
+# checks it.
 # Twice: the second delete finds no row and changes nothing.
 _FORGET = sa.text("DELETE FROM job_checkpoint WHERE job_name = :job AND scope = :scope")
 
 
 @dataclass(frozen=True)
 class Checkpoints:
-    """A tenant's checkpoints: all, or those whose window lies within ``first``..``last``
-    (days, both included; windowed jobs only)."""
+    """Which checkpoints of a tenant: all, or those whose window lies within
+    ``first``..``last``.
+
+    Both days are included. The days apply to windowed jobs only."""
 
     tenant: str
     first: date | None = None
@@ -390,8 +412,10 @@ class Checkpoints:
 
 
 def checkpoint_days(spec: JobSpec, which: Checkpoints) -> tuple[date, date] | None:
-    """Check a checkpoint request before anything is read: the job keeps checkpoints, the
-    tenant is well formed, and days (both or neither) only for a windowed job."""
+    """Check a checkpoint request before anything is read.
+
+    The job must keep checkpoints and the tenant must be well formed. Days may be given
+    only for a windowed job, and then both or neither."""
     tenant, first, last = which.tenant, which.first, which.last
     if spec.batching.checkpoint is None:
         raise NotOffered(f"{spec.name} keeps no checkpoint")
@@ -409,7 +433,7 @@ def checkpoint_days(spec: JobSpec, which: Checkpoints) -> tuple[date, date] | No
 
 
 def checkpoints(conn: Connection, spec: JobSpec, which: Checkpoints) -> list[CheckpointRow]:
-    """``which`` checkpoints of ``spec``, and whether a run holds each."""
+    """List ``which`` checkpoints of ``spec``, and whether a run holds each."""
     days = checkpoint_days(spec, which)
     tenant = which.tenant
     rows = [
@@ -425,11 +449,13 @@ def checkpoints(conn: Connection, spec: JobSpec, which: Checkpoints) -> list[Che
 def reset_checkpoints(
     engine: Engine, spec: JobSpec, who: Who, which: Checkpoints, *, dry_run: bool = False
 ) -> Outcome:
-    """Forget ``which`` checkpoints of ``spec``: their scopes' next runs start from the
-    beginning. Refused with :class:`ScopeBusy`, changing
-    nothing, while a run holds one of those scopes; otherwise every checkpoint goes in one
-    transaction behind the scopes' leases, with one audit row (counted by the exporter as
-    ``job_checkpoint_resets_total{reason="operator"}``)."""
+    """Forget ``which`` checkpoints of ``spec``, so their scopes' next runs start from the
+    beginning.
+
+    While a run holds one of those scopes, this is refused with :class:`ScopeBusy` and
+    changes nothing. Otherwise every checkpoint goes in one transaction behind the scopes'
+    leases, with one audit row. The exporter counts that row as
+    ``job_checkpoint_resets_total{reason="operator"}``."""
     who.validated()
     tenant, first, last = which.tenant, which.first, which.last
     with engine.connect() as conn:

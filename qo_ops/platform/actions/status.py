@@ -1,6 +1,9 @@
-"""Status for operators: per job and tenant, the last run (mode and status), last success,
-whether it is failing or stale, runs in progress, lease holder, backlog and checkpoint age,
-and per job a summary of them; and the downstream's circuit breakers."""
+"""Status for operators.
+
+For each job and tenant, a row shows the last run (its mode and status), the last success,
+whether the tenant is failing or stale, the runs in progress, the lease holder, the backlog
+and the checkpoint age. Each job also gets a summary of its rows. A separate table shows the
+downstream's circuit breakers."""
 
 from __future__ import annotations
 
@@ -23,13 +26,14 @@ from qo_ops.platform.run.liveness import RUN_GONE
 from qo_ops.platform.run.selection import capped_count
 from qo_ops.platform.schedule.freshness import job_due, stale_limit_s
 
-BACKLOG_ROWS = 200  # without a list of tenants, backlog is counted when a job has this few
-BACKLOG_CAP = 100_000  # a backlog is counted up to this (a capped count: bounded reads)
+# Without a list of tenants, the backlog is counted only when a job has at most this many.
+BACKLOG_ROWS = 200
+BACKLOG_CAP = 100_000  # a backlog is counted up to this, so the reads stay bounded
 
 
 @dataclass(frozen=True)
 class ScopeStatus:
-    """The state of one (job, tenant): a windowed job's windows are summed up per tenant."""
+    """The state of one (job, tenant). A windowed job's windows are summed up per tenant."""
 
     job_name: str
     scope: str  # the tenant
@@ -37,28 +41,31 @@ class ScopeStatus:
     last_status: str | None
     last_success_at: datetime | None
     lease_holder: str | None
-    backlog: int | None  # items eligible now (a tenant job; None: not counted)
-    checkpoint_age_s: float | None = None  # since the scope's checkpoint last moved
-    last_mode: str | None = None  # dry_run | execute: what the last run was
-    last_code: str | None = None  # the code that ran it: package/schema revision (0018)
-    running: int = 0  # runs of it in progress now
-    failing: bool = False  # its last run ended failed or timeout (or an unaccepted partial)
+    backlog: int | None  # items eligible now, for a tenant job; None if not counted
+    checkpoint_age_s: float | None = None  # time since the scope's checkpoint last moved
+    last_mode: str | None = None  # the last run's mode: dry_run or execute
+    last_code: str | None = None  # the code that ran it, as package/schema revision (0018)
+    running: int = 0  # runs in progress now
+    # The last run ended failed or timeout, or in a partial success the job does not accept.
+    failing: bool = False
     stale: bool = False  # no execute success within STALE_FACTOR cadences (freshness.py)
-    never_run: bool = True  # no run of the job for this tenant, ever
+    never_run: bool = True  # the job has never run for this tenant
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @property
     def attention(self) -> bool:
-        """Whether an operator should look: failing, stale, running now or its scope held."""
+        """Whether an operator should look: it is failing, stale, running now, or its scope is
+        held."""
         return self.failing or self.stale or self.running > 0 or self.lease_holder is not None
 
 
-# Per tenant of one job (a windowed job's scopes are tenant/window: summed up per tenant),
-# set-based over every tenant: its last run (when, mode, status), last execute success,
-# runs in progress, live lease (its holder not gone) and checkpoint age; and how long the
-# tenant has existed. One walk of the job's runs (ix_job_run_history), not one per tenant.
+# Read the status of one job for every tenant, set-based. A windowed job's scopes are
+# tenant/window, and they are summed up per tenant. For each tenant, the query reads the last
+# run (when, mode, status), the last execute success, the runs in progress, the live lease
+# (whose holder is not gone) and the checkpoint age. It also reads how long the tenant has
+# existed. It walks the job's runs once (ix_job_run_history), not once per tenant.
 _STATUS = sa.text(
     f"""
     WITH t AS (SELECT id, extract(epoch FROM now() - created_at) AS age FROM tenant
@@ -107,13 +114,15 @@ def job_status(
     tenant: str | None = None,
     backlog_of: Collection[str] | None = None,
 ) -> list[ScopeStatus]:
-    """Status rows of ``spec``, one per tenant (or only ``tenant``). Backlog is counted for
-    a tenant job's tenants in ``backlog_of``, or, when None, for every tenant if there are
-    at most :data:`BACKLOG_ROWS` (one capped count each)."""
+    """Status rows of ``spec``, one per tenant, or only for ``tenant``.
+
+    For a tenant job, the backlog is counted for the tenants in ``backlog_of``. When
+    ``backlog_of`` is None, it is counted for every tenant if there are at most
+    :data:`BACKLOG_ROWS`. Each count is one capped count."""
     limit_s = stale_limit_s(spec)
     fresh = list(spec.fresh_statuses)
     with engine.connect() as conn:
-        due = job_due(conn, spec)  # a job newer than its limit judges no tenant stale yet
+        due = job_due(conn, spec)  # a job newer than its stale limit judges no tenant stale
         found = conn.execute(
             _STATUS,
             {"job": spec.name, "tenant": tenant, "fresh": fresh, "unstarted": list(UNSTARTED)},
@@ -151,8 +160,10 @@ def job_status(
 def with_backlog(
     engine: Engine, spec: JobSpec, rows: Sequence[ScopeStatus], tenants: Collection[str]
 ) -> list[ScopeStatus]:
-    """``rows`` with the backlog of a tenant job's ``tenants`` among them counted (capped at
-    :data:`BACKLOG_CAP`, one selection each); the others as they were."""
+    """Return ``rows`` with the backlog counted for a tenant job's ``tenants`` among them.
+
+    Each count is one selection, capped at :data:`BACKLOG_CAP`. The other rows stay as they
+    were."""
     if spec.partitioning != "tenant" or not tenants:
         return list(rows)
     wanted = set(tenants)
@@ -168,7 +179,8 @@ def with_backlog(
 
 @dataclass(frozen=True)
 class JobSummary:
-    """One job over every tenant shown: how many fail, are stale, never ran, run now."""
+    """One job over every tenant shown: how many tenants fail, are stale, never ran, or run
+    now."""
 
     job_name: str
     tenants: int
@@ -197,20 +209,21 @@ def summarize(job_name: str, rows: Sequence[ScopeStatus], suspended: int = 0) ->
 
 @dataclass(frozen=True)
 class BreakerStatus:
-    """One downstream's shared circuit breaker (a ``downstream_breaker`` row), with its ages
-    on the database's clock."""
+    """One downstream's shared circuit breaker (a ``downstream_breaker`` row).
+
+    Its ages are on the database's clock."""
 
     downstream: str  # scheme://host:port, never credentials
     state: str  # closed | open | half_open
     opened_at: datetime | None  # when the outage began (None once closed)
-    open_s: float  # since it last opened; 0 when closed
-    probe_after: datetime | None  # an open breaker is probed by the first run after this
-    probe_in_s: float | None  # until then (negative: due)
+    open_s: float  # seconds since it last opened; 0 when closed
+    probe_after: datetime | None  # the first run after this probes an open breaker
+    probe_in_s: float | None  # seconds until probe_after; negative when a probe is due
     reason: str | None  # why it last changed, a short code (e.g. connect_error 10_in_a_row)
-    opened_count: int  # times it opened, ever
+    opened_count: int  # how many times it ever opened
     changed_at: datetime
     changed_by_run: uuid.UUID | None  # the job_run that changed it last
-    # its evidence (the last calls of every run, in start order; forgotten when stale)
+    # Its evidence: the last calls of every run, in start order. Stale evidence is forgotten.
     recent_calls: int = 0
     recent_failed: int = 0
     failed_in_a_row: int = 0
@@ -228,11 +241,13 @@ class BreakerStatus:
         )
 
 
-_EVIDENCE_S = BreakerSettings().evidence_s  # older evidence is forgotten (the runs' rule)
+_EVIDENCE_S = BreakerSettings().evidence_s  # older evidence is forgotten, as the runs do
 
 
 def breaker_status(conn: sa.Connection) -> list[BreakerStatus]:
-    """Every downstream's breaker, by origin. A downstream no run has opened has no row."""
+    """Every downstream's breaker, ordered by origin.
+
+    A downstream that no run has opened has no row."""
     b = downstream_breaker.c
     clock = sa.func.clock_timestamp()
     since = sa.func.coalesce(b.opened_at, b.changed_at)

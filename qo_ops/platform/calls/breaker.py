@@ -1,38 +1,46 @@
 """A circuit breaker for another system, judged on evidence that every run shares.
 
-**Evidence** is the outcomes of the recent calls to one downstream — *failed* (no answer, a
-timeout, a 5xx) or *answered* (anything else; a ``429`` is neither) — in the order the calls
-**started**. It lives in the downstream's row (``downstream_breaker.recent``), so every run,
-process and pod adds to the same evidence: each batch appends its outcomes when it records,
-and each batch starts from what the row holds then. Ten runs of two calls during an outage
-are as much evidence as one run of twenty.
+**Evidence** is the list of outcomes of the recent calls to one downstream, in the order the
+calls **started**. A call either *failed* (no answer, a timeout, a 5xx) or was *answered*
+(anything else). A ``429`` counts as neither. The evidence lives in the downstream's row
+(``downstream_breaker.recent``), so every run, process and pod adds to the same evidence.
+Each batch appends its outcomes when it records, and each batch starts from what the row
+holds at that moment. Ten runs of two calls during an outage are as much evidence as one run
+of twenty.
 
-**Down** (the breaker opens) when, over that evidence:
+**Down** means the breaker opens. The downstream is down when either rule holds:
 
 - the last ``streak`` calls all failed (10 in a row), or
-- at least ``min_calls`` of the last ``window`` calls are known and ``failure_ratio`` of them
-  failed (60 % of the last 50, from 30 known).
+- at least ``min_calls`` of the last ``window`` calls are known, and ``failure_ratio`` of
+  them failed (60 % of the last 50, from 30 known).
 
-**Why by start, not by completion.** A call's outcome joins the evidence only once every call
-started before it has answered. A batch's slow failures (timeouts) start scattered among fast
-answers but finish last and together: counted by completion they are a streak ("the tail"),
-counted by start they are what they are, a few percent. A downstream that is *down* fails
-every call, in any order; one that is *degraded* (flaky, slow) answers most of them and stays
-closed: its failures are its items' own, and the retry policy handles them.
+**Why order by start, not by completion.** A call's outcome joins the evidence only once
+every call started before it has answered. A batch's slow failures (timeouts) start
+scattered among fast answers, but they finish last and together. Counted by completion they
+would look like a streak ("the tail"). Counted by start they are what they are, a few
+percent. A downstream that is *down* fails every call, in any order. One that is *degraded*
+(flaky or slow) answers most calls, so the breaker stays closed. Its failures then belong to
+their items, and the retry policy handles them.
 
-**Up** (a failure is the item's own): at least ``min_calls`` known and not down. A systemic
-failure at an item's last attempt dead-letters it only when the downstream is up; otherwise
-the item is *held* (it keeps its attempt and retries at its backoff), so an outage seen by a
-run with a lone item never dead-letters it.
+**Up** means a failure is the item's own. The downstream is up when at least ``min_calls``
+outcomes are known and it is not down. A systemic failure at an item's last attempt
+dead-letters the item only when the downstream is up. Otherwise the item is *held*: it keeps
+its attempt and retries at its backoff. So an outage seen by a run with a lone item never
+dead-letters that item.
 
-``closed``: every call goes. ``open``: no call goes; the run stops (``dependency_unavailable``)
-and the row's ``probe_after`` is the database's clock + ``open_s``. ``half_open`` (a run
-starting a batch after ``probe_after``): ``probes`` calls go, one at a time; when they all
-answer it closes, when one fails it opens again. When it opens, the attempts that the failures
-in the evidence used are owed back to their items (``downstream_refund``): each item job gives
-back its own, at its tenant's next claim (``qo_ops/downstream/calls.py``).
+The three states:
 
-The breaker keeps no clock of its own: staleness (``evidence_s``) and ``probe_after`` are
+- ``closed``: every call goes.
+- ``open``: no call goes. The run stops with ``dependency_unavailable``, and the row's
+  ``probe_after`` is set to the database's clock plus ``open_s``.
+- ``half_open``: a run that starts a batch after ``probe_after`` sends ``probes`` calls, one
+  at a time. When they all answer, the breaker closes. When one fails, it opens again.
+
+When the breaker opens, the attempts that the failures in the evidence used are owed back to
+their items (``downstream_refund``). Each item job gives back its own items' attempts at its
+tenant's next claim (``qo_ops/downstream/calls.py``).
+
+The breaker keeps no clock of its own. Staleness (``evidence_s``) and ``probe_after`` are
 judged by the database's ``clock_timestamp()``.
 """
 
@@ -51,32 +59,33 @@ from sqlalchemy.engine import Connection
 from qo_ops.platform.job.labels import CALL_TIMEOUT
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
-FAILED, ANSWERED = "F", "S"  # one call's outcome in ``downstream_breaker.recent``
-_WAIT_S = 0.05  # how often a caller waiting for a probe looks at the stop request
+FAILED, ANSWERED = "F", "S"  # how one call's outcome is written in downstream_breaker.recent
+_WAIT_S = 0.05  # a caller waiting for a probe checks the stop request this often (seconds)
 
 
 @dataclass(frozen=True)
 class BreakerSettings:
     """How the breaker judges the evidence, and how long it stays open before a probe."""
 
-    # a quarter of calls failing at random (flaky, not down) makes 10 in a row by start
-    # about once in 2 million calls, and 60 % of the last 50 (from 30 known) about once in
-    # 4,000 fresh starts (a quiet downstream's first calls) and never in 2 million after
+    # These defaults tolerate a flaky downstream where a quarter of calls fail at random.
+    # Such a downstream makes 10 failures in a row (by start) about once in 2 million calls.
+    # It reaches 60 % of the last 50 (from 30 known) about once in 4,000 fresh starts (a
+    # quiet downstream's first calls), and never in 2 million calls after that.
     window: int = 50
     min_calls: int = 30
     failure_ratio: float = 0.6
     streak: int = 10
     open_s: float = 30.0
     probes: int = 3
-    # evidence last added to longer ago than this is forgotten (a quiet downstream starts
-    # afresh); long enough for the sparse calls of a small backlog to add up
+    # Evidence not added to for this long is forgotten, so a quiet downstream starts afresh.
+    # It is long enough for the sparse calls of a small backlog to add up.
     evidence_s: float = 900.0
 
 
 @dataclass
 class Evidence:
-    """The last ``window`` known outcomes in start order (True = failed), and how many of the
-    newest failed in a row."""
+    """The last ``window`` known outcomes in start order (True means failed), and how many of
+    the newest failed in a row."""
 
     settings: BreakerSettings
     outcomes: deque[bool] = field(default_factory=deque)
@@ -94,7 +103,8 @@ class Evidence:
         return "".join(FAILED if failed else ANSWERED for failed in self.outcomes)
 
     def add(self, failed: bool) -> str | None:
-        """Add the next outcome; the rule it trips (``10_in_a_row``, ``14/20``), or None."""
+        """Add the next outcome and return the rule it trips (``10_in_a_row``, ``14/20``), or
+        None."""
         self.outcomes.append(failed)
         if len(self.outcomes) > self.settings.window:
             self.outcomes.popleft()
@@ -112,13 +122,15 @@ class Evidence:
         return None
 
     def up(self) -> bool:
-        """Enough known calls and not down: a failure now is the item's own."""
+        """Whether enough calls are known and the downstream is not down.
+
+        When this is true, a failure now is the item's own."""
         return len(self.outcomes) >= self.settings.min_calls and self.down() is None
 
 
 @dataclass(frozen=True)
 class Transition:
-    """One change of state, in the order it happened; ``reason`` is a short code."""
+    """One change of state, in the order it happened. ``reason`` is a short code."""
 
     to: str
     reason: str
@@ -126,8 +138,10 @@ class Transition:
 
 @dataclass(frozen=True)
 class SharedState:
-    """What the downstream's row says when a batch starts: its state, whether an open
-    breaker's probe is due, and its (fresh) evidence."""
+    """What the downstream's row says when a batch starts.
+
+    It holds the state, whether an open breaker's probe is due, and the evidence (if it is
+    fresh)."""
 
     state: str = CLOSED
     probe_due: bool = False
@@ -136,21 +150,23 @@ class SharedState:
 
 @dataclass
 class CircuitBreaker:
-    """The breaker of one downstream as one run sees it; thread-safe (the run's workers share
-    it). Each call takes a ticket (its place in start order) from :meth:`allow` and hands it
-    back with its outcome; outcomes join the evidence in ticket order."""
+    """The breaker of one downstream, as one run sees it.
+
+    It is thread-safe because the run's workers share it. Each call takes a ticket (its place
+    in start order) from :meth:`allow` and hands it back with its outcome. Outcomes join the
+    evidence in ticket order."""
 
     settings: BreakerSettings = field(default_factory=BreakerSettings)
     state: str = CLOSED
     evidence: Evidence = field(init=False)
     _next_ticket: int = 1
     _next_known: int = 1  # the oldest ticket whose outcome has not joined the evidence
-    _answers: dict[int, bool | None] = field(default_factory=dict)  # None: neutral
+    _answers: dict[int, bool | None] = field(default_factory=dict)  # None means neutral
     _codes: dict[int, str] = field(default_factory=dict)
-    _added: list[bool] = field(default_factory=list)  # joined while closed, not yet shared
-    _probes_out: int = 0  # half-open: probe calls sent and not yet answered
+    _added: list[bool] = field(default_factory=list)  # joined while closed; not shared yet
+    _probes_out: int = 0  # probe calls sent while half-open and not answered yet
     _probes_ok: int = 0
-    _pending: list[Transition] = field(default_factory=list)  # not yet written
+    _pending: list[Transition] = field(default_factory=list)  # not written yet
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _changed: threading.Condition = field(init=False)
     opened: int = 0  # how many times this run opened it
@@ -162,12 +178,16 @@ class CircuitBreaker:
 
     # ------------------------------------------------------------------ one call
     def allow(self, stop: threading.Event | None = None) -> int | None:
-        """A ticket if a call may go (when closed; never when open), else None. Half-open,
-        the ``probes`` go one at a time and the other callers wait for their answers (or for
-        ``stop``): then they go when it closed, and not when it opened again. Closed, a call
-        waits while failures answered ahead of earlier calls still in flight would make the
-        row if those failed too: the row is judged first, so an outage whose answers come a
-        little out of order sends no more calls than one whose answers come in order."""
+        """Return a ticket if a call may go, else None.
+
+        A call may go when the breaker is closed, and never when it is open. When it is
+        half-open, the ``probes`` go one at a time. The other callers wait for the probes'
+        answers (or for ``stop``). They go if the breaker closed, and not if it opened again.
+
+        When closed, a call may also wait. It waits while the failures that answered ahead of
+        earlier calls still in flight would complete the row, should those calls fail too.
+        The row is judged first. So an outage whose answers come a little out of order sends
+        no more calls than one whose answers come in order."""
         with self._changed:
             while (self.state == HALF_OPEN and self._probes_out) or self._row_pending():
                 if stop is not None and stop.is_set():
@@ -187,7 +207,8 @@ class CircuitBreaker:
         self._answer(ticket, False, "")
 
     def failed(self, ticket: int, code: str) -> None:
-        """The call failed systemically (``code``: connect_error, timeout, http_503 …)."""
+        """The call failed systemically. ``code`` names how (connect_error, timeout, http_503
+        …)."""
         self._answer(ticket, True, code)
 
     def neutral(self, ticket: int) -> None:
@@ -200,7 +221,7 @@ class CircuitBreaker:
                 self._probe_answered(failed, code)
             self._answers[ticket] = failed
             self._codes[ticket] = code
-            while self._next_known in self._answers:  # in start order, as far as known
+            while self._next_known in self._answers:  # in start order, as far as it is known
                 known = self._answers.pop(self._next_known)
                 failed_code = self._codes.pop(self._next_known)
                 self._next_known += 1
@@ -213,8 +234,10 @@ class CircuitBreaker:
             self._changed.notify_all()  # a caller may be waiting for the row to be judged
 
     def _row_pending(self) -> bool:
-        """Closed, with nothing but failures answered ahead of the calls in flight, and
-        enough of them to make the row should those calls fail too."""
+        """Whether a call should wait for the row to be judged.
+
+        This is so when the breaker is closed, only failures have answered ahead of the calls
+        in flight, and there are enough of them to make the row if those calls fail too."""
         ahead = self._answers
         return (
             self.state == CLOSED
@@ -224,11 +247,14 @@ class CircuitBreaker:
         )
 
     def _row_so_far(self) -> int:
-        """Failures in a row by start, counting timeouts that answered ahead of calls still
-        in flight: the known evidence's row, then every answer since, as long as each was a
-        timeout (an outage of timeouts answers out of order, yet opens at its tenth
-        failure). Any other answer ahead of the evidence ends it: a fast failure may have
-        overtaken slower successes (a 503 needs no work), a timeout never has."""
+        """Count the failures in a row by start, including timeouts that answered ahead of
+        calls still in flight.
+
+        The count is the known evidence's row plus every answer since, as long as each of
+        those answers was a timeout. An outage of timeouts answers out of order, yet it still
+        opens the breaker at its tenth failure. Any other answer ahead of the evidence ends
+        the count. A fast failure may have overtaken slower successes (a 503 needs no work),
+        but a timeout never has."""
         ahead = self._answers
         if any(a is not True or self._codes[t] != CALL_TIMEOUT for t, a in ahead.items()):
             return 0
@@ -238,22 +264,24 @@ class CircuitBreaker:
         self._probes_out = 0
         self._changed.notify_all()
         if failed is None:
-            return  # a 429: the probe slot is free again
+            return  # a 429 frees the probe slot again
         if failed:
             self._move(OPEN, f"probe_failed {code}")
             return
         self._probes_ok += 1
-        self._added.append(False)  # shared: runs too small to send every probe add up
+        self._added.append(False)  # shared, so runs too small to send every probe add up
         if self._probes_ok >= self.settings.probes:
             self._move(CLOSED, f"probes_answered {self._probes_ok}")
 
     # ------------------------------------------------------------------ the run's view
     def sync(self, shared: SharedState) -> None:
-        """At a batch's start: take up what the shared row says. Closed there, the evidence
-        is the row's (this run's earlier batches are in it); half-open there, this run
-        probes on from the probes answered so far (another run's, alive or not); open there
-        (another run opened it), no call goes, and an open breaker whose probe is due comes
-        back half-open. Another run's transitions are not this run's to write or count."""
+        """Take up what the shared row says, at a batch's start.
+
+        If the row is closed, the evidence becomes the row's (this run's earlier batches are
+        in it). If the row is half-open, this run continues probing from the probes answered
+        so far, which may be another run's, alive or not. If the row is open, another run
+        opened it and no call goes. An open breaker whose probe is due comes back half-open.
+        This run does not write or count another run's transitions."""
         with self._lock:
             if shared.state == CLOSED:
                 if self.state != CLOSED:
@@ -270,25 +298,26 @@ class CircuitBreaker:
                     self._move(HALF_OPEN, "probe_due")
 
     def up(self) -> bool:
-        """Whether the evidence says the downstream is up (a failure is the item's own)."""
+        """Whether the evidence says the downstream is up, so a failure is the item's own."""
         with self._lock:
             return self.state == CLOSED and self.evidence.up()
 
     def take_added(self) -> str:
-        """The outcomes that joined the evidence since the last take (``F``/``S``), to add
-        to the shared row."""
+        """Take the outcomes that joined the evidence since the last take (``F``/``S``).
+
+        The caller adds them to the shared row."""
         with self._lock:
             added, self._added = self._added, []
             return "".join(FAILED if failed else ANSWERED for failed in added)
 
     def drain(self) -> list[Transition]:
-        """The transitions since the last drain, oldest first (to write and to report)."""
+        """Take the transitions since the last drain, oldest first, to write and report."""
         with self._lock:
             pending, self._pending = self._pending, []
             return pending
 
     def half_open(self) -> None:
-        """An open breaker whose probe is due: the next call is a probe."""
+        """Move an open breaker whose probe is due to half-open. The next call is a probe."""
         with self._lock:
             if self.state == OPEN:
                 self._move(HALF_OPEN, "probe_due")
@@ -307,8 +336,10 @@ class CircuitBreaker:
 # --------------------------------------------------------------------- the shared row
 @dataclass(frozen=True)
 class Spent:
-    """A systemic failure that used its item's attempt (``dead``: and dead-lettered it): owed
-    back if the breaker opens while it is in the evidence."""
+    """A systemic failure that used its item's attempt.
+
+    ``dead`` says it also dead-lettered the item. The attempt is owed back if the breaker
+    opens while the failure is in the evidence."""
 
     side_effect: str
     tenant_id: str
@@ -319,15 +350,17 @@ class Spent:
 
 @dataclass(frozen=True)
 class Shared:
-    """What one batch's record did to the shared row: the transitions (this run's, and an
-    opening judged on the shared evidence), and whether it opened the breaker just now."""
+    """What one batch's record did to the shared row.
+
+    ``transitions`` holds this run's transitions, plus any opening judged on the shared
+    evidence. ``opened_now`` says whether this record opened the breaker."""
 
     transitions: list[Transition]
     opened_now: bool
 
 
-# The row as a batch starts: its state, whether an open breaker's probe is due, and its
-# evidence unless it went stale. Read without a lock: the record step locks.
+# Read the row as a batch starts: its state, whether an open breaker's probe is due, and its
+# evidence unless that went stale. This read takes no lock, because the record step locks.
 _READ_SHARED = sa.text(
     """
     SELECT state, coalesce(probe_after <= clock_timestamp(), false) AS probe_due,
@@ -339,16 +372,18 @@ _READ_SHARED = sa.text(
 
 
 def read_shared(conn: Connection, downstream: str, settings: BreakerSettings) -> SharedState:
-    """The shared row of ``downstream`` as a batch starts (closed with no evidence if none)."""
+    """Read the shared row of ``downstream`` as a batch starts.
+
+    With no row yet, the breaker is closed with no evidence."""
     row = conn.execute(
         _READ_SHARED, {"downstream": downstream, "evidence_s": settings.evidence_s}
     ).first()
     return SharedState() if row is None else SharedState(row.state, row.probe_due, row.recent)
 
 
-# The row, locked for the rest of the record transaction (a short wait: the statement is
-# the transaction's last), created closed on first use.
-# Twice: the insert does nothing when the row exists; locking it again changes nothing.
+# Lock the row for the rest of the record transaction, creating it closed on first use. The
+# wait is short because this is the transaction's last statement.
+# Twice: the insert does nothing when the row exists, and locking it again changes nothing.
 _ENSURE_ROW = sa.text(
     "INSERT INTO downstream_breaker (downstream, state) VALUES (:downstream, 'closed') "
     "ON CONFLICT (downstream) DO NOTHING"
@@ -364,11 +399,12 @@ _LOCK_ROW = sa.text(
     """
 )
 
-# The row after a batch: its evidence, and its state when this batch changed it (an opening
-# sets ``opened_at`` — kept while failed probes reopen it — and ``probe_after`` from the
-# database's clock; ``opened_count`` adds the openings the batch's run made).
-# Twice: the evidence and state are set, not added to; opened_count adds what the batch
-# counted, which its transaction writes once (a rolled-back batch writes nothing).
+# Save the row after a batch: its evidence, and its state if this batch changed it.
+# An opening sets ``opened_at`` and ``probe_after`` from the database's clock. ``opened_at``
+# is kept while failed probes reopen the breaker. ``opened_count`` adds the openings that the
+# batch's run made.
+# Twice: the evidence and state are set, not added to. opened_count adds what the batch
+# counted, and its transaction writes that once (a rolled-back batch writes nothing).
 _SAVE_SHARED = sa.text(
     """
     UPDATE downstream_breaker AS b
@@ -392,10 +428,11 @@ _SAVE_SHARED = sa.text(
     """
 )
 
-# An opening owes the attempts of the failures in the evidence back to their items, one row
-# per item (its attempt now, how many to give back, whether to bring it back from the dead).
-# Twice: an item already owed keeps its row (the evidence is cleared when it opens, so the
-# same failures are never owed twice).
+# When the breaker opens, the attempts of the failures in the evidence are owed back to their
+# items. Each item gets one row: its attempt now, how many attempts to give back, and whether
+# to bring it back from the dead letters.
+# Twice: an item already owed keeps its row. The evidence is cleared when the breaker opens,
+# so the same failures are never owed twice.
 _OWE = sa.text(
     """
     INSERT INTO downstream_refund (side_effect, tenant_id, item_id, attempt, refund, revive)
@@ -406,9 +443,9 @@ _OWE = sa.text(
     """
 )
 
-# What is owed to a tenant's items of one side effect, taken (deleted) by the job's claim in
-# its batch transaction, which gives it back before it claims anything.
-# Twice: the rows are deleted as they are taken; a second take finds none.
+# Take (delete) what is owed to a tenant's items of one side effect. The job's claim does
+# this in its batch transaction and gives the attempts back before it claims anything.
+# Twice: the rows are deleted as they are taken, so a second take finds none.
 _TAKE_OWED = sa.text(
     """
     DELETE FROM downstream_refund WHERE side_effect = :side_effect AND tenant_id = :tenant
@@ -419,8 +456,10 @@ _TAKE_OWED = sa.text(
 
 @dataclass(frozen=True)
 class Owed:
-    """Attempts owed back to one item after an outage: ``refund`` of them, if it is still at
-    ``attempt``; ``revive``: it was dead-lettered by the outage and comes back."""
+    """Attempts owed back to one item after an outage.
+
+    ``refund`` attempts are given back if the item is still at ``attempt``. ``revive`` says
+    the outage dead-lettered the item, so it comes back."""
 
     item_id: str
     attempt: int
@@ -429,16 +468,17 @@ class Owed:
 
 
 def take_owed(conn: Connection, side_effect: str, tenant_id: str) -> list[Owed]:
-    """The attempts owed to ``tenant_id``'s items of ``side_effect``, taken off the table."""
+    """Take the attempts owed to ``tenant_id``'s items of ``side_effect`` off the table."""
     rows = conn.execute(_TAKE_OWED, {"side_effect": side_effect, "tenant": tenant_id})
     return [Owed(str(r.item_id), r.attempt, r.refund, r.revive) for r in rows]
 
 
 @dataclass(frozen=True)
 class BatchEvidence:
-    """What one recorded batch adds to its downstream's row: who recorded it, the outcomes
-    that joined its run's evidence (start order), the transitions its run made, and the
-    failures that used an attempt."""
+    """What one recorded batch adds to its downstream's row.
+
+    It names the run that recorded it, the outcomes that joined the run's evidence (in start
+    order), the transitions the run made, and the failures that used an attempt."""
 
     downstream: str
     run_id: uuid.UUID
@@ -448,17 +488,20 @@ class BatchEvidence:
 
 
 def share_batch(conn: Connection, batch: BatchEvidence, settings: BreakerSettings) -> Shared:
-    """Add a recorded batch to the downstream's row, under its lock, in the record
-    transaction: its outcomes join the evidence, its run's transitions are written, and the
-    shared evidence may open the breaker itself (runs too small to open it alone). When it
-    opens, what the evidence's failures spent is owed back (``downstream_refund``)."""
+    """Add a recorded batch to the downstream's row, under the row's lock, in the record
+    transaction.
+
+    The batch's outcomes join the evidence and its run's transitions are written. The shared
+    evidence may open the breaker by itself, for runs too small to open it alone. When the
+    breaker opens, what the evidence's failures spent is owed back (``downstream_refund``)."""
     conn.execute(_ENSURE_ROW, {"downstream": batch.downstream})
     row = conn.execute(
         _LOCK_ROW, {"downstream": batch.downstream, "evidence_s": settings.evidence_s}
     ).one()
     transitions = list(batch.transitions)
     state = transitions[-1].to if transitions else row.state
-    # the run's outcomes came after its last transition; with none, they follow the row's
+    # The run's outcomes came after its last transition. With no transition, they follow the
+    # row's evidence.
     evidence = Evidence(settings) if transitions else Evidence.from_text(row.recent, settings)
     for mark in batch.added:
         tripped = evidence.add(mark == FAILED)
@@ -467,12 +510,12 @@ def share_batch(conn: Connection, batch: BatchEvidence, settings: BreakerSetting
             transitions.append(Transition(OPEN, f"shared {tripped}"))
     answered = len(evidence.outcomes) - sum(evidence.outcomes)
     if state == HALF_OPEN and not evidence.streak and answered >= settings.probes:
-        state = CLOSED  # the probes of several small runs, all answered
+        state = CLOSED  # the probes of several small runs all answered
         transitions.append(Transition(CLOSED, f"probes_answered {answered} shared"))
         evidence = Evidence(settings)
     earlier = _entries(row.spent)
     if transitions and transitions[-1].to == CLOSED:
-        earlier = []  # its probes closed it: what failed before is not in the evidence now
+        earlier = []  # probes closed it, so earlier failures are no longer in the evidence
     spent = [*earlier, *batch.spent][-settings.window :]
     if state != CLOSED:  # what the failures spent is owed back now
         _owe(conn, spent)
@@ -481,7 +524,7 @@ def share_batch(conn: Connection, batch: BatchEvidence, settings: BreakerSetting
         evidence = Evidence(settings)  # an open breaker starts from no evidence
     opened = sum(1 for t in transitions if t.to == OPEN)
     if row.state == OPEN and transitions and transitions[0].to == OPEN:
-        opened -= 1  # another run opened it first: this run only saw it so
+        opened -= 1  # another run opened it first, and this run only saw it open
     last = transitions[-1] if transitions else None
     conn.execute(
         _SAVE_SHARED,
@@ -509,8 +552,9 @@ def _entries(raw: Any) -> list[Spent]:
 
 
 def _owe(conn: Connection, spent: list[Spent]) -> None:
-    """Owe each item what its failures in the evidence spent: one row per item, at its
-    latest attempt, one attempt back per failure."""
+    """Owe each item what its failures in the evidence spent.
+
+    Each item gets one row, at its latest attempt, with one attempt back per failure."""
     owed: dict[tuple[str, str], tuple[str, int, int, bool]] = {}
     for s in spent:
         tenant, attempt, refund, revive = owed.get(

@@ -1,8 +1,10 @@
-"""How a run treated the other system it calls, read back from its tally (the keys that
-``qo_ops/downstream/calls.py`` writes): calls sent, retries and retry pressure, calls not
-sent (breaker open, retry budget used up), rate-limit pauses and waiting, breaker
-transitions, items spared. One reading serves the run report, ``qo-ops run``/``runs``, the
-API's run resource, the Dagster run's metadata and the exporter.
+"""How a run treated the other system it calls, read back from the run's tally.
+
+The tally holds the keys that ``qo_ops/downstream/calls.py`` writes. They count the calls
+sent, the retries and the retry pressure, and the calls not sent (because the breaker was
+open or the retry budget was used up). They also count rate-limit pauses and waiting,
+breaker transitions, and items spared. One reading serves the run report, ``qo-ops run`` and
+``runs``, the API's run resource, the Dagster run's metadata and the exporter.
 """
 
 from __future__ import annotations
@@ -16,22 +18,24 @@ from qo_ops.platform.job.outcome import ReportRow
 
 CALLS = "downstream.calls"
 RETRIES = "downstream.retries"  # calls for items that had failed before
-RETRY_BUDGET_REFUSED = "downstream.retry_budget_refused"  # retries not sent: budget used up
-REFUSED_OPEN = "downstream.refused_open"  # calls not sent: the breaker was open
+RETRY_BUDGET_REFUSED = "downstream.retry_budget_refused"  # retries not sent, budget used up
+REFUSED_OPEN = "downstream.refused_open"  # calls not sent because the breaker was open
 RATE_LIMIT_PAUSES = "downstream.rate_limit_pauses"  # 429 answers (each pauses the run)
-RATE_LIMIT_WAIT_MS = "downstream.rate_limit_wait_ms"  # waiting for the limiter, all workers
-SPARED = "downstream.spared"  # failed in an outage: the item kept its attempt (or got it back)
-HELD = "downstream.held"  # a last attempt kept: failed systemically, downstream not known up
+RATE_LIMIT_WAIT_MS = "downstream.rate_limit_wait_ms"  # time all workers waited for the limiter
+# Items that failed in an outage. Each kept its attempt, or got it back.
+SPARED = "downstream.spared"
+# Last attempts kept. They failed systemically while the downstream was not known to be up.
+HELD = "downstream.held"
 BREAKER_STATES = (CLOSED, OPEN, HALF_OPEN)
-BREAKER_PREFIX = "breaker."  # breaker.<state>: transitions to that state
-# The error class of a run the breaker stopped (qo_ops.downstream.calls.finish_calls)
+BREAKER_PREFIX = "breaker."  # breaker.<state> counts the transitions to that state
+# The error class of a run that the breaker stopped (qo_ops.downstream.calls.finish_calls).
 DEPENDENCY_UNAVAILABLE = "dependency_unavailable"
 _KEYS = (CALLS, RETRIES, RETRY_BUDGET_REFUSED, REFUSED_OPEN, RATE_LIMIT_PAUSES,
          RATE_LIMIT_WAIT_MS, SPARED, HELD)  # fmt: skip
 
 
 def is_manners_key(key: str) -> bool:
-    """Whether a tally key is one :class:`DownstreamCalls` reads (shown by it, not raw)."""
+    """Whether :class:`DownstreamCalls` reads this tally key, so it is shown there, not raw."""
     return key in _KEYS or key.removeprefix(BREAKER_PREFIX) in BREAKER_STATES
 
 
@@ -53,7 +57,7 @@ class DownstreamCalls:
 
     @classmethod
     def from_tally(cls, tally: Mapping[str, Any] | None) -> DownstreamCalls | None:
-        """The run's figures, or None for a run whose tally has none (no call was due)."""
+        """The run's figures, or None if its tally has none because no call was due."""
         tally = tally or {}
         if not any(is_manners_key(k) for k in tally):
             return None
@@ -77,7 +81,7 @@ class DownstreamCalls:
 
     @property
     def retry_pressure(self) -> float | None:
-        """Retries over calls sent (0..1); None when nothing was sent."""
+        """Retries divided by calls sent (0..1), or None when nothing was sent."""
         return self.retries / self.calls if self.calls else None
 
     def breaker_text(self) -> str:
@@ -110,7 +114,8 @@ class DownstreamCalls:
         return ", ".join(parts)
 
     def rows(self) -> list[ReportRow]:
-        """The run report's rows: calls and retries always, the rest when it happened."""
+        """The run report's rows. Calls and retries are always there; the rest only when it
+        happened."""
         rows = [
             ReportRow("downstream", "calls", self.calls, "sent"),
             ReportRow("downstream", "retries", self.retries, f"{_percent(self)} of calls"),
@@ -130,8 +135,10 @@ class DownstreamCalls:
         return rows
 
     def as_dict(self) -> dict[str, Any]:
-        """The figures as JSON (the API's run resource): counts, ``retry_pressure`` (0..1 or
-        null), ``rate_limit_wait_s`` and the breaker's transitions by state."""
+        """The figures as JSON, for the API's run resource.
+
+        They are the counts, ``retry_pressure`` (0..1 or null), ``rate_limit_wait_s`` and the
+        breaker's transitions by state."""
         pressure = self.retry_pressure
         return {
             "calls": self.calls,
@@ -159,8 +166,10 @@ def _percent(calls: DownstreamCalls) -> str:
 def manners_rows(
     tally: Mapping[str, Any], error_code: str | None, status_reason: str | None
 ) -> list[ReportRow]:
-    """A run report's downstream rows (none for a run that called nothing), and the breaker
-    row of a run it stopped (``dependency_unavailable``, with the run's reason)."""
+    """A run report's downstream rows. A run that called nothing has none.
+
+    If the breaker stopped the run, a breaker row says ``dependency_unavailable`` with the
+    run's reason."""
     calls = DownstreamCalls.from_tally(tally)
     rows = calls.rows() if calls is not None else []
     if error_code == DEPENDENCY_UNAVAILABLE:

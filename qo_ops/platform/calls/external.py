@@ -1,6 +1,8 @@
-"""Calling another system for the items of a batch: in parallel, bounded, outside any
-database transaction, and stoppable: once the run is asked to stop, no further call is
-sent, and calls already sent are waited for only until half the stop grace is gone."""
+"""Calling another system for the items of a batch.
+
+The calls run in parallel, with a bound on how many run at once, and outside any database
+transaction. They can be stopped. Once the run is asked to stop, no further call is sent.
+Calls already sent are waited for only until half of the stop grace is gone."""
 
 from __future__ import annotations
 
@@ -18,26 +20,32 @@ from qo_ops.platform.observability.tracing import in_current_context
 T = TypeVar("T")
 R = TypeVar("R")
 
-_POLL_S = 0.05  # how often a waiting batch looks at the stop request
-_IDLE_S = 30.0  # how long an idle caller thread waits for the next batch before it ends
+_POLL_S = 0.05  # a waiting batch checks the stop request this often (seconds)
+_IDLE_S = 30.0  # an idle caller thread waits this long for the next batch, then ends
 
 
 class _Callers:
-    """Daemon threads that make the calls, kept idle between batches: starting dozens of
-    threads for every batch costs CPU and leaves nothing in flight meanwhile. A thread still
-    busy with a call past a stop's grace is simply not idle; the next batch starts another."""
+    """Daemon threads that make the calls, kept idle between batches.
+
+    Starting dozens of threads for every batch would cost CPU, and nothing would be in flight
+    meanwhile. A thread still busy with a call past a stop's grace is simply not idle, so the
+    next batch starts another."""
 
     def __init__(self) -> None:
         self.forget()
 
     def forget(self) -> None:
-        """No idle thread (a fresh start, and a forked child's: the parent's threads are gone)."""
+        """Forget all idle threads.
+
+        This is the fresh start, and also a forked child's start, since the parent's threads
+        are gone in the child."""
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]] = []
 
     def start(self, work: Callable[[], None], then: Callable[[], None]) -> None:
-        """Run ``work`` (which must not raise) on an idle thread, or on a new one; ``then``
-        once the thread is idle again (so the next batch finds it)."""
+        """Run ``work`` on an idle thread, or on a new one. ``work`` must not raise.
+
+        ``then`` runs once the thread is idle again, so the next batch finds it."""
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:
@@ -55,10 +63,10 @@ class _Callers:
                 work, then = inbox.get(timeout=_IDLE_S)
             except queue.Empty:
                 with self._lock:
-                    if any(i is inbox for i in self._idle):  # nobody took it: retire
+                    if any(i is inbox for i in self._idle):  # nobody took it, so retire
                         self._idle = [i for i in self._idle if i is not inbox]
                         return
-                work, then = inbox.get()  # taken just now: its work is on the way
+                work, then = inbox.get()  # someone took it just now; its work is on the way
             work()
             with self._lock:
                 self._idle.append(inbox)
@@ -66,14 +74,17 @@ class _Callers:
 
 
 _CALLERS = _Callers()
-# a forked child has none of the parent's threads: it must not hand work to their inboxes
+# A forked child has none of the parent's threads, so it must not hand work to their inboxes.
 os.register_at_fork(after_in_child=_CALLERS.forget)
 
 
 @dataclass(frozen=True)
 class NotCalled(Generic[T]):
-    """An item whose call the stopping run did not make (``sent`` False) or did not wait
-    for (``sent`` True: the request may have landed). Its claim must be given back."""
+    """An item whose call a stopping run did not make or did not wait for.
+
+    ``sent`` is False when the call was not made. It is True when the run did not wait for
+    the answer, so the request may have landed. Either way, the item's claim must be given
+    back."""
 
     item: T
     sent: bool
@@ -85,11 +96,13 @@ def call_each(
     concurrency: int,
     stop: StopRequest | None = None,
 ) -> list[R | NotCalled[T]]:
-    """``call`` for every item, at most ``concurrency`` at once; results in item order.
+    """Run ``call`` for every item, at most ``concurrency`` at once, and return the results in
+    item order.
 
-    ``call`` must not raise for an item's failure: it returns that failure as its result.
-    The calls run on daemon threads (kept for the next batch), so a call stuck past the
-    grace never holds up the process's exit; its item comes back as ``NotCalled(sent=True)``.
+    ``call`` must not raise for an item's failure. It returns that failure as its result.
+    The calls run on daemon threads, which are kept for the next batch. So a call stuck past
+    the grace never holds up the process's exit. Its item comes back as
+    ``NotCalled(sent=True)``.
     """
     pending = object()
     results: list[object] = [pending] * len(items)
@@ -101,7 +114,7 @@ def call_each(
     workers = max(1, min(concurrency, len(items)))
     raised: list[BaseException] = []
 
-    def work() -> None:  # one of ``workers`` threads: take the next item until none is left
+    def work() -> None:  # each of the ``workers`` threads takes the next item until none is left
         while True:
             with lock:
                 index = None if stop is not None and stop.requested else next(todo, None)
@@ -111,7 +124,7 @@ def call_each(
                 return
             try:
                 results[index] = traced(items[index])
-            except BaseException as exc:  # a bug, not an item's failure: the batch fails
+            except BaseException as exc:  # a bug, not an item's failure, so the batch fails
                 raised.append(exc)
                 with lock:
                     for _ in todo:

@@ -1,10 +1,11 @@
-"""Stored objects: temp files' bytes under ``QO_OPS_HOME/objects/<storage_path>``, reached
-without ever following a symlink.
+"""Stored objects: the bytes of temp files under ``QO_OPS_HOME/objects/<storage_path>``.
 
-temp_file_cleanup hashes and unlinks them (an object is unlinked only while its row's delete
-is pending in the same transaction); the demo data writes them (:meth:`ObjectStore.put`).
-A storage path that is not a plain relative path, or that goes through a symlinked
-directory, is refused: the store never reads, writes or removes anything outside its root.
+The store reaches them without ever following a symlink. temp_file_cleanup hashes and
+unlinks them. It unlinks an object only while its row's delete is pending in the same
+transaction. The demo data writes them (:meth:`ObjectStore.put`).
+
+The store refuses a storage path that is not a plain relative path, or that goes through a
+symlinked directory. So it never reads, writes or removes anything outside its root.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from pathlib import Path
 from qo_ops.config import load_settings
 from qo_ops.errors import ClassifiedError
 
-OBJECTS_DIR = "objects"  # under QO_OPS_HOME: stands in for the object store
+OBJECTS_DIR = "objects"  # this directory under QO_OPS_HOME stands in for the object store
 
 
 class ObjectStoreError(ClassifiedError):
-    """A stored object could not be stored or removed; the batch's transaction is rolled back."""
+    """A stored object could not be stored or removed. The batch's transaction is rolled
+    back."""
 
     error_code = "object_store_error"
 
@@ -38,16 +40,17 @@ class ObjectStore:
     """The stored objects under one root, reached without ever following a symlink.
 
     A storage path is a relative path of plain names. Its directories are opened one
-    component at a time from the root with ``O_NOFOLLOW``, and the object is tested, hashed,
-    unlinked (or, for the demo data, written: :meth:`put`) relative to its directory's
-    descriptor: no path string is resolved twice, so a directory swapped for a symlink after
-    a check cannot redirect a read or a removal outside the store. A path whose directory is
-    a symlink, or not a directory, is unsafe (:data:`UNSAFE`); a missing directory means the
-    object is gone.
+    component at a time from the root with ``O_NOFOLLOW``. The object is then tested, hashed
+    and unlinked relative to its directory's descriptor. The demo data writes it the same
+    way (:meth:`put`). No path string is resolved twice. So a directory swapped for a
+    symlink after a check cannot redirect a read or a removal outside the store.
 
-    Directory descriptors are cached for the life of the store (one batch step), so the
-    objects of a batch — usually a few directories — cost a stat, an open and a read each
-    rather than a full path resolution. :meth:`close` releases them.
+    A path whose directory is a symlink, or is not a directory, is unsafe (:data:`UNSAFE`).
+    A missing directory means the object is gone.
+
+    Directory descriptors are cached for the life of the store, which is one batch step. The
+    objects of a batch usually sit in a few directories. So each object costs a stat, an open
+    and a read, rather than a full path resolution. :meth:`close` releases the descriptors.
     """
 
     def __init__(self, root: Path) -> None:
@@ -67,12 +70,12 @@ class ObjectStore:
         self._dirs.clear()
 
     def _dir(self, parts: tuple[str, ...]) -> int | None:
-        """The directory's descriptor; -1 when it does not exist; None when unsafe."""
+        """The directory's descriptor, -1 when it does not exist, or None when it is unsafe."""
         if parts in self._dirs:
             return self._dirs[parts]
         fd: int | None
         try:
-            if not parts:  # the root itself is configuration (it may be a symlink)
+            if not parts:  # the root itself is configuration, so it may be a symlink
                 fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
             else:
                 parent = self._dir(parts[:-1])
@@ -81,23 +84,27 @@ class ObjectStore:
                 fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
         except FileNotFoundError:
             fd = -1
-        except OSError:  # ELOOP (a symlink), ENOTDIR (a file): never followed
+        except OSError:  # ELOOP (a symlink) or ENOTDIR (a file); these are never followed
             fd = None
         self._dirs[parts] = fd
         return fd
 
     def locate(self, storage_path: str) -> tuple[int, str] | None:
-        """(directory descriptor or -1 when the directory is missing, name); None when the
-        path would leave the store."""
-        parts = storage_path.split("/")  # canonical only: no "", "." or ".." anywhere
+        """Return (directory descriptor, name), or None when the path would leave the store.
+
+        The descriptor is -1 when the directory is missing."""
+        parts = storage_path.split("/")  # only canonical paths, with no "", "." or ".."
         if any(p in _NOT_A_NAME or "\0" in p for p in parts):
             return None
         fd = self._dir(tuple(parts[:-1]))
         return None if fd is None else (fd, parts[-1])
 
     def sha256(self, storage_path: str) -> tuple[bool, str | None]:
-        """(safe, checksum): checksum None when the object is gone; unsafe when the path
-        leaves the store or the object is not a regular file (never followed or removed)."""
+        """Return (safe, checksum).
+
+        The checksum is None when the object is gone. The path is unsafe when it leaves the
+        store or the object is not a regular file. An unsafe object is never followed or
+        removed."""
         where = self.locate(storage_path)
         if where is None:
             return False, None
@@ -110,7 +117,7 @@ class ObjectStore:
             obj = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
         except FileNotFoundError:
             return True, None
-        except OSError:  # swapped for a symlink since the stat
+        except OSError:  # it was swapped for a symlink since the stat
             return False, None
         try:
             found = os.fstat(obj)
@@ -121,7 +128,8 @@ class ObjectStore:
             os.close(obj)
 
     def exists(self, storage_path: str) -> bool:
-        """Whether anything (a file, a symlink) is stored at a safe ``storage_path``."""
+        """Whether anything, such as a file or a symlink, is stored at a safe
+        ``storage_path``."""
         where = self.locate(storage_path)
         if where is None or where[0] < 0:
             return False
@@ -132,8 +140,10 @@ class ObjectStore:
         return True
 
     def census(self, storage_paths: Iterable[str]) -> tuple[int, int]:
-        """(stored, unsafe): how many of ``storage_paths`` have anything stored at them, and
-        how many the store refuses (paths that would leave it)."""
+        """Return (stored, unsafe).
+
+        ``stored`` counts the ``storage_paths`` that have anything stored at them. ``unsafe``
+        counts those the store refuses because they would leave it."""
         stored = unsafe = 0
         for path in storage_paths:
             if self.locate(path) is None:
@@ -143,14 +153,17 @@ class ObjectStore:
         return stored, unsafe
 
     def count_stored(self, storage_paths: Iterable[str]) -> int:
-        """How many of ``storage_paths`` (each counted as often as given) have anything
-        stored at them, as :meth:`exists` answers for each path; a path that would leave the
-        store counts as nothing stored.
+        """How many of ``storage_paths`` have anything stored at them, as :meth:`exists`
+        answers for each path.
 
-        A directory holding many of them is listed once instead of a stat per path, unless
-        its size says the listing would read many more entries than there are paths to
-        look for (a big directory of live objects): then each path is stat'ed."""
-        by_dir: dict[str | None, list[str]] = {}  # None: paths without a directory
+        Each path counts as often as it is given. A path that would leave the store counts
+        as nothing stored.
+
+        A directory holding many of the paths is listed once, instead of a stat per path.
+        The exception is a directory whose size says the listing would read many more
+        entries than there are paths to look for (a big directory of live objects). Then
+        each path is stat'ed."""
+        by_dir: dict[str | None, list[str]] = {}  # None holds the paths without a directory
         for path in storage_paths:
             parent, slash, _ = path.rpartition("/")
             by_dir.setdefault(parent if slash else None, []).append(path)
@@ -164,8 +177,11 @@ class ObjectStore:
         return found
 
     def _listing(self, folder: str | None, wanted: int) -> frozenset[str] | None:
-        """The names in ``folder`` (empty when it is gone or unsafe: nothing is stored
-        there), or None when listing it would cost more than ``wanted`` stats."""
+        """The names in ``folder``, or None when listing it would cost more than ``wanted``
+        stats.
+
+        The names are empty when the folder is gone or unsafe, since nothing is stored
+        there."""
         parts = () if folder is None else tuple(folder.split("/"))
         if any(p in _NOT_A_NAME or "\0" in p for p in parts):
             return frozenset()
@@ -178,8 +194,11 @@ class ObjectStore:
 
     def put(self, storage_path: str, data: bytes) -> bool:
         """Store ``data`` at ``storage_path``, creating its directories (never through a
-        symlink): True if the object is new, False if it replaced one;
-        :class:`ObjectStoreError` when the path would leave the store or cannot be written."""
+        symlink).
+
+        Return True if the object is new, and False if it replaced one. Raise
+        :class:`ObjectStoreError` when the path would leave the store or cannot be
+        written."""
         parts = storage_path.split("/")
         if any(p in _NOT_A_NAME or "\0" in p for p in parts):
             raise ObjectStoreError("cannot store an object: its path would leave the store")
@@ -187,20 +206,22 @@ class ObjectStore:
             fd = self._made_dir(tuple(parts[:-1]))
             try:
                 obj, new = os.open(parts[-1], _NEW_OBJECT, 0o644, dir_fd=fd), True
-            except FileExistsError:  # replaced in place; a symlink there is refused (ELOOP)
+            except FileExistsError:  # replace it in place; a symlink there is refused (ELOOP)
                 obj, new = os.open(parts[-1], _REPLACE_OBJECT, dir_fd=fd), False
             with os.fdopen(obj, "wb") as f:
                 f.write(data)
                 f.flush()
-                # cut to size after writing, not to 0 before (O_TRUNC): ext4 flushes a file
-                # truncated to 0 and rewritten when it is closed, a disk wait per object
+                # Cut to size after writing, not to 0 before (O_TRUNC). ext4 flushes a file
+                # that was truncated to 0 and rewritten when it is closed, which costs a disk
+                # wait per object.
                 os.ftruncate(obj, len(data))
         except OSError as exc:
             raise ObjectStoreError(f"cannot store an object: {exc.strerror}") from exc
         return new
 
     def _made_dir(self, parts: tuple[str, ...]) -> int:
-        """The directory's descriptor, creating it (and its parents) when missing."""
+        """The directory's descriptor. The directory and its parents are created when
+        missing."""
         fd = self._dir(parts)
         if fd is not None and fd >= 0:
             return fd
@@ -211,17 +232,20 @@ class ObjectStore:
         if not parts:
             self.root.mkdir(parents=True, exist_ok=True)
         else:
-            with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
+            with contextlib.suppress(FileExistsError):  # someone else may have made it
                 os.mkdir(parts[-1], dir_fd=self._made_dir(parts[:-1]))
-        self._dirs.pop(parts, None)  # cached as missing
+        self._dirs.pop(parts, None)  # it was cached as missing
         made = self._dir(parts)
         if made is None or made < 0:
             raise ObjectStoreError("cannot store an object: its directory cannot be opened")
         return made
 
     def remove(self, storage_path: str) -> bool:
-        """Unlink one object: True if removed, False if it was already gone;
-        :class:`ObjectStoreError` when it cannot be removed or its path became unsafe."""
+        """Unlink one object. Return True if it was removed, and False if it was already
+        gone.
+
+        Raise :class:`ObjectStoreError` when it cannot be removed or its path became
+        unsafe."""
         where = self.locate(storage_path)
         if where is None:
             raise ObjectStoreError("cannot remove a stored object: its path left the store")
@@ -232,21 +256,25 @@ class ObjectStore:
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _NEW_OBJECT = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-_REPLACE_OBJECT = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO there: ENXIO, no wait
+_REPLACE_OBJECT = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO gives ENXIO, not a wait
 _NOT_A_NAME = frozenset(("", ".", ".."))
-# count_stored lists a directory when it has this many paths to look for, and the directory's
-# size (about 20-40 bytes per entry on ext4, XFS, btrfs, tmpfs) is at most this per path
+# count_stored lists a directory when it has at least _LIST_FROM paths to look for in it. The
+# directory's size must also be at most _LIST_BYTES_PER_PATH per path. A directory entry takes
+# about 20-40 bytes on ext4, XFS, btrfs and tmpfs.
 _LIST_FROM = 32
 _LIST_BYTES_PER_PATH = 256
 
 
-_READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: no mmap/munmap per read
+_READ_CHUNK = 64 * 1024  # below malloc's mmap threshold, so a read costs no mmap/munmap
 
 
 def digest_array(digests: Sequence[str | None]) -> str:
-    """Digests from :meth:`ObjectStore.sha256` (None: the object was gone) as one array value
-    bound for ``CAST(:shas AS text[])``, as ``selection.id_array`` does for ids (psycopg dumps
-    a list element by element); a digest is lowercase hex, nothing to quote (checked)."""
+    """Turn digests from :meth:`ObjectStore.sha256` into one array value, bound for
+    ``CAST(:shas AS text[])``.
+
+    A None digest means the object was gone. ``selection.id_array`` does the same for ids,
+    because psycopg dumps a list element by element. A digest is lowercase hex, so there is
+    nothing to quote. This is checked."""
     for d in digests:
         if d is not None and not all(c in "0123456789abcdef" for c in d):
             raise ValueError("a checksum is not a lowercase hex digest")
@@ -254,9 +282,11 @@ def digest_array(digests: Sequence[str | None]) -> str:
 
 
 def _digest(fd: int, size: int) -> str:
-    """sha256 of what ``fd`` reads to its end, in reads sized to the object (``size``, from
-    its fstat; read to the end whatever it says): ``hashlib.file_digest`` zeroes a 256 KiB
-    buffer per call, more than hashing a small object costs."""
+    """The sha256 of what ``fd`` reads to its end, in reads sized to the object.
+
+    ``size`` comes from the object's fstat. The file is read to its end whatever ``size``
+    says. This avoids ``hashlib.file_digest``, which zeroes a 256 KiB buffer per call, more
+    than hashing a small object costs."""
     h = hashlib.sha256()
     want = min(size + 1, _READ_CHUNK)
     while chunk := os.read(fd, want):
@@ -265,7 +295,8 @@ def _digest(fd: int, size: int) -> str:
 
 
 def _remove_object(dir_fd: int, name: str) -> bool:
-    """Unlink ``name`` in the directory ``dir_fd`` (a symlink itself, never its target)."""
+    """Unlink ``name`` in the directory ``dir_fd``. For a symlink, this unlinks the symlink
+    itself, never its target."""
     try:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:

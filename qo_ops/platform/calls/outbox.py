@@ -1,5 +1,7 @@
-"""The transactional outbox: events are written in the business transaction, once per
-business key, and published later by the relay (consumers dedupe on the event id)."""
+"""The transactional outbox.
+
+Events are written in the business transaction, once per business key. The relay publishes
+them later, and consumers dedupe on the event id."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ from qo_ops.platform.job.outcome import BatchOutcome, SideEffectResult
 def transitions_with_events(
     side_effect: str, *, selected: int, changed: int, events: int
 ) -> BatchOutcome:
-    """The outcome of a batch that changed ``changed`` of ``selected`` rows, each change
-    appending one event under its business key: ``events`` were appended, the rest found
-    theirs already there (a duplicate prevented). Rows not changed had moved on since the
-    selection (skipped). Each change is one attempt at ``side_effect``."""
+    """The outcome of a batch that changed ``changed`` of ``selected`` rows.
+
+    Each change appends one event under its business key. ``events`` of them were appended.
+    The rest found their event already there, which counts as a duplicate prevented. Rows
+    not changed had moved on since the selection, so they count as skipped. Each change is
+    one attempt at ``side_effect``."""
     outcome = BatchOutcome(
         succeeded=changed,
         skipped=selected - changed,

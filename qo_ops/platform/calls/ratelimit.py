@@ -1,6 +1,8 @@
-"""A token bucket for the calls a run makes to another system, shared by the run's workers:
-at most ``rate`` calls a second on average, ``burst`` at once after a quiet spell; and a
-pause for everyone when the other system says so (``429`` + ``Retry-After``)."""
+"""A token bucket for the calls a run makes to another system, shared by the run's workers.
+
+It allows at most ``rate`` calls a second on average, and ``burst`` calls at once after a
+quiet spell. When the other system asks for a pause (``429`` with ``Retry-After``), every
+worker pauses."""
 
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ import time
 from collections.abc import Callable
 
 _EPSILON = 1e-9
-_WAIT_S = 0.05  # the longest a waiting caller sleeps before looking at the stop request
+_WAIT_S = 0.05  # the longest a waiting caller sleeps before it checks the stop request
 
 
 class TokenBucket:
-    """``acquire()`` before each call. ``rate`` None means no limit (pauses still apply)."""
+    """Call ``acquire()`` before each call. A ``rate`` of None means no limit, but pauses
+    still apply."""
 
     def __init__(
         self,
@@ -30,17 +33,18 @@ class TokenBucket:
         self._at = clock()
         self._paused_until = 0.0
         self._lock = threading.Lock()
-        self.waited_s = 0.0  # time callers spent waiting, summed (the run's slow-down)
+        self.waited_s = 0.0  # the time callers spent waiting, summed (the run's slow-down)
         self.pauses = 0  # Retry-After pauses taken
 
     def pause(self, seconds: float) -> None:
-        """No call goes for ``seconds`` from now (a pause never shortens an earlier one)."""
+        """Let no call go for ``seconds`` from now. A pause never shortens an earlier one."""
         with self._lock:
             self._paused_until = max(self._paused_until, self._clock() + max(0.0, seconds))
             self.pauses += 1
 
     def acquire(self, stop: threading.Event | None = None) -> bool:
-        """Wait for a token; ``False`` (no token taken) when ``stop`` is set meanwhile."""
+        """Wait for a token and return True. Return False, with no token taken, if ``stop``
+        is set meanwhile."""
         started: float | None = None
         while True:
             with self._lock:

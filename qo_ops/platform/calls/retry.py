@@ -1,6 +1,8 @@
-"""The retry model for items that call other systems: classify the error, back off
-exponentially with jitter up to a cap, and stop after an attempt budget (dead letter;
-a person requeues dead letters with ``qo_ops.platform.actions.recovery``)."""
+"""The retry model for items that call other systems.
+
+It classifies the error, backs off exponentially with jitter up to a cap, and stops after an
+attempt budget. An item that runs out of attempts becomes a dead letter. A person requeues
+dead letters with ``qo_ops.platform.actions.recovery``."""
 
 from __future__ import annotations
 
@@ -17,13 +19,13 @@ from qo_ops.errors import ConfigError
 class ErrorClass(StrEnum):
     """How an item failure should be handled."""
 
-    RETRYABLE = "retryable"  # timeouts, resets, 5xx, 429: the next attempt may succeed
-    NON_RETRYABLE = "non_retryable"  # 4xx validation, poison input: retrying cannot help
+    RETRYABLE = "retryable"  # timeouts, resets, 5xx and 429; the next attempt may succeed
+    NON_RETRYABLE = "non_retryable"  # 4xx validation and poison input; retrying cannot help
     UNKNOWN = "unknown"  # treated as retryable, but counted apart
 
 
 RETRYABLE_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
-# dispositions that keep the attempt
+# The dispositions in which the item keeps its attempt.
 REFUNDED = frozenset({"release", "wait", "spare", "hold"})
 
 
@@ -52,7 +54,8 @@ def classify_exception(exc: BaseException) -> ErrorClass:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff ``base * 2**(attempt-1)``, capped, with full jitter, and a budget."""
+    """Exponential backoff of ``base * 2**(attempt-1)``, capped, with full jitter and an
+    attempt budget."""
 
     base: timedelta = timedelta(seconds=30)
     cap: timedelta = timedelta(hours=1)
@@ -60,16 +63,17 @@ class RetryPolicy:
     jitter: float = 0.5  # the delay is drawn from [delay * (1 - jitter), delay]
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> timedelta:
-        """Delay before attempt ``attempt + 1`` after ``attempt`` failures (attempt ≥ 1)."""
+        """The delay before attempt ``attempt + 1``, after ``attempt`` failures (attempt ≥ 1)."""
         if attempt < 1:
             raise ValueError("attempt counts from 1")
-        doublings = min(attempt - 1, 64)  # past the cap long before; 2**1024 overflows a float
+        doublings = min(attempt - 1, 64)  # 64 is far past the cap; 2**1024 overflows a float
         raw = min(self.base.total_seconds() * 2**doublings, self.cap.total_seconds())
         low = raw * (1 - self.jitter)
         return timedelta(seconds=(rng or random).uniform(low, raw))
 
     def decide(self, error: ErrorClass, attempts_so_far: int) -> str:
-        """``retry`` or ``dead_letter`` for an item that just failed its ``attempts_so_far``-th try."""
+        """Decide ``retry`` or ``dead_letter`` for an item that just failed its
+        ``attempts_so_far``-th try."""
         if error is ErrorClass.NON_RETRYABLE or attempts_so_far >= self.max_attempts:
             return "dead_letter"
         return "retry"
@@ -82,9 +86,11 @@ MAX_RETRY_S = 7 * 86400.0
 
 
 def policy_from_env(max_attempts: int = 8, environ: Mapping[str, str] | None = None) -> RetryPolicy:
-    """The retry policy of the downstream jobs; base and cap may be set in the environment
-    (tests and drills shorten them; production keeps 30 s and 1 h). A value that is not a
-    number of seconds from 0.01 to a week, or a cap below the base, raises ``ConfigError``."""
+    """The retry policy of the downstream jobs.
+
+    The base and the cap may be set in the environment. Tests and drills shorten them, and
+    production keeps 30 s and 1 h. A value that is not a number of seconds from 0.01 to a
+    week raises ``ConfigError``, and so does a cap below the base."""
     base = number(RETRY_BASE_ENV, 30.0, MIN_RETRY_S, MAX_RETRY_S, unit="seconds", environ=environ)
     cap = number(RETRY_CAP_ENV, 3600.0, MIN_RETRY_S, MAX_RETRY_S, unit="seconds", environ=environ)
     if cap < base:
@@ -107,21 +113,23 @@ class CallResult:
     error_class: ErrorClass | None = None
     code: str | None = None
     message: str | None = None
-    duplicate: bool = False  # the other system had seen this idempotency key: not done twice
+    duplicate: bool = False  # the other system had seen this idempotency key, so not done twice
     outcome_unknown: bool = False  # failed, but the request may have landed
-    # the run stopped (SIGTERM) before making this call, or before its answer came (then
-    # ``outcome_unknown``): not the item's failure, so its claim and attempt are given back
+    # The run stopped (SIGTERM) before making this call, or before its answer came (then
+    # ``outcome_unknown`` is also set). This is not the item's failure, so its claim and
+    # attempt are given back.
     released: bool = False
-    # the other system asked to be called less (429): the item waits ``retry_after_s`` and
-    # keeps its attempt
+    # The other system asked to be called less often (429). The item waits ``retry_after_s``
+    # and keeps its attempt.
     rate_limited: bool = False
     retry_after_s: float | None = None
-    # the call failed while the circuit breaker judged the failures systemic (an outage):
-    # not the item's failure, so it keeps its attempt
+    # The call failed while the circuit breaker judged the failures systemic (an outage).
+    # This is not the item's failure, so it keeps its attempt.
     spared: bool = False
 
 
-# a 429 without a usable Retry-After: the item waits this long, and the run pauses as long
+# After a 429 without a usable Retry-After, the item waits this long and the run pauses as
+# long.
 DEFAULT_WAIT_S = 1.0
 
 
@@ -129,16 +137,21 @@ DEFAULT_WAIT_S = 1.0
 class Disposition:
     """What to do with an item after a call: delivered, retry after ``delay_s``, or dead."""
 
-    # "done" | "retry" | "dead" | "release" (due again now) | "wait" (rate-limited: due after
-    # Retry-After) | "spare" (an outage: due again now) | "hold" (a last attempt failed
-    # systemically while the downstream was not known to be up: retried at its backoff);
-    # the last four keep their attempt
+    # One of these values:
+    # - "done", "retry" or "dead".
+    # - "release": the item is due again now.
+    # - "wait": the item was rate-limited and is due after Retry-After.
+    # - "spare": an outage; the item is due again now.
+    # - "hold": a last attempt failed systemically while the downstream was not known to be
+    #   up; the item is retried at its backoff.
+    # The last four keep their attempt.
     state: str
     delay_s: float = 0.0
 
     @property
     def refund(self) -> bool:
-        """Whether the item gets back the attempt its claim took (not its failure)."""
+        """Whether the item gets back the attempt its claim took, because the failure was not
+        its own."""
         return self.state in REFUNDED
 
 

@@ -1,2 +1,4 @@
-"""What a run tells the outside: structured events and run metrics, traces, and the process
-resource they are tagged with."""
+"""What a run tells the outside world.
+
+This package holds structured events and run metrics, traces, and the process resource that
+they are tagged with."""

@@ -1,13 +1,16 @@
 """Structured job events (one JSON object per line) and Prometheus metrics.
 
-Events carry job name, run id, trigger, scope and window; business row ids appear only in
-failure events; never payloads, lease tokens or personal data. Every event, and every line
-the JSON handler writes, also carries the process's resource attributes
-(:mod:`qo_ops.platform.observability.resource`: ``service.name``, ``service.version`` and, where deployed,
-the Kubernetes namespace, pod, container, job and image digest), the same ones its traces
-carry. Metric labels are bounded sets declared in code (``job_name`` and ``status``,
-``result``, ``reason``, ``scope``, ``mismatch_type``, ``side_effect``, ``trigger``,
-``error_class``), never a tenant, an id, a cursor or a message.
+Events carry the job name, run id, trigger, scope and window. Business row ids appear only
+in failure events. Events never carry payloads, lease tokens or personal data.
+
+Every event, and every line the JSON handler writes, also carries the process's resource
+attributes (:mod:`qo_ops.platform.observability.resource`). These are ``service.name``,
+``service.version`` and, where deployed, the Kubernetes namespace, pod, container, job and
+image digest. The process's traces carry the same attributes.
+
+Metric labels are bounded sets declared in code: ``job_name`` and ``status``, ``result``,
+``reason``, ``scope``, ``mismatch_type``, ``side_effect``, ``trigger`` and ``error_class``.
+A label is never a tenant, an id, a cursor or a message.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ _SAFE_KEYS = {"lock.fencing_token", "fencing_token"}  # counters, not secrets
 
 
 def redact_value(value: Any, key: str = "") -> Any:
-    """``value`` with every string redacted (``qo_ops.errors.redact``), recursively; the
-    value of a key that names a secret becomes ``***`` whatever it is."""
+    """Return ``value`` with every string in it redacted (``qo_ops.errors.redact``),
+    recursively.
+
+    The value of a key that names a secret becomes ``***``, whatever it is."""
     if key and key not in _SAFE_KEYS and _SECRET_KEY.search(key):
         return "***"
     if isinstance(value, str):
@@ -53,7 +58,7 @@ def redact_value(value: Any, key: str = "") -> Any:
 
 
 class RedactingFilter(logging.Filter):
-    """Redacts every record passing through: message, arguments and the event payload."""
+    """Redacts every record passing through: its message, arguments and event payload."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.args:
@@ -68,7 +73,7 @@ class RedactingFilter(logging.Filter):
 
 
 REDACTION = RedactingFilter()
-_events.addFilter(REDACTION)  # whoever handles job events (a CLI, Dagster) sees them redacted
+_events.addFilter(REDACTION)  # any handler of job events (a CLI, Dagster) sees them redacted
 _events.setLevel(logging.INFO)
 
 
@@ -77,9 +82,11 @@ _resource_reported = False
 
 
 def resource_fields(logger: logging.Logger | None = None) -> Mapping[str, str]:
-    """The process's resource attributes, computed once (:func:`process_resource`). The first
-    call given a ``logger`` warns there, once per process, naming the variables whose value was
-    left out (``telemetry.resource.rejected``; never the values)."""
+    """The process's resource attributes, computed once (:func:`process_resource`).
+
+    The first call given a ``logger`` logs a warning there, once per process
+    (``telemetry.resource.rejected``). The warning names the variables whose value was left
+    out, never the values."""
     global _resource_reported
     found = process_resource()
     if logger is not None and not _resource_reported:
@@ -96,8 +103,10 @@ def resource_fields(logger: logging.Logger | None = None) -> Mapping[str, str]:
 
 
 class JsonLineFormatter(logging.Formatter):
-    """Render a record as one JSON line: a job event's fields, or a plain log call's logger
-    and (redacted) message; either way with the process's resource attributes."""
+    """Render a record as one JSON line, with the process's resource attributes.
+
+    A job event gives its fields. A plain log call gives its logger and its redacted
+    message."""
 
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, Any] = {
@@ -107,14 +116,15 @@ class JsonLineFormatter(logging.Formatter):
         event = getattr(record, "event", None)
         if isinstance(event, dict):
             payload.update(event)
-        else:  # a plain log call: its (redacted) message
+        else:  # a plain log call gives its redacted message
             payload.update(logger=record.name, message=record.getMessage())
-        payload.update(resource_fields())  # already in an event's fields: the same values
+        payload.update(resource_fields())  # an event already has these same values
         return json.dumps(payload, default=str, sort_keys=False)
 
 
 def json_log_handler(stream: Any = None) -> logging.Handler:
-    """A handler writing JSON lines to ``stream`` (default stderr), redacting each record."""
+    """A handler that writes JSON lines to ``stream`` (default stderr) and redacts each
+    record."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonLineFormatter())
     handler.addFilter(REDACTION)
@@ -122,15 +132,18 @@ def json_log_handler(stream: Any = None) -> logging.Handler:
 
 
 def log_event(logger: logging.Logger, level: int, name: str, /, **fields: Any) -> None:
-    """Log one structured event (``event.name`` plus ``fields``, redacted, then the process's
-    resource attributes)."""
+    """Log one structured event.
+
+    The event is ``event.name`` plus ``fields``, redacted, followed by the process's
+    resource attributes."""
     event = redact_value({"event.name": name, **fields})
     event.update(resource_fields(logger))  # validated once, not redacted per event
     logger.log(level, json.dumps(event, default=str), extra={"event": event})
 
 
 def configure_event_logging(stream: Any = None, level: int = logging.INFO) -> None:
-    """Send job events as JSON lines to ``stream`` (default stderr); idempotent."""
+    """Send job events as JSON lines to ``stream`` (default stderr). Calling it again does
+    nothing."""
     if any(getattr(h, "_qo_ops", False) for h in _events.handlers):
         return
     handler = json_log_handler(stream)
@@ -152,7 +165,7 @@ class EventContext:
     window_start: str | None = None
     window_end: str | None = None
     progress_interval_s: float = 10.0
-    _last_progress: float | None = field(default=None, repr=False)  # the first one always goes out
+    _last_progress: float | None = field(default=None, repr=False)  # so the first always goes out
 
     def emit(self, name: str, level: int = logging.INFO, /, **fields: Any) -> None:
         """Emit event ``name`` with this run's identity and ``fields``."""
@@ -172,8 +185,8 @@ class EventContext:
         event.update(fields)
         event = redact_value(event)
         event.update(resource_fields(_events))  # validated once, not redacted per event
-        # the message is the event itself, so handlers that only print messages (Dagster's
-        # log manager) show it whole
+        # The message is the event itself, so handlers that only print messages (Dagster's
+        # log manager) show it whole.
         _events.log(level, json.dumps(event, default=str), extra={"event": event})
 
     def progress(self, force: bool = False, /, **fields: Any) -> None:
@@ -246,8 +259,8 @@ class JobMetrics:
         )
 
     def count_batch(self, job_name: str, outcome: BatchOutcome) -> None:
-        """A recorded batch: its items, its failures by class, retries, dead letters and
-        duplicates prevented."""
+        """Count a recorded batch: its items, its failures by class, retries, dead letters
+        and duplicates prevented."""
         self.items_processed.labels(job_name).inc(outcome.processed)
         for _, error_class in outcome.failed_items:
             self.items_failed.labels(job_name, error_class).inc()
@@ -258,9 +271,10 @@ class JobMetrics:
         self.duplicates_prevented.labels(job_name).inc(outcome.duplicates_prevented)
 
     def count_run(self, spec: JobSpec, summary: RunSummary, seconds: float) -> None:
-        """A finished run: by status and duration; skipped, failed by class, and the last
-        success as the exporter counts it (an execute ending in one of the job's fresh
-        statuses)."""
+        """Count a finished run by status and duration, and as skipped or failed by class.
+
+        It also sets the last success as the exporter counts it: an execute that ended in
+        one of the job's fresh statuses."""
         job_name, status = spec.name, summary.status
         self.completed.labels(job_name, status).inc()
         self.duration.labels(job_name, status).observe(seconds)

@@ -1,24 +1,27 @@
-"""Who is speaking: this process's resource attributes (OpenTelemetry's word for them), on
-every structured log event (:mod:`qo_ops.platform.observability.events`) and on the resource of every
-trace (:mod:`qo_ops.platform.observability.tracing`).
+"""Who is speaking: this process's resource attributes (OpenTelemetry's word for them).
+
+Every structured log event (:mod:`qo_ops.platform.observability.events`) carries them, and
+so does the resource of every trace (:mod:`qo_ops.platform.observability.tracing`).
 
 ``service.name`` (``qo-ops``) and ``service.version`` (the installed package's version) are
-always there, and nothing in the environment changes them. Where deployed, the environment
-says where the process runs, and is read once per process:
+always there, and nothing in the environment changes them. Where the process is deployed,
+the environment says where it runs. The environment is read once per process, from two
+sources:
 
-- each attribute of :data:`DEPLOYMENT_ATTRIBUTES` from the variable named like it
-  (``k8s.pod.name`` from ``K8S_POD_NAME``), which deploy/ fills from the Kubernetes downward
-  API (``docs/deploy.md``);
-- ``OTEL_RESOURCE_ATTRIBUTES`` (``key=value,…``, values percent-encoded), the OpenTelemetry
-  SDK's own variable, which platforms fill (the OpenTelemetry Operator injects
-  ``k8s.pod.name=…`` and the like). A named variable wins over the same key there.
+- Each attribute of :data:`DEPLOYMENT_ATTRIBUTES` comes from the variable named like it
+  (``k8s.pod.name`` from ``K8S_POD_NAME``). deploy/ fills these from the Kubernetes
+  downward API (``docs/deploy.md``).
+- ``OTEL_RESOURCE_ATTRIBUTES`` (``key=value,…``, with values percent-encoded) is the
+  OpenTelemetry SDK's own variable, which platforms fill. For example, the OpenTelemetry
+  Operator injects ``k8s.pod.name=…`` and the like. A named variable wins over the same key
+  here.
 
-Values come from the environment, so each is checked before it is used: a Kubernetes name
-must be one, a digest ``algorithm:hex``, any other key short and plain, its value short,
-printable and unchanged by :func:`qo_ops.errors.redact`; at most :data:`MAX_ATTRIBUTES` from
-``OTEL_RESOURCE_ATTRIBUTES``. A value that fails, or is empty, is left out (never
-``unknown``, never ``""``) and its variable is named in :attr:`ProcessResource.rejected`;
-the value itself is never repeated.
+Values come from the environment, so each is checked before it is used. A Kubernetes name
+must be a valid one, and a digest must be ``algorithm:hex``. Any other key must be short and
+plain, and its value short, printable and unchanged by :func:`qo_ops.errors.redact`. At most
+:data:`MAX_ATTRIBUTES` are taken from ``OTEL_RESOURCE_ATTRIBUTES``. A value that fails a
+check, or is empty, is left out. It never becomes ``unknown`` or ``""``. Its variable is
+named in :attr:`ProcessResource.rejected`, but the value itself is never repeated.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from qo_ops.errors import redact
 
 SERVICE_NAME = "qo-ops"
 OTEL_RESOURCE_ATTRIBUTES = "OTEL_RESOURCE_ATTRIBUTES"
-MAX_ATTRIBUTES = 32  # from OTEL_RESOURCE_ATTRIBUTES: the OpenTelemetry Operator injects ~8
+MAX_ATTRIBUTES = 32  # from OTEL_RESOURCE_ATTRIBUTES; the OpenTelemetry Operator injects ~8
 MAX_VALUE_CHARS = 255
 
 
@@ -68,13 +71,16 @@ DEPLOYMENT_ATTRIBUTES: dict[str, tuple[str, Rule]] = {
 }
 """attribute -> (the environment variable deploy/ sets, what a value must look like)"""
 
-_OWN = ("service.name", "service.version")  # qo-ops says these; the environment does not
+_OWN = ("service.name", "service.version")  # qo-ops sets these, never the environment
 
 
 @dataclass(frozen=True)
 class ProcessResource:
-    """The resource attributes of a process and what the environment offered that was left
-    out (variable names, ``OTEL_RESOURCE_ATTRIBUTES:<key>`` for one pair of it)."""
+    """The resource attributes of a process, and what the environment offered that was left
+    out.
+
+    ``rejected`` holds variable names, and ``OTEL_RESOURCE_ATTRIBUTES:<key>`` for one pair of
+    that variable."""
 
     attributes: Mapping[str, str]
     rejected: tuple[str, ...] = ()
@@ -82,7 +88,8 @@ class ProcessResource:
 
 @cache
 def package_version() -> str:
-    """The installed qo-ops distribution's version (the source tree's when not installed)."""
+    """The installed qo-ops distribution's version, or the source tree's when it is not
+    installed."""
     try:
         return metadata.version(SERVICE_NAME)
     except metadata.PackageNotFoundError:
@@ -110,19 +117,25 @@ def detect(environ: Mapping[str, str]) -> ProcessResource:
             attributes[key] = value
         else:
             rejected.append(variable)
-    # named once each, and not a thousand times for a thousand bad pairs
+    # Each variable is named once, not a thousand times for a thousand bad pairs.
     return ProcessResource(attributes, tuple(dict.fromkeys(rejected))[:MAX_ATTRIBUTES])
 
 
 def _plain(key: str, value: str) -> bool:
-    """Nothing secret-looking (what redaction would change) and no ``$(VAR)`` that
-    Kubernetes left unexpanded because VAR was not defined."""
+    """Whether the pair is plain.
+
+    It must hold nothing secret-looking, meaning nothing that redaction would change. It
+    must also hold no ``$(VAR)`` that Kubernetes left unexpanded because VAR was not
+    defined."""
     return "$(" not in value and redact(f"{key}={value}") == f"{key}={value}"
 
 
 def _otel_resource_attributes(text: str, rejected: list[str]) -> dict[str, str]:
-    """The pairs of an ``OTEL_RESOURCE_ATTRIBUTES`` value, values percent-decoded and empty
-    ones dropped, as the OpenTelemetry SDK reads it; a pair without a plain key is rejected."""
+    """The pairs of an ``OTEL_RESOURCE_ATTRIBUTES`` value, read as the OpenTelemetry SDK
+    reads it.
+
+    Values are percent-decoded, and empty ones are dropped. A pair without a plain key is
+    rejected."""
     pairs: dict[str, str] = {}
     for item in text.split(","):
         if not item.strip():
@@ -139,6 +152,8 @@ def _otel_resource_attributes(text: str, rejected: list[str]) -> dict[str, str]:
 
 @cache
 def process_resource() -> ProcessResource:
-    """This process's resource, read from ``os.environ`` on first use and kept: the
-    environment of a process does not move, and every event reuses the same attributes."""
+    """This process's resource, read from ``os.environ`` on first use and kept.
+
+    The environment of a process does not change, and every event reuses the same
+    attributes."""
     return detect(os.environ)

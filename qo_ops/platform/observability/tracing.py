@@ -1,19 +1,23 @@
-"""OpenTelemetry traces of runs: off unless configured.
+"""OpenTelemetry traces of runs. Tracing is off unless configured.
 
-One root span per run (``Job <name>``) with child spans for the lease acquisition, each
-batch, each checkpoint update and each downstream call (:func:`client_span`), carrying the
-seed's attributes: ``job.name``, ``job.run_id``, ``job.trigger``, ``job.status``,
-``items.processed``, ``items.failed`` — never item ids on a batch span. The run's trace id is
-in every event the run logs (``trace.id``).
+Each run has one root span (``Job <name>``). Its child spans cover the lease acquisition,
+each batch, each checkpoint update and each downstream call (:func:`client_span`). The spans
+carry the seed's attributes: ``job.name``, ``job.run_id``, ``job.trigger``, ``job.status``,
+``items.processed`` and ``items.failed``. A batch span never carries item ids. The run's
+trace id is in every event the run logs (``trace.id``).
 
-Configured from the environment by :func:`configure_from_env` (the CLI and the Dagster code
-location call it): ``QO_OPS_OTLP_ENDPOINT`` (e.g. ``http://collector:4318/v1/traces``)
-exports spans over OTLP/HTTP; unset, tracing is off and every span is a no-op. Every span's
-resource is the process's (:func:`trace_resource`): the attributes its log events carry
-(:mod:`qo_ops.platform.observability.resource`) and the SDK's ``telemetry.sdk.*``. Tests install their own
-provider with :func:`use_provider` (an in-memory exporter, through :func:`build_provider`).
-While tracing is off nothing here imports OpenTelemetry: a span is :data:`OFF`, which takes
-attributes and keeps none, and a run's events carry no trace id.
+:func:`configure_from_env` configures tracing from the environment. The CLI and the Dagster
+code location call it. When ``QO_OPS_OTLP_ENDPOINT`` is set (e.g.
+``http://collector:4318/v1/traces``), spans are exported over OTLP/HTTP. When it is unset,
+tracing is off and every span is a no-op.
+
+Every span's resource is the process's (:func:`trace_resource`). It holds the attributes
+that the log events carry (:mod:`qo_ops.platform.observability.resource`) and the SDK's
+``telemetry.sdk.*``. Tests install their own provider with :func:`use_provider`, using an
+in-memory exporter through :func:`build_provider`.
+
+While tracing is off, nothing here imports OpenTelemetry. A span is then :data:`OFF`, which
+takes attributes and keeps none, and a run's events carry no trace id.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from qo_ops.platform.observability.resource import process_resource
 if TYPE_CHECKING:
     from opentelemetry import trace
 
-_provider: Any = None  # an SDK TracerProvider once configured; None: tracing off
+_provider: Any = None  # an SDK TracerProvider once configured; None while tracing is off
 T = TypeVar("T")
 
 
@@ -58,7 +62,8 @@ def use_provider(provider: Any) -> None:
 
 
 def configure_from_env(environ: dict[str, str] | None = None) -> None:
-    """Export spans over OTLP/HTTP when ``QO_OPS_OTLP_ENDPOINT`` is set (once per process)."""
+    """Export spans over OTLP/HTTP when ``QO_OPS_OTLP_ENDPOINT`` is set. This happens once
+    per process."""
     env = os.environ if environ is None else environ
     endpoint = (env.get(OTLP_ENV) or "").strip()
     if not endpoint or _provider is not None:
@@ -72,9 +77,11 @@ def configure_from_env(environ: dict[str, str] | None = None) -> None:
 
 
 def trace_resource() -> Any:
-    """The SDK ``Resource`` of this process's spans: its resource attributes, validated
-    (:func:`process_resource`), and ``telemetry.sdk.*``. Not ``Resource.create``, which would
-    add ``OTEL_RESOURCE_ATTRIBUTES`` again, unchecked."""
+    """The SDK ``Resource`` of this process's spans.
+
+    It holds the process's validated resource attributes (:func:`process_resource`) and
+    ``telemetry.sdk.*``. It does not use ``Resource.create``, which would add
+    ``OTEL_RESOURCE_ATTRIBUTES`` again, unchecked."""
     from opentelemetry.sdk import resources
     from opentelemetry.sdk.version import __version__ as sdk_version
 
@@ -110,8 +117,9 @@ def tracer() -> trace.Tracer:
 
 @contextmanager
 def span(name: str, **attributes: Any) -> Iterator[SpanLike]:
-    """A span named ``name``, child of the current one, with ``attributes`` (None dropped);
-    :data:`OFF` while tracing is off."""
+    """A span named ``name``, a child of the current one, with ``attributes``.
+
+    Attributes that are None are dropped. While tracing is off, the span is :data:`OFF`."""
     if _provider is None:
         yield OFF
         return
@@ -132,8 +140,9 @@ def trace_id() -> str | None:
 
 
 def in_current_context(call: Callable[[T], Any]) -> Callable[[T], Any]:
-    """``call`` wrapped to run in the caller's trace context (for worker threads); ``call``
-    itself while tracing is off."""
+    """Wrap ``call`` to run in the caller's trace context, for worker threads.
+
+    While tracing is off, this returns ``call`` itself."""
     if _provider is None:
         return call
     from opentelemetry import context as otel_context
@@ -157,7 +166,8 @@ class ClientCall:
         self.span = current
 
     def set_answer(self, status: int) -> None:
-        """The answer's status; 4xx and 5xx mark the span as an error (a client span)."""
+        """Record the answer's status. As this is a client span, 4xx and 5xx mark it as an
+        error."""
         from opentelemetry import trace
 
         self.span.set_attribute("http.response.status_code", status)
@@ -166,18 +176,20 @@ class ClientCall:
             self.span.set_status(trace.Status(trace.StatusCode.ERROR))
 
     def set_failure(self, kind: str) -> None:
-        """No answer came: ``kind`` names why (a timeout, a reset; never a payload)."""
+        """Record that no answer came. ``kind`` names why, such as a timeout or a reset, and
+        never holds a payload."""
         self.span.set_attribute("error.type", kind)
 
 
 def client_span(
     name: str, method: str, url: str, headers: dict[str, str]
 ) -> AbstractContextManager[ClientCall | None]:
-    """A CLIENT span for one outgoing HTTP request, child of the current span, named ``name``
-    (a path template such as ``POST /fulfilment/deliveries``: no ids), with the HTTP
-    attributes of OpenTelemetry's semantic conventions; the trace context goes into
-    ``headers`` (W3C ``traceparent``) so the server can join the trace. A no-op yielding
-    ``None`` while tracing is off."""
+    """A CLIENT span for one outgoing HTTP request, a child of the current span.
+
+    ``name`` is a path template such as ``POST /fulfilment/deliveries``, with no ids. The
+    span has the HTTP attributes of OpenTelemetry's semantic conventions. The trace context
+    goes into ``headers`` (W3C ``traceparent``), so the server can join the trace. While
+    tracing is off, this is a no-op that yields ``None``."""
     if _provider is None:
         return nullcontext()
     return _client_span(name, method, url, headers)

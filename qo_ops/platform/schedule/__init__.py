@@ -1,2 +1,4 @@
-"""Scheduling and lateness: the catalog's cron forms, which tenants a tick covers and how
-partition keys name them, and how late, missed, overdue or stale a job is."""
+"""Scheduling and lateness.
+
+This package reads the catalog's cron forms. It says which tenants a tick covers and how
+partition keys name them. It also judges how late, missed, overdue or stale a job is."""

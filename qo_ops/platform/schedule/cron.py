@@ -1,4 +1,4 @@
-"""The catalog's cron forms: the seconds between two ticks, and the ticks in a span."""
+"""The catalog's cron forms, with the seconds between two ticks and the ticks in a span."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 
 def cadence_seconds(cron: str) -> float:
-    """Seconds between two ticks of the catalog's cron forms: ``* * * * *``,
-    ``*/N * * * *``, ``M * * * *``, ``M H * * *``."""
+    """The seconds between two ticks of one of the catalog's cron forms.
+
+    The forms are ``* * * * *``, ``*/N * * * *``, ``M * * * *`` and ``M H * * *``."""
     minute, hour, dom, month, dow = cron.split()
     if (dom, month, dow) != ("*", "*", "*"):
         raise ValueError(f"unsupported cron for a cadence: {cron}")
@@ -24,10 +25,11 @@ def cadence_seconds(cron: str) -> float:
 
 
 def cron_ticks(cron: str, after: datetime, until: datetime) -> list[datetime]:
-    """The ticks of ``cron`` (a catalog form, UTC) in (``after``, ``until``], oldest first.
-    Exact for the forms :func:`cadence_seconds` accepts; ``*/N`` restarts at minute 0 of
-    every hour, as cron does."""
-    cadence_seconds(cron)  # the form is one we know
+    """The ticks of ``cron`` (a catalog form, in UTC) in (``after``, ``until``], oldest first.
+
+    The result is exact for the forms that :func:`cadence_seconds` accepts. ``*/N`` restarts
+    at minute 0 of every hour, as cron does."""
+    cadence_seconds(cron)  # raises unless the form is one we know
     minute, hour = cron.split()[:2]
     step = int(minute[2:]) if minute.startswith("*/") else 1
     if hour.isdigit():

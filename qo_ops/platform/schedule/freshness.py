@@ -1,7 +1,10 @@
-"""When a tenant's outcome is stale: no execute run of the job ended success (or no_work,
-or partial_success where the catalog says so) within ``STALE_FACTOR`` × the job's cadence.
-The rule the Dagster ``recent_success`` checks (``qo_ops/dagster_defs/freshness.py``) and
-``qo-ops status`` share. No Dagster here."""
+"""When a tenant's outcome is stale.
+
+An outcome is stale when no execute run of the job ended in success within
+``STALE_FACTOR`` times the job's cadence. ``no_work`` also counts as success, and so does
+``partial_success`` where the catalog says so. The Dagster ``recent_success`` checks
+(``qo_ops/dagster_defs/freshness.py``) and ``qo-ops status`` share this rule. This module
+does not use Dagster."""
 
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ def stale_limit_s(spec: JobSpec) -> float:
     return STALE_FACTOR * cadence_seconds(spec.deployment.cron_schedule)
 
 
-# How long the job has been at work here: since its first finished run or evaluated tick
-# (ix_job_run_job_finished; job_schedule_tick keeps a job's first evaluation). NULL: never.
+# How long the job has been at work here, since its first finished run or evaluated tick.
+# ix_job_run_job_finished serves the first, and job_schedule_tick keeps a job's first
+# evaluation. The result is NULL if the job has never been at work.
 _JOB_AGE = sa.text(
     """
     SELECT extract(epoch FROM now() - least(
@@ -32,8 +36,10 @@ _JOB_AGE = sa.text(
 
 
 def job_due(conn: Connection, spec: JobSpec) -> bool:
-    """Whether ``spec`` has been at work for longer than its limit (a first run finished, or
-    a first tick evaluated, that long ago): before that no tenant of it is judged -- a daily
-    job is not stale on a fresh deployment before its first ticks."""
+    """Whether ``spec`` has been at work for longer than its stale limit.
+
+    It has, when its first run finished or its first tick was evaluated that long ago.
+    Before that, none of its tenants is judged. So a daily job is not stale on a fresh
+    deployment before its first ticks."""
     age = conn.execute(_JOB_AGE, {"job": spec.name}).scalar()
     return age is not None and float(age) > stale_limit_s(spec)

@@ -1,25 +1,28 @@
 """Missed scheduled runs, judged from the schedule's cadence and the run records.
 
-Every tick of a job's cron (UTC) expects one run per tenant that existed at the tick (for a
-windowed job: the day its schedule runs at that tick). A tick is judged once its window has
-passed -- the cadence, at most an hour: a run that has not started by then missed its tick
-(it still counts as a run, with its drift, if it starts later). An expected run with no run
-record for its tick (``job_run.scheduled_for``; a ``skipped`` run did nothing) is missed,
-and the records say why:
+Every tick of a job's cron (UTC) expects one run for each tenant that existed at the tick.
+For a windowed job, the run covers the day its schedule runs at that tick. A tick is judged
+once its window has passed. The window is the cadence, at most an hour. A run that has not
+started by then missed its tick. If it starts later, it still counts as a run, with its
+drift.
 
-- ``suspended``: the kill switch covered the scope at the tick (``job_audit`` suspend and
-  resume rows give the intervals; the schedule skipped it on purpose);
-- ``previous_run_queued``: the schedule asked nothing for the scope because a run of it was
-  still waiting in Dagster's run queue (``job_schedule_tick``: a backlog must not feed
-  itself);
-- ``previous_run_active``: a run of the same scope was running at the tick (the schedule
-  skipped it, as recorded, or it held the scope's lease: the run requested found it held);
-- ``queued``: the schedule evaluated the tick and asked for the run, which did not start
-  within the window: it waited in Dagster's run queue (or its launch failed);
-- ``daemon_down``: none of these: the tick was never evaluated -- Dagster's scheduler
-  daemon was down, or the schedule was stopped.
+An expected run is missed when no run record exists for its tick (``job_run.scheduled_for``).
+A ``skipped`` run did nothing, so it does not count. The records say why the run was missed:
 
-No Dagster here: the platform judges from what the database recorded.
+- ``suspended``: the kill switch covered the scope at the tick, so the schedule skipped it
+  on purpose. The ``job_audit`` suspend and resume rows give the intervals.
+- ``previous_run_queued``: the schedule asked for nothing for the scope, because a run of it
+  was still waiting in Dagster's run queue (``job_schedule_tick``). A backlog must not feed
+  itself.
+- ``previous_run_active``: a run of the same scope was running at the tick. Either the
+  schedule skipped the tick, as recorded, or that run held the scope's lease and the
+  requested run found it held.
+- ``queued``: the schedule evaluated the tick and asked for the run, but the run did not
+  start within the window. It waited in Dagster's run queue, or its launch failed.
+- ``daemon_down``: none of the above. The tick was never evaluated, because Dagster's
+  scheduler daemon was down or the schedule was stopped.
+
+This module does not use Dagster. The platform judges from what the database recorded.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ NOT_RUN = (
     RunStatus.SKIPPED,
     RunStatus.ACCEPTED,
     RunStatus.AWAITING_APPROVAL,
-)  # records of runs that did no work
+)  # the statuses of runs that did no work
 
 
 def tick_window_s(spec: JobSpec) -> float:
@@ -68,8 +71,9 @@ class MissedRun:
 
 
 def _during(start: datetime, end: datetime | None, at: datetime) -> bool:
-    """``at`` lies in [start, end) (``end`` None: still open): a run running, a suspension
-    in force."""
+    """Whether ``at`` lies in [start, end), such as a run running or a suspension in force.
+
+    ``end`` is None while the interval is still open."""
     return start <= at and (end is None or end > at)
 
 
@@ -87,16 +91,20 @@ _SCOPE_BUSY_AT = sa.text(
 def scope_busy_at(
     conn: Connection, job_name: str, scope: str, at: datetime, other_than: uuid.UUID
 ) -> bool:
-    """Whether a run of the scope other than ``other_than`` held its lease (it has a
-    fencing token) and was running at ``at``: the rule :func:`missed_runs` applies to the
-    rows it reads, as one query (a late run's drift reason)."""
+    """Whether a run of the scope other than ``other_than`` held its lease and was running at
+    ``at``.
+
+    A run that held the lease has a fencing token. This is the rule that :func:`missed_runs`
+    applies to the rows it reads, written as one query. It gives a late run's drift
+    reason."""
     params = {"job": job_name, "scope": scope, "at": at, "other": other_than}
     return conn.execute(_SCOPE_BUSY_AT, params).first() is not None
 
 
 def first_scheduled_tick(conn: Connection, job_name: str) -> datetime | None:
-    """The job's oldest tick on record, of a scheduled run or of an evaluation: judging
-    starts there (before it, the schedule may never have been on)."""
+    """The job's oldest tick on record, from a scheduled run or from an evaluation.
+
+    Judging starts there, because before it the schedule may never have been on."""
     value: datetime | None = conn.execute(
         sa.text(
             "SELECT least("
@@ -110,8 +118,10 @@ def first_scheduled_tick(conn: Connection, job_name: str) -> datetime | None:
 
 
 def scheduled_day(spec: JobSpec, tick: datetime) -> date:
-    """The day a windowed job's schedule runs at ``tick`` (yesterday, or for retention jobs
-    the day that has just aged out); :class:`QoOpsError` for a bad retention setting."""
+    """The day a windowed job's schedule runs at ``tick``.
+
+    It is yesterday, or for retention jobs the day that has just aged out. A bad retention
+    setting raises :class:`QoOpsError`."""
     age = (
         spec.deployment.scheduled_window_age_days()
         if spec.deployment.scheduled_window_age_days
@@ -126,13 +136,13 @@ def expected_scope(spec: JobSpec, tenant_id: str, tick: datetime) -> str:
         return tenant_id
     try:
         day = scheduled_day(spec, tick)
-    except QoOpsError:  # a bad retention setting: the schedule itself skips with the reason
+    except QoOpsError:  # a bad retention setting; the schedule itself skips with the reason
         day = (tick - timedelta(days=1)).date()
     return Scope(tenant_id, day, day + timedelta(days=1)).key
 
 
-# Runs that overlap the judged ticks: finished after the first, or still running
-# (ix_job_run_job_finished, ix_job_run_running).
+# Read the runs that overlap the judged ticks. They finished after the first tick, or they
+# are still running (ix_job_run_job_finished, ix_job_run_running).
 _RUNS = sa.text(
     """
     SELECT scope, scheduled_for, status, fencing_token, started_at, finished_at FROM job_run
@@ -152,8 +162,10 @@ _SUSPENSIONS = sa.text(
 )
 
 
-# A tick the schedule evaluated, and whom it skipped and why (one row per tick and decision).
-# Twice: the same tick again upserts its row, its tenants the union of both, nothing doubled.
+# Record a tick the schedule evaluated, and which tenants it skipped and why. There is one row
+# per tick and decision.
+# Twice: the same tick again upserts its row. Its tenants become the union of both, and
+# nothing is doubled.
 _RECORD_TICK = sa.text(
     """
     INSERT INTO job_schedule_tick (job_name, scheduled_for, decision, tenants)
@@ -163,8 +175,8 @@ _RECORD_TICK = sa.text(
            recorded_at = now()
     """
 )
-# Ticks older than the missed-run window go; the job's first tick stays: since when its
-# schedule has been on (freshness.job_due).
+# Delete ticks older than the missed-run window. The job's first tick stays, because it
+# says since when the schedule has been on (freshness.job_due).
 # Twice: the second delete finds nothing older left to remove.
 _PRUNE_TICKS = sa.text(
     """
@@ -185,9 +197,10 @@ def record_tick(
     conn: Connection, job_name: str, tick: datetime, skipped: dict[str, list[str]]
 ) -> None:
     """Record that the schedule of ``job_name`` evaluated ``tick``, and which tenants it
-    skipped and why (``previous_run_queued`` / ``previous_run_active``); prune the job's
-    records older than :data:`TICK_RECORDS_KEPT`, but for its first tick (since when the
-    schedule has been on). A tick evaluated twice adds up."""
+    skipped and why (``previous_run_queued`` or ``previous_run_active``).
+
+    It also prunes the job's records older than :data:`TICK_RECORDS_KEPT`, except the first
+    tick, which says since when the schedule has been on. A tick evaluated twice adds up."""
     rows = [{"decision": "evaluated", "tenants": []}]
     rows += [{"decision": why, "tenants": sorted(ts)} for why, ts in skipped.items() if ts]
     conn.execute(_RECORD_TICK, [{"job": job_name, "tick": tick, **row} for row in rows])
@@ -195,7 +208,8 @@ def record_tick(
 
 
 def missed_runs(conn: Connection, spec: JobSpec, ticks: list[datetime]) -> list[MissedRun]:
-    """The expected runs of ``ticks`` (oldest first) that did not happen, with why."""
+    """The expected runs of ``ticks`` (oldest first) that did not happen, each with a
+    reason."""
     if not ticks:
         return []
     lo, hi = ticks[0], ticks[-1] + timedelta(seconds=tick_window_s(spec))
@@ -244,7 +258,9 @@ def missed_runs(conn: Connection, spec: JobSpec, ticks: list[datetime]) -> list[
 def _suspension_intervals(
     conn: Connection, job_name: str, hi: datetime
 ) -> dict[str, list[tuple[datetime, datetime | None]]]:
-    """Suspension key ('*' or a tenant) → [suspended_at, resumed_at or None), oldest first."""
+    """Map each suspension key ('*' or a tenant) to its intervals, oldest first.
+
+    Each interval is [suspended_at, resumed_at), with None while it is still open."""
     intervals: dict[str, list[tuple[datetime, datetime | None]]] = defaultdict(list)
     open_since: dict[str, datetime] = {}
     for row in conn.execute(_SUSPENSIONS, {"job": job_name, "hi": hi}):
@@ -258,6 +274,6 @@ def _suspension_intervals(
 
 
 def _within(intervals: list[tuple[datetime, datetime | None]], at: datetime) -> bool:
-    """``at`` lies in one of ``intervals`` (sorted, not overlapping)."""
+    """Whether ``at`` lies in one of ``intervals`` (sorted, not overlapping)."""
     i = bisect_right([start for start, _ in intervals], at)
     return i > 0 and _during(*intervals[i - 1], at)

@@ -1,4 +1,4 @@
-"""What a tenant's outcome covers beyond one run's window. No Dagster here.
+"""What a tenant's outcome covers beyond one run's window. This module does not use Dagster.
 
 A windowed job's run covers one window (a day). The outcome the job keeps covers every day
 of the tenant. This module gives two ranges of days, both starting at :data:`FIRST_DAY`:
@@ -28,11 +28,11 @@ from qo_ops.platform.run.selection import count_eligible
 from qo_ops.platform.schedule.cron import cron_ticks
 from qo_ops.platform.schedule.missed import scheduled_day, tick_window_s
 
-FIRST_DAY = date(1970, 1, 1)  # no business record predates it: "every day" starts here
+FIRST_DAY = date(1970, 1, 1)  # no business record predates it, so "every day" starts here
 
 
 def database_now(conn: Connection) -> datetime:
-    """The database's ``now()``, the clock every selection and check compares with."""
+    """The database's ``now()``. Every selection and check compares with this clock."""
     now: datetime = conn.execute(sa.select(sa.func.now())).scalar_one()
     return now
 
@@ -65,8 +65,10 @@ def backlog_scope(spec: JobSpec, tenant_id: str, now: datetime) -> Scope:
 
 @dataclass(frozen=True)
 class Backlog:
-    """A tenant's whole backlog for one job: the eligible items, and the age of the oldest
-    one (the job's lag). ``None`` means the job does not measure that figure."""
+    """A tenant's whole backlog for one job.
+
+    It holds the eligible items and the age of the oldest one (the job's lag). ``None``
+    means the job does not measure that figure."""
 
     items: int | None
     oldest_due_age_s: float | None
@@ -74,9 +76,11 @@ class Backlog:
 
 def tenant_backlog(conn: Connection, spec: JobSpec, tenant_id: str) -> Backlog:
     """What the job's selection matches now over every day of the tenant
-    (:func:`backlog_scope`), and its lag. For a checkpointed or scanning job the selection
-    is not a backlog (it walks a key range, or what there is to compare), so ``items`` is
-    ``None``, as it is for the run's own backlog."""
+    (:func:`backlog_scope`), and its lag.
+
+    For a checkpointed or scanning job, the selection is not a backlog. It walks a key
+    range, or what there is to compare. So ``items`` is ``None``, as it is for the run's own
+    backlog."""
     scope = backlog_scope(spec, tenant_id, database_now(conn))
     ctx = BatchContext(spec.name, scope, "dry_run", uuid.uuid4())
     items = None

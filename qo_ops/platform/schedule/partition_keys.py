@@ -1,13 +1,15 @@
-"""How a run is named to Dagster, without Dagster: the run tags qo-ops reads and writes, the
-partition key of a run and the scope a key stands for, and how tenants are split into chunk
-runs. The Dagster layer (``qo_ops.dagster_defs.partitions``), the operator API and the CLI
-share these; importing them imports no Dagster.
+"""How a run is named to Dagster, without importing Dagster.
 
-A windowed job's partition is a day and a **tenant chunk**: chunk k (``chunk-001`` …) holds
+This module holds the run tags that qo-ops reads and writes, the partition key of a run and
+the scope a key stands for, and how tenants are split into chunk runs. The Dagster layer
+(``qo_ops.dagster_defs.partitions``), the operator API and the CLI share these. Importing
+them imports no Dagster.
+
+A windowed job's partition is a day and a **tenant chunk**. Chunk k (``chunk-001`` …) holds
 the tenants at positions [(k-1)·CHUNK_SIZE, k·CHUNK_SIZE) in the order (created_at, id).
-Tenants are appended, so adding tenants never moves a tenant to another chunk; deleting one
-shifts every later tenant by one place (and so may move the first tenant of each later
-chunk back into the chunk before it)."""
+Tenants are appended, so adding tenants never moves a tenant to another chunk. Deleting a
+tenant shifts every later tenant by one place. So it may move the first tenant of each later
+chunk back into the chunk before it."""
 
 from __future__ import annotations
 
@@ -20,19 +22,24 @@ from qo_ops.errors import BadInput
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.job.spec import JobSpec
 
-SCOPE_TAG = "qo_ops/scope"  # one job × scope at a time: see tag_concurrency_limits in dagster.yaml
-MODE_TAG = "qo_ops/mode"  # backfills take no run config (dagster#10079): the op reads this tag
+# The run queue runs one job × scope at a time (see tag_concurrency_limits in dagster.yaml).
+SCOPE_TAG = "qo_ops/scope"
+# Backfills take no run config (dagster#10079), so the op reads the mode from this tag.
+MODE_TAG = "qo_ops/mode"
 REASON_TAG = "qo_ops/reason"
-JOB_RUN_TAG = "qo_ops/job_run_id"  # a run the operator API accepted: the op adopts its row
+JOB_RUN_TAG = "qo_ops/job_run_id"  # for a run the operator API accepted; the op adopts its row
 REQUESTER_TAG = "qo_ops/requester"
 WINDOW_TAG = "qo_ops/window"
-TENANTS_TAG = "qo_ops/tenants"  # a chunk run: how many tenants, and the first and last
-FAILED_TENANTS_TAG = "qo_ops/failed_tenants"  # set on a chunk run: re-executing it runs these
+TENANTS_TAG = "qo_ops/tenants"  # on a chunk run: how many tenants, and the first and last
+FAILED_TENANTS_TAG = "qo_ops/failed_tenants"  # on a chunk run; re-executing it runs these
 
 PARTITION_TAG = "dagster/partition"  # Dagster's own tag of a run's partition
-DAY_DIMENSION = "day"  # a windowed job's partition dimensions; Dagster orders them by name,
-CHUNK_DIMENSION = "tenant_chunk"  # so its keys read day first: 2026-12-01|chunk-001
-CHUNK_SIZE = 100  # tenants a chunk: every windowed job's tenants_per_run (a test holds it)
+# A windowed job's partition dimensions. Dagster orders them by name, so its keys read day
+# first: 2026-12-01|chunk-001.
+DAY_DIMENSION = "day"
+CHUNK_DIMENSION = "tenant_chunk"
+# Tenants per chunk. It equals every windowed job's tenants_per_run, and a test holds it so.
+CHUNK_SIZE = 100
 _CHUNK_KEY = re.compile(r"^chunk-([0-9]{3,})$")
 
 
@@ -42,12 +49,14 @@ def chunk_key(number: int) -> str:
 
 
 def chunk_keys(tenant_count: int, size: int = CHUNK_SIZE) -> list[str]:
-    """The chunk keys of ``tenant_count`` tenants: ceil(count / size) of them."""
+    """The chunk keys of ``tenant_count`` tenants. There are ceil(count / size) of them."""
     return [chunk_key(k) for k in range(1, -(-tenant_count // size) + 1)]
 
 
 def chunk_number(key: str) -> int:
-    """The number of chunk ``key`` (``chunk-007`` → 7); :class:`BadInput` for another key."""
+    """The number of chunk ``key``, e.g. 7 for ``chunk-007``.
+
+    Any other key raises :class:`BadInput`."""
     found = _CHUNK_KEY.match(key)
     if found is None or int(found.group(1)) < 1:
         raise BadInput(f"{key[:64]!r} is not a tenant chunk (chunk-001, chunk-002, …)")
@@ -66,7 +75,7 @@ def chunk_at(position: int, size: int = CHUNK_SIZE) -> str:
 
 
 def chunks_of(ordered: Sequence[str], size: int = CHUNK_SIZE) -> dict[str, list[str]]:
-    """Tenants in (created_at, id) order → chunk key → its tenants."""
+    """Map each chunk key to its tenants, given the tenants in (created_at, id) order."""
     return {chunk_at(i, size): list(ordered[i : i + size]) for i in range(0, len(ordered), size)}
 
 
@@ -77,9 +86,11 @@ def windowed_key(day: date, chunk: str) -> str:
 
 
 def split_windowed_key(key: str) -> tuple[date, str | None, str | None]:
-    """``(day, chunk, tenant)`` of a windowed job's partition key: ``day|chunk`` today; the
-    old day-only keys (``2026-12-01``: no chunk) and tenant × day keys (``day|tenant``) of
-    runs recorded before are still read."""
+    """Split a windowed job's partition key into ``(day, chunk, tenant)``.
+
+    Keys are ``day|chunk`` today. Runs recorded before may carry old keys, which are still
+    read. These are day-only keys (``2026-12-01``, with no chunk) and tenant × day keys
+    (``day|tenant``)."""
     day_key, _, rest = key.partition("|")
     try:
         day = date.fromisoformat(day_key)
@@ -93,9 +104,11 @@ def split_windowed_key(key: str) -> tuple[date, str | None, str | None]:
 
 
 def partition_tags(key: str) -> dict[str, str]:
-    """Dagster's partition tags of a run of ``key``: ``dagster/partition`` and, for a
-    windowed key, one per dimension (``dagster/partition/day``, ``…/tenant_chunk``), as
-    Dagster sets them on the runs it creates itself."""
+    """Dagster's partition tags of a run of ``key``, as Dagster sets them on the runs it
+    creates itself.
+
+    They are ``dagster/partition`` and, for a windowed key, one tag per dimension
+    (``dagster/partition/day`` and ``…/tenant_chunk``)."""
     tags = {PARTITION_TAG: key}
     if "|" in key:
         day, chunk, _ = split_windowed_key(key)
@@ -108,8 +121,10 @@ def partition_tags(key: str) -> dict[str, str]:
 def partition_key_for(
     spec: JobSpec, tenant: str, day: date | None = None, chunk: str | None = None
 ) -> str:
-    """The partition key of a run of ``spec`` for a tenant (and day): the day and the
-    tenant's chunk for a windowed job (its tenants go in run config), the tenant otherwise."""
+    """The partition key of a run of ``spec`` for a tenant (and day).
+
+    For a windowed job, it is the day and the tenant's chunk, and the tenants go in run
+    config. For other jobs, it is the tenant."""
     if spec.partitioning == "tenant_day":
         assert day is not None and chunk is not None
         return windowed_key(day, chunk)
@@ -118,6 +133,7 @@ def partition_key_for(
 
 def scope_from_partition_key(spec: JobSpec, key: str, tenant: str | None = None) -> Scope:
     """Turn a partition key (and, for a windowed job, the tenant) into the platform's scope.
+
     Keys of the old day-only and tenant × day partitions are still read."""
     if spec.partitioning == "tenant_day":
         day, _, old_tenant = split_windowed_key(key)
@@ -129,8 +145,9 @@ def scope_from_partition_key(spec: JobSpec, key: str, tenant: str | None = None)
 
 
 def scope_tag(spec: JobSpec, key: str) -> dict[str, str]:
-    """Run tags that let the run queue keep one run per job and scope (a windowed job's
-    launch by hand: per job and day)."""
+    """Run tags that let the run queue keep one run per job and scope.
+
+    For a windowed job launched by hand, it is one run per job and day."""
     if spec.partitioning == "tenant_day":
         return {SCOPE_TAG: f"{spec.name}:{key}"}
     return {SCOPE_TAG: f"{spec.name}:{scope_from_partition_key(spec, key).key}"}
@@ -139,9 +156,11 @@ def scope_tag(spec: JobSpec, key: str) -> dict[str, str]:
 def chunk_tenants(
     spec: JobSpec, tenants: Sequence[str], size: int | None = None
 ) -> list[list[str]]:
-    """Split ``tenants`` (sorted) into runs of at most ``size`` (``spec.deployment.tenants_per_run``).
-    The chunks start at an offset derived from the job's name, so jobs that share a cron
-    do not all begin with the same tenants at the same second."""
+    """Split ``tenants`` (sorted) into runs of at most ``size`` tenants.
+
+    ``size`` defaults to ``spec.deployment.tenants_per_run``. The chunks start at an offset
+    derived from the job's name, so jobs that share a cron do not all begin with the same
+    tenants at the same second."""
     ordered = sorted(tenants)
     size = size or spec.deployment.tenants_per_run
     chunks = [ordered[i : i + size] for i in range(0, len(ordered), size)]
@@ -154,8 +173,10 @@ def chunk_tenants(
 def chunk_scope_tag(
     spec: JobSpec, tenants: Sequence[str], day: date | None = None
 ) -> dict[str, str]:
-    """The queue tag of a chunk run: the job, the day, and the chunk's first tenant — the same
-    chunk of the next tick waits behind this one instead of overlapping it."""
+    """The queue tag of a chunk run: the job, the day, and the chunk's first tenant.
+
+    With this tag, the same chunk of the next tick waits behind this run instead of
+    overlapping it."""
     where = f"{day.isoformat()}:" if day is not None else ""
     return {
         SCOPE_TAG: f"{spec.name}:{where}chunk:{tenants[0]}",

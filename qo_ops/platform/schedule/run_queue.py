@@ -1,7 +1,9 @@
-"""Dagster's run queue as the platform sees it: per catalog job, how many runs wait in the
-queue and since when (``job_run_queue``), sampled by Dagster's ``run_queue_sensor`` from
-the instance's run storage and served by the exporter (``job_run_queue_depth``,
-``job_run_queue_oldest_seconds``). No Dagster here: the sensor hands over plain figures."""
+"""Dagster's run queue as the platform sees it.
+
+For each catalog job, ``job_run_queue`` holds how many runs wait in the queue and since
+when. Dagster's ``run_queue_sensor`` samples these from the instance's run storage. The
+exporter serves them as ``job_run_queue_depth`` and ``job_run_queue_oldest_seconds``. This
+module does not use Dagster, because the sensor hands over plain figures."""
 
 from __future__ import annotations
 
@@ -15,14 +17,15 @@ from sqlalchemy.engine import Connection
 
 @dataclass(frozen=True)
 class QueueSample:
-    """One job's queued runs at a sample: how many, and when the oldest was created."""
+    """One job's queued runs at a sample: how many there are, and when the oldest was
+    created."""
 
     depth: int
     oldest_queued_at: datetime | None
 
 
-# One current row per job: the latest sample replaces the one before.
-# Twice: the same sample written again leaves the same row (only sampled_at moves on).
+# Keep one current row per job. The latest sample replaces the one before.
+# Twice: the same sample written again leaves the same row. Only sampled_at moves on.
 _UPSERT = sa.text(
     """
     INSERT INTO job_run_queue (job_name, depth, oldest_queued_at, sampled_at)
@@ -45,8 +48,10 @@ _READ = sa.text(
 def record_run_queue(
     conn: Connection, job_names: Iterable[str], samples: Mapping[str, QueueSample]
 ) -> None:
-    """Write the sample of every job in ``job_names`` (a job absent from ``samples`` has an
-    empty queue): the table always holds one current row per catalog job."""
+    """Write the sample of every job in ``job_names``.
+
+    A job absent from ``samples`` has an empty queue. So the table always holds one current
+    row per catalog job."""
     empty = QueueSample(0, None)
     conn.execute(
         _UPSERT,
@@ -60,8 +65,10 @@ def record_run_queue(
 
 @dataclass(frozen=True)
 class QueueReading:
-    """A job's queue as last sampled: depth, the oldest queued run's age now (0 when the
-    queue is empty), and the sample's own age."""
+    """A job's queue as last sampled.
+
+    It holds the depth, the oldest queued run's age now (0 when the queue is empty), and the
+    sample's own age."""
 
     depth: int
     oldest_s: float
@@ -69,7 +76,7 @@ class QueueReading:
 
 
 def read_run_queue(conn: Connection) -> dict[str, QueueReading]:
-    """The last sample of each job, ages on the database's clock."""
+    """The last sample of each job, with ages on the database's clock."""
     return {
         row.job_name: QueueReading(
             int(row.depth), max(0.0, float(row.oldest_s or 0)), max(0.0, float(row.sample_age_s))

@@ -1,5 +1,6 @@
-"""Which tenants exist: the one place the platform, the API and the adapters ask the
-tenant table."""
+"""Which tenants exist.
+
+This is the one place where the platform, the API and the adapters ask the tenant table."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from qo_ops.platform.schedule.partition_keys import chunk_at, chunk_bounds, chun
 
 
 def tenant_ids(conn: Connection, among: Sequence[str] | None = None) -> list[str]:
-    """Every tenant's id, sorted; with ``among``, only those of them that exist."""
+    """Every tenant's id, sorted. With ``among``, only those ids of it that exist."""
     if among is None:
         return list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY id")).scalars())
     return list(
@@ -26,12 +27,12 @@ _EXISTS = sa.text("SELECT EXISTS (SELECT 1 FROM tenant WHERE id = :t)")
 
 
 def tenant_exists(conn: Connection, tenant_id: str) -> bool:
-    """Whether ``tenant_id`` is a tenant (a run, a suspension or a restore names it)."""
+    """Whether ``tenant_id`` is a tenant, as named by a run, a suspension or a restore."""
     return bool(conn.execute(_EXISTS, {"t": tenant_id}).scalar())
 
 
-# Tenant chunks (qo_ops.platform.schedule.partition_keys): positions in the (created_at, id) order,
-# which appending tenants never changes; 10,000 tenants sort in a few milliseconds.
+# Tenant chunks (qo_ops.platform.schedule.partition_keys) are positions in the
+# (created_at, id) order. Appending tenants never changes that order.
 _CHUNK_MEMBERS = sa.text("SELECT id FROM tenant ORDER BY created_at, id OFFSET :start LIMIT :size")
 _POSITION = sa.text(
     """
@@ -42,20 +43,21 @@ _POSITION = sa.text(
 
 
 def tenants_in_chunk_order(conn: Connection) -> list[str]:
-    """Every tenant's id in the order chunks are cut from: (created_at, id)."""
+    """Every tenant's id in the order that chunks are cut from: (created_at, id)."""
     return list(conn.execute(sa.text("SELECT id FROM tenant ORDER BY created_at, id")).scalars())
 
 
 def chunk_members(conn: Connection, chunk: str) -> list[str]:
-    """The tenants of windowed partition chunk ``chunk`` (``chunk-001``), in chunk order;
-    :class:`BadInput` for a key that is not a chunk."""
+    """The tenants of windowed partition chunk ``chunk`` (``chunk-001``), in chunk order.
+
+    A key that is not a chunk raises :class:`BadInput`."""
     start, stop = chunk_bounds(chunk)
     rows = conn.execute(_CHUNK_MEMBERS, {"start": start, "size": stop - start})
     return list(rows.scalars())
 
 
 def chunk_of(conn: Connection, tenant_id: str) -> str | None:
-    """The chunk ``tenant_id`` is in, or None when it is not a tenant."""
+    """The chunk that ``tenant_id`` is in, or None when it is not a tenant."""
     if not tenant_exists(conn, tenant_id):
         return None
     return chunk_at(int(conn.execute(_POSITION, {"t": tenant_id}).scalar_one()))
