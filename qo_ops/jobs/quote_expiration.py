@@ -33,7 +33,7 @@ from qo_ops.platform.run.selection import (
     without_parallel_workers,
 )
 
-SIDE_EFFECT = "quote_expired_event"  # counted in job_side_effects_total
+SIDE_EFFECT = "quote_expired_event"  # one per transition, counted in job_side_effects_total
 
 GRACE_MINUTES = 5  # The outcome check forgives quotes that expired this recently.
 
