@@ -4,8 +4,8 @@ ones. Each gets exactly one CheckoutAbandoned outbox event, in the same transact
 The idle timeout is 24 hours unless ``QO_OPS_CHECKOUT_IDLE_HOURS`` says otherwise, as a whole
 number of hours from 1 to 8760. It is read when a run first selects and kept for that run.
 
-The job keeps no checkpoint. It selects by state (OPEN and idle past the timeout), and closing
-a session takes it out of that state, so a rerun simply finds what is left.
+The job keeps no checkpoint. It selects by state (OPEN and idle past the timeout), and
+closing a session takes it out of that state, so a rerun simply finds what is left.
 """
 
 from __future__ import annotations
