@@ -124,7 +124,7 @@ MARK_NOTIFICATIONS_SENT = sa.text(
 
 
 def publish_columns(decisions: list[Decision]) -> dict[str, list[Any]]:
-    """Build the error columns RECORD_PUBLISH_RESULTS takes besides ids, attempts, states, delays."""
+    """Build the error columns RECORD_PUBLISH_RESULTS takes beside ids, attempts, states, delays."""
     return {"codes": [one_line(r.code, 60) if r.code else None for r, _ in decisions]}
 
 

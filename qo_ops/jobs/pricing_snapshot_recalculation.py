@@ -51,7 +51,7 @@ class NoCurrentPriceBook(ClassifiedError):
 
 
 def quotes_after_cursor(ctx: BatchContext) -> sa.Select[Any]:
-    """Select the tenant's quotes created in the window after the checkpoint, by (created_at, id)."""
+    """Select the tenant's quotes created in the window after the checkpoint, by created_at, id."""
     start, end = ctx.scope.window_bounds()
     query = (
         sa.select(quote.c.id)
