@@ -66,6 +66,6 @@ class ArchiveRun:
     """What an archive run keeps between its batches (``ctx.run_state(ArchiveRun)``)."""
 
     baseline: int | None = None  # the window's records at the first batch (for the check)
-    failure: str | None = None  # why a file failed verification; the next batch then stops the run
+    failure: str | None = None  # why a file failed verification (the next batch stops the run)
     deleted: bool = False  # the last batch deleted rows, for a crash point at the next selection
     swept_days: set[date] = field(default_factory=set)  # days whose orphans this run swept
