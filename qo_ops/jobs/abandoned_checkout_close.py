@@ -43,11 +43,11 @@ IDLE_HOURS_ENV = "QO_OPS_CHECKOUT_IDLE_HOURS"
 DEFAULT_IDLE_HOURS = 24
 MIN_IDLE_HOURS = 1  # the job never closes a session idle for less than this
 MAX_IDLE_HOURS = 24 * 365
-GRACE_MINUTES = 5  # The outcome check forgives sessions that went idle this recently.
+GRACE_MINUTES = 5  # the outcome check forgives sessions that went idle this recently
 
 OPEN: sa.ColumnElement[str] = sa.literal_column(
     "'OPEN'"
-)  # A literal, so that every plan can use the partial index.
+)  # a literal, so that every plan can use the partial index
 
 
 def idle_timeout_hours(environ: dict[str, str] | None = None) -> int:

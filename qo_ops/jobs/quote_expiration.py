@@ -35,12 +35,12 @@ from qo_ops.platform.run.selection import (
 
 SIDE_EFFECT = "quote_expired_event"  # one per transition, counted in job_side_effects_total
 
-GRACE_MINUTES = 5  # The outcome check forgives quotes that expired this recently.
+GRACE_MINUTES = 5  # the outcome check forgives quotes that expired this recently
 
 
 ACTIVE: sa.ColumnElement[str] = sa.literal_column(
     "'ACTIVE'"
-)  # A literal, so that every plan can use the partial index.
+)  # a literal, so that every plan can use the partial index
 
 
 def eligible_quotes(ctx: BatchContext) -> sa.Select[Any]:
