@@ -1,1 +1,1 @@
-"""One module per operational job; each declares a ``SPEC`` listed in ``qo_ops.jobs.catalog``."""
+"""One module per operational job. Each declares a ``SPEC`` listed in ``qo_ops.jobs.catalog``."""

@@ -1,11 +1,11 @@
-"""abandoned_checkout_close: OPEN checkout sessions idle past a timeout become ABANDONED,
-each with exactly one CheckoutAbandoned outbox event, in the same transaction.
+"""abandoned_checkout_close turns OPEN checkout sessions idle past a timeout into ABANDONED
+ones. Each gets exactly one CheckoutAbandoned outbox event, in the same transaction.
 
-The idle timeout is 24 hours unless ``QO_OPS_CHECKOUT_IDLE_HOURS`` says otherwise (a whole
-number of hours, 1 to 8760); it is read when a run first selects and kept for that run.
+The idle timeout is 24 hours unless ``QO_OPS_CHECKOUT_IDLE_HOURS`` says otherwise, as a whole
+number of hours from 1 to 8760. It is read when a run first selects and kept for that run.
 
-No checkpoint: the selection is by state (OPEN and idle past the timeout), and closing a
-session takes it out of it, so a rerun simply finds what is left.
+The job keeps no checkpoint. It selects by state (OPEN and idle past the timeout), and
+closing a session takes it out of that state, so a rerun simply finds what is left.
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ from qo_ops.platform.run.selection import (
     without_parallel_workers,
 )
 
-SIDE_EFFECT = (
-    "checkout_abandoned_event"  # the event each transition appends (job_side_effects_total)
-)
+SIDE_EFFECT = "checkout_abandoned_event"  # one per transition (job_side_effects_total)
 
 IDLE_HOURS_ENV = "QO_OPS_CHECKOUT_IDLE_HOURS"
 DEFAULT_IDLE_HOURS = 24
@@ -49,11 +47,11 @@ GRACE_MINUTES = 5  # the outcome check forgives sessions that went idle this rec
 
 OPEN: sa.ColumnElement[str] = sa.literal_column(
     "'OPEN'"
-)  # a literal, so every plan can use the partial index
+)  # a literal, so that every plan can use the partial index
 
 
 def idle_timeout_hours(environ: dict[str, str] | None = None) -> int:
-    """The idle timeout in hours from ``QO_OPS_CHECKOUT_IDLE_HOURS`` (default 24)."""
+    """Read the idle timeout in hours from ``QO_OPS_CHECKOUT_IDLE_HOURS`` (default 24)."""
     return whole_number(
         IDLE_HOURS_ENV,
         DEFAULT_IDLE_HOURS,
@@ -65,12 +63,12 @@ def idle_timeout_hours(environ: dict[str, str] | None = None) -> int:
 
 
 def _run_idle_hours(ctx: BatchContext) -> int:
-    """The run's timeout: the one checked before the run began, so selection, transition
-    and check of one run agree even if the environment changes meanwhile."""
+    """Return the timeout checked before the run began. The selection, transition and check
+    of one run then agree, even if the environment changes meanwhile."""
     return run_settings(ctx, idle_timeout_hours)
 
 
-# Idle past the run's timeout (a bound interval of whole hours), on ix_checkout_session_open_idle.
+# Idle past the run's timeout, a bound interval of whole hours, on ix_checkout_session_open_idle.
 _IDLE_PAST_TIMEOUT = sa.text(
     "checkout_session.last_activity_at "
     "< now() - make_interval(hours => CAST(:idle_hours AS integer))"
@@ -78,11 +76,12 @@ _IDLE_PAST_TIMEOUT = sa.text(
 
 
 def idle_checkouts(ctx: BatchContext) -> sa.Select[Any]:
-    """OPEN sessions of the tenant idle past the timeout, longest idle first
-    (ix_checkout_session_open_idle).
+    """Select the tenant's OPEN sessions idle past the timeout, longest idle first, on
+    ix_checkout_session_open_idle.
 
     Within a run, each batch starts after the last one (``position``), so it does not walk
-    the index entries earlier batches left dead; the runner ends with one pass from the start.
+    the index entries that earlier batches left dead. The runner ends with one pass from the
+    start.
     """
     hours = _run_idle_hours(ctx)
     query = (
@@ -103,7 +102,8 @@ def idle_checkouts(ctx: BatchContext) -> sa.Select[Any]:
     return query
 
 
-# Conditional OPEN -> ABANDONED, and its event under a unique business key.
+# Move each session that is still OPEN to ABANDONED, and insert its event under a unique
+# business key.
 # Twice: a session already closed, or active again, matches nothing, and a second event for
 # it conflicts on business_key and is never inserted.
 CLOSE_CHECKOUT_BATCH = sa.text(
@@ -152,9 +152,9 @@ def close_checkout_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]
     return outcome
 
 
-# Sessions this job closed: those with an event, or closed >= MIN_IDLE_HOURS after their last
-# activity (the job closes only sessions idle that long; the app closes a session as the user
-# acts, so its closed_at follows the last activity by minutes and it has no event).
+# Sessions this job closed are those with an event, or closed at least MIN_IDLE_HOURS after
+# their last activity. The job closes only sessions idle that long. The app closes a session
+# as the user acts, so its closed_at follows the last activity by minutes and it has no event.
 # Events are counted once per session in one grouped pass, not by a subquery per session.
 EVENT_CHECK = sa.text(
     """
@@ -170,7 +170,7 @@ EVENT_CHECK = sa.text(
             OR s.closed_at >= s.last_activity_at + make_interval(hours => CAST(:min_idle AS integer)))
     """
 )
-# OPEN sessions idle past :hours and :grace_min minutes more.
+# OPEN sessions idle past :hours plus :grace_min minutes.
 IDLE_PAST_GRACE = sa.text(
     "SELECT count(*) FROM checkout_session WHERE tenant_id = :tenant AND status = 'OPEN' "
     "AND last_activity_at < now() - make_interval(hours => CAST(:hours AS integer)) "
@@ -184,7 +184,7 @@ OLDEST_IDLE_SECONDS = sa.text(
 )
 
 
-# Declared once: its results (check_abandoned_checkouts) carry these descriptions too.
+# Each check is declared once. Its results in check_abandoned_checkouts carry the same text.
 NO_IDLE_OPEN_CHECKOUTS = CheckSpec(
     "no_idle_open_checkouts",
     "No OPEN checkout session is idle past the timeout beyond the grace period",
@@ -196,12 +196,12 @@ ONE_EVENT_PER_ABANDONED_CHECKOUT = CheckSpec(
 
 
 def check_abandoned_checkouts(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """No OPEN session idle past the timeout (beyond grace); one event per session the job
-    closed."""
+    """Check that no OPEN session is idle past the timeout beyond grace, and that each session
+    the job closed has one event."""
     hours = _run_idle_hours(ctx)
     params = {"tenant": ctx.scope.tenant_id, "hours": hours}
     idle = conn.execute(IDLE_PAST_GRACE, {**params, "grace_min": GRACE_MINUTES}).scalar()
-    without_parallel_workers(conn)  # the events counted once, not once per worker
+    without_parallel_workers(conn)  # so that the events are counted once, not once per worker
     events = conn.execute(
         EVENT_CHECK, {"tenant": ctx.scope.tenant_id, "min_idle": MIN_IDLE_HOURS}
     ).one()
@@ -217,7 +217,7 @@ def check_abandoned_checkouts(conn: Connection, ctx: BatchContext) -> list[Outco
 
 
 def oldest_idle_seconds(conn: Connection, ctx: BatchContext) -> float | None:
-    """Seconds since the longest-idle OPEN session of the tenant passed the timeout."""
+    """Return the seconds since the tenant's longest-idle OPEN session passed the timeout."""
     value = conn.execute(
         OLDEST_IDLE_SECONDS, {"tenant": ctx.scope.tenant_id, "hours": _run_idle_hours(ctx)}
     ).scalar()

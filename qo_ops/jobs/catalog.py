@@ -1,11 +1,11 @@
-"""The job catalog: every operational job, declared once. Dagster jobs, schedules, sensors,
+"""The job catalog declares every operational job once. Dagster jobs, schedules, sensors,
 checks, CLI commands, API routes and metrics are derived from this list.
 
-A job is the module ``qo_ops.jobs.<name>`` with its ``SPEC``; ``JOBS`` names them in their
-declared order. ``CATALOG`` maps each name to its spec and imports a job's module when its
-spec is first asked for, so a command about one job (``qo-ops run quote_expiration``) loads
-that job alone, not the other ten and what they import (an HTTP client, Arrow); iterating
-the catalog loads them all.
+A job is the module ``qo_ops.jobs.<name>`` with its ``SPEC``. ``JOBS`` names the jobs in
+their declared order. ``CATALOG`` maps each name to its spec, and imports a job's module when
+its spec is first asked for. So a command about one job (``qo-ops run quote_expiration``)
+loads that job alone, not the other ten and what they import (an HTTP client, Arrow).
+Iterating the catalog loads them all.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ JOBS: tuple[str, ...] = (
 
 
 class Catalog(Mapping[str, JobSpec]):
-    """Job name → its ``SPEC``, in ``JOBS`` order, each module imported on first use."""
+    """Map each job name to its ``SPEC`` in ``JOBS`` order, importing each module on first use."""
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self._names = names
@@ -59,7 +59,7 @@ CATALOG: Mapping[str, JobSpec] = Catalog(JOBS)
 
 
 def get_spec(name: str) -> JobSpec:
-    """The spec of job ``name``; a one-line error naming the known jobs otherwise."""
+    """Return the spec of job ``name``, or raise a one-line error naming the known jobs."""
     normalized = name.strip().replace("-", "_")
     if normalized not in CATALOG:
         raise BadInput(f"unknown job {name!r}; known jobs: {', '.join(sorted(CATALOG))}")

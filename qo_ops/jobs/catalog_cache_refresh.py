@@ -1,9 +1,10 @@
-"""catalog_cache_refresh: rewrite the catalog_cache entries of a tenant that are missing or
-whose ``cached_version`` differs from their catalog_item's ``version``; entries that are
-already current are never touched. Dry-run reports exactly the entries execute rewrites.
+"""catalog_cache_refresh rewrites a tenant's catalog_cache entries that are missing, or whose
+``cached_version`` differs from their catalog_item's ``version``. It never touches an entry
+that is already current. A dry run reports exactly the entries execute rewrites.
 
-No checkpoint: the selection is by state (items whose cache entry is missing or stale), and
-refreshing an entry takes its item out of it, so a rerun simply finds what is left.
+The job keeps no checkpoint. It selects by state (items whose cache entry is missing or
+stale), and refreshing an entry takes its item out of that state, so a rerun simply finds
+what is left.
 """
 
 from __future__ import annotations
@@ -35,17 +36,17 @@ _OUT_OF_DATE = catalog_cache.c.cached_version.is_distinct_from(catalog_item.c.ve
 
 
 def stale_catalog_items(ctx: BatchContext) -> sa.Select[Any]:
-    """Catalog items of the tenant with a missing or stale cache entry, by id
-    (ix_catalog_item_tenant_id, then the cache's primary key per item).
+    """Select the tenant's catalog items with a missing or stale cache entry, by id.
 
-    Within a run, each batch starts after the last item of the previous one (``position``);
-    the runner ends with one pass from the start for items others held locked.
+    The query uses ix_catalog_item_tenant_id, then the cache's primary key per item. Within
+    a run, each batch starts after the last item of the previous one (``position``). The
+    runner ends with one pass from the start for items that others held locked.
     """
     position = ctx.position
     join_on = catalog_cache.c.catalog_item_id == catalog_item.c.id
     if position:
-        # redundant for the result (the entry's key is the item's id), but it lets the
-        # cache's primary-key scan start at the position too
+        # Redundant for the result, since the entry's key is the item's id. It lets the
+        # cache's primary-key scan start at the position too.
         join_on = sa.and_(join_on, catalog_cache.c.catalog_item_id > position["id"])
     query = (
         sa.select(catalog_item.c.id)
@@ -88,7 +89,7 @@ def refresh_cache_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any])
     created = sum(1 for r in written if r.created)
     return BatchOutcome(
         succeeded=len(written),
-        skipped=len(ids) - len(written),  # already current (refreshed by someone else)
+        skipped=len(ids) - len(written),  # already current, refreshed by someone else
         tally={"cache_entry_created": created, "cache_entry_rewritten": len(written) - created},
         position={"id": ids[-1]},
     )
@@ -111,14 +112,14 @@ OLDEST_STALE_SECONDS = sa.text(
 )
 
 
-# Declared once: its results (check_catalog_cache) carry this description too.
+# Declared once. Its results in check_catalog_cache carry the same description.
 CACHE_VERSIONS_MATCH_SOURCE = CheckSpec(
     "cache_versions_match_source", "Every catalog item has a cache entry at its current version"
 )
 
 
 def check_catalog_cache(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """Every catalog item of the tenant has a cache entry at its current version."""
+    """Check that every catalog item of the tenant has a cache entry at its current version."""
     row = conn.execute(MISSING_AND_STALE, {"tenant": ctx.scope.tenant_id}).one()
     return [
         CACHE_VERSIONS_MATCH_SOURCE.result(
@@ -129,7 +130,7 @@ def check_catalog_cache(conn: Connection, ctx: BatchContext) -> list[OutcomeChec
 
 
 def oldest_stale_seconds(conn: Connection, ctx: BatchContext) -> float | None:
-    """Seconds since the least recently changed item whose cache entry is out of date."""
+    """Return the seconds since the least recently changed item with an out-of-date entry."""
     value = conn.execute(OLDEST_STALE_SECONDS, {"tenant": ctx.scope.tenant_id}).scalar()
     return seconds_or_none(value)
 
@@ -145,7 +146,7 @@ SPEC = JobSpec(
     checks=(CACHE_VERSIONS_MATCH_SOURCE,),
     defaults=Limits(batch_size=500),
     batching=Batching(
-        locks=SkipLocked(of=catalog_item),  # the selection LEFT JOINs the cache: lock items only
+        locks=SkipLocked(of=catalog_item),  # the selection LEFT JOINs the cache, so lock items only
         positions=Positions(),
     ),
     presentation=Presentation(

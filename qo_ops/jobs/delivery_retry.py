@@ -1,13 +1,16 @@
-"""delivery_retry: due delivery items are sent to the fulfilment system with their
-business key as the idempotency key; delivered, retried with backoff, or dead-lettered.
+"""delivery_retry sends due delivery items to the fulfilment system, with their business
+key as the idempotency key. Each item is delivered, retried with backoff, or dead-lettered.
 
-Per batch (the steps of :class:`~qo_ops.downstream.claims.ClaimedCalls`): (1) claim — due
-items become IN_PROGRESS, attempt + 1, hidden until the claim lapses (2 × lease TTL) — and
-commit; (2) call the downstream with no transaction open; (3) record each result with an
-update conditional on the claim (same attempt number).
-A process that dies between (2) and (3) leaves its items IN_PROGRESS; once the claim lapses
-they are due again and are re-sent with the same idempotency key, which the downstream
-answers with the original result: never a second delivery.
+Each batch runs the three steps of :class:`~qo_ops.downstream.claims.ClaimedCalls`:
+
+1. Claim the due items and commit. They become IN_PROGRESS with their attempt count raised
+   by one, and stay hidden until the claim lapses (2 × lease TTL).
+2. Call the downstream with no transaction open.
+3. Record each result with an update that holds only under the claim (same attempt number).
+
+A process that dies between steps 2 and 3 leaves its items IN_PROGRESS. Once the claim
+lapses they are due again and are re-sent with the same idempotency key. The downstream
+answers with the original result, so an item is never delivered twice.
 """
 
 from __future__ import annotations
@@ -33,22 +36,22 @@ from qo_ops.platform.job.spec import (
 )
 from qo_ops.platform.run.selection import DEAD_LETTER_CAP, capped_count, seconds_or_none
 
-# literals, so the selection matches the partial index's predicate in every plan
+# Literals, so that the selection matches the partial index's predicate in every plan.
 DUE_STATES: list[sa.ColumnElement[str]] = [
     sa.literal_column("'READY'"),
     sa.literal_column("'IN_PROGRESS'"),
 ]
-LAG_SLO_S = 900  # a due item older than this is a breach of the delivery lag SLO
-SIDE_EFFECT = "submit_delivery"  # each call is one attempt at it (job_side_effects_total)
+LAG_SLO_S = 900  # a due item older than this breaches the delivery lag SLO
+SIDE_EFFECT = "submit_delivery"  # each call is one attempt (job_side_effects_total)
 
 
 def due_items(ctx: BatchContext) -> sa.Select[Any]:
-    """READY items that are due, and IN_PROGRESS items whose claim lapsed, oldest first."""
+    """Select READY items that are due and IN_PROGRESS items whose claim lapsed, oldest first."""
     item = delivery_attempt_item
     return select_due(ctx, item, item.c.next_attempt_at, item.c.status.in_(DUE_STATES))
 
 
-# Claim: the attempt number taken here is what the result must match to be recorded.
+# Claim the items. A result is recorded only if it matches the attempt number taken here.
 # Twice: only items still due move, and a claim hides them until it lapses, so a rerun or
 # a rival claims nothing twice.
 CLAIM_DELIVERY_BATCH = sa.text(
@@ -68,16 +71,17 @@ CLAIM_DELIVERY_BATCH = sa.text(
 
 
 def submit_delivery(client: DownstreamClient, item: dict[str, Any]) -> bool:
-    """Submit one claimed item to the fulfilment system: whether it had the key already."""
+    """Submit one claimed item to the fulfilment system. Return whether it had the key already."""
     return client.submit_delivery(
         item["business_key"], item["tenant_id"], item["order_number"], item["payload"]
     ).duplicate
 
 
-# Record results, each only if the item is still under this claim (same attempt number). A
-# released item (the run stopped before its call, or before its answer, or the breaker was
-# open) is due again at once with its attempt given back: stopping is not the item's
-# failure. So is a rate-limited item (due after Retry-After) and one spared by the breaker.
+# Record results, each only if the item is still under this claim (same attempt number).
+# A released item is due again at once, and its attempt is given back, because stopping is
+# not the item's failure. An item is released when the run stopped before its call or its
+# answer, or when the breaker was open. A rate-limited item (due after Retry-After) and one
+# spared by the breaker get their attempt back too.
 # Twice: a recorded item is no longer IN_PROGRESS at that attempt, so recording it again, or
 # after a rival claimed it, matches nothing.
 RECORD_DELIVERY_RESULTS = sa.text(
@@ -109,9 +113,10 @@ _STATE = {
     "hold": "READY",
 }
 
-# What an outage owed back (the breaker opened while these items' systemic failures were in
-# its evidence): their attempts, and the dead-lettered ones back to READY; all due now.
-# Twice: it matches only at the attempt owed, which it lowers: a second one matches nothing.
+# Give back what an outage owed. The breaker opened while these items' systemic failures were
+# in its evidence. Their attempts come back, the dead-lettered ones return to READY, and all
+# are due now.
+# Twice: it matches only at the attempt owed, which it lowers, so a second one matches nothing.
 GIVE_BACK_DELIVERY_ATTEMPTS = sa.text(
     """
     UPDATE delivery_attempt_item i
@@ -126,8 +131,11 @@ GIVE_BACK_DELIVERY_ATTEMPTS = sa.text(
 
 
 def delivery_columns(decisions: list[Decision]) -> dict[str, list[Any]]:
-    """What RECORD_DELIVERY_RESULTS takes besides ids, attempts, states and delays: DELIVERED /
-    READY / DEAD_LETTER, the attempt given back, the error."""
+    """Build the columns RECORD_DELIVERY_RESULTS takes besides ids, attempts, states and delays.
+
+    They are the status (DELIVERED, READY or DEAD_LETTER), the attempt given back, and the
+    error.
+    """
     return {
         "statuses": [_STATE[d.state] for _, d in decisions],
         "refunds": [int(d.refund) for _, d in decisions],
@@ -161,8 +169,8 @@ OLDEST_DUE_SECONDS = sa.text(
     "SELECT extract(epoch FROM now() - min(next_attempt_at)) FROM delivery_attempt_item "
     "WHERE tenant_id = :tenant AND status IN ('READY', 'IN_PROGRESS') AND next_attempt_at <= now()"
 )
-# A tenant's dead letters (all, or the ones named), at most :limit, oldest first: what a
-# requeue would move (its dry run).
+# A tenant's dead letters (all, or the ones named), at most :limit, oldest first. This is
+# what a requeue would move, shown by its dry run.
 DEAD_TO_REQUEUE = sa.text(
     """
     SELECT id FROM delivery_attempt_item
@@ -171,8 +179,8 @@ DEAD_TO_REQUEUE = sa.text(
      ORDER BY updated_at, id LIMIT :limit
     """
 )
-# Those dead letters back to READY, due now, with their attempts reset (the idempotency key
-# stays: the downstream answers a re-send of a delivered item with its first result).
+# Move those dead letters back to READY, due now, with their attempts reset. The idempotency
+# key stays, and the downstream answers a re-send of a delivered item with its first result.
 # Twice: only DEAD_LETTER rows move, so requeueing twice moves nothing the second time.
 REQUEUE_DEAD = sa.text(
     """
@@ -193,14 +201,14 @@ DEAD_ITEMS = sa.select(delivery_attempt_item.c.id).where(
 )
 
 
-# Declared once: its results (check_deliveries) carry this description too.
+# Declared once. Its results in check_deliveries carry the same description.
 NO_DELIVERY_PAST_LAG_SLO = CheckSpec(
     "no_delivery_past_lag_slo", "No due delivery item older than the lag SLO", blocking=False
 )
 
 
 def check_deliveries(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """No due item older than the lag SLO; dead letters counted."""
+    """Check that no due item is older than the lag SLO, and count the dead letters."""
     row = conn.execute(LATE_AND_DEAD, {"tenant": ctx.scope.tenant_id, "slo": LAG_SLO_S}).one()
     return [
         NO_DELIVERY_PAST_LAG_SLO.result(
@@ -210,14 +218,14 @@ def check_deliveries(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
 
 
 def oldest_due_seconds(conn: Connection, ctx: BatchContext) -> float | None:
-    """Seconds the oldest due delivery item has been waiting."""
+    """Return the seconds the oldest due delivery item has been waiting."""
     return seconds_or_none(
         conn.execute(OLDEST_DUE_SECONDS, {"tenant": ctx.scope.tenant_id}).scalar()
     )
 
 
 def dead_lettered(conn: Connection) -> int:
-    """Delivery items dead-lettered now, every tenant (counted up to the exporter's cap)."""
+    """Count the delivery items dead-lettered now, in every tenant, up to the exporter's cap."""
     return capped_count(conn, DEAD_ITEMS, DEAD_LETTER_CAP)
 
 
@@ -229,7 +237,7 @@ SPEC = JobSpec(
     eligible=due_items,
     check=check_deliveries,
     checks=(NO_DELIVERY_PAST_LAG_SLO,),
-    **DELIVERIES.steps,  # claim → call → record, the downstream's settings and the defaults
+    **DELIVERIES.steps,  # the claim, call and record steps, the downstream's settings and defaults
     presentation=Presentation(
         outcome_asset="delivery_items",
         change="sent with its idempotency key: delivered, retried or dead-lettered",
@@ -242,8 +250,8 @@ SPEC = JobSpec(
         lag=oldest_due_seconds,
         dead_letters=dead_lettered,
         side_effects=(DELIVERIES.side_effect,),
-        # poison items fail on purpose and are dead-lettered (their own signal and alert): a
-        # run ending partial_success because of them still keeps the tenant fresh
+        # Poison items fail on purpose and are dead-lettered, with their own signal and alert.
+        # A run that ends partial_success because of them still keeps the tenant fresh.
         partial_success_is_fresh=True,
     ),
     recovery=Recovery(requeue=DeadLetterKind("delivery item", DEAD_TO_REQUEUE, REQUEUE_DEAD)),

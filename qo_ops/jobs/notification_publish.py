@@ -1,11 +1,14 @@
-"""notification_publish: the outbox relay. Due events (delayed ones once their
-``available_at`` passes) are published to the notification sink at least once, with the
-event id as the dedupe key; then marked published, retried with backoff, or dead-lettered.
+"""notification_publish is the outbox relay. It publishes due events to the notification
+sink at least once, with the event id as the dedupe key. A delayed event is due once its
+``available_at`` passes. Each event is then marked published, retried with backoff, or
+dead-lettered.
 
-Same three steps per batch as delivery_retry (:class:`~qo_ops.downstream.claims.ClaimedCalls`):
-claim (hide the event until the claim lapses, attempt + 1) and commit, publish with no
-transaction open, record conditional on the claim.
-A crash between publishing and recording publishes the event again later; the sink dedupes
+Each batch runs the same three steps as delivery_retry
+(:class:`~qo_ops.downstream.claims.ClaimedCalls`). It claims the events and commits, which
+hides each event until the claim lapses and raises its attempt count by one. It publishes
+with no transaction open. It records each result only while the claim holds.
+
+A crash between publishing and recording publishes the event again later. The sink dedupes
 on the event id.
 """
 
@@ -34,18 +37,18 @@ from qo_ops.platform.run.selection import DEAD_LETTER_CAP, capped_count, seconds
 
 MAX_PUBLISH_ATTEMPTS = 8
 LAG_SLO_S = 600  # the oldest due, unpublished event may wait this long
-SIDE_EFFECT = "publish_notification"  # each call is one attempt at it (job_side_effects_total)
+SIDE_EFFECT = "publish_notification"  # each call is one attempt (job_side_effects_total)
 
 
 def due_events(ctx: BatchContext) -> sa.Select[Any]:
-    """The tenant's unpublished, not dead-lettered events that are due, oldest first."""
+    """Select the tenant's due events that are neither published nor dead-lettered, oldest first."""
     e = outbox_event
     return select_due(
         ctx, e, e.c.available_at, e.c.published_at.is_(None), e.c.dead_lettered_at.is_(None)
     )
 
 
-# Claim: still due and unpublished, or nothing; hidden until the claim lapses.
+# Claim each event that is still due and unpublished. It stays hidden until the claim lapses.
 # Twice: a claimed event is not due again until its claim lapses, so a rerun or a rival
 # claims nothing twice.
 CLAIM_EVENT_BATCH = sa.text(
@@ -61,18 +64,18 @@ CLAIM_EVENT_BATCH = sa.text(
 
 
 def publish_event(client: DownstreamClient, event: dict[str, Any]) -> bool:
-    """Publish one claimed event to the notification sink: whether it had the event already."""
+    """Publish one claimed event to the notification sink. Return whether it had it already."""
     return client.publish_notification(
         str(event["id"]), event["event_type"], event["tenant_id"], event["payload"]
     )
 
 
-# Record, each only while the event is still under this claim (same attempt number). A
-# released event (the run stopped before publishing it, or before the answer) is due again at
-# once with its attempt given back.
-# Twice: after a rival's claim (a higher attempt) it matches nothing; recorded again, a
-# result that settled the event (published, dead, attempt given back) matches nothing and a
-# retry is set to the same state once more.
+# Record each result only while the event is still under this claim (same attempt number).
+# An event is released when the run stopped before publishing it or before the answer. A
+# released event is due again at once, and its attempt is given back.
+# Twice: after a rival's claim (a higher attempt) it matches nothing. If it is recorded again,
+# a result that settled the event (published, dead, attempt given back) matches nothing, and
+# a retry is set to the same state once more.
 RECORD_PUBLISH_RESULTS = sa.text(
     """
     UPDATE outbox_event e
@@ -94,9 +97,10 @@ RECORD_PUBLISH_RESULTS = sa.text(
     """
 )
 
-# What an outage owed back (the breaker opened while these events' systemic failures were in
-# its evidence): their attempts, and the dead-lettered ones due again; all due now.
-# Twice: it matches only at the attempt owed, which it lowers: a second one matches nothing.
+# Give back what an outage owed. The breaker opened while these events' systemic failures
+# were in its evidence. Their attempts come back, and all of them, dead-lettered ones too,
+# are due now.
+# Twice: it matches only at the attempt owed, which it lowers, so a second one matches nothing.
 GIVE_BACK_PUBLISH_ATTEMPTS = sa.text(
     """
     UPDATE outbox_event e
@@ -109,8 +113,8 @@ GIVE_BACK_PUBLISH_ATTEMPTS = sa.text(
     """
 )
 
-# Notifications waiting for an event that was just published are sent.
-# Twice: only PENDING notifications move; a second run finds them SENT.
+# Mark as sent the notifications waiting for an event that was just published.
+# Twice: only PENDING notifications move, so a second run finds them SENT.
 MARK_NOTIFICATIONS_SENT = sa.text(
     """
     UPDATE notification SET status = 'SENT', sent_at = clock_timestamp()
@@ -120,7 +124,7 @@ MARK_NOTIFICATIONS_SENT = sa.text(
 
 
 def publish_columns(decisions: list[Decision]) -> dict[str, list[Any]]:
-    """What RECORD_PUBLISH_RESULTS takes besides ids, attempts, states and delays: the error."""
+    """Build the error columns RECORD_PUBLISH_RESULTS takes beside ids, attempts, states, delays."""
     return {"codes": [one_line(r.code, 60) if r.code else None for r, _ in decisions]}
 
 
@@ -145,8 +149,8 @@ OLDEST_UNPUBLISHED_SECONDS = sa.text(
 TENANT_DEAD_EVENTS = sa.text(
     "SELECT count(*) FROM outbox_event WHERE tenant_id = :t AND dead_lettered_at IS NOT NULL"
 )
-# A tenant's dead-lettered events (all, or the ones named), at most :limit, oldest first:
-# what a requeue would release (its dry run).
+# A tenant's dead-lettered events (all, or the ones named), at most :limit, oldest first.
+# This is what a requeue would release, shown by its dry run.
 DEAD_TO_REQUEUE = sa.text(
     """
     SELECT id FROM outbox_event
@@ -155,8 +159,8 @@ DEAD_TO_REQUEUE = sa.text(
      ORDER BY dead_lettered_at, id LIMIT :limit
     """
 )
-# Those events due again now with their attempts reset (re-publishing is safe: the sink and
-# consumers dedupe on the event id).
+# Make those events due again now, with their attempts reset. Re-publishing is safe because
+# the sink and consumers dedupe on the event id.
 # Twice: only dead-lettered events move, and a released one is no longer dead-lettered, so
 # a second requeue moves nothing.
 REQUEUE_DEAD = sa.text(
@@ -176,24 +180,24 @@ DEAD_EVENTS = sa.select(outbox_event.c.id).where(outbox_event.c.dead_lettered_at
 
 
 def oldest_unpublished_seconds(conn: Connection, ctx: BatchContext) -> float | None:
-    """Seconds the oldest due, unpublished event of the tenant has been waiting."""
+    """Return the seconds the tenant's oldest due, unpublished event has been waiting."""
     value = conn.execute(OLDEST_UNPUBLISHED_SECONDS, {"tenant": ctx.scope.tenant_id}).scalar()
     return seconds_or_none(value)
 
 
 def dead_lettered(conn: Connection) -> int:
-    """Outbox events dead-lettered now, every tenant (counted up to the exporter's cap)."""
+    """Count the outbox events dead-lettered now, in every tenant, up to the exporter's cap."""
     return capped_count(conn, DEAD_EVENTS, DEAD_LETTER_CAP)
 
 
-# Declared once: its results (check_outbox) carry this description too.
+# Declared once. Its results in check_outbox carry the same description.
 OLDEST_UNPUBLISHED_WITHIN_SLO = CheckSpec(
     "oldest_unpublished_within_slo", "Oldest due, unpublished event within the SLO", blocking=False
 )
 
 
 def check_outbox(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """The oldest due, unpublished event is within the SLO."""
+    """Check that the oldest due, unpublished event is within the SLO."""
     age = oldest_unpublished_seconds(conn, ctx)
     dead = conn.execute(TENANT_DEAD_EVENTS, {"t": ctx.scope.tenant_id}).scalar()
     return [
@@ -212,7 +216,7 @@ SPEC = JobSpec(
     eligible=due_events,
     check=check_outbox,
     checks=(OLDEST_UNPUBLISHED_WITHIN_SLO,),
-    **EVENTS.steps,  # claim → call → record, the downstream's settings and the defaults
+    **EVENTS.steps,  # the claim, call and record steps, the downstream's settings and defaults
     presentation=Presentation(
         outcome_asset="outbox",
         change="published once by event id, retried or dead-lettered",
@@ -223,8 +227,8 @@ SPEC = JobSpec(
         lag=oldest_unpublished_seconds,
         dead_letters=dead_lettered,
         side_effects=(EVENTS.side_effect,),
-        # poison items fail on purpose and are dead-lettered (their own signal and alert): a
-        # run ending partial_success because of them still keeps the tenant fresh
+        # Poison items fail on purpose and are dead-lettered, with their own signal and alert.
+        # A run that ends partial_success because of them still keeps the tenant fresh.
         partial_success_is_fresh=True,
     ),
     recovery=Recovery(requeue=DeadLetterKind("outbox event", DEAD_TO_REQUEUE, REQUEUE_DEAD)),

@@ -1,5 +1,5 @@
-"""order_reconciliation (tenant × day): orders in flight in the window are compared with
-the fulfilment system's view, and every mismatch is recorded with what was done about it.
+"""order_reconciliation compares the orders in flight in the window with the fulfilment
+system's view, per tenant and day. It records every mismatch with what was done about it.
 
 | mismatch | meaning | execute | dry-run |
 |---|---|---|---|
@@ -8,8 +8,8 @@ the fulfilment system's view, and every mismatch is recorded with what was done 
 | status_drift | the downstream is behind us or in a status we do not know | flag for manual review (excluded from later runs until cleared) | counted |
 | unknown_downstream | the downstream has an order of this tenant we do not know | manual review (result row only) | counted |
 
-**Re-submission budget** (``order_resubmission``: one row per re-submission, n from 1), for
-a ``missing_downstream`` order in execute:
+**Re-submission budget.** In execute, a ``missing_downstream`` order follows this table.
+Each re-submission is one row of ``order_resubmission``, numbered n from 1.
 
 | the order's state | execute | result (action / outcome) |
 |---|---|---|
@@ -21,19 +21,20 @@ a ``missing_downstream`` order in execute:
 | its delivery item being sent (IN_PROGRESS) | nothing | resubmit / pending |
 | no delivery item | flag | manual_review / flagged |
 
-A re-submission puts the delivery item back to READY (same idempotency key), appends its
-row and one OrderResubmitRequested event keyed ``order:{id}:resubmit:{n}`` in one savepoint,
-so a rerun over unchanged state inserts nothing. The grace is
+A re-submission puts the delivery item back to READY with the same idempotency key. In the
+same savepoint it appends its row and one OrderResubmitRequested event keyed
+``order:{id}:resubmit:{n}``, so a rerun over unchanged state inserts nothing. The grace is
 ``QO_OPS_RESUBMIT_GRACE_MINUTES`` (default 60, 0 to 10080) after the delivery, on the
-database clock; max is ``QO_OPS_RESUBMIT_MAX`` (default 3, 0 to 10). Both are validated
-before a run writes anything and read once per run.
+database clock. The max is ``QO_OPS_RESUBMIT_MAX`` (default 3, 0 to 10). Both are validated
+before a run writes anything, and read once per run.
 
-Per batch: select orders after the cursor (one transaction), ask the downstream about them
-with no transaction open (a :data:`Lookup` per order, and the unknown orders in the run's
-first batch), then classify and repair in a second guarded transaction. The
-cursor is checkpointed so an interrupted run resumes; a run that gets through the window
-forgets it, so the next run checks the whole window again. Unknown downstream orders are
-looked for once per run, in its first batch.
+Each batch has three steps. First, one transaction selects the orders after the cursor.
+Second, with no transaction open, the job asks the downstream about them: a :data:`Lookup`
+per order, plus the unknown orders in the run's first batch. Third, a second guarded
+transaction classifies and repairs. The cursor is checkpointed so that an interrupted run
+resumes. A run that gets through the window forgets the cursor, so the next run checks the
+whole window again. Unknown downstream orders are looked for once per run, in its first
+batch.
 """
 
 from __future__ import annotations
@@ -79,16 +80,16 @@ IN_FLIGHT: list[sa.ColumnElement[str]] = [
     sa.literal_column("'IN_FULFILLMENT'"),
 ]
 TERMINAL = ("COMPLETED", "CANCELLED", "FAILED")
-MAX_UNKNOWN_SCAN = 50_000  # downstream orders looked at per run, at most
+MAX_UNKNOWN_SCAN = 50_000  # the most downstream orders looked at per run
 
 RESUBMIT_GRACE_ENV = "QO_OPS_RESUBMIT_GRACE_MINUTES"
 DEFAULT_RESUBMIT_GRACE_MINUTES = 60  # the downstream's time to show a delivered order
 MAX_RESUBMIT_GRACE_MINUTES = 7 * 24 * 60
 RESUBMIT_MAX_ENV = "QO_OPS_RESUBMIT_MAX"
 DEFAULT_RESUBMIT_MAX = 3
-MAX_RESUBMIT_MAX = 10  # 0: never re-submit, every missing order goes to a person
-# An action that could not be done: a mismatch's outcome (reconciliation_result), not a
-# run's status
+MAX_RESUBMIT_MAX = 10  # with 0, every missing order goes to a person
+# The outcome of a mismatch whose action could not be done (in reconciliation_result).
+# It is not a run's status.
 ACTION_FAILED = "failed"
 
 
@@ -101,8 +102,10 @@ class ResubmitBudget:
 
 
 def resubmit_budget(environ: Mapping[str, str] | None = None) -> ResubmitBudget:
-    """The budget from ``QO_OPS_RESUBMIT_GRACE_MINUTES`` and ``QO_OPS_RESUBMIT_MAX``; a
-    bad value raises ConfigError with one line (checked before a run writes anything)."""
+    """Read the budget from ``QO_OPS_RESUBMIT_GRACE_MINUTES`` and ``QO_OPS_RESUBMIT_MAX``.
+
+    A bad value raises ConfigError with one line. It is checked before a run writes anything.
+    """
     return ResubmitBudget(
         grace_minutes=whole_number(
             RESUBMIT_GRACE_ENV,
@@ -128,19 +131,19 @@ class ReconciliationSettings:
 
 
 def reconciliation_settings(environ: Mapping[str, str] | None = None) -> ReconciliationSettings:
-    """``QO_OPS_DOWNSTREAM_URL`` and the re-submission budget (``ConfigError`` if bad)."""
+    """Read ``QO_OPS_DOWNSTREAM_URL`` and the re-submission budget (``ConfigError`` if bad)."""
     return ReconciliationSettings(
         downstream_url(environ), resubmit_budget(environ), manners_from_env(environ)
     )
 
 
 def _run_budget(ctx: BatchContext) -> ResubmitBudget:
-    """The run's budget: the one checked before the run began, fixed for the run."""
+    """Return the budget checked before the run began. It stays fixed for the run."""
     return run_settings(ctx, reconciliation_settings).budget
 
 
 def in_flight_orders(ctx: BatchContext) -> sa.Select[Any]:
-    """Orders of the tenant submitted in the window and still in flight, after the cursor."""
+    """Select the tenant's orders submitted in the window and still in flight, after the cursor."""
     start, end = ctx.scope.window_bounds()
     o = customer_order
     query = (
@@ -160,7 +163,7 @@ def in_flight_orders(ctx: BatchContext) -> sa.Select[Any]:
     return query
 
 
-# What the comparison needs of the batch's orders (no claim: nothing is changed yet).
+# What the comparison needs of the batch's orders. There is no claim, since nothing changes yet.
 READ_ORDERS = sa.text(
     "SELECT id, order_number, status, version FROM customer_order "
     "WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id"
@@ -169,7 +172,7 @@ READ_ORDERS = sa.text(
 
 @dataclass(frozen=True)
 class OrderToCompare:
-    """An in-flight order as the batch read it: what the downstream is asked about."""
+    """An in-flight order as the batch read it. The downstream is asked about it."""
 
     id: int
     order_number: str
@@ -178,19 +181,19 @@ class OrderToCompare:
 
 
 def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
-    """Read what the comparison needs (no claim: nothing is changed yet)."""
+    """Read what the comparison needs. There is no claim, since nothing changes yet."""
     rows = conn.execute(READ_ORDERS, {"ids": list(ids)}).all()
     work = [OrderToCompare(r.id, r.order_number, r.status, r.version) for r in rows]
     return BatchOutcome(work=work, cursor={"last_id": int(ids[-1])})
 
 
-# What asking the downstream gives the repair (one result each; the repair dispatches on
-# the type).
+# What asking the downstream gives the repair. Each is one result, and the repair
+# dispatches on its type.
 
 
 @dataclass(frozen=True)
 class Compared:
-    """The downstream's status of one order, or None: it does not have the order."""
+    """The downstream's status of one order, or None when it does not have the order."""
 
     order: OrderToCompare
     downstream: str | None
@@ -198,7 +201,7 @@ class Compared:
 
 @dataclass(frozen=True)
 class NotCompared:
-    """The downstream could not be asked about one order (``code``: the call's error)."""
+    """The downstream could not be asked about one order. ``code`` is the call's error."""
 
     order: OrderToCompare
     code: str
@@ -206,7 +209,7 @@ class NotCompared:
 
 @dataclass(frozen=True)
 class ResumeAfter:
-    """The run stopped before every order was looked at: the checkpoint stays after
+    """The run stopped before every order was looked at. The checkpoint stays after
     ``last_id``, before the orders not looked at."""
 
     last_id: int
@@ -214,15 +217,15 @@ class ResumeAfter:
 
 @dataclass(frozen=True)
 class DownstreamOrders:
-    """The tenant's orders the downstream has (looked for once per run, at most
-    :data:`MAX_UNKNOWN_SCAN`): those qo-ops does not know are recorded."""
+    """The tenant's orders the downstream has, looked for once per run, at most
+    :data:`MAX_UNKNOWN_SCAN`. Those qo-ops does not know are recorded."""
 
     orders: tuple[DownstreamOrder, ...]
 
 
 @dataclass(frozen=True)
 class ScanFailed:
-    """Looking for the downstream's unknown orders failed part way (``code``)."""
+    """Looking for the downstream's unknown orders failed part way, with error ``code``."""
 
     code: str
 
@@ -238,7 +241,7 @@ class ReconciliationRun:
 
 
 def ask_downstream(ctx: BatchContext, work: list[OrderToCompare]) -> list[Lookup]:
-    """Each order's downstream view; in the run's first batch also the unknown orders."""
+    """Ask for each order's downstream view, and in the run's first batch the unknown orders."""
     settings = run_settings(ctx, reconciliation_settings)
     client = downstream_client(ctx, settings.downstream_url, settings.manners)
 
@@ -252,8 +255,8 @@ def ask_downstream(ctx: BatchContext, work: list[OrderToCompare]) -> list[Lookup
     cursor = ctx.cursor
     looked: list[Compared | NotCompared] = []
     for result in call_each(work, look, ctx.limits.concurrency, ctx.stop):
-        if isinstance(result, NotCalled):  # the run is stopping: keep what was looked at up
-            # to the first order that was not, and resume from there next time
+        if isinstance(result, NotCalled):  # The run is stopping. Keep what was looked at up
+            # to the first order that was not, and resume from there next time.
             resume = looked[-1].order.id if looked else (cursor or {}).get("last_id", 0)
             return [*looked, ResumeAfter(int(resume))]
         looked.append(result)
@@ -273,8 +276,8 @@ def ask_downstream(ctx: BatchContext, work: list[OrderToCompare]) -> list[Lookup
     return results
 
 
-# In flight on both sides is in sync while the downstream is at or ahead of us
-# (SUBMITTED here, IN_FULFILLMENT there: it started work we have not heard of yet).
+# An order in flight on both sides is in sync while the downstream is at or ahead of us.
+# SUBMITTED here and IN_FULFILLMENT there means it started work we have not heard of yet.
 FLIGHT_RANK = {"SUBMITTED": 0, "IN_FULFILLMENT": 1}
 
 
@@ -288,7 +291,7 @@ def _classify(ours: str, theirs: str | None) -> str | None:
     return "status_drift"  # behind us, or a status we do not know
 
 
-# Adopt the downstream's terminal status, only if the order is as we read it (version).
+# Adopt the downstream's terminal status, only if the order is still at the version we read.
 # Twice: adopting bumps the version and leaves the in-flight statuses, so a second run (or a
 # rival) with the same reading matches nothing.
 ADOPT_STATUS = sa.text(
@@ -298,9 +301,9 @@ ADOPT_STATUS = sa.text(
     RETURNING id
     """
 )
-# Where each missing order stands with its budget, read in the repair transaction: its
-# delivery items, its last re-submission, and whether that one was delivered (after it) and
-# the grace since has passed (database clock).
+# Where each missing order stands with its budget, read in the repair transaction. It reads
+# the delivery items and the last re-submission. It also reads whether that re-submission was
+# delivered (after it was made) and whether the grace has passed since, on the database clock.
 RESUBMIT_STATE = sa.text(
     """
     SELECT o.id,
@@ -321,12 +324,13 @@ RESUBMIT_STATE = sa.text(
      GROUP BY o.id, r.resubmission, r.requested_at
     """
 )
-# Re-submit: the order's delivery items go back to READY, keeping their idempotency key.
-# Never a DEAD_LETTER item (only the audited requeue moves those) nor one being sent.
-# Twice: not on its own (a DELIVERED item would go back to READY again): a rerun reads the
-# budget first (RESUBMIT_STATE: the last re-submission delivered and past its grace), and
-# this runs in one savepoint with RECORD_RESUBMISSION, where a rival taking the same n
-# conflicts and rolls it back (a re-send would be deduped on the key downstream).
+# Re-submit by putting the order's delivery items back to READY with their idempotency key.
+# It never moves a DEAD_LETTER item (only the audited requeue does) or one being sent.
+# Twice: this statement alone is not safe, because a DELIVERED item would go back to READY
+# again. So a rerun reads the budget first in RESUBMIT_STATE, which requires the last
+# re-submission delivered and past its grace. This also runs in one savepoint with
+# RECORD_RESUBMISSION, where a rival taking the same n conflicts and rolls it back. A re-send
+# would be deduped on the key downstream.
 RESUBMIT = sa.text(
     """
     UPDATE delivery_attempt_item
@@ -336,7 +340,7 @@ RESUBMIT = sa.text(
     """
 )
 # Take re-submission n of the order's budget.
-# Twice: n is taken once: a rival or a rerun conflicts on (order, n), adds nothing, and
+# Twice: n is taken once. A rival or a rerun conflicts on (order, n), adds nothing, and
 # rolls its RESUBMIT back.
 RECORD_RESUBMISSION = sa.text(
     """
@@ -347,13 +351,13 @@ RECORD_RESUBMISSION = sa.text(
     """
 )
 # Flag the order for a person.
-# Twice: only an order not flagged yet changes; a second run matches nothing.
+# Twice: only an order not flagged yet changes, so a second run matches nothing.
 FLAG_REVIEW = sa.text(
     "UPDATE customer_order SET needs_manual_review = true WHERE id = :id AND NOT needs_manual_review RETURNING id"
 )
-# What the run found and did about one order (the run's evidence, kept with its job_run).
-# Twice: one row per run and order: recording the same order again in a run adds nothing; a
-# rerun records what it finds under its own run id.
+# What the run found and did about one order. This is the run's evidence, kept with its job_run.
+# Twice: there is one row per run and order, so recording the same order again in a run adds
+# nothing. A rerun records what it finds under its own run id.
 RESULT = sa.text(
     """
     INSERT INTO reconciliation_result (job_run_id, tenant_id, order_id, order_number, mismatch_type,
@@ -372,8 +376,8 @@ RECORDED_MISMATCHES = sa.text(
     "SELECT mismatch_type, action, outcome, count(*) AS n FROM reconciliation_result "
     "WHERE job_run_id = :run GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
 )
-# Of the scope's recorded mismatches: adopted orders not at their adopted status yet, and the
-# ones no action resolved.
+# Among the scope's recorded mismatches, count the adopted orders not at their adopted status
+# yet, and the ones no action resolved.
 STILL_MISMATCHED = sa.text(
     """
     SELECT count(*) FILTER (WHERE r.action = 'adopt_status' AND r.outcome = 'corrected'
@@ -394,9 +398,9 @@ ACTIONS = {
 
 
 def _resubmit(conn: Connection, ctx: BatchContext, order_id: int, n: int) -> bool:
-    """Take re-submission ``n`` of the order: its delivery items back to READY and its
-    budget row, together or not at all (a savepoint: an item that started being sent or
-    was dead-lettered since it was read, or a rival that took ``n``, undoes both)."""
+    """Take re-submission ``n`` of the order. Its delivery items go back to READY and its
+    budget row is written, together or not at all. A savepoint undoes both if an item
+    started being sent or was dead-lettered since it was read, or if a rival took ``n``."""
     savepoint = conn.begin_nested()
     requeued = conn.execute(RESUBMIT, {"id": order_id}).all()
     taken = (
@@ -422,7 +426,7 @@ def _resubmitappend_event(
         out,
         RESUBMIT_EVENT,
         {
-            "key": f"order:{order.id}:resubmit:{n}",  # one event per re-submission, never per run
+            "key": f"order:{order.id}:resubmit:{n}",  # one event per re-submission, not per run
             "tenant": ctx.scope.tenant_id,
             "id": order.id,
             "type": "OrderResubmitRequested",
@@ -434,7 +438,7 @@ def _resubmitappend_event(
 def _repair_missing(
     conn: Connection, ctx: BatchContext, out: BatchOutcome, order: OrderToCompare, state: Any
 ) -> tuple[str, str, str | None]:
-    """What the budget allows for an order the downstream misses: (action, outcome, detail)."""
+    """Return (action, outcome, detail), what the budget allows for an order not downstream."""
     budget, n = _run_budget(ctx), int(state.resubmissions)
     if state.dead_items:  # only the audited requeue moves a dead letter
         conn.execute(FLAG_REVIEW, {"id": order.id})
@@ -449,7 +453,7 @@ def _repair_missing(
     if not state.items:
         conn.execute(FLAG_REVIEW, {"id": order.id})
         return "manual_review", "flagged", "no delivery item to re-submit"
-    # the last re-submission (if any) was delivered and the downstream still misses the order
+    # Spent means the last re-submission (if any) was delivered and the order is still missing.
     spent = n == 0 or (state.delivered and state.past_grace)
     if spent and n >= budget.max_resubmissions:
         conn.execute(FLAG_REVIEW, {"id": order.id})
@@ -462,7 +466,7 @@ def _repair_missing(
     if spent and not state.in_progress and _resubmit(conn, ctx, order.id, n + 1):
         _resubmitappend_event(conn, ctx, out, order, n + 1)
         return "resubmit", "corrected", f"re-submission {n + 1} of {budget.max_resubmissions}"
-    if n:  # the earlier re-submission stands: its event is there already
+    if n:  # the earlier re-submission stands, and its event is there already
         _resubmitappend_event(conn, ctx, out, order, n)
     if not spent:
         why = (
@@ -476,7 +480,7 @@ def _repair_missing(
 
 
 def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Lookup]) -> BatchOutcome:
-    """Classify each order; in execute, repair per type and record every mismatch."""
+    """Classify each order. In execute, repair it per type and record every mismatch."""
     out = BatchOutcome()
     missing = [
         r.order.id
@@ -496,7 +500,7 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Lookup]
     )
     for r in results:
         match r:
-            case ResumeAfter(last_id):  # cut short by a stop: the checkpoint stays before the rest
+            case ResumeAfter(last_id):  # stopped early, so the checkpoint stays before the rest
                 out.cursor = {"last_id": last_id}
             case DownstreamOrders(orders):
                 _record_unknown(conn, ctx, out, orders)
@@ -508,15 +512,15 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Lookup]
             case Compared():
                 _repair(conn, ctx, out, r, states)
             case _:
-                assert_never(r)  # mypy: every kind of Lookup is handled
+                assert_never(r)  # mypy checks that every kind of Lookup is handled
     return out
 
 
 def _record_unknown(
     conn: Connection, ctx: BatchContext, out: BatchOutcome, orders: tuple[DownstreamOrder, ...]
 ) -> None:
-    """Count (and in execute, record for a person) the downstream's orders qo-ops does not
-    know."""
+    """Count the downstream's orders qo-ops does not know. In execute, record them for a
+    person."""
     tenant = ctx.scope.tenant_id
     numbers = [d.order_number for d in orders]
     known = set(conn.execute(KNOWN_ORDER_NUMBERS, {"t": tenant, "n": numbers}).scalars())
@@ -545,8 +549,10 @@ def _record_unknown(
 def _repair(
     conn: Connection, ctx: BatchContext, out: BatchOutcome, r: Compared, states: dict[int, Any]
 ) -> None:
-    """Classify one order; in execute, repair it per type and record the mismatch
-    (``states``: where each missing order stands with its budget)."""
+    """Classify one order. In execute, repair it per type and record the mismatch.
+
+    ``states`` tells where each missing order stands with its budget.
+    """
     order, theirs = r.order, r.downstream
     kind = _classify(order.status, theirs)
     if kind is None:
@@ -599,27 +605,27 @@ def _repair(
     if outcome == ACTION_FAILED:
         out.failed += 1
     elif outcome == "pending":
-        out.skipped += 1  # nothing changed: waiting for the earlier re-submission
+        out.skipped += 1  # nothing changed while the earlier re-submission is pending
     else:
         out.succeeded += 1
 
 
 def report_mismatches(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
-    """Mismatches this run recorded, by type, with the action taken and its outcome."""
+    """Report the mismatches this run recorded, by type, with the action taken and its outcome."""
     return [
         ReportRow("mismatch", r.mismatch_type, r.n, f"{r.action} → {r.outcome}")
         for r in conn.execute(RECORDED_MISMATCHES, {"run": ctx.job_run_id})
     ]
 
 
-# Declared once: its results (check_reconciliation) carry this description too.
+# Declared once. Its results in check_reconciliation carry the same description.
 NO_REPAIRED_ORDER_STILL_MISMATCHED = CheckSpec(
     "no_repaired_order_still_mismatched", "No repaired order is still mismatched"
 )
 
 
 def check_reconciliation(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """No order repaired in this scope is still mismatched; unresolved ones counted by type."""
+    """Check that no order repaired in this scope is still mismatched. Count unresolved ones."""
     start, end = ctx.scope.window_bounds()
     row = conn.execute(
         STILL_MISMATCHED, {"t": ctx.scope.tenant_id, "start": start, "end": end}
@@ -643,9 +649,9 @@ SPEC = JobSpec(
     check=check_reconciliation,
     checks=(NO_REPAIRED_ORDER_STILL_MISMATCHED,),
     defaults=Limits(batch_size=200, concurrency=16),
-    validate_settings=reconciliation_settings,  # refused before anything is read or written
+    validate_settings=reconciliation_settings,  # a bad setting is refused before any read or write
     batching=Batching(
-        locks=None,  # read-only selection: one run per scope holds the lease
+        locks=None,  # the selection only reads, and one run per scope holds the lease
         checkpoint=Checkpointing(rescan_when_complete=True),
         dry_run_scans=True,
     ),

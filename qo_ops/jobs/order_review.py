@@ -1,7 +1,9 @@
-"""order_reconciliation's corrections as events, and its manual-review queue: the orders
-a run flagged for a person (``customer_order.needs_manual_review``) with why (the latest
-``reconciliation_result`` row), and what a person may decide for each (``qo-ops review``;
-``qo_ops.platform.actions.recovery`` runs a decision under the scope's lease, audited).
+"""This module holds order_reconciliation's corrections as events, and its manual-review
+queue. The queue lists the orders a run flagged for a person
+(``customer_order.needs_manual_review``), with the reason from the latest
+``reconciliation_result`` row. The table shows what a person may decide for each order with
+``qo-ops review``. ``qo_ops.platform.actions.recovery`` runs a decision under the scope's
+lease, and audits it.
 
 | action | what it does, in one transaction | refused when |
 |---|---|---|
@@ -9,8 +11,8 @@ a run flagged for a person (``customer_order.needs_manual_review``) with why (th
 | adopt | our status becomes the downstream's as the run saw it, if ours is unchanged since, with its OrderStatusAdopted event | the downstream had no status, or one an order cannot have |
 | dismiss | nothing else | never |
 
-Every decision first clears the flag (conditionally): a decided order is off the queue, and
-a second decision on it changes nothing.
+Every decision first clears the flag, conditionally. A decided order is then off the queue,
+and a second decision on it changes nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from qo_ops.platform.job.outcome import BatchOutcome, SideEffectResult
 from qo_ops.platform.job.review import Review, ReviewAction, ReviewItem
 
 # A correction's event, under its business key (adopted:<status>, resubmit:<n>).
-# Twice: a second insert of the same correction conflicts on business_key and adds nothing
-# (counted as a duplicate prevented).
+# Twice: a second insert of the same correction conflicts on business_key and adds nothing.
+# It is counted as a duplicate prevented.
 EVENT = sa.text(
     """
     INSERT INTO outbox_event (id, business_key, tenant_id, aggregate_type, aggregate_id, event_type, payload)
@@ -45,7 +47,7 @@ RESUBMIT_EVENT = "order_resubmit_requested_event"
 def append_event(
     conn: Connection, out: BatchOutcome, side_effect: str, values: dict[str, Any]
 ) -> None:
-    """Append a correction event under its business key, counted as ``side_effect``."""
+    """Append a correction event under its business key, and count it as ``side_effect``."""
     appended = conn.execute(EVENT, values).rowcount == 1
     out.side_effect(
         side_effect,
@@ -55,9 +57,9 @@ def append_event(
     out.duplicates_prevented += not appended
 
 
-# Orders flagged for a person, with why: the latest result row a run recorded for each (its
-# mismatch, outcome and detail, our status and the downstream's then). The day is the one
-# whose scope a run works the order in (submitted_at, UTC).
+# Orders flagged for a person, each with the latest result row a run recorded for it. That
+# row gives the mismatch, outcome and detail, and our status and the downstream's at the time.
+# The day is the one whose scope a run works the order in (submitted_at, UTC).
 WAITING_FOR_REVIEW = sa.text(
     """
     SELECT o.tenant_id AS tenant, o.order_number AS item,
@@ -80,10 +82,10 @@ WAITING_FOR_REVIEW = sa.text(
      LIMIT :limit
     """
 )
-# A person's decision takes the order off the queue; what else it does follows in the same
-# transaction (behind the scope's lease) or rolls back with it.
-# Twice: only a flagged order matches; a second resolve (or a rival's) finds it cleared and
-# changes nothing.
+# A person's decision takes the order off the queue. Whatever else it does follows in the
+# same transaction (behind the scope's lease), or rolls back with it.
+# Twice: only a flagged order matches, so a second resolve (or a rival's) finds it cleared
+# and changes nothing.
 CLEAR_REVIEW_FLAG = sa.text(
     """
     UPDATE customer_order SET needs_manual_review = false
@@ -91,10 +93,10 @@ CLEAR_REVIEW_FLAG = sa.text(
     RETURNING id, status, version
     """
 )
-# A person's re-submission: the order's delivery items back to READY, a dead letter with its
-# attempts reset (same idempotency key: the downstream dedupes a re-send), never one being
-# sent.
-# Twice: it runs only after CLEAR_REVIEW_FLAG matched, once per decision; a second decision
+# A person's re-submission puts the order's delivery items back to READY, never one being
+# sent. A dead letter gets its attempts reset. The idempotency key stays the same, so the
+# downstream dedupes a re-send.
+# Twice: it runs only after CLEAR_REVIEW_FLAG matched, once per decision. A second decision
 # finds no flag and never gets here.
 REVIVE_DELIVERY_ITEMS = sa.text(
     """
@@ -105,9 +107,9 @@ REVIVE_DELIVERY_ITEMS = sa.text(
     RETURNING id
     """
 )
-# The person's re-submission takes the next number of the order's budget (beyond it, if the
-# budget was spent: a person decided).
-# Twice: n is taken once: a rival taking the same n conflicts, adds nothing, and the
+# The person's re-submission takes the next number of the order's budget. It may go beyond
+# a spent budget, because a person decided.
+# Twice: n is taken once. A rival taking the same n conflicts, adds nothing, and the
 # decision rolls back (below).
 RECORD_REVIEWED_RESUBMISSION = sa.text(
     """
@@ -120,7 +122,7 @@ RECORD_REVIEWED_RESUBMISSION = sa.text(
 )
 # A person adopts the downstream's status, only if ours is still the one the run saw.
 # Twice: the status and version move, so a second adoption with the same reading matches
-# nothing (and the flag, cleared first, stops it before).
+# nothing. The flag, cleared first, stops it even earlier.
 ADOPT_REVIEWED_STATUS = sa.text(
     """
     UPDATE customer_order SET status = :status, version = version + 1,

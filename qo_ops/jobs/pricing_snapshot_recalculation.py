@@ -1,19 +1,20 @@
-"""pricing_snapshot_recalculation (tenant × day, backfill): every quote created in the window
-gets a pricing snapshot for the tenant's CURRENT price book, recomputed from its lines
-(``sum(quantity * unit_price) * price_factor``, ``line_count``), upserted by
-``(quote_id, price_book_version)``.
+"""pricing_snapshot_recalculation is a backfill per tenant and day. Every quote created in
+the window gets a pricing snapshot for the tenant's CURRENT price book. The snapshot is
+recomputed from the quote's lines (``sum(quantity * unit_price) * price_factor``,
+``line_count``) and upserted by ``(quote_id, price_book_version)``.
 
-A backfill walks a key range: the selection is every quote of the window after the
+A backfill walks a key range. The selection is every quote of the window after the
 checkpoint cursor, in ``(created_at, id)`` order (index ``ix_quote_tenant_created``), whether
-or not its snapshot is right. Quotes do not leave the selection when processed, so the cursor
-(saved in each batch's own transaction) is what makes a rerun resume where the last commit
-left off; once a run has gone through the window the checkpoint stays (done is done), and a
-later run of that window is ``no_work``. The upsert only writes a row whose values differ, so
-redoing a batch is harmless: changed rows count as succeeded, already-right ones as skipped.
+or not its snapshot is right. Quotes do not leave the selection when processed. So the
+cursor, saved in each batch's own transaction, is what makes a rerun resume where the last
+commit left off. Once a run has gone through the window, the checkpoint stays (done is done),
+and a later run of that window is ``no_work``. The upsert only writes a row whose values
+differ, so redoing a batch is harmless. Changed rows count as succeeded, and already-right
+ones as skipped.
 
-No row locks on the selection (``compete_with_skip_locked=False``): one run per scope holds
-the lease, and ``SKIP LOCKED`` would let a quote locked by some business transaction fall
-behind the cursor and never be recalculated.
+The selection takes no row locks (``compete_with_skip_locked=False``). One run per scope
+holds the lease, and ``SKIP LOCKED`` would let a quote locked by some business transaction
+fall behind the cursor and never be recalculated.
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ CHECK_NAME = "current_snapshot_for_every_quote"
 
 
 class NoCurrentPriceBook(ClassifiedError):
-    """The tenant has no current price book: there is nothing to recompute against."""
+    """The tenant has no current price book, so there is nothing to recompute against."""
 
     error_code = "no_current_price_book"
 
 
 def quotes_after_cursor(ctx: BatchContext) -> sa.Select[Any]:
-    """Quotes of the tenant created in the window, after the checkpoint, by (created_at, id)."""
+    """Select the tenant's quotes created in the window after the checkpoint, by created_at, id."""
     start, end = ctx.scope.window_bounds()
     query = (
         sa.select(quote.c.id)
@@ -74,16 +75,16 @@ def quotes_after_cursor(ctx: BatchContext) -> sa.Select[Any]:
 
 
 def parse_cursor_time(cursor: dict[str, Any]) -> datetime:
-    """The cursor's ``created_at`` (an ISO string with its UTC offset) as a datetime."""
+    """Parse the cursor's ``created_at``, an ISO string with its UTC offset, as a datetime."""
     value = datetime.fromisoformat(str(cursor["created_at"]))
     if value.tzinfo is None:
         raise ValueError("checkpoint cursor created_at has no UTC offset")
     return value
 
 
-# One set-based statement per batch: recompute the batch's snapshots for the current price
-# book, upsert only what differs, and report how many rows changed, whether the tenant has a
-# current price book, and the created_at of the last selected quote (the new cursor).
+# One set-based statement per batch recomputes the batch's snapshots for the current price
+# book and upserts only what differs. It reports how many rows changed, whether the tenant has
+# a current price book, and the created_at of the last selected quote (the new cursor).
 # Twice: one snapshot per (quote, price-book version), updated only where it differs, so a
 # second run over the same quotes and book writes nothing.
 RECALCULATE_BATCH = sa.text(
@@ -131,9 +132,9 @@ def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -
         },
     ).one()
     if not row.has_price_book:
-        # raising rolls the batch back and fails the run; the checkpoint stays where it was
+        # Raising rolls the batch back and fails the run. The checkpoint stays where it was.
         raise NoCurrentPriceBook(f"tenant {ctx.scope.tenant_id} has no current price book")
-    if row.last_created_at is None:  # the selection just returned it; cannot happen
+    if row.last_created_at is None:  # cannot happen, since the selection just returned it
         raise RuntimeError("the last selected quote vanished before its cursor was taken")
     changed = int(row.changed)
     return BatchOutcome(
@@ -144,8 +145,8 @@ def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -
 
 
 # One grouped pass over the window's quotes and their lines, joined to their snapshot at the
-# current price-book version. The price factor is one value for the whole pass (a scalar
-# subquery: NULL without a current book), not a join repeated for each line.
+# current price-book version. The price factor is one value for the whole pass, not a join
+# repeated for each line. It comes from a scalar subquery, NULL without a current book.
 VERIFY_WINDOW = sa.text(
     """
     WITH pb AS (
@@ -173,14 +174,14 @@ VERIFY_WINDOW = sa.text(
 )
 
 
-# Declared once: its results (check_snapshots) carry this description too.
+# Declared once. Its results in check_snapshots carry the same description.
 CURRENT_SNAPSHOT_FOR_EVERY_QUOTE = CheckSpec(
     CHECK_NAME, "Every quote of the window has a snapshot for the current price book; totals match"
 )
 
 
 def check_snapshots(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """Every quote of the window has a snapshot at the current version with the right total."""
+    """Check that every quote of the window has a current-version snapshot with the right total."""
     start, end = ctx.scope.window_bounds()
     row = conn.execute(
         VERIFY_WINDOW, {"tenant": ctx.scope.tenant_id, "start": start, "end": end}
@@ -211,7 +212,7 @@ SPEC = JobSpec(
     checks=(CURRENT_SNAPSHOT_FOR_EVERY_QUOTE,),
     defaults=Limits(batch_size=2000, throttle_ms=0),
     batching=Batching(
-        locks=None,  # one run per scope holds the lease; see the docstring
+        locks=None,  # one run per scope holds the lease (see the docstring)
         checkpoint=Checkpointing(rescan_when_complete=False),  # a window gone through stays done
     ),
     presentation=Presentation(

@@ -1,8 +1,8 @@
-"""quote_expiration: ACTIVE quotes past their expiry become EXPIRED, each with exactly one
-QuoteExpired outbox event, in the same transaction.
+"""quote_expiration turns ACTIVE quotes past their expiry into EXPIRED quotes. Each one gets
+exactly one QuoteExpired outbox event, in the same transaction.
 
-No checkpoint: the selection is by state (ACTIVE and past expiry), and the transition
-takes a quote out of it, so a rerun simply finds what is left.
+The job keeps no checkpoint. It selects by state (ACTIVE and past expiry), and the transition
+takes a quote out of that state, so a rerun simply finds what is left.
 """
 
 from __future__ import annotations
@@ -33,21 +33,22 @@ from qo_ops.platform.run.selection import (
     without_parallel_workers,
 )
 
-SIDE_EFFECT = "quote_expired_event"  # the event each transition appends (job_side_effects_total)
+SIDE_EFFECT = "quote_expired_event"  # one per transition, counted in job_side_effects_total
 
 GRACE_MINUTES = 5  # the outcome check forgives quotes that expired this recently
 
 
 ACTIVE: sa.ColumnElement[str] = sa.literal_column(
     "'ACTIVE'"
-)  # a literal, so every plan can use the partial index
+)  # a literal, so that every plan can use the partial index
 
 
 def eligible_quotes(ctx: BatchContext) -> sa.Select[Any]:
-    """ACTIVE quotes of the tenant past expiry, oldest first (ix_quote_active_expiry).
+    """Select the tenant's ACTIVE quotes past expiry, oldest first, on ix_quote_active_expiry.
 
     Within a run, each batch starts after the last one (``position``), so it does not walk
-    the index entries earlier batches left dead; the runner ends with one pass from the start.
+    the index entries that earlier batches left dead. The runner ends with one pass from the
+    start.
     """
     query = (
         sa.select(quote.c.id)
@@ -64,7 +65,8 @@ def eligible_quotes(ctx: BatchContext) -> sa.Select[Any]:
     return query
 
 
-# Conditional ACTIVE -> EXPIRED, and its event under a unique business key.
+# Move each quote that is still ACTIVE to EXPIRED, and insert its event under a unique
+# business key.
 # Twice: a quote already EXPIRED matches nothing, and a second event for it conflicts on
 # business_key and is never inserted.
 EXPIRE_QUOTE_BATCH = sa.text(
@@ -110,8 +112,8 @@ OVERDUE_ACTIVE_QUOTES = sa.text(
     "SELECT count(*) FROM quote WHERE tenant_id = :tenant AND status = 'ACTIVE' "
     "AND expires_at < now() - make_interval(mins => CAST(:grace_min AS integer))"
 )
-# EXPIRED quotes without their event, or with more than one: events counted once per quote
-# (one grouped pass), not by a subquery per quote.
+# Count the EXPIRED quotes that have no event or more than one. The events are counted in one
+# grouped pass, not by a subquery per quote.
 EXPIRED_QUOTE_EVENTS = sa.text(
     """
     SELECT count(*) FILTER (WHERE e.n IS NULL) AS missing,
@@ -130,7 +132,7 @@ OLDEST_OVERDUE_SECONDS = sa.text(
 )
 
 
-# Declared once: its results (check_quote_expiration) carry these descriptions too.
+# Each check is declared once. Its results in check_quote_expiration carry the same description.
 NO_OVERDUE_ACTIVE_QUOTES = CheckSpec(
     "no_overdue_active_quotes", "No ACTIVE quote is past its expiry beyond the grace period"
 )
@@ -140,10 +142,10 @@ ONE_EVENT_PER_EXPIRED_QUOTE = CheckSpec(
 
 
 def check_quote_expiration(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """No ACTIVE quote past expiry (beyond grace); every EXPIRED quote has one event."""
+    """Check that no ACTIVE quote is past expiry beyond grace and each EXPIRED one has one event."""
     tenant = {"tenant": ctx.scope.tenant_id}
     overdue = conn.execute(OVERDUE_ACTIVE_QUOTES, {**tenant, "grace_min": GRACE_MINUTES}).scalar()
-    without_parallel_workers(conn)  # the events counted once, not once per worker
+    without_parallel_workers(conn)  # so that the events are counted once, not once per worker
     bad_events = conn.execute(EXPIRED_QUOTE_EVENTS, tenant).one()
     return [
         NO_OVERDUE_ACTIVE_QUOTES.result(overdue == 0, {"overdue_active_quotes": overdue}),
@@ -155,7 +157,7 @@ def check_quote_expiration(conn: Connection, ctx: BatchContext) -> list[OutcomeC
 
 
 def oldest_overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
-    """Seconds since the oldest still-ACTIVE quote of the tenant expired."""
+    """Return the seconds since the oldest still-ACTIVE quote of the tenant expired."""
     value = conn.execute(OLDEST_OVERDUE_SECONDS, {"tenant": ctx.scope.tenant_id}).scalar()
     return seconds_or_none(value)
 

@@ -1,15 +1,16 @@
-"""read_model_repair (tenant × day): order_read_model rows that drifted from their source
-(customer_order, quote) are recomputed from it. Dry-run reports the drifted rows.
+"""read_model_repair recomputes order_read_model rows that drifted from their source
+(customer_order, quote), per tenant and day. A dry run reports the drifted rows.
 
-No checkpoint: the selection is "orders of the window whose read-model row differs", and
-the repair removes a row from it, so a rerun finds exactly what is left.
+The job keeps no checkpoint. The selection is "orders of the window whose read-model row
+differs", and the repair removes a row from it, so a rerun finds exactly what is left.
 
-Within a run, each batch starts after the last one (``position``: its last order's
-``(submitted_at, id)``), so it does not walk the orders earlier batches already repaired
-(without it every batch re-reads the window from its start: quadratic in the window's size);
-the runner ends with one pass from the start, taken only if the selection counted from the
-start (held rows included) still matches something: with nothing left, that pass's plan walks
-every order of the window (1.9 s at 1,000,000 orders), the count a cheaper join (0.6–1 s).
+Within a run, each batch starts after the last one. Its ``position`` is its last order's
+``(submitted_at, id)``. So a batch does not walk the orders that earlier batches already
+repaired. Without it, every batch would re-read the window from its start, which is
+quadratic in the window's size. The runner ends with one pass from the start. It takes that
+pass only if the selection, counted from the start with held rows included, still matches
+something. With nothing left, that pass's plan walks every order of the window, while the
+count is a cheaper join (figures in bench/TUNING.md).
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ _DRIFT_KINDS: dict[str, sa.ColumnElement[bool]] = {
     "order_number": order_read_model.c.order_number != customer_order.c.order_number,
     "source_version": order_read_model.c.source_version != customer_order.c.version,
 }
-# Drift: any of them. The selection and the outcome check share it.
+# Drift is any of them. The selection and the outcome check share it.
 _DRIFT = sa.or_(*_DRIFT_KINDS.values())
 
 
 def drifted_orders(ctx: BatchContext) -> sa.Select[Any]:
-    """Orders of the tenant submitted in the window whose read-model row drifted, after the
-    run's position (ix_customer_order_tenant_submitted)."""
+    """Select the tenant's orders submitted in the window whose read-model row drifted, after
+    the run's position, on ix_customer_order_tenant_submitted."""
     return after_position(
         _drifted_in_window(ctx),
         (customer_order.c.submitted_at, customer_order.c.id),
@@ -59,7 +60,7 @@ def drifted_orders(ctx: BatchContext) -> sa.Select[Any]:
 
 
 def _drifted_in_window(ctx: BatchContext) -> sa.Select[Any]:
-    """Every drifted order of the window, by (submitted_at, id), whatever the position."""
+    """Select every drifted order of the window, by (submitted_at, id), whatever the position."""
     return (
         _orders_of_window(sa.select(customer_order.c.id), ctx)
         .where(_DRIFT)
@@ -68,8 +69,8 @@ def _drifted_in_window(ctx: BatchContext) -> sa.Select[Any]:
 
 
 def _orders_of_window(query: sa.Select[Any], ctx: BatchContext) -> sa.Select[Any]:
-    """``query`` over the tenant's orders submitted in the window, each beside its read-model
-    row (if any)."""
+    """Run ``query`` over the tenant's orders submitted in the window, each beside its
+    read-model row (if any)."""
     start, end = ctx.scope.window_bounds()
     return query.select_from(
         customer_order.outerjoin(
@@ -82,8 +83,8 @@ def _orders_of_window(query: sa.Select[Any], ctx: BatchContext) -> sa.Select[Any
     )
 
 
-# Recompute the rows from the source. Also returns the last selected order's submitted_at:
-# where the next batch's selection starts.
+# Recompute the rows from the source. It also returns the last selected order's
+# submitted_at, where the next batch's selection starts.
 # Twice: the WHERE on the update leaves rows that are already right untouched, so a second
 # run writes nothing.
 REPAIR_READ_MODEL_BATCH = sa.text(
@@ -127,23 +128,28 @@ def repair_read_model_batch(
 
 
 def drift_of_window(ctx: BatchContext) -> sa.Select[Any]:
-    """The window's drifted orders, all of them (the selection's own predicate, whatever the
-    position) and by kind, counted in one pass over the window."""
+    """Count the window's drifted orders, all of them and by kind, in one pass over the window.
+
+    The count uses the selection's own predicate, whatever the position.
+    """
     counts: list[sa.ColumnElement[int]] = [sa.func.count().filter(_DRIFT).label("drifted")]
     counts += [sa.func.count().filter(expr).label(kind) for kind, expr in _DRIFT_KINDS.items()]
     return _orders_of_window(cast(sa.Select[Any], sa.select(*counts)), ctx)
 
 
-# Declared once: its results (check_read_model) carry this description too.
+# Declared once. Its results in check_read_model carry the same description.
 READ_MODEL_MATCHES_SOURCE = CheckSpec(
     "read_model_matches_source", "The read model equals its source for the scope"
 )
 
 
 def check_read_model(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """The read model equals its source for every order of the scope; drift counted by kind
-    (so a dry-run's summary says what execute would repair, and why). The count of drifted
-    orders is the selection's from its start: the run's backlog too."""
+    """Check that the read model equals its source for every order of the scope.
+
+    Drift is counted by kind, so a dry run's summary says what execute would repair, and why.
+    The count of drifted orders is the selection's from its start, which is also the run's
+    backlog.
+    """
     row = conn.execute(drift_of_window(ctx)).one()
     return [
         READ_MODEL_MATCHES_SOURCE.result(
@@ -167,7 +173,7 @@ SPEC = JobSpec(
     destructive=True,
     batching=Batching(
         locks=SkipLocked(of=customer_order),
-        # the last pass's LIMIT plan walks every order of the window: count first
+        # The last pass's LIMIT plan walks every order of the window, so count first.
         positions=Positions(count_before_last_pass=True),
     ),
     presentation=Presentation(

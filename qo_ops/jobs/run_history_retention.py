@@ -1,48 +1,52 @@
-"""run_history_retention (per tenant): the platform's own run history — ``job_run`` rows and
-``job_checkpoint`` cursors — is kept for a period and then deleted, in bounded, audited
-batches. ``job_audit`` is never touched (the database refuses UPDATE/DELETE on it anyway).
+"""run_history_retention keeps the platform's own run history for a period, per tenant, and
+then deletes it in bounded, audited batches. The history is the ``job_run`` rows and the
+``job_checkpoint`` cursors. ``job_audit`` is never touched, and the database refuses
+UPDATE and DELETE on it anyway.
 
-The period is 90 days unless ``QO_OPS_RUN_HISTORY_DAYS`` says otherwise (a whole number of
-days, 7 to 3650); it is read when a run first selects and kept for that run. The cutoff is
-``now() - period`` of each statement (a run that lasts minutes prunes the rows that crossed
-it meanwhile too).
+The period is 90 days unless ``QO_OPS_RUN_HISTORY_DAYS`` says otherwise, as a whole number
+of days from 7 to 3650. It is read when a run first selects and kept for that run. The
+cutoff is ``now() - period`` of each statement, so a run that lasts minutes also prunes the
+rows that crossed it meanwhile.
 
-**A run of tenant T** touches only history whose scope is T's: ``T`` (tenant jobs) or
-``T/<from>..<to>`` (tenant × day jobs), on ``ix_job_run_retention`` and
+**A run of tenant T** touches only history whose scope is T's. That is ``T`` for tenant jobs
+and ``T/<from>..<to>`` for tenant × day jobs. It reads ``ix_job_run_retention`` and
 ``ix_job_checkpoint_retention`` (``split_part(scope, '/', 1)`` then time).
 
 **A ``job_run`` row goes** when it finished before the cutoff in a final status, unless it is
 
-- the latest run of its (job, scope): kept unless a later run of the same job and scope both
-  started and finished after it (``qo-ops status``, the API and the exporter read it);
-- the last success (execute, success/no_work) of its (job, scope): the freshness sensors,
-  the status and ``job_last_success_timestamp_seconds`` read it;
-- named by a held (unexpired) lease;
-- named by a business record that says which run did it: ``reconciliation_result``
-  (mismatches found), ``temp_file_tombstone`` (files deleted), ``audit_archive_manifest``
+- the latest run of its (job, scope). It is kept unless a later run of the same job and
+  scope both started and finished after it. ``qo-ops status``, the API and the exporter
+  read it.
+- the last success (execute, success or no_work) of its (job, scope). The freshness
+  sensors, the status and ``job_last_success_timestamp_seconds`` read it.
+- named by a held (unexpired) lease.
+- named by a business record that says which run did it. These are ``reconciliation_result``
+  (mismatches found), ``temp_file_tombstone`` (files deleted) and ``audit_archive_manifest``
   (records archived). None of them has a foreign key to ``job_run``, so nothing would stop
-  the delete; the run is kept so that the record keeps its context (window, trigger,
+  the delete. The run is kept so that the record keeps its context (window, trigger,
   requester, reason). ``pricing_snapshot.job_run_id`` only stamps which run computed a
-  snapshot: such runs may go, the snapshot is untouched and its stamp stays as written.
+  snapshot. Such runs may go, and the snapshot and its stamp stay as written.
 
-Active runs (``awaiting_approval``, ``accepted``, ``running``) never go: only final statuses
-with a ``finished_at`` are selected. ``api_idempotency`` rows are not touched: the runner
-has no privilege on that table, and a key naming a pruned run is past its 24-hour life (the
-period is at least 7 days), which the API treats as expired.
+Active runs (``awaiting_approval``, ``accepted``, ``running``) never go, because only final
+statuses with a ``finished_at`` are selected. ``api_idempotency`` rows are not touched. The
+runner has no privilege on that table. A key naming a pruned run is past its 24-hour life
+(the period is at least 7 days), and the API treats it as expired.
 
 **A ``job_checkpoint`` row goes** when it was last written before the cutoff and its (job,
-scope) has no unexpired lease and no active run. Every checkpointed job is idempotent (its
-writes are upserts or conditional), so a scope whose checkpoint went starts from the
-beginning if it is ever run again: more work, the same result.
+scope) has no unexpired lease and no active run. Every checkpointed job is idempotent, since
+its writes are upserts or conditional. So a scope whose checkpoint went starts from the
+beginning if it is ever run again. That is more work for the same result.
 
-**Items** are both kinds in one selection, oldest first (``run:<id>``,
-``checkpoint:<job>:<scope>``): the dry run counts and samples them together, and each batch
+**Items** are both kinds in one selection, oldest first, named ``run:<id>`` and
+``checkpoint:<job>:<scope>``. The dry run counts and samples them together, and each batch
 deletes up to ``batch_size`` of them. Each execute batch appends ONE ``job_audit`` row
-(action ``retention.prune``) in its own transaction: what went (counts, the cutoff, the
-oldest and newest times), so the proof outlives the retention run's own ``job_run`` row.
+(action ``retention.prune``) in its own transaction. The row says what went (counts, the
+cutoff, the oldest and newest times), so the proof outlives the retention run's own
+``job_run`` row.
 
-Safe twice: the deletes re-check the whole predicate, so a second run finds nothing to do.
-No checkpoint: deleting an item removes it from the selection.
+The job is safe twice. The deletes re-check the whole predicate, so a second run finds
+nothing to do. The job keeps no checkpoint, because deleting an item removes it from the
+selection.
 """
 
 from __future__ import annotations
@@ -85,13 +89,14 @@ RUN_PREFIX, CHECKPOINT_PREFIX = "run:", "checkpoint:"  # the items' names, as th
 TS = sa.DateTime(timezone=True)
 
 # A prunable run of the tenant (alias r). The selection and the delete share this one
-# predicate, and that is the safety: the delete re-checks exactly what the selection chose
+# predicate, and that is the safety. The delete re-checks exactly what the selection chose
 # by, so a run that changed since (a newer run vanished, a lease named it) stays. The status
-# lists are statuses.FINAL and statuses.ENDED_WELL, written out (test_run_history_retention
-# checks them). The keep-rules are two per-row lookups by index: ``OFFSET 0`` keeps
-# PostgreSQL from turning an EXISTS into a join (a hash join would read all of job_run), and
-# two of them (rather than one per rule) keep its estimate of the rows they pass realistic,
-# so the plan walks ix_job_run_retention in order and stops at the batch size.
+# lists are statuses.FINAL and statuses.ENDED_WELL, written out, and
+# test_run_history_retention checks them. The keep-rules are two per-row lookups by index.
+# ``OFFSET 0`` keeps PostgreSQL from turning an EXISTS into a join, since a hash join would
+# read all of job_run. Two lookups, rather than one per rule, keep its estimate of the rows
+# they pass realistic. So the plan walks ix_job_run_retention in order and stops at the
+# batch size.
 PRUNABLE_RUN = """
     split_part(r.scope, '/', 1) = :tenant
     AND r.finished_at < now() - make_interval(days => CAST(:days AS integer))
@@ -119,10 +124,10 @@ PRUNABLE_RUN = """
                     OFFSET 0)
 """
 
-# A prunable checkpoint of the tenant (alias c): old, and nobody is working on its scope:
-# no unexpired lease (primary key), no active run (ix_job_run_active, whose predicate the
-# literal statuses.ACTIVE implies); one per-row lookup. Shared by the selection and the
-# delete, like PRUNABLE_RUN, for the same reason.
+# A prunable checkpoint of the tenant (alias c) is old, and nobody is working on its scope.
+# Its scope has no unexpired lease (by primary key) and no active run (by ix_job_run_active,
+# whose predicate the literal statuses.ACTIVE implies). Each is one per-row lookup. The
+# selection and the delete share it, like PRUNABLE_RUN, for the same reason.
 PRUNABLE_CHECKPOINT = """
     split_part(c.scope, '/', 1) = :tenant
     AND c.updated_at < now() - make_interval(days => CAST(:days AS integer))
@@ -136,8 +141,8 @@ PRUNABLE_CHECKPOINT = """
                     OFFSET 0)
 """
 
-# Both kinds of prunable history as (item, at, kind), the whole of it: the counts, a run's
-# first batch and its last pass.
+# Both kinds of prunable history as (item, at, kind), the whole of it. The counts, a run's
+# first batch and its last pass use it.
 ALL_PRUNABLE_HISTORY = sa.text(
     f"""
     SELECT 'run:' || r.id::text AS item, r.finished_at AS at, 'job_run' AS kind
@@ -148,7 +153,7 @@ ALL_PRUNABLE_HISTORY = sa.text(
     """
 )
 
-# The same after a position (``:after``): each kind its own ordered range cut at ``:cap``
+# The same after a position (``:after``). Each kind is its own ordered range cut at ``:cap``
 # (the batch size), so a batch reads at most two batches' worth of index entries.
 PRUNABLE_HISTORY_AFTER = sa.text(
     f"""
@@ -164,17 +169,17 @@ PRUNABLE_HISTORY_AFTER = sa.text(
 
 
 def history_days(environ: dict[str, str] | None = None) -> int:
-    """The retention period in days from ``QO_OPS_RUN_HISTORY_DAYS`` (default 90)."""
+    """Read the retention period in days from ``QO_OPS_RUN_HISTORY_DAYS`` (default 90)."""
     return whole_number(DAYS_ENV, DEFAULT_DAYS, MIN_DAYS, MAX_DAYS, unit="days", environ=environ)
 
 
 def _run_days(ctx: BatchContext) -> int:
-    """The run's period: the one checked before the run began, fixed for the run."""
+    """Return the period checked before the run began. It stays fixed for the run."""
     return run_settings(ctx, history_days)
 
 
 def _history(ctx: BatchContext, after: datetime | None = None) -> sa.Subquery:
-    """Both kinds of prunable history as (item, at, kind): all of it, or after a position."""
+    """Select both kinds of prunable history as (item, at, kind), all or after a position."""
     params: dict[str, Any] = {"tenant": ctx.scope.tenant_id, "days": _run_days(ctx)}
     statement = ALL_PRUNABLE_HISTORY
     if after is not None:
@@ -188,11 +193,11 @@ def _history(ctx: BatchContext, after: datetime | None = None) -> sa.Subquery:
 
 
 def prunable_history(ctx: BatchContext) -> sa.Select[Any]:
-    """The tenant's runs and checkpoints past the period that may go, oldest first.
+    """Select the tenant's runs and checkpoints past the period that may go, oldest first.
 
-    Within a run, each batch starts after the last one (``position``): each kind is then a
-    range of its retention index read in order and cut at the batch size, and the batch
-    does not walk the index entries earlier batches left dead. The runner ends with one
+    Within a run, each batch starts after the last one (``position``). Each kind is then a
+    range of its retention index, read in order and cut at the batch size. The batch does
+    not walk the index entries that earlier batches left dead. The runner ends with one
     pass from the start.
     """
     position = ctx.position
@@ -200,8 +205,8 @@ def prunable_history(ctx: BatchContext) -> sa.Select[Any]:
     return sa.select(history.c.item).order_by(history.c.at)
 
 
-# Deletes what is still prunable of the batch; the main query sees the rows as they were
-# before the deletes (the batch's last time: where the next starts).
+# Delete what is still prunable of the batch. The main query sees the rows as they were
+# before the deletes, and returns the batch's last time, where the next batch starts.
 # Twice: the deletes re-check the whole predicate (PRUNABLE_RUN, PRUNABLE_CHECKPOINT), so a
 # row that changed since the selection stays and a second run deletes nothing.
 PRUNE_HISTORY_BATCH = sa.text(
@@ -234,7 +239,7 @@ _RUN_REQUESTER = sa.text("SELECT requester, correlation_id FROM job_run WHERE id
 
 
 def _split(items: Sequence[Any]) -> tuple[list[str], list[str], list[str]]:
-    """Run ids, and checkpoint (job, scope) pairs as two lists, from the batch's items."""
+    """Split the batch's items into run ids and checkpoint (job, scope) pairs as two lists."""
     run_ids, jobs, scopes = [], [], []
     for item in items:
         if item.startswith(RUN_PREFIX):
@@ -251,8 +256,9 @@ def _iso(value: datetime | None) -> str | None:
 
 
 def prune_history_batch(conn: Connection, ctx: BatchContext, items: Sequence[Any]) -> BatchOutcome:
-    """Delete the selected runs and checkpoints that are still prunable, and append one
-    ``retention.prune`` audit row saying what went (counts and times; no ids, no free text)."""
+    """Delete the selected runs and checkpoints that are still prunable. Append one
+    ``retention.prune`` audit row saying what went, as counts and times (no ids, no free
+    text)."""
     days = _run_days(ctx)
     run_ids, jobs, scopes = _split(items)
     row = conn.execute(
@@ -299,7 +305,7 @@ def prune_history_batch(conn: Connection, ctx: BatchContext, items: Sequence[Any
 
 
 def _cutoff(ctx: BatchContext, minus: timedelta = timedelta(0)) -> sa.ColumnElement[Any]:
-    """The run's cutoff (now less the period, a bound interval of whole days), less ``minus``."""
+    """Return the run's cutoff less ``minus``. The cutoff is now less the period in whole days."""
     age: sa.BindParameter[timedelta] = sa.bindparam(
         "cutoff_age", timedelta(days=_run_days(ctx)) + minus
     )
@@ -309,7 +315,7 @@ def _cutoff(ctx: BatchContext, minus: timedelta = timedelta(0)) -> sa.ColumnElem
 def _counts(
     conn: Connection, ctx: BatchContext, older_than: timedelta | None = None
 ) -> dict[str, int]:
-    """Prunable rows now, by kind (optionally only those past the cutoff by ``older_than``)."""
+    """Count the prunable rows now by kind, optionally only those ``older_than`` past the cutoff."""
     history = _history(ctx)
     query = sa.select(history.c.kind, sa.func.count()).group_by(history.c.kind)
     if older_than is not None:
@@ -319,7 +325,7 @@ def _counts(
     return found
 
 
-# Declared once: its results (check_run_history) carry this description too.
+# Declared once. Its results in check_run_history carry the same description.
 NO_EXPIRED_RUN_HISTORY = CheckSpec(
     "no_expired_run_history",
     "No run or checkpoint of the tenant is past the retention period beyond grace, "
@@ -328,8 +334,8 @@ NO_EXPIRED_RUN_HISTORY = CheckSpec(
 
 
 def check_run_history(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """Nothing of the tenant's history is past the period (beyond grace) but what must be
-    kept."""
+    """Check that nothing of the tenant's history is past the period beyond grace, except what
+    must be kept."""
     expired = _counts(conn, ctx, GRACE)
     return [
         NO_EXPIRED_RUN_HISTORY.result(
@@ -344,8 +350,8 @@ def check_run_history(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]
 
 
 def report_run_history(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
-    """What is prunable now, by table (a dry run: what execute would delete; after an
-    execute: what is left), and the period."""
+    """Report what is prunable now, by table, and the period. For a dry run that is what
+    execute would delete. After an execute it is what is left."""
     days = _run_days(ctx)
     word = "would be deleted" if ctx.mode == "dry_run" else "still past the period"
     rows = [ReportRow("retention", "days", days, f"cutoff: now - {days} days")]
@@ -354,7 +360,7 @@ def report_run_history(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
 
 
 def oldest_prunable_seconds(conn: Connection, ctx: BatchContext) -> float | None:
-    """Seconds since the oldest prunable run or checkpoint of the tenant passed the cutoff."""
+    """Return the seconds since the tenant's oldest prunable run or checkpoint passed the cutoff."""
     history = _history(ctx)
     value = conn.execute(
         sa.select(sa.func.extract("epoch", _cutoff(ctx) - sa.func.min(history.c.at)))
@@ -377,7 +383,7 @@ SPEC = JobSpec(
     destructive=True,
     validate_settings=history_days,
     batching=Batching(
-        locks=None,  # a union cannot be locked; the lease keeps one run per tenant
+        locks=None,  # a union cannot be locked, and the lease keeps one run per tenant
         positions=Positions(),
     ),
     presentation=Presentation(
@@ -386,11 +392,11 @@ SPEC = JobSpec(
         healthy="No run or checkpoint older than the retention period, apart from the latest and "
         "last successful run of each job and scope, leased scopes' and runs named by business records.",
     ),
-    # daily, a quiet hour after the nightly jobs (UTC); no backlog sensor
+    # Daily, a quiet hour after the nightly jobs (UTC). There is no backlog sensor.
     deployment=Deployment(cron_schedule="40 4 * * *", backlog_threshold=None),
     signals=Signals(
         lag=oldest_prunable_seconds,
         report=report_run_history,
-        reports_backlog=False,  # history ages out all day; the daily run clears it
+        reports_backlog=False,  # history ages out all day, and the daily run clears it
     ),
 )

@@ -1,37 +1,39 @@
-"""temp_file_cleanup (tenant × day): temp files past retention lose their row and their stored
-object; every removal leaves a tombstone; a run that would remove an anomalous amount stops
-before removing anything.
+"""temp_file_cleanup deletes temp files past retention, per tenant and creation day. Each
+file loses its row and its stored object, and every removal leaves a tombstone. A run that
+would remove an anomalous amount stops before it removes anything.
 
-**Eligible**: the tenant's files *created* in the window, older than the retention
-(``QO_OPS_TEMP_FILE_RETENTION_DAYS``, default 7, read when the run starts; a bad value of
-any cleanup setting is refused before anything is written), in a terminal
-status (COMPLETED, FAILED_TERMINAL) and not on legal hold; oldest first, on the partial index
-``ix_temp_file_cleanup`` (its predicate is written as SQL literals so every plan can use it).
-Stored objects live under ``QO_OPS_HOME/objects/<storage_path>``, reached through
-:class:`~qo_ops.platform.calls.object_store.ObjectStore` without ever following a symlink: a storage path that is not a plain
-relative path, or that goes through a symlinked directory, is ``unsafe_storage_path`` (the
-file fails, its row and object stay).
+**Eligible files.** The tenant created the file in the window, the file is older than the
+retention, its status is terminal (COMPLETED or FAILED_TERMINAL), and it is not on legal
+hold. The retention is ``QO_OPS_TEMP_FILE_RETENTION_DAYS`` (default 7), read when the run
+starts. A bad value of any cleanup setting is refused before anything is written. Files are
+taken oldest first, on the partial index ``ix_temp_file_cleanup``. Its predicate is written
+as SQL literals so that every plan can use it.
 
-**Per batch, two transactions** (the transition, then the platform's
-:class:`~qo_ops.platform.job.spec.SecondTransaction`; nothing is called between them):
+Stored objects live under ``QO_OPS_HOME/objects/<storage_path>``. The job reaches them
+through :class:`~qo_ops.platform.calls.object_store.ObjectStore`, which never follows a
+symlink. A storage path that is not a plain relative path, or that goes through a symlinked
+directory, is ``unsafe_storage_path``. That file fails, and its row and object stay.
 
-1. *decide* — the selected rows are locked (FOR UPDATE SKIP LOCKED). On the run's first batch
-   the anomaly gate runs. Each selected object is hashed and a tombstone *intent* is written
-   (``deleted_at`` NULL; ``sha256`` of the stored bytes, NULL when the object is already
-   gone); an intent left by an earlier run keeps its checksum. Commit.
-2. *remove* — one statement deletes the rows that are still eligible and not on hold (the
-   ``temp_file_legal_hold_guard`` trigger refuses a held row whatever the query says) and
-   completes their tombstones (``deleted_at``, the row's ``legal_hold`` as its DELETE
-   returned it). Then, with those rows deleted but not yet committed — locked, so nobody can
-   put a hold on them now — the objects of exactly the rows deleted are unlinked. Intents of
-   rows that changed since step 1 are dropped (their objects are untouched). Commit.
+**Each batch runs two transactions.** The first is the transition, the second the platform's
+:class:`~qo_ops.platform.job.spec.SecondTransaction`. Nothing is called between them.
 
-Why this order: an object is unlinked only while its row's delete is pending in the same
-transaction; the row stays until its object is gone, so the row is the retry token and a
-rerun's selection is exactly what is left (no separate sweep, which a rerun finding nothing
-eligible would never reach); and the checksum of the bytes is durable before any byte goes.
+1. *Decide.* The selected rows are locked (FOR UPDATE SKIP LOCKED). On the run's first batch
+   the anomaly gate runs. Each selected object is hashed, and a tombstone *intent* is
+   written with ``deleted_at`` NULL and the ``sha256`` of the stored bytes (NULL when the
+   object is already gone). An earlier run's intent keeps its checksum. Then it commits.
+2. *Remove.* One statement deletes the rows that are still eligible and not on hold, and
+   completes their tombstones with ``deleted_at`` and the row's ``legal_hold`` as its DELETE
+   returned it. The ``temp_file_legal_hold_guard`` trigger refuses a held row whatever the
+   query says. Next the objects of exactly the deleted rows are unlinked. Those rows are
+   deleted but not committed, so they stay locked and nobody can put a hold on them now.
+   Intents of rows that changed since step 1 are dropped (objects kept). Then it commits.
 
-**What a crash leaves, and what a rerun does** (a rerun first reaps the dead run's record):
+**Why this order.** An object is unlinked only while its row's delete is pending in the same
+transaction. The row stays until its object is gone, so the row is the retry token and a
+rerun's selection is exactly what is left. A separate sweep would fail, since a rerun that
+finds nothing eligible never reaches it. Each checksum is durable before any byte goes.
+
+**What a crash leaves, and what a rerun does.** A rerun first reaps the dead run's record.
 
 =======================================  =========  =========  ==============  ===============
 crash                                    rows       objects    tombstones      rerun
@@ -46,21 +48,22 @@ in 2, after unlinking, before commit     restored,  gone       intents, with   d
 after 2 commits                          gone       gone       complete        nothing to do
 =======================================  =========  =========  ==============  ===============
 
-An unlink error other than "not found" aborts the batch (``object_store_error``): the same
-state as a crash in 2, and a rerun retries. The one state a rerun cannot mend by itself: a
-crash in 2 after unlinking, then a legal hold put on such a row before the rerun — the row
-is kept (by the selection and the trigger) but its bytes are gone. The intent tombstone
-tells which run removed them and when (while the row was not on hold), and the
-``no_legal_hold_removed`` check fails on it so that a person looks.
+An unlink error other than "not found" aborts the batch with ``object_store_error``. That is
+the same state as a crash in step 2, and a rerun retries.
 
-**Anomaly stop**: before deleting anything (first batch), the run counts the eligible set of
-its scope; above ``QO_OPS_CLEANUP_MAX_DELETE`` files (default 10,000) or above
-``QO_OPS_CLEANUP_MAX_SHARE`` of all the tenant's files (default 0.5) it raises
-:class:`AnomalyThreshold`: nothing is deleted and the run ends ``failed`` /
-``anomaly_threshold``. ``QO_OPS_CLEANUP_OVERRIDE=1`` on a run that has a reason lets it
-through, with a ``job_audit`` row (action ``anomaly_override``) in that batch's transaction.
+One state needs a person. Step 2 crashes after unlinking, then someone puts a legal hold on
+such a row before the rerun. The row is kept (by the selection and the trigger) but its
+bytes are gone. The intent tombstone tells which run removed them and when, while the row
+was not on hold. The ``no_legal_hold_removed`` check fails on it so that a person looks.
 
-No checkpoint: deleting a row removes it from the selection, so a rerun finds what is left.
+**Anomaly stop.** Before its first delete, the run counts the eligible set of its scope. The
+run raises :class:`AnomalyThreshold` when that set is above ``QO_OPS_CLEANUP_MAX_DELETE``
+files (default 10,000) or above ``QO_OPS_CLEANUP_MAX_SHARE`` of all the tenant's files
+(default 0.5). Then nothing is deleted, and the run ends ``failed`` with
+``anomaly_threshold``. ``QO_OPS_CLEANUP_OVERRIDE=1`` lets a run that has a reason through,
+and writes a ``job_audit`` row (action ``anomaly_override``) in that batch's transaction.
+
+There is no checkpoint. A deleted row leaves the selection, so a rerun finds what is left.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ from qo_ops.platform.job.spec import (
 from qo_ops.platform.run.faults import crash_point
 from qo_ops.platform.run.selection import after_position, id_array, seconds_or_none
 
-SIDE_EFFECT = "object_delete"  # removing a file from the object store (job_side_effects_total)
+SIDE_EFFECT = "object_delete"  # a file removed from the object store (job_side_effects_total)
 RETENTION_ENV = "QO_OPS_TEMP_FILE_RETENTION_DAYS"
 MAX_DELETE_ENV = "QO_OPS_CLEANUP_MAX_DELETE"
 MAX_SHARE_ENV = "QO_OPS_CLEANUP_MAX_SHARE"
@@ -112,14 +115,14 @@ OVERRIDE_ENV = "QO_OPS_CLEANUP_OVERRIDE"
 DEFAULT_RETENTION_DAYS = 7
 DEFAULT_MAX_DELETE = 10_000
 DEFAULT_MAX_SHARE = 0.5
-GRACE_DAYS = 1  # nothing_eligible_past_grace forgives files that became eligible this recently
+GRACE_DAYS = 1  # nothing_eligible_past_grace forgives files eligible this recently
 GUARD_TRIGGER = "temp_file_legal_hold_guard"
-CRASH_BEFORE_OBJECT_DELETE = "before_object_delete"  # QO_OPS_CRASH_AT: rows' delete pending
-CRASH_AFTER_OBJECT_DELETE = "after_object_delete"  # QO_OPS_CRASH_AT: objects gone, no commit
+CRASH_BEFORE_OBJECT_DELETE = "before_object_delete"  # QO_OPS_CRASH_AT, row delete pending
+CRASH_AFTER_OBJECT_DELETE = "after_object_delete"  # QO_OPS_CRASH_AT, objects gone, no commit
 
 
 class AnomalyThreshold(ClassifiedError):
-    """The run would delete more than the anomaly thresholds allow; it deleted nothing."""
+    """The run would delete more than the anomaly thresholds allow, so it deleted nothing."""
 
     error_code = "anomaly_threshold"
 
@@ -145,7 +148,7 @@ class CleanupSettings:
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> CleanupSettings:
-    """Read the cleanup settings; :class:`CleanupConfigError` names a bad value."""
+    """Read the cleanup settings. A bad value raises :class:`CleanupConfigError` naming it."""
     env = os.environ if environ is None else environ
     retention = whole_number(
         RETENTION_ENV, DEFAULT_RETENTION_DAYS, 0, 36_500, environ=env, error=CleanupConfigError
@@ -158,7 +161,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CleanupSettin
         share = float(raw_share) if raw_share else DEFAULT_MAX_SHARE
     except ValueError:
         share = math.nan
-    if not 0.0 <= share <= 1.0:  # also refuses nan
+    if not 0.0 <= share <= 1.0:  # this also refuses nan
         raise CleanupConfigError(f"{MAX_SHARE_ENV} must be a number from 0 to 1, got {raw_share!r}")
     return CleanupSettings(
         retention_days=retention,
@@ -170,22 +173,22 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CleanupSettin
 
 
 def run_settings(ctx: BatchContext) -> CleanupSettings:
-    """The run's settings: those checked before it started, so every batch and check agrees."""
+    """Return the settings checked before the run started, so every batch and check agrees."""
     return settings_of_run(ctx, settings_from_env)
 
 
 def _retention(ctx: BatchContext) -> sa.Cast[timedelta]:
-    """The run's retention as a bound interval (whole days)."""
+    """Return the run's retention as a bound interval of whole days."""
     days = timedelta(days=run_settings(ctx).retention_days)
     return sa.cast(sa.bindparam("retention", days, unique=True), sa.Interval)
 
 
 # ------------------------------------------------------------------------------ selection
 
-# Eligible: the tenant's unheld, terminal files created in [:start, :end) and older than :days.
-# Shared by the selection, the anomaly count, the lag, the delete and the overdue check (and
-# the bench), so the delete can never take a row the selection would not. Hold and status are
-# literals, so every plan implies ix_temp_file_cleanup's predicate.
+# The tenant's unheld, terminal files created in [:start, :end) and older than :days.
+# The selection, the anomaly count, the lag, the delete, the overdue check and the bench all
+# share it, so the delete can never take a row the selection would not. Hold and status are
+# literals, so that every plan implies ix_temp_file_cleanup's predicate.
 ELIGIBLE = (
     "tenant_id = :tenant AND legal_hold = false AND status IN ('COMPLETED', 'FAILED_TERMINAL') "
     "AND created_at >= :start AND created_at < :end "
@@ -194,7 +197,7 @@ ELIGIBLE = (
 
 
 def _eligible_where(ctx: BatchContext) -> sa.TextClause:
-    """:data:`ELIGIBLE` over the run's scope and retention, its values bound."""
+    """Return :data:`ELIGIBLE` for the run's scope and retention, with its values bound."""
     start, end = ctx.scope.window_bounds()
     values = {
         "tenant": ctx.scope.tenant_id,
@@ -208,12 +211,12 @@ def _eligible_where(ctx: BatchContext) -> sa.TextClause:
 
 
 def eligible_files(ctx: BatchContext) -> sa.Select[Any]:
-    """The tenant's terminal, unheld files created in the window and past retention,
-    oldest first (ix_temp_file_cleanup).
+    """Select the tenant's terminal, unheld files created in the window and past retention,
+    oldest first, on ix_temp_file_cleanup.
 
     Within a run, each batch starts after the last one (``position``), so it does not walk
-    the index entries earlier batches left dead (the runner ends with one pass from the
-    start), and a file this run could not handle (an unsafe storage path) is not taken again.
+    the index entries that earlier batches left dead. The runner ends with one pass from the
+    start. A file this run could not handle (an unsafe storage path) is not taken again.
     """
     query = (
         sa.select(temp_file.c.id)
@@ -266,7 +269,7 @@ class AnomalyMeasure:
 
 @dataclass
 class CleanupRun:
-    """What a cleanup run keeps between batches: its anomaly gate's result, files refused."""
+    """The anomaly gate's result and the refused files, kept between a cleanup run's batches."""
 
     measure: AnomalyMeasure | None = None
     gate: Literal["passed", "overridden"] | None = None
@@ -274,7 +277,7 @@ class CleanupRun:
 
 
 def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
-    """How much of the tenant the scope's eligible set is."""
+    """Measure how much of the tenant the scope's eligible set is."""
     settings = run_settings(ctx)
     eligible = conn.execute(
         sa.select(sa.func.count()).select_from(temp_file).where(_eligible_where(ctx))
@@ -288,7 +291,7 @@ def measure_anomaly(conn: Connection, ctx: BatchContext) -> AnomalyMeasure:
 
 
 def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
-    """Stop (deleting nothing) when the scope's eligible set is anomalous, unless overridden."""
+    """Stop the run, deleting nothing, when the eligible set is anomalous and not overridden."""
     measure = measure_anomaly(conn, ctx)
     run_state = ctx.run_state(CleanupRun)
     run_state.measure = measure  # for the run's report
@@ -330,13 +333,13 @@ def _anomaly_gate(conn: Connection, ctx: BatchContext) -> None:
 
 # ------------------------------------------------------------------------------ step 1: decide
 
-# The batch's files as the runner's selection locked them in this transaction, oldest first.
+# The batch's files, which the runner's selection locked in this transaction, oldest first.
 _BATCH_FILES = sa.text(
     "SELECT id, storage_path, created_at FROM temp_file "
     "WHERE id = ANY(CAST(:ids AS bigint[])) AND tenant_id = :tenant ORDER BY created_at, id"
 )
 
-# The removal decided, before any byte goes: one intent per file, with the checksum of its bytes.
+# Record the decided removal before any byte goes, as one intent per file with its checksum.
 # The rows are found by the primary key (= ANY), never by a scan of the tenant's files.
 # Twice: the upsert on temp_file_id keeps the checksum first seen and leaves a completed
 # tombstone alone (WHERE deleted_at IS NULL), so a rerun only re-stamps its run and reason.
@@ -368,7 +371,7 @@ def _reason(ctx: BatchContext) -> str:
 
 @dataclass(frozen=True)
 class DecidedFile:
-    """A file step 1 decided to remove: a ``safe`` one has its intent (sha256 None: gone)."""
+    """A file step 1 decided to remove. A ``safe`` one has its intent (sha256 None if gone)."""
 
     id: int
     storage_path: str
@@ -378,12 +381,12 @@ class DecidedFile:
 
 
 def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
-    """Step 1: gate the run (first batch), hash the selected objects, write the intents."""
+    """Step 1 gates the run on its first batch, hashes the selected objects, writes intents."""
     settings = run_settings(ctx)
     if ctx.run_state(CleanupRun).gate is None:
         _anomaly_gate(conn, ctx)
     files = conn.execute(_BATCH_FILES, {"ids": id_array(ids), "tenant": ctx.scope.tenant_id}).all()
-    with ObjectStore(settings.objects_root) as store:  # (safe, sha256) of each object
+    with ObjectStore(settings.objects_root) as store:  # each object gives (safe, sha256)
         work = [
             DecidedFile(f.id, f.storage_path, f.created_at, *store.sha256(f.storage_path))
             for f in files
@@ -406,10 +409,10 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
 # ------------------------------------------------------------------------------ step 2: remove
 
 
-# Still eligible (a row changed since step 1 stays) and never a held row; the tombstone gets
-# the row's legal_hold as this very DELETE returned it.
+# Delete the rows that are still eligible, never a held one. A row changed since step 1 stays.
+# The tombstone gets the row's legal_hold as this very DELETE returned it.
 # Twice: a deleted row matches nothing again, and the tombstone is upserted on temp_file_id
-# (the intent of step 1 completed, never a second row).
+# (the intent of step 1 is completed, never a second row).
 _DELETE_ROWS = sa.text(
     f"""
     WITH gone AS (
@@ -432,7 +435,7 @@ _DELETE_ROWS = sa.text(
     """
 )
 
-# Intents of rows that stay (changed since step 1, object intact).
+# Drop the intents of rows that stay because they changed since step 1 (object intact).
 # Twice: only intents (deleted_at IS NULL) go, and a second run finds none of them left.
 _FORGET_INTENTS = sa.text(
     "DELETE FROM temp_file_tombstone WHERE temp_file_id = ANY(CAST(:ids AS bigint[])) "
@@ -441,8 +444,8 @@ _FORGET_INTENTS = sa.text(
 
 
 def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) -> BatchOutcome:
-    """Step 2: delete the rows still eligible, complete their tombstones, then unlink their
-    objects before the commit."""
+    """Step 2 deletes the rows still eligible and completes their tombstones. Then it unlinks
+    their objects before the commit."""
     settings = run_settings(ctx)
     start, end = ctx.scope.window_bounds()
     unsafe = [f for f in files if not f.safe]
@@ -464,8 +467,8 @@ def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) 
         else []
     )
     deleted = {r.temp_file_id for r in gone}
-    # rows that changed since step 1 (e.g. put on hold) stay with their objects; their
-    # intents go, unless the object is missing (evidence of an earlier interrupted removal)
+    # Rows that changed since step 1 (e.g. put on hold) stay with their objects. Their intents
+    # go, unless the object is missing, which is evidence of an earlier interrupted removal.
     kept = [i for i in safe if i not in deleted]
     removed = already_gone = removed_bytes = 0
     with ObjectStore(settings.objects_root) as store:
@@ -474,7 +477,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) 
             conn.execute(_FORGET_INTENTS, {"ids": id_array(intact)})
         crash_point(CRASH_BEFORE_OBJECT_DELETE)
         for row in sorted(gone, key=lambda r: r.temp_file_id):
-            # safe in step 1; a directory swapped for a symlink since raises, rolling back
+            # Safe in step 1. A directory swapped for a symlink since then raises and rolls back.
             if store.remove(row.storage_path):
                 removed += 1
                 removed_bytes += row.size_bytes
@@ -498,7 +501,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) 
         failed_items=[(str(f.id), "unsafe_storage_path") for f in unsafe],
         tally=tally,
     )
-    # an object already gone was removed by an earlier attempt whose commit did not happen
+    # An object already gone was removed by an earlier attempt whose commit did not happen.
     outcome.side_effect(SIDE_EFFECT, Result.SUCCESS, removed)
     outcome.side_effect(SIDE_EFFECT, Result.DUPLICATE_PREVENTED, already_gone)
     return outcome
@@ -506,7 +509,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) 
 
 # ------------------------------------------------------------------------------ outcome
 
-# Tombstones of the window's held files that were deleted (the guard should make it 0).
+# Tombstones of the window's held files that were deleted. The guard should keep this at 0.
 _HELD_DELETED = sa.text(
     "SELECT count(*) FROM temp_file_tombstone WHERE tenant_id = :tenant "
     "AND file_created_at >= :start AND file_created_at < :end "
@@ -522,7 +525,7 @@ _HELD_WITH_INTENT = sa.text(
     "ON t.temp_file_id = f.id WHERE f.tenant_id = :tenant "
     "AND f.created_at >= :start AND f.created_at < :end AND f.legal_hold"
 )
-# Deletable files of the window past :days (retention + grace), on ix_temp_file_cleanup.
+# Deletable files of the window past :days (retention plus grace), on ix_temp_file_cleanup.
 _OVERDUE_FILES = sa.text(f"SELECT count(*) FROM temp_file WHERE {ELIGIBLE}")
 _PATHS_PART = 10_000  # deleted paths checked at a time
 # Paths of the window's deleted files that no live row uses again.
@@ -546,7 +549,7 @@ def _window(ctx: BatchContext) -> dict[str, Any]:
     return {"tenant": ctx.scope.tenant_id, "start": start, "end": end}
 
 
-# Declared once: their results (check_cleanup) carry these descriptions too.
+# Each check is declared once. Its results in check_cleanup carry the same description.
 NO_LEGAL_HOLD_REMOVED = CheckSpec("no_legal_hold_removed", "No file on legal hold was ever deleted")
 NOTHING_ELIGIBLE_PAST_GRACE = CheckSpec(
     "nothing_eligible_past_grace", "No deletable file of the window is past retention plus grace"
@@ -562,8 +565,8 @@ ELIGIBLE_WITHIN_ANOMALY_THRESHOLD = CheckSpec(
 
 
 def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """Legal holds intact; nothing eligible left past retention + grace; deleted objects gone;
-    the eligible set within the anomaly thresholds."""
+    """Check that legal holds are intact, nothing eligible is left past retention plus grace,
+    deleted objects are gone, and the eligible set is within the anomaly thresholds."""
     settings = run_settings(ctx)
     window = _window(ctx)
     held_deleted = conn.execute(_HELD_DELETED, window).scalar_one()
@@ -574,8 +577,8 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
         held_bytes_lost = sum(1 for p in held_with_intent if not store.exists(p))
     overdue_days = settings.retention_days + GRACE_DAYS
     overdue = conn.execute(_OVERDUE_FILES, {**window, "days": overdue_days}).scalar_one()
-    # streamed: checked on its own, the window is every day of the tenant's deletions; a
-    # part's directories are listed once each rather than a stat per path
+    # Streamed, because a check on its own covers every day of the tenant's deletions. Each
+    # part lists its directories once instead of a stat per path.
     deleted_paths = conn.execute(
         _DELETED_PATHS, window, execution_options={"yield_per": _PATHS_PART}
     ).scalars()
@@ -601,8 +604,8 @@ def check_cleanup(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
 
 
 def _objects_preview(conn: Connection, ctx: BatchContext, eligible: int) -> ReportRow:
-    """A dry run's look at the eligible files' objects: how many execute would unlink, how
-    many are already gone (only their rows would go), how many it would refuse (unsafe)."""
+    """Preview the eligible files' objects for a dry run. It counts those execute would unlink,
+    those already gone (only their rows would go) and those it would refuse as unsafe."""
     paths = conn.execute(sa.select(temp_file.c.storage_path).where(_eligible_where(ctx)))
     with ObjectStore(run_settings(ctx).objects_root) as store:
         stored, unsafe = store.census(paths.scalars())
@@ -613,13 +616,13 @@ def _objects_preview(conn: Connection, ctx: BatchContext, eligible: int) -> Repo
 
 
 def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
-    """Per creation day: files deleted, their bytes and recorded checksums; the anomaly
-    decision (the run's gate, or what a gate would decide now); a dry run within the cap:
-    how many of the eligible files' objects are stored."""
+    """Report the files deleted per creation day, with their bytes and recorded checksums.
+    Report the anomaly decision, from the run's gate or what a gate would decide now. A dry
+    run within the cap also reports how many of the eligible files' objects are stored."""
     settings = run_settings(ctx)
     run_state = ctx.run_state(CleanupRun)
     stop = "stopped" if run_state.measure is not None else "would stop"  # the gate ran
-    measure = run_state.measure or measure_anomaly(conn, ctx)  # else: what it would decide
+    measure = run_state.measure or measure_anomaly(conn, ctx)  # or what the gate would decide
     decision = run_state.gate or (stop if measure.breaches() else "within")
     rows = [
         ReportRow(
@@ -642,7 +645,7 @@ def report_cleanup(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
 
 
 def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
-    """Seconds since the oldest eligible file of the window passed retention."""
+    """Return the seconds since the oldest eligible file of the window passed retention."""
     oldest = sa.func.min(temp_file.c.created_at) + _retention(ctx)
     value = conn.execute(
         sa.select(sa.func.extract("epoch", sa.func.now() - oldest)).where(_eligible_where(ctx))
@@ -660,7 +663,7 @@ SPEC = JobSpec(
     partitioning="tenant_day",
     eligible=eligible_files,
     transition=decide_batch,
-    then=SecondTransaction(finish=remove_batch),  # step 2, after step 1 committed
+    then=SecondTransaction(finish=remove_batch),  # step 2 runs after step 1 has committed
     check=check_cleanup,
     checks=(
         NO_LEGAL_HOLD_REMOVED,

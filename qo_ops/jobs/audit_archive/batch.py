@@ -1,6 +1,8 @@
-"""What one batch carries from phase to phase: the chunks the selection cut, the work it
-hands the file phase, and each file's verdict for the delete; and what the run keeps
-between its batches (``ArchiveRun``)."""
+"""What one batch carries from phase to phase, and what the run keeps between its batches.
+
+A batch carries the chunks the selection cut, the work it hands the file phase, and each
+file's verdict for the delete. The run keeps ``ArchiveRun`` between its batches.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ if TYPE_CHECKING:  # pyarrow is loaded where tables are made, never on import
 
 @dataclass
 class Chunk:
-    """One file's worth: every eligible record of (tenant, day) with an id in [min, max]."""
+    """One file's worth of records, every eligible one of (tenant, day) with an id in [min, max]."""
 
     manifest_id: uuid.UUID
     tenant_id: str
@@ -28,10 +30,10 @@ class Chunk:
     row_count: int
     min_id: int
     max_id: int
-    table: pa.Table | None  # the records; None when adopting an existing WRITTEN manifest
+    table: pa.Table | None  # the records, or None when adopting an existing WRITTEN manifest
     sha256: str | None = None  # known up front only when adopting
     retired: list[str] = field(default_factory=list)  # files of retired manifests
-    adopted: bool = False  # a WRITTEN manifest of an earlier run, verified again
+    adopted: bool = False  # a WRITTEN manifest of an earlier run, to be verified again
 
 
 @dataclass
@@ -49,7 +51,7 @@ class Work:
 
 @dataclass
 class FileResult:
-    """A chunk after the file phase: verified against its manifest, or why not."""
+    """A chunk after the file phase, verified against its manifest or with the reason it is not."""
 
     chunk: Chunk
     ok: bool
@@ -64,6 +66,6 @@ class ArchiveRun:
     """What an archive run keeps between its batches (``ctx.run_state(ArchiveRun)``)."""
 
     baseline: int | None = None  # the window's records at the first batch (for the check)
-    failure: str | None = None  # why a file failed verification: the next batch stops the run
-    deleted: bool = False  # the last batch deleted rows (a crash point at the next selection)
+    failure: str | None = None  # why a file failed verification (the next batch stops the run)
+    deleted: bool = False  # the last batch deleted rows, for a crash point at the next selection
     swept_days: set[date] = field(default_factory=set)  # days whose orphans this run swept

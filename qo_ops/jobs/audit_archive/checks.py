@@ -1,6 +1,9 @@
-"""What the job answers after a run, or at any time: its outcome checks (every record in
-exactly one place, every archive file still matching its checksum), its report, and its
-lag (how long the oldest record past retention has waited)."""
+"""What the job answers after a run, or at any time.
+
+The outcome checks ask that every record is in exactly one place and that every archive
+file still matches its checksum. The report lists the archives. The lag is how long the
+oldest record past retention has waited.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from qo_ops.platform.job.outcome import BatchContext, OutcomeCheck, ReportRow
 from qo_ops.platform.job.spec import CheckSpec
 from qo_ops.platform.run.selection import seconds_or_none
 
-# The VERIFIED archives of a window (by the day they hold), in file order: what counts as
-# archived (restore locks the same rows).
+# The VERIFIED archives of a window (by the day they hold), in file order. They are what
+# counts as archived. Restore locks the same rows.
 VERIFIED_MANIFESTS = (
     sa.select(audit_archive_manifest)
     .where(
@@ -29,8 +32,9 @@ VERIFIED_MANIFESTS = (
     .order_by(audit_archive_manifest.c.window_start, audit_archive_manifest.c.min_record_id)
 )
 
-# Where the window's records are: still in the source; in the source although a VERIFIED
-# archive has them too (must be none); in WRITTEN or FAILED archives (never counted).
+# Where the window's records are. Some are still in the source. Some are in the source
+# although a VERIFIED archive has them too, and there must be none of those. Some are in
+# WRITTEN or FAILED archives, which never count.
 _PLACES = sa.text(
     """
     SELECT (SELECT count(*) FROM audit_record WHERE tenant_id = :t
@@ -52,7 +56,7 @@ _PLACES = sa.text(
 )
 
 
-# Declared once: their results (check_archive) carry these descriptions too.
+# Each check is declared once. Its results in check_archive carry the same description.
 ACCOUNTS_FOR_EVERY_RECORD = CheckSpec(
     "archive_accounts_for_every_record",
     "Archived (VERIFIED) + remaining records = the records of the window; none in both",
@@ -63,7 +67,7 @@ ARCHIVES_VERIFY = CheckSpec(
 
 
 def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
-    """Every record of the window is in exactly one place; every archive file verifies."""
+    """Check that every record of the window is in exactly one place and every file verifies."""
     scope = ctx.scope
     start, end = scope.window_bounds()
     window = {"t": scope.tenant_id, "s": start, "e": end}
@@ -107,7 +111,7 @@ def check_archive(conn: Connection, ctx: BatchContext) -> list[OutcomeCheck]:
     ]
 
 
-# Per day and status, the archives a run wrote or adopted: files, records, checksums.
+# The files, records and checksums of the archives a run wrote or adopted, per day and status.
 _RUN_ARCHIVES = sa.text(
     """
     SELECT (window_start AT TIME ZONE 'UTC')::date AS day, status, count(*) AS files,
@@ -121,8 +125,10 @@ _RUN_ARCHIVES = sa.text(
 
 
 def report_archive(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
-    """Per day and manifest status: archive files this run wrote or adopted, their records
-    and checksums (first 12 hex digits)."""
+    """Report, per day and manifest status, the archive files this run wrote or adopted.
+
+    Each row gives their records and checksums (the first 12 hex digits).
+    """
     return [
         ReportRow(
             "archived" if r.status == "VERIFIED" else r.status.lower(),
@@ -135,7 +141,7 @@ def report_archive(conn: Connection, ctx: BatchContext) -> list[ReportRow]:
 
 
 def overdue_seconds(conn: Connection, ctx: BatchContext) -> float | None:
-    """How long the oldest eligible record of the window has been past retention."""
+    """Return how long the oldest eligible record of the window has been past retention."""
     start, end = ctx.scope.window_bounds()
     oldest = conn.execute(
         sa.select(sa.func.min(audit_record.c.occurred_at)).where(

@@ -1,4 +1,4 @@
-"""The archive's errors: each names the error class a failed run reports."""
+"""The archive's errors. Each names the error class a failed run reports."""
 
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ VERIFICATION_FAILED = "archive_verification_failed"
 
 
 class ArchiveError(QoOpsError):
-    """An archive could not be written, verified or restored; nothing was deleted."""
+    """An archive could not be written, verified or restored, and nothing was deleted."""
 
     exit_code = 1
     error_code = "archive_error"
 
 
 class ArchiveVerificationFailed(ArchiveError):
-    """A file did not match its manifest or its source rows: the run stops."""
+    """A file did not match its manifest or its source rows, so the run stops."""
 
     error_code = VERIFICATION_FAILED
 
 
 class ArchiveConfigError(ConfigError):
-    """An audit_archive setting in the environment is unusable; nothing was run."""
+    """An audit_archive setting in the environment is unusable, so nothing was run."""
 
     error_code = "bad_config"

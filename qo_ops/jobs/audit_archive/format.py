@@ -1,6 +1,9 @@
-"""The archive's format: audit records copied out of PostgreSQL (``COPY … TO STDOUT`` as CSV,
-parsed by Arrow), written as Parquet, read back; and the digest of rows that PostgreSQL
-computes from its own values and Arrow from a file's, each on its own."""
+"""The archive's format.
+
+Audit records are copied out of PostgreSQL (``COPY … TO STDOUT`` as CSV, parsed by Arrow),
+written as Parquet, and read back. The module also defines the digest of rows. PostgreSQL
+computes it from its own values, and Arrow computes it from a file's, each on its own.
+"""
 
 from __future__ import annotations
 
@@ -20,13 +23,13 @@ from qo_ops.jobs.audit_archive.errors import ArchiveError
 if TYPE_CHECKING:  # pyarrow is loaded by the functions that use it, never on import
     import pyarrow as pa
 
-# An archive run converts no Python value to Arrow (pa.array, pa.scalar, a str or int argument
-# to a compute function) and no zoned timestamp to Python (as_py()): pyarrow's first such
-# conversion imports pandas when it is installed (0.2-2 s), which the run never needs. Arrays
-# of Python values are built from their bytes instead (_int_array, _text). Only read_rows,
-# for a restore, makes Python datetimes, and pays for it there.
+# An archive run converts no Python value to Arrow (pa.array, pa.scalar, a str or int
+# argument to a compute function) and no zoned timestamp to Python (as_py()). pyarrow's
+# first such conversion imports pandas when it is installed, which the run never needs
+# (figures in bench/TUNING.md). Arrays of Python values are built from their bytes instead
+# (_int_array, _text). Only read_rows, for a restore, makes Python datetimes, and pays there.
 
-# The file's columns: every column of audit_record, ``details`` as JSON text.
+# The file's columns are every column of audit_record, with ``details`` as JSON text.
 COLUMNS = (
     "id", "tenant_id", "occurred_at", "actor_ref", "action", "entity_type", "entity_id", "details",
 )  # fmt: skip
@@ -35,11 +38,13 @@ assert tuple(c.name for c in audit_record.columns) == COLUMNS, "archive columns 
 
 @cache
 def load_arrow() -> None:
-    """Import the parts of pyarrow this package uses and run each of its conversions once on
-    rows enough to start what a batch's tables start (a CSV parsed as COPY writes it, a
-    Parquet file written and read back, both digests): their first call sets up kernels,
-    threads, buffers and codecs (100-300 ms on a busy host), which no batch should pay while
-    it holds row locks. Once per process; then free."""
+    """Import the parts of pyarrow this package uses, and run each of its conversions once.
+
+    The rows used are enough to start what a batch's tables start: a CSV parsed as COPY
+    writes it, a Parquet file written and read back, and both digests. Their first call sets
+    up kernels, threads, buffers and codecs, which no batch should pay for while it holds
+    row locks (figures in bench/TUNING.md). This runs once per process, and is free after.
+    """
     ids = list(range(1, 2_001))
     csv = "".join(
         f'{i},t,2000-01-01T00:00:{i % 60:02}.{i:06}Z,a,"b,""c""",e,{i},"{{""n"": {i}}}",2000-01-01\n'
@@ -52,7 +57,7 @@ def load_arrow() -> None:
 
 @cache
 def archive_schema() -> pa.Schema:
-    """The file's Arrow schema (``COLUMNS``, each NOT NULL as in the table)."""
+    """Return the file's Arrow schema, ``COLUMNS``, each NOT NULL as in the table."""
     import pyarrow as pa
 
     text = pa.string()
@@ -61,18 +66,19 @@ def archive_schema() -> pa.Schema:
 
 
 # Which rows an archive takes. The copy into the file (COPY_BATCH) and the delete from the
-# source (DELETE_DIGESTED) share this one predicate, and that they share it is the safety: a
-# delete can reach only rows of the tenant that the copy could have put in a file. The id
-# range lets the primary key serve both; the copy keeps exactly the selected ids of it
-# (copy_batch), and the delete stands only if it took exactly the file's rows.
+# source (DELETE_DIGESTED) share this one predicate, and that sharing is the safety. A delete
+# can reach only rows of the tenant that the copy could have put in a file. The id range lets
+# the primary key serve both. The copy keeps exactly the selected ids of it (copy_batch), and
+# the delete stands only if it took exactly the file's rows.
 ARCHIVE_ROWS = "tenant_id = :t AND id BETWEEN :lo AND :hi"
 
-# The selected rows' id range as the archive holds it, copied out as CSV straight into Arrow
-# columns (no Python object per value): occurred_at as ISO 8601 UTC with microseconds, which
-# Arrow parses exactly; details as jsonb's own text form, which casts back exactly; then the
-# UTC day. By the id range (COPY takes no bind parameters, and a literal of every id costs
-# the server a parse and a plan per batch); copy_batch keeps the selected ids of it. In id
-# order: sorted by day in Arrow (copy_batch), not by a server sort that spills.
+# Copy the selected rows' id range as the archive holds it, as CSV straight into Arrow
+# columns, with no Python object per value. occurred_at is ISO 8601 UTC with microseconds,
+# which Arrow parses exactly. details is jsonb's own text form, which casts back exactly. The
+# UTC day comes last. The copy goes by the id range because COPY takes no bind parameters,
+# and a literal of every id costs the server a parse and a plan per batch. copy_batch keeps
+# the selected ids of it. Rows come in id order, and copy_batch sorts them by day in Arrow
+# rather than by a server sort that spills.
 COPY_BATCH = sa.text(
     f"""
     COPY (SELECT id, tenant_id,
@@ -88,12 +94,14 @@ COPY_BATCH = sa.text(
 
 
 def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table:
-    """The tenant's records among ``ids`` as an Arrow table of ``archive_schema()`` and a
-    trailing ``day`` column (ISO date, UTC), sorted by day, then id: ``COPY_BATCH`` in the
-    caller's transaction."""
-    # PostgreSQL's COPY takes no bind parameters: psycopg's copy() merges them into the text
-    # client-side, as literals it quotes itself. This is the package's one statement run that
-    # way; compiled here from SQLAlchemy's :name to psycopg's %(name)s.
+    """Run ``COPY_BATCH`` in the caller's transaction for the tenant's records among ``ids``.
+
+    It returns an Arrow table of ``archive_schema()`` with a trailing ``day`` column (ISO
+    date, UTC), sorted by day, then id.
+    """
+    # PostgreSQL's COPY takes no bind parameters, so psycopg's copy() merges them into the
+    # text client-side, as literals it quotes itself. This is the package's one statement run
+    # that way. It is compiled here from SQLAlchemy's :name to psycopg's %(name)s.
     compiled = COPY_BATCH.compile(dialect=conn.dialect)
     params = compiled.construct_params({"lo": min(ids), "hi": max(ids), "t": tenant_id})
     raw = conn.connection.driver_connection
@@ -107,8 +115,10 @@ def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table
 
 
 def rows_of_csv(csv: io.BytesIO, ids: Sequence[int]) -> pa.Table:
-    """``COPY_BATCH``'s CSV as an Arrow table, only the rows of ``ids`` (all of them must be
-    there), sorted by day, then id."""
+    """Parse ``COPY_BATCH``'s CSV as an Arrow table, sorted by day, then id.
+
+    Only the rows of ``ids`` are kept, and all of them must be there.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.csv as pacsv
@@ -124,17 +134,17 @@ def rows_of_csv(csv: io.BytesIO, ids: Sequence[int]) -> pa.Table:
             quoted_strings_can_be_null=False,
         ),
     )
-    table = table.cast(copy_schema)  # NOT NULL as in the table (none can be)
+    table = table.cast(copy_schema)  # NOT NULL as in the table, where none can be
     selected = _int_array(ids, "q")
-    # rows of the range that were not selected (another run's, or not eligible) stay out
+    # Rows of the range that were not selected (another run's, or not eligible) stay out.
     table = table.filter(pc.is_in(table.column("id"), value_set=selected))
-    if table.num_rows != len(selected):  # locked by this transaction: none can be missing
+    if table.num_rows != len(selected):  # this transaction locked them, so none can be missing
         raise ArchiveError(f"copied {table.num_rows} of {len(selected)} selected records")
     return table.sort_by([("day", "ascending"), ("id", "ascending")]).combine_chunks()
 
 
 def _int_array(values: Sequence[int], code: str) -> pa.Array:
-    """Python ints as an Arrow int64 (``code`` "q") or int32 ("i") array, from their bytes."""
+    """Build an Arrow int64 (``code`` "q") or int32 ("i") array of Python ints from their bytes."""
     import pyarrow as pa
 
     packed = array.array(code, values)
@@ -143,7 +153,7 @@ def _int_array(values: Sequence[int], code: str) -> pa.Array:
 
 
 def _text(value: str) -> pa.Scalar:
-    """A Python string as an Arrow string scalar, from its bytes."""
+    """Build an Arrow string scalar of a Python string from its bytes."""
     import pyarrow as pa
 
     data = value.encode()
@@ -152,14 +162,14 @@ def _text(value: str) -> pa.Scalar:
 
 
 def same_text(column: pa.ChunkedArray, value: str) -> bool:
-    """Whether every value of a string column equals ``value``."""
+    """Return whether every value of a string column equals ``value``."""
     import pyarrow.compute as pc
 
     return bool(pc.all(pc.equal(column, _text(value))).as_py())
 
 
 def parquet_bytes(table: pa.Table, metadata: dict[str, str]) -> bytes:
-    """The archive file for ``table`` (``archive_schema()`` columns), as bytes."""
+    """Write the archive file for ``table`` (``archive_schema()`` columns) as bytes."""
     import pyarrow.parquet as pq
 
     schema = archive_schema().with_metadata({f"qo_ops.{k}": v for k, v in metadata.items()})
@@ -169,12 +179,14 @@ def parquet_bytes(table: pa.Table, metadata: dict[str, str]) -> bytes:
 
 
 def read_table(data: bytes, *, use_threads: bool = True) -> pa.Table:
-    """An archive file's bytes as a table of ``archive_schema()`` (raises if unreadable).
-    One batch's file reads faster on one thread than the pool's threads start up."""
+    """Read an archive file's bytes as a table of ``archive_schema()``. Raise if unreadable.
+
+    One batch's file reads faster on one thread than the pool's threads start up.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    reader = pq.ParquetFile(pa.BufferReader(data))  # pq.read_table loads pyarrow.dataset
+    reader = pq.ParquetFile(pa.BufferReader(data))  # pq.read_table would load pyarrow.dataset
     table = reader.read(use_threads=use_threads)
     if tuple(table.column_names) != COLUMNS:
         raise ValueError(f"unexpected columns {table.column_names}")
@@ -182,23 +194,24 @@ def read_table(data: bytes, *, use_threads: bool = True) -> pa.Table:
 
 
 def read_rows(data: bytes) -> list[tuple[Any, ...]]:
-    """The rows of an archive file's bytes, in ``COLUMNS`` order (raises if unreadable)."""
+    """Return the rows of an archive file's bytes in ``COLUMNS`` order. Raise if unreadable."""
     table = read_table(data)
     return list(zip(*(table.column(c).to_pylist() for c in COLUMNS), strict=True))
 
 
 # ------------------------------------------------------------------------ the rows' digest
 
-# The manifest's source rows leave the table, and PostgreSQL digests the rows it deleted
-# from its own values exactly as table_digests() digests a file's rows: their count; sha256
-# of the ids joined by ","; sha256 of one line per row in id order — id|epoch µs|then each
-# text column as <bytes>:<text>, "|" between fields, "\n" after each: length-prefixed, so no
-# two different rows give the same line. Run under a savepoint (steps.delete_verified): the
-# delete stands only if the digests equal the file's, else the savepoint is rolled back —
-# nothing of it is ever committed unless the deleted rows are, value for value, the file's.
-# Which rows: ARCHIVE_ROWS within the manifest's window, what the copy could have taken.
-# Twice: once committed the rows are gone, and the manifest is VERIFIED, which no run
-# can make it again (steps._MARK_VERIFIED): a second run never gets here for it.
+# Delete the manifest's source rows. PostgreSQL digests the rows it deleted from its own
+# values, exactly as table_digests() digests a file's rows. The digest is their count, the
+# sha256 of the ids joined by ",", and the sha256 of one line per row in id order. A line is
+# the id, the epoch µs, then each text column as <bytes>:<text>, with "|" between fields and
+# "\n" after each. The length prefix means no two different rows give the same line.
+# This runs under a savepoint (steps.delete_verified). The delete stands only if the digests
+# equal the file's. Otherwise the savepoint is rolled back, so nothing of it is committed
+# unless the deleted rows are, value for value, the file's.
+# The rows are ARCHIVE_ROWS within the manifest's window, which is what the copy could take.
+# Twice: once this commits, the rows are gone and the manifest is VERIFIED. No run can make
+# it VERIFIED again (steps._MARK_VERIFIED), so a second run never gets here for it.
 DELETE_DIGESTED = sa.text(
     f"""
     WITH gone AS (
@@ -228,7 +241,7 @@ _TEXT_COLUMNS = ("tenant_id", "actor_ref", "action", "entity_type", "entity_id",
 
 
 def _joined_sha256(pieces: pa.Array) -> str:
-    """sha256 of the concatenation of a string array's values."""
+    """Return the sha256 of the concatenation of a string array's values."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -237,7 +250,7 @@ def _joined_sha256(pieces: pa.Array) -> str:
 
 
 def table_digests(table: pa.Table) -> tuple[str, str]:
-    """(ids digest, rows digest) of an archive table, as ``DELETE_DIGESTED`` computes them."""
+    """Return (ids digest, rows digest) of an archive table, as ``DELETE_DIGESTED`` does."""
     import pyarrow as pa
     import pyarrow.compute as pc
 

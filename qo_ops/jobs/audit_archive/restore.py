@@ -1,6 +1,6 @@
-"""``restore`` (``qo-ops archive restore``): a tenant-day's VERIFIED archives back into
-``audit_record`` with their ids, the manifests WRITTEN again — S3 back to S2, in one
-transaction (the package's docstring tells the states)."""
+"""``restore`` (``qo-ops archive restore``) puts a tenant-day's VERIFIED archives back into
+``audit_record`` with their ids, and makes the manifests WRITTEN again. This takes S3 back
+to S2 in one transaction. The package's docstring describes the states."""
 
 from __future__ import annotations
 
@@ -34,17 +34,17 @@ class RestoreResult:
 
     @property
     def already_present(self) -> int:
-        """Archived rows that were in the source already (restored before, say)."""
+        """Archived rows that were in the source already, for example restored before."""
         return self.archived_rows - self.restored_rows
 
 
-# The VERIFIED archives of the day, locked until the restore commits (the archives of one
-# day all start at its midnight: in min_record_id order).
+# The VERIFIED archives of the day, locked until the restore commits. The archives of one
+# day all start at its midnight, so they are ordered by min_record_id.
 _LOCK_VERIFIED = VERIFIED_MANIFESTS.with_for_update()
 
 # One archive's rows back into the source, with their own ids.
 # Twice: ON CONFLICT (id) DO NOTHING skips a row already there (restored before, or never
-# deleted), and RETURNING counts only the rows this statement put back.
+# deleted). RETURNING counts only the rows this statement put back.
 _RESTORE_ROWS = sa.text(
     """
     INSERT INTO audit_record (id, tenant_id, occurred_at, actor_ref, action, entity_type,
@@ -60,8 +60,8 @@ _RESTORE_ROWS = sa.text(
     """
 )
 
-# The archive is a copy again (its rows are in the source): WRITTEN, counted as archived by
-# no one until an archive run re-verifies it.
+# The archive is a copy again, because its rows are in the source. It becomes WRITTEN, and
+# no one counts it as archived until an archive run re-verifies it.
 # Twice: a second restore locks only VERIFIED manifests, so it never reaches this one again.
 _REOPEN_MANIFEST = sa.text(
     "UPDATE audit_archive_manifest SET status = 'WRITTEN', verified_at = NULL WHERE id = :id"
@@ -78,12 +78,13 @@ def restore_day(
 ) -> RestoreResult:
     """Put every VERIFIED archive of (tenant, day) back into ``audit_record``, same ids.
 
-    One transaction: all files are checked against their manifests first (a file that does
-    not match aborts the restore, changing nothing); rows go back with ``ON CONFLICT (id)
-    DO NOTHING``; the manifests become WRITTEN (source intact, file a copy), so a record is
-    never counted both as remaining and as archived. A second restore finds nothing to do.
+    It all happens in one transaction. First, every file is checked against its manifest.
+    A file that does not match aborts the restore, and nothing changes. Then the rows go
+    back with ``ON CONFLICT (id) DO NOTHING``. The manifests become WRITTEN, since the source
+    is intact and the file is a copy. So a record is never counted both as remaining and as
+    archived. A second restore finds nothing to do.
     """
-    scope = Scope(tenant_id, day, day + timedelta(days=1))  # validates the tenant key
+    scope = Scope(tenant_id, day, day + timedelta(days=1))  # this validates the tenant key
     start, end = scope.window_bounds()
     with engine.begin() as conn:
         if not tenant_exists(conn, tenant_id):

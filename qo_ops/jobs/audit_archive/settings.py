@@ -1,5 +1,8 @@
-"""The job's name and settings: the retention (and the cutoff it puts on the database's
-clock) and the archive directory, checked before a run locks or writes anything."""
+"""The job's name and settings.
+
+The settings are the retention, with the cutoff it puts on the database's clock, and the
+archive directory. They are checked before a run locks or writes anything.
+"""
 
 from __future__ import annotations
 
@@ -20,14 +23,14 @@ JOB_NAME = "audit_archive"
 RETENTION_ENV = "QO_OPS_AUDIT_RETENTION_DAYS"
 DEFAULT_RETENTION_DAYS = 365
 MAX_RETENTION_DAYS = 36_500
-# One file per batch (the default batch size): a batch of 5,000 records holds its row locks
-# for well under 250 ms on a quiet host, and bounds the memory a batch holds.
+# One file per batch, at the default batch size. This keeps a batch's row locks brief and
+# bounds the memory a batch holds (figures in bench/TUNING.md).
 MAX_ROWS_PER_FILE = 5_000
 ARCHIVE_DIR = "archive"  # under QO_OPS_HOME
 
 
 def retention_days(environ: Mapping[str, str] | None = None) -> int:
-    """The retention in days (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365, 1 to 36,500)."""
+    """Read the retention in days (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365, 1 to 36,500)."""
     return whole_number(
         RETENTION_ENV, DEFAULT_RETENTION_DAYS, 1, MAX_RETENTION_DAYS,
         unit="days", environ=environ, error=ArchiveConfigError,
@@ -39,12 +42,15 @@ class ArchiveSettings:
     """What an archive run works with, checked before it locks or writes anything."""
 
     retention_days: int
-    archive_root: Path  # QO_OPS_HOME/archive: where the files go
+    archive_root: Path  # where the files go, QO_OPS_HOME/archive
 
 
 def archive_settings(environ: Mapping[str, str] | None = None) -> ArchiveSettings:
-    """The retention, and an archive directory this process can write (it, or the nearest
-    directory above it that exists); :class:`ArchiveConfigError` names what is wrong."""
+    """Read the retention and an archive directory this process can write.
+
+    The process must be able to write the directory, or the nearest directory above it
+    that exists. :class:`ArchiveConfigError` names what is wrong.
+    """
     env = os.environ if environ is None else environ
     days = retention_days(env)
     root = load_settings(dict(env)).home / ARCHIVE_DIR
@@ -58,6 +64,6 @@ def archive_settings(environ: Mapping[str, str] | None = None) -> ArchiveSetting
 
 
 def retention_cutoff(ctx: BatchContext) -> sa.ColumnElement[Any]:
-    """Records that occurred before this (database clock) are past the run's retention."""
+    """Return the cutoff. Records that occurred before it (database clock) are past retention."""
     days = run_settings(ctx, archive_settings).retention_days
     return sa.func.now() - sa.cast(sa.literal(timedelta(days=days)), sa.Interval)  # bound

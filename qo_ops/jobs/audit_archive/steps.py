@@ -1,9 +1,15 @@
-"""The job's batch, in the runner's steps: **eligible** (records past retention), **transition**
-(select: copy the locked records out, cut them into per-day chunks), **external** (write
-each file and its WRITTEN manifest, read it back, sweep orphans) and **record** (delete the
-source rows and compare what was deleted with the file: VERIFIED and deleted, or rolled back
-and FAILED, in one transaction).
-The package's docstring tells the states a chunk goes through."""
+"""The job's batch, in the runner's steps.
+
+- **eligible** selects the records past retention.
+- **transition** is the select. It copies the locked records out and cuts them into per-day
+  chunks.
+- **external** writes each file and its WRITTEN manifest, reads the file back, and sweeps
+  orphans.
+- **record** deletes the source rows and compares what was deleted with the file, in one
+  transaction. The chunk ends VERIFIED and deleted, or rolled back and FAILED.
+
+The package's docstring describes the states a chunk goes through.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ from qo_ops.platform.run.faults import crash_point
 from qo_ops.platform.run.lease import LeaseLost
 from qo_ops.platform.run.selection import after_position
 
-SIDE_EFFECT = "archive_file"  # writing one archive file (job_side_effects_total)
+SIDE_EFFECT = "archive_file"  # one archive file written (job_side_effects_total)
 
 ARCHIVE_CRASH_POINTS = (
     "archive_before_file_rename",
@@ -68,26 +74,29 @@ def _day_bounds(day: date) -> tuple[datetime, datetime]:
 
 
 def _day_expr() -> sa.ColumnElement[Any]:
-    """A record's UTC day, as the index ix_audit_record_tenant_day_id has it."""
+    """Return a record's UTC day, as the index ix_audit_record_tenant_day_id has it."""
     return sa.cast(sa.func.timezone("UTC", audit_record.c.occurred_at), sa.Date)
 
 
 def _days_of(start: datetime, end: datetime) -> tuple[date, date]:
-    """The UTC days [first, after) that the window [start, end) touches."""
+    """Return the UTC days [first, after) that the window [start, end) touches."""
     first, last = start.astimezone(UTC), (end - timedelta(microseconds=1)).astimezone(UTC)
     return first.date(), last.date() + timedelta(days=1)
 
 
 def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
-    """The tenant's records of the window past retention, by UTC day, then id: the order of
-    ix_audit_record_tenant_day_id, so a batch reads its rows off the index, never sorting
-    what is left of the window (the day bounds only let the index bound the scan)."""
+    """Select the tenant's records of the window past retention, by UTC day, then id.
+
+    That is the order of ix_audit_record_tenant_day_id, so a batch reads its rows off the
+    index and never sorts what is left of the window. The day bounds only let the index
+    bound the scan.
+    """
     run = ctx.run_state(ArchiveRun)
     if run.deleted:  # the previous batch's delete committed
         run.deleted = False
         crash_point("archive_after_delete_commit")
-    if ctx.mode == "execute":  # counted before the first batch: Arrow loads here, not in a
-        load_arrow()  # batch that holds row locks (a dry run never loads it)
+    if ctx.mode == "execute":  # Counted before the first batch. Arrow loads here, not in
+        load_arrow()  # a batch that holds row locks. A dry run never loads it.
     start, end = ctx.scope.window_bounds()
     first_day, after_day = _days_of(start, end)
     query = (
@@ -102,14 +111,14 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
         )
         .order_by(_day_expr(), audit_record.c.id)
     )
-    # within a run, after the previous batch's last record: not through the index entries of
-    # every record the run has deleted (the runner makes one last pass from the start)
+    # Within a run, start after the previous batch's last record, not through the index
+    # entries of every record the run has deleted. The runner makes one last pass from the start.
     return after_position(query, (_day_expr(), audit_record.c.id), ctx.position, ("day", "id"))
 
 
 # ------------------------------------------------------------------------ transition (select)
 
-# Records of the window that exist: in the source, or in a VERIFIED archive.
+# Records of the window that exist, in the source or in a VERIFIED archive.
 _BASELINE = sa.text(
     """
     SELECT (SELECT count(*) FROM audit_record WHERE tenant_id = :t
@@ -126,8 +135,8 @@ def _baseline(conn: Connection, scope: Scope) -> int:
     return int(conn.execute(_BASELINE, {"t": scope.tenant_id, "s": start, "e": end}).scalar_one())
 
 
-# WRITTEN manifests of earlier runs over the chunk's day that overlap its id range, locked:
-# one of exactly the chunk's shape is adopted, any other retired.
+# Lock the WRITTEN manifests of earlier runs over the chunk's day that overlap its id range.
+# One of exactly the chunk's shape is adopted, and any other is retired.
 _STALE_WRITTEN = sa.text(
     """
     SELECT id, window_start, window_end, file_path, row_count, min_record_id, max_record_id, sha256
@@ -140,7 +149,7 @@ _STALE_WRITTEN = sa.text(
     """
 )
 
-# Retire stale WRITTEN manifests (their files are removed after this commits).
+# Retire stale WRITTEN manifests. Their files are removed after this commits.
 # Twice: a manifest already retired, or no longer WRITTEN, matches nothing.
 _RETIRE_WRITTEN = sa.text(
     """
@@ -159,7 +168,7 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
     import pyarrow.compute as pc
 
     run = ctx.run_state(ArchiveRun)
-    if run.failure:  # a file failed verification: stop, as a job's own stop
+    if run.failure:  # a file failed verification, so stop as a job's own stop
         raise ArchiveVerificationFailed(run.failure)
     if run.baseline is None:
         run.baseline = _baseline(conn, ctx.scope)
@@ -167,7 +176,7 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
     table = copy_batch(conn, [int(i) for i in ids], ctx.scope.tenant_id)
     chunks = []
     offset = 0
-    for day_value in pc.unique(table.column("day")):  # in order: sorted by day
+    for day_value in pc.unique(table.column("day")):  # in order, since the table is sorted by day
         count = pc.sum(pc.equal(table.column("day"), day_value)).as_py()
         day_table = table.slice(offset, count).drop_columns(["day"])
         offset += count
@@ -175,7 +184,7 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
         day_start, day_end = _day_bounds(day)
         day_ids = day_table.column("id")
         lo, hi = day_ids[0].as_py(), day_ids[-1].as_py()
-        day_rows = day_table  # len() is its row count
+        day_rows = day_table  # its len() is its row count
         stale = conn.execute(
             _STALE_WRITTEN,
             {"t": ctx.scope.tenant_id, "ws": day_start, "lo": lo, "hi": hi, "run": ctx.job_run_id},
@@ -245,9 +254,9 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
 
 # ------------------------------------------------------------------------ external (files)
 
-# Fenced: a manifest is written only while this run's lease is current.
-# Twice: a rerun never writes one again for the same chunk: it adopts this WRITTEN manifest
-# (same chunk) or retires it (another shape); a run that lost its lease inserts nothing.
+# Fenced, so a manifest is written only while this run's lease is current.
+# Twice: a rerun never writes one again for the same chunk. It adopts this WRITTEN manifest
+# (same chunk) or retires it (another shape). A run that lost its lease inserts nothing.
 _INSERT_WRITTEN = sa.text(
     """
     INSERT INTO audit_archive_manifest (id, tenant_id, window_start, window_end, file_path,
@@ -286,7 +295,7 @@ def _insert_written(work: Work, chunk: Chunk, sha: str) -> None:
 
 
 def _micros(moment: datetime) -> int:
-    """A zoned moment as µs since the epoch (what an archive's occurred_at holds)."""
+    """Return a zoned moment as µs since the epoch, as an archive's occurred_at holds it."""
     return (moment - _EPOCH) // timedelta(microseconds=1)
 
 
@@ -294,7 +303,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def verify_file(chunk: Chunk, sha: str) -> FileResult:
-    """Read the file back: checksum, format, row count, id range, tenant, window."""
+    """Read the file back and check its checksum, format, row count, id range, tenant, window."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -336,7 +345,7 @@ def write_and_verify(ctx: BatchContext, work_items: list[Work]) -> list[FileResu
     swept = ctx.run_state(ArchiveRun).swept_days
     for work in work_items:
         for chunk in work.chunks:
-            for retired in chunk.retired:  # their manifest rows are gone (committed)
+            for retired in chunk.retired:  # their manifest rows are gone, committed
                 resolve_path(retired).unlink(missing_ok=True)
             if chunk.table is not None:
                 rows, chunk.table = chunk.table, None  # the file holds them from here on
@@ -362,7 +371,7 @@ def write_and_verify(ctx: BatchContext, work_items: list[Work]) -> list[FileResu
                 crash_point("archive_after_manifest_written")
             assert chunk.sha256 is not None
             result = verify_file(chunk, chunk.sha256)
-            if chunk.day not in swept:  # orphans are earlier runs': once per day and run
+            if chunk.day not in swept:  # orphans are earlier runs', swept once per day and run
                 result.orphans_removed = sweep_orphans(work, chunk)
                 swept.add(chunk.day)
             results.append(result)
@@ -372,7 +381,7 @@ def write_and_verify(ctx: BatchContext, work_items: list[Work]) -> list[FileResu
 # ------------------------------------------------------------------------ record (delete)
 
 # Only a WRITTEN manifest becomes VERIFIED, in the transaction that deletes its rows.
-# Twice: a manifest already VERIFIED (or FAILED) is not WRITTEN: nothing is returned, so
+# Twice: a manifest already VERIFIED (or FAILED) is not WRITTEN. Nothing is returned, so
 # nothing is deleted.
 _MARK_VERIFIED = sa.text(
     """
@@ -382,21 +391,24 @@ _MARK_VERIFIED = sa.text(
     """
 )
 
-# Twice: a manifest already FAILED (or VERIFIED by another run) is not WRITTEN: no change.
+# Twice: a manifest already FAILED (or VERIFIED by another run) is not WRITTEN, so nothing changes.
 _MARK_FAILED = sa.text(
     "UPDATE audit_archive_manifest SET status = 'FAILED' WHERE id = :id AND status = 'WRITTEN'"
 )
 
 
 def _delete_if_equal(conn: Connection, result: FileResult) -> str | None:
-    """Under a savepoint: the manifest VERIFIED and its source rows deleted, kept only if
-    the deleted rows are exactly the file's (count, ids, every value); otherwise rolled back.
-    Returns why not (None when done; "taken over" when the manifest is no longer WRITTEN)."""
+    """Mark the manifest VERIFIED and delete its source rows, under a savepoint.
+
+    The savepoint is kept only if the deleted rows are exactly the file's (count, ids, every
+    value). Otherwise it is rolled back. Return why not, None when done, or "taken over"
+    when the manifest is no longer WRITTEN.
+    """
     chunk = result.chunk
     assert result.digests is not None
     savepoint = conn.begin_nested()
     if conn.execute(_MARK_VERIFIED, {"id": chunk.manifest_id}).first() is None:
-        savepoint.rollback()  # resolved by someone else meanwhile: not ours to delete
+        savepoint.rollback()  # someone else resolved it meanwhile, so it is not ours to delete
         return "taken over"
     gone = conn.execute(
         DELETE_DIGESTED,
@@ -416,14 +428,17 @@ def _delete_if_equal(conn: Connection, result: FileResult) -> str | None:
     if reason is None:
         savepoint.commit()  # stands with the batch's commit
     else:
-        savepoint.rollback()  # nothing deleted, the manifest WRITTEN again
+        savepoint.rollback()  # nothing is deleted, and the manifest is WRITTEN again
     return reason
 
 
 def delete_verified(conn: Connection, ctx: BatchContext, results: list[FileResult]) -> BatchOutcome:
-    """In one transaction per batch: verified chunks → manifest VERIFIED + source rows
-    deleted (kept only if the deleted rows equal the file's); anything else → manifest
-    FAILED, nothing deleted."""
+    """Settle the batch's chunks in one transaction.
+
+    For a verified chunk, the manifest becomes VERIFIED and the source rows are deleted. The
+    delete is kept only if the deleted rows equal the file's. Any other chunk's manifest
+    becomes FAILED, and nothing is deleted.
+    """
     outcome = BatchOutcome(tally={})
 
     def tally(key: str, n: int = 1) -> None:
@@ -438,7 +453,7 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[FileResul
         if chunk.adopted:  # an earlier attempt wrote this file and did not get to delete
             outcome.side_effect(SIDE_EFFECT, SideEffectResult.DUPLICATE_PREVENTED)
         if result.ok and sha256_or_none(resolve_path(chunk.file_path)) != chunk.sha256:
-            # the file is still the bytes that were verified, right before the delete
+            # check that the file is still the bytes that were verified, right before the delete
             result.ok, result.reason = False, "file changed after verification"
         if result.ok:
             why_not = _delete_if_equal(conn, result)
@@ -465,7 +480,7 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[FileResul
                 f"verification: {result.reason}; nothing of it was deleted"
             )
     outcome.tally = {k: v for k, v in outcome.tally.items() if v}
-    if results:  # the next batch starts after this one's last record (by day, then id)
+    if results:  # the next batch starts after this one's last record, by day then id
         last = results[-1].chunk
         outcome.position = {"day": last.day, "id": last.max_id}
     crash_point("archive_before_delete_commit")

@@ -1,6 +1,8 @@
-"""Where archive files live and how they get there: paths under ``QO_OPS_HOME``, durable
-writes (temp name, fsync, rename, fsync the directory), checksums, and the sweep of the
-orphan files a crash can leave."""
+"""Where archive files live and how they get there.
+
+The module covers paths under ``QO_OPS_HOME``, durable writes (temp name, fsync, rename,
+fsync the directory), checksums, and the sweep of the orphan files a crash can leave.
+"""
 
 from __future__ import annotations
 
@@ -19,17 +21,17 @@ from qo_ops.platform.run.faults import crash_point
 
 
 def archive_home() -> Path:
-    """``QO_OPS_HOME``: manifests store file paths relative to it."""
+    """Return ``QO_OPS_HOME``. Manifests store file paths relative to it."""
     return load_settings().home
 
 
 def relative_path(tenant_id: str, day: date, manifest_id: uuid.UUID) -> str:
-    """Where a chunk's file lives, relative to ``QO_OPS_HOME``."""
+    """Return where a chunk's file lives, relative to ``QO_OPS_HOME``."""
     return f"{ARCHIVE_DIR}/{tenant_id}/{day.isoformat()}/{manifest_id}.parquet"
 
 
 def resolve_path(file_path: str) -> Path:
-    """The file of a manifest (relative paths are under ``QO_OPS_HOME``)."""
+    """Return the file of a manifest. Relative paths are under ``QO_OPS_HOME``."""
     path = Path(file_path)
     return path if path.is_absolute() else archive_home() / path
 
@@ -43,7 +45,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_file(path: Path, data: bytes) -> None:
-    """Durably put ``data`` at ``path``: temp name, fsync, rename, fsync the directory."""
+    """Durably put ``data`` at ``path`` by temp name, fsync, rename, and fsync of the directory."""
     created = [p for p in (path.parent.parent, path.parent) if not p.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -51,7 +53,7 @@ def write_file(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    crash_point("archive_before_file_rename")  # test-only: S0, a .tmp file and nothing else
+    crash_point("archive_before_file_rename")  # test-only, S0: a .tmp file and nothing else
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     for directory in created:  # new directory entries are durable too
@@ -59,7 +61,7 @@ def write_file(path: Path, data: bytes) -> None:
 
 
 def sha256_of(path: Path) -> str:
-    """sha256 of a file's bytes."""
+    """Return the sha256 of a file's bytes."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -68,7 +70,7 @@ def sha256_of(path: Path) -> str:
 
 
 def sha256_or_none(path: Path) -> str | None:
-    """sha256 of a file's bytes, or None when it cannot be read (gone, say)."""
+    """Return the sha256 of a file's bytes, or None when it cannot be read (gone, say)."""
     try:
         return sha256_of(path)
     except OSError:
@@ -77,8 +79,8 @@ def sha256_or_none(path: Path) -> str | None:
 
 # ------------------------------------------------------------------------ the orphan sweep
 
-# How the sweep judges a day's directory: by the database's clock (never this process's),
-# and whether another run holds a live lease of this job over a window containing the day.
+# How the sweep judges a day's directory. It reads the database's clock (never this
+# process's), and whether another run holds a live lease of this job over the day.
 _SWEEP_STATE = sa.text(
     """
     SELECT extract(epoch FROM clock_timestamp())::float8 AS now,
@@ -89,20 +91,22 @@ _SWEEP_STATE = sa.text(
     """
 )
 
-# Which of the candidate files' names are manifest ids: those files are not orphans.
+# Which of the candidate files' names are manifest ids. Those files are not orphans.
 _KNOWN_MANIFESTS = sa.text(
     "SELECT id FROM audit_archive_manifest WHERE id = ANY(CAST(:ids AS uuid[]))"
 )
 
 
 def sweep_orphans(work: Work, chunk: Chunk) -> int:
-    """Remove temp files and files without a manifest row from the chunk's day directory:
-    only those older than the lease TTL by the database's clock, and none while another run
-    holds a lease over that day (its newest file may not have its manifest yet).
+    """Remove temp files and files without a manifest row from the chunk's day directory.
 
-    No decision here reads this process's clock: a host whose clock runs ahead would take
-    a file another run has just written for an old one. Even so, a file swept before its
-    manifest is committed makes that manifest fail verification: nothing leaves the source.
+    Only files older than the lease TTL by the database's clock go. None go while another
+    run holds a lease over that day, because its newest file may not have its manifest yet.
+
+    No decision here reads this process's clock. A host whose clock runs ahead would take a
+    file another run has just written for an old one. Even so, a file swept before its
+    manifest is committed makes that manifest fail verification, so nothing leaves the
+    source.
     """
     directory = resolve_path(chunk.file_path).parent
     if not directory.is_dir():
