@@ -270,9 +270,9 @@ def daemon_tick(d: Deployment, names: list[str]) -> list[dict[str, Any]]:
     wanted = {}
     for name, state in states.items():
         data = state.instigator_data
-        due[name] = _last_cron_time(data.deployment.cron_schedule, now)
+        due[name] = _last_cron_time(data.cron_schedule, now)
         wanted[name] = state.with_status(InstigatorStatus.RUNNING).with_data(
-            ScheduleInstigatorData(data.deployment.cron_schedule, due[name].timestamp() - 1)
+            ScheduleInstigatorData(data.cron_schedule, due[name].timestamp() - 1)
         )
         d.instance.update_instigator_state(wanted[name])
     ticks: dict[str, Any] = {}

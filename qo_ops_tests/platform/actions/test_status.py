@@ -48,9 +48,9 @@ def test_a_partial_success_is_a_last_success_in_status_the_exporter_and_the_chec
         for job in (PARTIAL_IS_FRESH, PARTIAL_IS_NOT):
             older = _run(conn, job, RunStatus.SUCCESS, 6 * 60)
             partial = _run(conn, job, RunStatus.PARTIAL_SUCCESS, 2)
-            last_success[job] = partial if CATALOG[job].partial_success_is_fresh else older
-    assert CATALOG[PARTIAL_IS_FRESH].partial_success_is_fresh
-    assert not CATALOG[PARTIAL_IS_NOT].partial_success_is_fresh
+            last_success[job] = partial if CATALOG[job].signals.partial_success_is_fresh else older
+    assert CATALOG[PARTIAL_IS_FRESH].signals.partial_success_is_fresh
+    assert not CATALOG[PARTIAL_IS_NOT].signals.partial_success_is_fresh
 
     # qo-ops status --json: each job's row for the tenant
     shown = cli("status", "--tenant", TENANT, "--json")
