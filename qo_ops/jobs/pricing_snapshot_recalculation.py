@@ -12,7 +12,7 @@ and a later run of that window is ``no_work``. The upsert only writes a row whos
 differ, so redoing a batch is harmless. Changed rows count as succeeded, and already-right
 ones as skipped.
 
-The selection takes no row locks (``compete_with_skip_locked=False``). One run per scope
+The selection takes no row locks (``Batching(locks=None)``). One run per scope
 holds the lease, and ``SKIP LOCKED`` would let a quote locked by some business transaction
 fall behind the cursor and never be recalculated.
 """
