@@ -1,5 +1,8 @@
-"""What delivery_retry and notification_publish share: their settings, calling the
-downstream for each claimed item, and turning recorded results into a batch outcome."""
+"""What the jobs that call the downstream share: their settings and manners (rate limit,
+retry budget, the shared circuit breaker), calling the downstream for each claimed item
+(delivery_retry, notification_publish), and turning recorded results into a batch outcome.
+order_reconciliation shares the manners: :func:`watch_breaker`, :func:`refuse_while_open`
+and :func:`finish_lookups`."""
 
 from __future__ import annotations
 
@@ -159,19 +162,46 @@ def downstream_client(
 
 
 def prepare_calls(
-    conn: Connection, ctx: BatchContext, side_effect: str, give_back: sa.TextClause
-) -> None:
+    conn: Connection, ctx: BatchContext, side_effect: str, give_back: sa.TextClause, selected: int
+) -> BatchOutcome | None:
     """In each claim, before anything is claimed: the run's breaker takes up the shared row
-    (its state and evidence; an open one whose probe is due comes back half-open), and what
-    an outage owes this tenant's items of ``side_effect`` is given back (``give_back``: the
-    job's statement over ``:ids``/``:attempts``/``:refunds``/``:revives``)."""
+    (:func:`watch_breaker`), and what an outage owes this tenant's items of ``side_effect`` is
+    given back (``give_back``: the job's statement over ``:ids``/``:attempts``/``:refunds``/
+    ``:revives``). Returns None, or the outcome of a claim refused while the breaker is open
+    (:func:`refuse_while_open`): the caller claims nothing."""
     settings = run_settings(ctx, call_settings)
-    calls = run_calls(ctx, settings.downstream_url, settings.manners)
-    if calls.breaker is None:
-        calls.breaker = CircuitBreaker(settings.manners.breaker)
-        calls.client.breaker = calls.breaker
-    calls.breaker.sync(read_shared(conn, calls.downstream, settings.manners.breaker))
+    calls = watch_breaker(conn, ctx, settings.downstream_url, settings.manners)
     _give_back_owed(conn, calls, side_effect, ctx.scope.tenant_id, give_back)
+    return refuse_while_open(calls, selected)
+
+
+def watch_breaker(conn: Connection, ctx: BatchContext, url: str, manners: Manners) -> RunCalls:
+    """The run's :class:`RunCalls` with its breaker, which takes up the shared row now: its
+    state and evidence; an open one whose probe is due comes back half-open. Each batch of a
+    job that calls the downstream does this before it takes any work."""
+    calls = run_calls(ctx, url, manners)
+    if calls.breaker is None:
+        calls.breaker = CircuitBreaker(manners.breaker)
+        calls.client.breaker = calls.breaker
+    calls.breaker.sync(read_shared(conn, calls.downstream, manners.breaker))
+    return calls
+
+
+def refuse_while_open(calls: RunCalls, selected: int) -> BatchOutcome | None:
+    """The outcome of a batch that takes nothing because the breaker is open and its probe
+    is not due, or None when the batch may go on.
+
+    The ``selected`` items are counted skipped and not sent (breaker open), and the run
+    halts with ``dependency_unavailable``. So each tenant of a chunk stops at its first
+    claim, having claimed nothing, once any run opened the breaker."""
+    breaker = calls.breaker
+    if breaker is None or breaker.state != OPEN:
+        return None
+    breaker.refuse(selected)
+    outcome = BatchOutcome(skipped=selected)
+    _report_counts(calls, outcome)
+    outcome.halt = (DEPENDENCY_UNAVAILABLE, f"circuit breaker open for {calls.downstream}")
+    return outcome
 
 
 def _give_back_owed(
@@ -330,17 +360,7 @@ def finish_calls(
             for r, _ in decisions
             if systemic(r) and recorded.get(r.item_id) in ("retry", "dead")
         ]
-        evidence = BatchEvidence(
-            calls.downstream, ctx.job_run_id, breaker.take_added(), breaker.drain(), spent
-        )
-        shared = share_batch(conn, evidence, breaker.settings)
-        for t in shared.transitions:
-            outcome.tally[f"breaker.{t.to}"] = outcome.tally.get(f"breaker.{t.to}", 0) + 1
-            outcome.notes.append(
-                (f"downstream.breaker.{t.to}", {"downstream": calls.downstream, "reason": t.reason})
-            )
-        if shared.transitions and shared.transitions[-1].to == OPEN:
-            breaker.sync(SharedState(OPEN))  # opened on the shared evidence: this run stops too
+        if _share(conn, ctx, calls, spent, outcome):
             _give_back_owed(conn, calls, steps.side_effect, tenant, steps.give_back)
     _report_counts(calls, outcome)
     if breaker is not None and breaker.state == OPEN:
@@ -348,6 +368,43 @@ def finish_calls(
     elif calls.budget_refused:
         outcome.halt = (None, f"retry budget used up ({calls.manners.retry_budget} retries)")
     return outcome
+
+
+def finish_lookups(conn: Connection, ctx: BatchContext, outcome: BatchOutcome) -> BatchOutcome:
+    """The run's manners in the outcome of a batch that only asks the downstream
+    (order_reconciliation, whose calls use no item's attempt): its calls' evidence added to
+    the shared row, its breaker transitions reported, and the run stopped when the breaker
+    is open (``dependency_unavailable``)."""
+    calls = ctx.run_state_if_made(RunCalls)
+    if calls is None or calls.breaker is None:
+        return outcome
+    _share(conn, ctx, calls, [], outcome)
+    _report_counts(calls, outcome)
+    if calls.breaker.state == OPEN:
+        outcome.halt = (DEPENDENCY_UNAVAILABLE, f"circuit breaker open for {calls.downstream}")
+    return outcome
+
+
+def _share(
+    conn: Connection, ctx: BatchContext, calls: RunCalls, spent: list[Spent], outcome: BatchOutcome
+) -> bool:
+    """Add the batch's evidence to the shared row and report its breaker transitions in
+    ``outcome``. Returns whether the breaker is open after it (this run stops too)."""
+    breaker = calls.breaker
+    assert breaker is not None
+    evidence = BatchEvidence(
+        calls.downstream, ctx.job_run_id, breaker.take_added(), breaker.drain(), spent
+    )
+    shared = share_batch(conn, evidence, breaker.settings)
+    for t in shared.transitions:
+        outcome.tally[f"breaker.{t.to}"] = outcome.tally.get(f"breaker.{t.to}", 0) + 1
+        outcome.notes.append(
+            (f"downstream.breaker.{t.to}", {"downstream": calls.downstream, "reason": t.reason})
+        )
+    if shared.transitions and shared.transitions[-1].to == OPEN:
+        breaker.sync(SharedState(OPEN))  # opened on the shared evidence: this run stops too
+        return True
+    return False
 
 
 def _report_counts(calls: RunCalls, outcome: BatchOutcome) -> None:

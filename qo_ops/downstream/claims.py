@@ -101,8 +101,11 @@ class ClaimedCalls:
 
     def claim_batch(self, conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
         """Claim the selected items for this run's calls, after the run's breaker took up the
-        shared row and what an outage owes the tenant's items was given back."""
-        prepare_calls(conn, ctx, self.side_effect, self.give_back)
+        shared row and what an outage owes the tenant's items was given back. While the
+        breaker is open (its probe not due), claim nothing and halt the run."""
+        refused = prepare_calls(conn, ctx, self.side_effect, self.give_back, len(ids))
+        if refused is not None:  # the breaker is open: nothing claimed, the run halts
+            return refused
         claim_s = claim_seconds(ctx, len(ids))
         params = {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s}
         rows = [dict(r) for r in conn.execute(self.claim, params).mappings()]

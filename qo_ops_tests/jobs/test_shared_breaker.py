@@ -230,3 +230,52 @@ def test_an_outage_opens_it_within_ten_failed_calls(
     assert opened.tally["downstream.spared"] == sent  # and every attempt they used is kept
     assert scalar(db.engine, "SELECT max(attempt_count) FROM delivery_attempt_item") == 0
     assert breaker_row(db).state == "open"
+
+
+ITEM_ROWS = (
+    "SELECT id, status, attempt_count, next_attempt_at, updated_at FROM delivery_attempt_item "
+    "ORDER BY id"
+)
+
+
+def open_breaker(db, origin: str) -> None:
+    """The shared row open, its probe a minute away: as another run left it."""
+    execute_sql(
+        db.engine,
+        "INSERT INTO downstream_breaker (downstream, state, opened_at, probe_after, reason) "
+        "VALUES (:origin, 'open', now(), now() + interval '1 minute', 'http_503 10_in_a_row')",
+        origin=origin,
+    )
+
+
+def test_a_chunk_of_tenants_claims_nothing_once_the_breaker_is_open(
+    db, downstream_factory, monkeypatch
+):
+    """Five tenants' runs, one after another as a chunk runs them, with the shared row open
+    and no probe due: each halts at its first claim with ``dependency_unavailable`` having
+    claimed nothing: every item row is unchanged (not claimed and released, which moves
+    ``next_attempt_at`` and ``updated_at``), and no call reaches the downstream (up all
+    along, so a call would have been answered).
+
+    Planted once: with the refusal in ``prepare_calls`` taken out, each tenant's run claimed
+    and released its batch and the item rows changed."""
+    tenants = [f"tenant-00{n}" for n in range(1, 6)]
+    load_demo_data(db.engine, tenants=len(tenants), quotes=600, seed=3, as_of=AS_OF)
+    due = due_per_tenant(db, 4)
+    assert due == 4 * len(tenants)
+    server = downstream_factory()
+    monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", server.url)
+    open_breaker(db, server.url)
+    before = [tuple(r) for r in q(db.engine, ITEM_ROWS).all()]
+
+    runs = [execute(delivery_retry.SPEC, db, Scope(t), concurrency=4) for t in tenants]
+    for run in runs:
+        assert (run.status, run.error_code) == ("failed", "dependency_unavailable"), run
+        assert run.status_reason == f"circuit breaker open for {server.url}"
+        assert run.batches == 1 and run.counts.succeeded == run.counts.failed == 0
+        assert run.tally["downstream.refused_open"] == 4
+        assert run.tally.get("downstream.calls", 0) == 0
+    assert [tuple(r) for r in q(db.engine, ITEM_ROWS).all()] == before
+    assert requests_seen(server) == 0
+    row = breaker_row(db)
+    assert (row.state, row.waiting) == ("open", True)  # nothing probed, nothing written

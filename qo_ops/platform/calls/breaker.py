@@ -215,6 +215,11 @@ class CircuitBreaker:
         """A call that says nothing about health (a 429, or never sent after all)."""
         self._answer(ticket, None, "")
 
+    def refuse(self, calls: int) -> None:
+        """Count ``calls`` not sent because the breaker is open (a batch that took nothing)."""
+        with self._lock:
+            self.refused += calls
+
     def _answer(self, ticket: int, failed: bool | None, code: str) -> None:
         with self._lock:
             if self.state == HALF_OPEN and self._probes_out:

@@ -448,10 +448,14 @@ class JobRun:
             outcome = self.spec.transition(conn, self.ctx, items)
             outcome.processed = len(items)
             crash_point("before_commit")
-            if self.spec.then is None:
+            # A claim that halts the run and took nothing (an open breaker) has nothing to call
+            # or record, so its batch ends here.
+            refused = outcome.halt is not None and not outcome.work
+            if self.spec.then is None or refused:
                 self._commit_effects(conn, outcome)
         crash_point("after_commit")
-        outcome = self._second_step(conn, outcome)
+        if not refused:
+            outcome = self._second_step(conn, outcome)
         self.batch_ms.append((time.perf_counter() - started) * 1000)
         return outcome
 
