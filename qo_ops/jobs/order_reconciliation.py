@@ -49,7 +49,14 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.config import whole_number
 from qo_ops.db.schema import customer_order
-from qo_ops.downstream.calls import Manners, downstream_client, manners_from_env
+from qo_ops.downstream.calls import (
+    Manners,
+    downstream_client,
+    finish_lookups,
+    manners_from_env,
+    refuse_while_open,
+    watch_breaker,
+)
 from qo_ops.downstream.client import DownstreamError, DownstreamOrder, downstream_url
 from qo_ops.errors import one_line
 from qo_ops.jobs.order_review import ADOPTED_EVENT, RESUBMIT_EVENT, REVIEW, append_event
@@ -181,7 +188,14 @@ class OrderToCompare:
 
 
 def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
-    """Read what the comparison needs. There is no claim, since nothing changes yet."""
+    """Read what the comparison needs. There is no claim, since nothing changes yet.
+
+    While the downstream's breaker is open (its probe not due), read nothing: the run halts
+    with ``dependency_unavailable`` and the checkpoint stays where it was."""
+    settings = run_settings(ctx, reconciliation_settings)
+    calls = watch_breaker(conn, ctx, settings.downstream_url, settings.manners)
+    if (refused := refuse_while_open(calls, len(ids))) is not None:
+        return refused
     rows = conn.execute(READ_ORDERS, {"ids": list(ids)}).all()
     work = [OrderToCompare(r.id, r.order_number, r.status, r.version) for r in rows]
     return BatchOutcome(work=work, cursor={"last_id": int(ids[-1])})
@@ -241,22 +255,25 @@ class ReconciliationRun:
 
 
 def ask_downstream(ctx: BatchContext, work: list[OrderToCompare]) -> list[Lookup]:
-    """Ask for each order's downstream view, and in the run's first batch the unknown orders."""
+    """Ask for each order's downstream view, and in the run's first batch the unknown orders.
+
+    The run's client honours the breaker: an order whose lookup the open breaker held back
+    is not looked at (never judged missing), as if the run had stopped before it."""
     settings = run_settings(ctx, reconciliation_settings)
     client = downstream_client(ctx, settings.downstream_url, settings.manners)
 
-    def look(order: OrderToCompare) -> Compared | NotCompared:
+    def look(order: OrderToCompare) -> Compared | NotCompared | None:
         try:
             found = client.get_order(order.order_number)
-        except DownstreamError as exc:
-            return NotCompared(order, exc.code)
+        except DownstreamError as exc:  # None: never sent (the breaker is open, or stopping)
+            return NotCompared(order, exc.code) if exc.sent else None
         return Compared(order, found.status if found else None)
 
     cursor = ctx.cursor
     looked: list[Compared | NotCompared] = []
     for result in call_each(work, look, ctx.limits.concurrency, ctx.stop):
-        if isinstance(result, NotCalled):  # The run is stopping. Keep what was looked at up
-            # to the first order that was not, and resume from there next time.
+        if result is None or isinstance(result, NotCalled):  # The run is stopping. Keep what
+            # was looked at up to the first order that was not, and resume from there.
             resume = looked[-1].order.id if looked else (cursor or {}).get("last_id", 0)
             return [*looked, ResumeAfter(int(resume))]
         looked.append(result)
@@ -480,7 +497,8 @@ def _repair_missing(
 
 
 def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Lookup]) -> BatchOutcome:
-    """Classify each order. In execute, repair it per type and record every mismatch."""
+    """Classify each order. In execute, repair it per type and record every mismatch. The
+    lookups' evidence joins the breaker's shared row (:func:`finish_lookups`)."""
     out = BatchOutcome()
     missing = [
         r.order.id
@@ -513,7 +531,7 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Lookup]
                 _repair(conn, ctx, out, r, states)
             case _:
                 assert_never(r)  # mypy checks that every kind of Lookup is handled
-    return out
+    return finish_lookups(conn, ctx, out)
 
 
 def _record_unknown(

@@ -477,3 +477,83 @@ def test_a_dry_run_prints_its_mismatches_by_type_as_text_too(world):
     tally = json.loads(as_json.stdout.splitlines()[-1])["tally"]
     assert tally and lines == {f"tally.{k}": str(v) for k, v in tally.items()}
     assert "missing_downstream" in tally  # the demo's missing orders, by their type
+
+
+# ------------------------------------------------------------------------- the shared breaker
+
+
+def test_an_outage_opens_the_shared_breaker_and_no_order_is_judged_until_it_closes(
+    world, monkeypatch
+):
+    """The downstream answers every lookup 503. The run's lookups open the shared breaker
+    after ten failures (at most the four in flight besides), the run halts with
+    ``dependency_unavailable`` and judges no order: no mismatch recorded, none flagged,
+    nothing re-submitted, the checkpoint before the orders not looked at. The row names this
+    run; the next run sends nothing. Once the downstream is back and the probe due, a run
+    probes, closes it and judges only the orders the downstream really misses.
+
+    Planted once: with the breaker left off the run's client (``watch_breaker`` not called
+    in ``read_orders``), every order was looked up in the outage and the row never opened."""
+    db, downstream = world
+    missing = set(missing_orders(db).values())
+    start, end = SCOPE.window_bounds()
+    eligible = [
+        r.id
+        for r in rows(
+            db.engine,
+            "SELECT id FROM customer_order WHERE tenant_id = :t AND submitted_at >= :s "
+            "AND submitted_at < :e AND status IN ('SUBMITTED', 'IN_FULFILLMENT') "
+            "AND NOT needs_manual_review ORDER BY id",
+            t=TENANT,
+            s=start,
+            e=end,
+        )
+    ]
+    assert len(eligible) > 60
+    monkeypatch.setenv("QO_OPS_BREAKER_OPEN_S", "60")
+    downstream.client.set_faults(outage="503")
+    options = RunOptions(
+        mode="execute", trigger="schedule", concurrency=4, progress_interval_s=3600
+    )
+
+    def asked() -> int:
+        return int(downstream.client.stats(detail=False)["outage_refused"])
+
+    down = run_job(SPEC, SCOPE, options, engine=db.engine)
+    assert (down.status, down.error_code) == ("failed", "dependency_unavailable"), down
+    assert down.status_reason == f"circuit breaker open for {downstream.url}"
+    assert 10 <= asked() <= 10 + 4
+    assert down.tally["breaker.open"] == 1 and down.tally["downstream.refused_open"] > 0
+    assert scalar(db.engine, "SELECT count(*) FROM reconciliation_result") == 0
+    assert scalar(db.engine, "SELECT count(*) FROM order_resubmission") == 0
+    assert scalar(db.engine, "SELECT count(*) FROM customer_order WHERE needs_manual_review") == 0
+    last_id = scalar(
+        db.engine,
+        "SELECT (cursor->>'last_id')::bigint FROM job_checkpoint WHERE job_name = :j",
+        j=SPEC.name,
+    )
+    assert last_id is None or last_id < eligible[14]  # the rest are looked at later
+    row = rows(db.engine, "SELECT state, reason, changed_by_run FROM downstream_breaker")
+    assert [(r.state, str(r.changed_by_run)) for r in row] == [("open", down.job_run_id)]
+    assert "10_in_a_row" in row[0].reason
+
+    seen = asked()
+    again = run_job(SPEC, SCOPE, options, engine=db.engine)
+    assert (again.status, again.error_code) == ("failed", "dependency_unavailable")
+    assert asked() == seen  # no lookup sent
+    assert scalar(db.engine, "SELECT count(*) FROM reconciliation_result") == 0
+
+    downstream.client.set_faults(outage=None)
+    with db.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE downstream_breaker SET probe_after = now()"))
+    back = reconcile(db)
+    assert (back.tally["breaker.half_open"], back.tally["breaker.closed"]) == (1, 1)
+    assert scalar(db.engine, "SELECT state FROM downstream_breaker") == "closed"
+    judged = {
+        r.order_number
+        for r in rows(
+            db.engine,
+            "SELECT order_number FROM reconciliation_result WHERE mismatch_type = 'missing_downstream'",
+        )
+    }
+    assert judged and judged <= missing  # only the orders the downstream really misses
