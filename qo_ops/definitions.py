@@ -15,6 +15,7 @@ from qo_ops.dagster_defs.checks import (
 )
 from qo_ops.dagster_defs.freshness import build_recent_success_checks
 from qo_ops.dagster_defs.jobs import build_job
+from qo_ops.dagster_defs.probes import breaker_probe_sensor
 from qo_ops.dagster_defs.resources import QoOpsDatabase
 from qo_ops.dagster_defs.schedules import build_schedule
 from qo_ops.dagster_defs.sensors import (
@@ -57,6 +58,7 @@ def build_definitions() -> dg.Definitions:
             build_outside_runs_sensor(specs, checks_job),
             build_backfill_sensor(specs, list(jobs.values())),
             run_failure_recorder,
+            breaker_probe_sensor,
         ],
         resources={"database": database},
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,6 +17,7 @@ from sqlalchemy.engine import Connection
 
 from qo_ops.config import number, whole_number
 from qo_ops.downstream.client import DownstreamClient, DownstreamError, downstream_url
+from qo_ops.errors import ConfigError
 from qo_ops.platform.calls.breaker import (
     OPEN,
     BatchEvidence,
@@ -152,6 +154,30 @@ def run_calls(ctx: BatchContext, url: str, manners: Manners) -> RunCalls:
         return RunCalls(client, limiter, origin(url), manners)
 
     return ctx.run_state(RunCalls, make)
+
+
+# An order number no tenant has: the downstream answers its lookup 404 when it is up.
+PROBE_ORDER = "qo-ops-breaker-probe"
+
+
+def ask_for_probe(downstream: str, breaker: CircuitBreaker) -> None:
+    """One idle probe call to the ``downstream`` origin (``qo_ops.platform.calls.idle_probe``).
+
+    It looks up an order nobody has (``GET /fulfilment/orders/qo-ops-breaker-probe``), the
+    cheapest call the jobs make, on the business path an outage stops (a health endpoint
+    may answer while that path is down). A 404 is an answer, so the downstream is up; no
+    answer or a 5xx is a failure. The breaker hears the answer. The configured
+    ``QO_OPS_DOWNSTREAM_URL`` is used when it is this origin (it may carry a path)."""
+    base = downstream
+    try:
+        configured = downstream_url()
+    except ConfigError:
+        configured = None
+    if configured is not None and origin(configured) == downstream:
+        base = configured
+    # A failure is not raised: the breaker heard how it failed.
+    with DownstreamClient(base, breaker=breaker) as client, suppress(DownstreamError):
+        client.get_order(PROBE_ORDER)
 
 
 def downstream_client(

@@ -486,7 +486,7 @@ class BatchEvidence:
     order), the transitions the run made, and the failures that used an attempt."""
 
     downstream: str
-    run_id: uuid.UUID
+    run_id: uuid.UUID | None  # None: the idle probe (qo_ops.platform.calls.idle_probe)
     added: str
     transitions: list[Transition]
     spent: list[Spent]
