@@ -503,12 +503,12 @@ def share_batch(conn: Connection, batch: BatchEvidence, settings: BreakerSetting
     row = conn.execute(
         _LOCK_ROW, {"downstream": batch.downstream, "evidence_s": settings.evidence_s}
     ).one()
-    transitions = list(batch.transitions)
+    transitions, added = _after_other_probes(batch, row.state)
     state = transitions[-1].to if transitions else row.state
     # The run's outcomes came after its last transition. With no transition, they follow the
     # row's evidence.
     evidence = Evidence(settings) if transitions else Evidence.from_text(row.recent, settings)
-    for mark in batch.added:
+    for mark in added:
         tripped = evidence.add(mark == FAILED)
         if tripped and state == CLOSED:
             state = OPEN
@@ -546,6 +546,25 @@ def share_batch(conn: Connection, batch: BatchEvidence, settings: BreakerSetting
     )
     opened_now = state == OPEN and row.state != OPEN
     return Shared(transitions, opened_now)
+
+
+def _after_other_probes(batch: BatchEvidence, row_state: str) -> tuple[list[Transition], str]:
+    """The batch's transitions and outcomes to write over a row in ``row_state``.
+
+    A run that took up an open breaker whose probe was due half-opened it and probed. If the
+    row is no longer open when it records, another prober (a run, or the idle probe) has
+    half-opened or decided it meanwhile. Then the run's half-open is not written twice. Over
+    a half-open row its probes join the ones there. Over a closed row its verdict is not
+    written either: its probe's answer joins the evidence (a failed probe as one failure)."""
+    transitions, added = list(batch.transitions), batch.added
+    if not transitions or transitions[0].to != HALF_OPEN or row_state == OPEN:
+        return transitions, added
+    rest = transitions[1:]
+    if row_state == HALF_OPEN or not rest:
+        return rest, added
+    if rest[0].to == OPEN:  # its probe failed: one failure of a closed downstream
+        added = FAILED + added
+    return rest[1:], added  # what happened after its probes' verdict still counts
 
 
 def _entry(spent: Spent) -> list[Any]:

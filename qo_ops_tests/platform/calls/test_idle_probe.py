@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import sqlalchemy as sa
 
 from qo_ops.downstream.calls import ask_for_probe
 from qo_ops.platform.calls.breaker import (
     CLOSED,
     HALF_OPEN,
+    OPEN,
     BatchEvidence,
     BreakerSettings,
     CircuitBreaker,
@@ -89,3 +91,46 @@ def test_a_taken_probe_keeps_runs_and_other_probers_off_the_row(db, downstream):
     assert reports == [ProbeReport(downstream.url, CLOSED, "probes_answered 3")]
     row = the_row(db)
     assert (row.state, row.changed_by_run, row.opened_count) == (CLOSED, None, 1)
+
+
+@pytest.mark.parametrize("run_probe", ["answered", "failed"])
+def test_a_runs_probe_recorded_after_the_idle_probe_closed_it_is_no_second_verdict(
+    db, downstream, run_probe
+):
+    """A run took up the row open and due (half-open) just before the idle probe took it;
+    the idle probe closes it; then the run's probe records. The run's half-open and verdict
+    are not written again over the closed row: its probes' answers join the evidence (a
+    failed probe as one failure, which does not open a closed breaker).
+
+    Planted once: with ``_after_other_probes`` returning the run's transitions as they are,
+    the run wrote a second half-open and closed (or reopened the breaker on one failure)."""
+    open_and_due(db, downstream.url)
+    run = CircuitBreaker(SETTINGS)
+    with db.engine.connect() as conn:
+        run.sync(read_shared(conn, downstream.url, SETTINGS))
+    assert run.state == HALF_OPEN
+
+    idle = probe_idle_breakers(db.engine, SETTINGS, ask_for_probe)
+    assert idle == [ProbeReport(downstream.url, CLOSED, "probes_answered 3")]
+    if run_probe == "failed":
+        downstream.client.set_faults(outage="503")
+    for _ in range(SETTINGS.probes):
+        if run.state == HALF_OPEN:
+            ask_for_probe(downstream.url, run)
+    moves = run.drain()
+    assert moves[0].to == HALF_OPEN and moves[-1].to == (
+        CLOSED if run_probe == "answered" else OPEN
+    )
+    evidence = BatchEvidence(downstream.url, uuid.uuid4(), run.take_added(), moves, [])
+    with db.engine.begin() as conn:
+        shared = share_batch(conn, evidence, SETTINGS)
+    assert shared.transitions == [] and not shared.opened_now
+    row = the_row(db)
+    assert (row.state, row.reason, row.changed_by_run) == (
+        CLOSED,
+        "probes_answered 3 idle_probe",
+        None,
+    )
+    with db.engine.connect() as conn:
+        recent = conn.execute(sa.text("SELECT recent FROM downstream_breaker")).scalar_one()
+    assert recent.endswith("F" if run_probe == "failed" else "S")
