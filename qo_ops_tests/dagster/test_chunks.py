@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import dagster as dg
+import sqlalchemy as sa
 
 from qo_ops.platform.run.lease import acquire
 
@@ -91,3 +92,58 @@ def test_a_tenant_inside_a_chunk_is_found_by_qo_ops_runs(defs, loaded, instance)
     assert len(rows) == 1 and "tenant-002" in rows[0] and JOB in rows[0], found.stdout
     other = run_cli(["runs", "--tenant", "tenant-003"], env)  # not in the chunk
     assert other.code == 0 and result.run_id[:8] not in other.stdout
+
+
+def test_a_chunk_whose_downstream_breaker_is_open_claims_nothing_for_any_tenant(
+    defs, loaded, instance, downstream
+):
+    """delivery_retry over a chunk of two tenants in Dagster, the shared breaker open (probe
+    not due): each tenant's run ends ``failed`` / ``dependency_unavailable`` at its first
+    claim, no item row changes (a claim and release would move ``next_attempt_at``), and no
+    call reaches the downstream (up all along). The chunk loop itself knows nothing of it.
+
+    Planted once (in qo_ops_tests/jobs/test_shared_breaker.py, the same rule without
+    Dagster): with the refusal taken out of ``prepare_calls``, the item rows changed."""
+    from qo_ops.platform.calls.call_stats import DEPENDENCY_UNAVAILABLE
+
+    tenants = ["tenant-001", "tenant-002"]
+    items = "SELECT id, attempt_count, next_attempt_at, updated_at FROM delivery_attempt_item ORDER BY id"
+    with loaded.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE delivery_attempt_item SET status = 'READY', payload = payload - 'fault', "
+                "next_attempt_at = now() - interval '1 minute'"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO downstream_breaker (downstream, state, opened_at, probe_after) "
+                "VALUES (:o, 'open', now(), now() + interval '5 minutes')"
+            ),
+            {"o": downstream.url},
+        )
+        before = conn.execute(sa.text(items)).all()
+    assert before
+
+    job = defs.resolve_job_def("delivery_retry")
+    config = {"mode": "execute", "reason": "breaker open", "tenants": tenants}
+    result = job.execute_in_process(
+        instance=instance,
+        run_config={"ops": {"delivery_retry_op": {"config": config}}},
+        raise_on_error=False,
+    )
+    with loaded.engine.connect() as conn:
+        runs = conn.execute(
+            sa.text(
+                "SELECT scope, status, last_error_code, status_reason FROM job_run "
+                "WHERE job_name = 'delivery_retry' ORDER BY scope"
+            )
+        ).all()
+        after = conn.execute(sa.text(items)).all()
+    assert [(r.scope, r.status, r.last_error_code) for r in runs] == [
+        (t, "failed", DEPENDENCY_UNAVAILABLE) for t in tenants
+    ], result.success
+    assert {r.status_reason for r in runs} == {f"circuit breaker open for {downstream.url}"}
+    assert after == before
+    stats = downstream.client.stats(detail=False)
+    assert stats["delivery_requests"] == stats["outage_refused"] == 0
