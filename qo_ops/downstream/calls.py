@@ -396,14 +396,18 @@ def finish_calls(
     return outcome
 
 
-def finish_lookups(conn: Connection, ctx: BatchContext, outcome: BatchOutcome) -> BatchOutcome:
+def finish_lookups(
+    conn: Connection, ctx: BatchContext, outcome: BatchOutcome, sent: int
+) -> BatchOutcome:
     """The run's manners in the outcome of a batch that only asks the downstream
-    (order_reconciliation, whose calls use no item's attempt): its calls' evidence added to
-    the shared row, its breaker transitions reported, and the run stopped when the breaker
-    is open (``dependency_unavailable``)."""
+    (order_reconciliation, whose calls use no item's attempt): its ``sent`` calls counted,
+    their evidence added to the shared row, its breaker transitions reported, and the run
+    stopped when the breaker is open (``dependency_unavailable``)."""
     calls = ctx.run_state_if_made(RunCalls)
     if calls is None or calls.breaker is None:
         return outcome
+    with calls._lock:
+        calls.calls += sent
     _share(conn, ctx, calls, [], outcome)
     _report_counts(calls, outcome)
     if calls.breaker.state == OPEN:

@@ -188,10 +188,8 @@ class OrderToCompare:
 
 
 def read_orders(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
-    """Read what the comparison needs. There is no claim, since nothing changes yet.
-
-    While the downstream's breaker is open (its probe not due), read nothing: the run halts
-    with ``dependency_unavailable`` and the checkpoint stays where it was."""
+    """Read what the comparison needs (no claim: nothing changes yet). While the breaker is
+    open, its probe not due, read nothing: the run halts, its checkpoint where it was."""
     settings = run_settings(ctx, reconciliation_settings)
     calls = watch_breaker(conn, ctx, settings.downstream_url, settings.manners)
     if (refused := refuse_while_open(calls, len(ids))) is not None:
@@ -272,8 +270,8 @@ def ask_downstream(ctx: BatchContext, work: list[OrderToCompare]) -> list[Lookup
     cursor = ctx.cursor
     looked: list[Compared | NotCompared] = []
     for result in call_each(work, look, ctx.limits.concurrency, ctx.stop):
-        if result is None or isinstance(result, NotCalled):  # The run is stopping. Keep what
-            # was looked at up to the first order that was not, and resume from there.
+        if result is None or isinstance(result, NotCalled):  # Stopping, or the breaker is
+            # open. Keep what was looked at up to the first order that was not; resume there.
             resume = looked[-1].order.id if looked else (cursor or {}).get("last_id", 0)
             return [*looked, ResumeAfter(int(resume))]
         looked.append(result)
@@ -497,8 +495,7 @@ def _repair_missing(
 
 
 def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Lookup]) -> BatchOutcome:
-    """Classify each order. In execute, repair it per type and record every mismatch. The
-    lookups' evidence joins the breaker's shared row (:func:`finish_lookups`)."""
+    """Classify each order. In execute, repair it per type and record every mismatch."""
     out = BatchOutcome()
     missing = [
         r.order.id
@@ -531,7 +528,8 @@ def repair_mismatches(conn: Connection, ctx: BatchContext, results: list[Lookup]
                 _repair(conn, ctx, out, r, states)
             case _:
                 assert_never(r)  # mypy checks that every kind of Lookup is handled
-    return finish_lookups(conn, ctx, out)
+    sent = sum(1 for r in results if isinstance(r, Compared | NotCompared))  # lookups made
+    return finish_lookups(conn, ctx, out, sent)  # their evidence joins the breaker's row
 
 
 def _record_unknown(

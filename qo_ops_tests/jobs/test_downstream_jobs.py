@@ -479,8 +479,10 @@ def test_reconciliation_reports_repairs_and_explains_every_mismatch(
     again = execute(order_reconciliation.SPEC, db, scope)
     assert again.counts.succeeded == 0
     # only the order the downstream has and we do not is flagged again (it is no order of
-    # ours to repair: each run tells a person once more)
-    assert {k: v for k, v in again.tally.items() if not k.startswith("checkpoint.")} == {
+    # ours to repair: each run tells a person once more); its lookups are counted as calls
+    assert again.tally["downstream.calls"] == again.counts.processed
+    skip = ("checkpoint.", "downstream.")
+    assert {k: v for k, v in again.tally.items() if not k.startswith(skip)} == {
         "unknown_downstream": 1,
         "action_flagged": 1,
     }
@@ -495,16 +497,25 @@ def test_reconciliation_reports_repairs_and_explains_every_mismatch(
 
 
 def test_reconciliation_with_the_downstream_down_loses_nothing(db, downstream, monkeypatch):
+    """Every lookup failing: the shared breaker stops the run after ten failures in a row
+    (and the lookups in flight, concurrency 16), no order is judged, and the checkpoint stays
+    before the orders not looked at. Once the downstream is back and the probe due, the next
+    run probes, closes it and goes on, and the next whole-window pass finds the missing
+    order. (Before issue 44 the run went through the whole window failing every lookup.)"""
     monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", downstream.url)
     scope, _ = _plant_reconciliation(db, downstream)
     downstream.client.set_faults(error_rate=1.0)
     down = execute(order_reconciliation.SPEC, db, scope)
-    assert down.status == "failed" and down.counts.failed == down.counts.processed > 0
+    assert (down.status, down.error_code) == ("failed", "dependency_unavailable")
+    assert 10 <= down.counts.failed <= 10 + 16 < down.counts.processed
     assert scalar(db.engine, "SELECT count(*) FROM reconciliation_result") == 0
-    # it went through the window, so the next run checks the whole window again
-    assert scalar(db.engine, "SELECT count(*) FROM job_checkpoint") == 0
+    # it stopped part way, so the next run resumes before the orders not looked at
+    assert scalar(db.engine, "SELECT count(*) FROM job_checkpoint") == 1
     downstream.client.set_faults(error_rate=0.0)
-    back = execute(order_reconciliation.SPEC, db, scope)
+    execute_sql(db.engine, "UPDATE downstream_breaker SET probe_after = now()")
+    resumed = execute(order_reconciliation.SPEC, db, scope)
+    assert resumed.tally["breaker.closed"] == 1 and resumed.counts.failed == 0
+    back = execute(order_reconciliation.SPEC, db, scope)  # the whole window again
     assert back.tally.get("missing_downstream") == 1 and back.counts.failed == 0
 
 

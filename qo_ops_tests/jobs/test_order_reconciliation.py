@@ -31,6 +31,7 @@ from qo_ops.jobs.order_reconciliation import (
     ResubmitBudget,
     resubmit_budget,
 )
+from qo_ops.platform.calls.call_stats import is_manners_key
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.run.runner import RunSummary, run_job
@@ -475,7 +476,9 @@ def test_a_dry_run_prints_its_mismatches_by_type_as_text_too(world):
     assert text.code == 0 and as_json.code == 0, (text.stderr, as_json.stderr)
     lines = dict(ln.split("=", 1) for ln in text.stdout.splitlines() if ln.startswith("tally."))
     tally = json.loads(as_json.stdout.splitlines()[-1])["tally"]
-    assert tally and lines == {f"tally.{k}": str(v) for k, v in tally.items()}
+    kept = {k: v for k, v in tally.items() if not is_manners_key(k)}  # on the downstream= line
+    assert kept and lines == {f"tally.{k}": str(v) for k, v in kept.items()}
+    assert f"{tally['downstream.calls']} calls" in text.stdout  # its lookups
     assert "missing_downstream" in tally  # the demo's missing orders, by their type
 
 
@@ -523,6 +526,7 @@ def test_an_outage_opens_the_shared_breaker_and_no_order_is_judged_until_it_clos
     assert (down.status, down.error_code) == ("failed", "dependency_unavailable"), down
     assert down.status_reason == f"circuit breaker open for {downstream.url}"
     assert 10 <= asked() <= 10 + 4
+    assert down.tally["downstream.calls"] == asked()  # its lookups, counted as calls
     assert down.tally["breaker.open"] == 1 and down.tally["downstream.refused_open"] > 0
     assert scalar(db.engine, "SELECT count(*) FROM reconciliation_result") == 0
     assert scalar(db.engine, "SELECT count(*) FROM order_resubmission") == 0
@@ -540,7 +544,7 @@ def test_an_outage_opens_the_shared_breaker_and_no_order_is_judged_until_it_clos
     seen = asked()
     again = run_job(SPEC, SCOPE, options, engine=db.engine)
     assert (again.status, again.error_code) == ("failed", "dependency_unavailable")
-    assert asked() == seen  # no lookup sent
+    assert asked() == seen and again.tally.get("downstream.calls", 0) == 0  # no lookup
     assert scalar(db.engine, "SELECT count(*) FROM reconciliation_result") == 0
 
     downstream.client.set_faults(outage=None)
