@@ -258,7 +258,8 @@ def test_a_chunk_of_tenants_claims_nothing_once_the_breaker_is_open(
     along, so a call would have been answered).
 
     Planted once: with the refusal in ``prepare_calls`` taken out, each tenant's run claimed
-    and released its batch and the item rows changed."""
+    and released its batch and the item rows changed; with the runner going on to the call
+    and record steps after the refused claim, the claim's count (``refused_open``) was lost."""
     tenants = [f"tenant-00{n}" for n in range(1, 6)]
     load_demo_data(db.engine, tenants=len(tenants), quotes=600, seed=3, as_of=AS_OF)
     due = due_per_tenant(db, 4)
@@ -267,6 +268,7 @@ def test_a_chunk_of_tenants_claims_nothing_once_the_breaker_is_open(
     monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", server.url)
     open_breaker(db, server.url)
     before = [tuple(r) for r in q(db.engine, ITEM_ROWS).all()]
+    shared_before = tuple(q(db.engine, "SELECT * FROM downstream_breaker").one())
 
     runs = [execute(delivery_retry.SPEC, db, Scope(t), concurrency=4) for t in tenants]
     for run in runs:
@@ -278,4 +280,6 @@ def test_a_chunk_of_tenants_claims_nothing_once_the_breaker_is_open(
     assert [tuple(r) for r in q(db.engine, ITEM_ROWS).all()] == before
     assert requests_seen(server) == 0
     row = breaker_row(db)
-    assert (row.state, row.waiting) == ("open", True)  # nothing probed, nothing written
+    assert (row.state, row.waiting) == ("open", True)  # nothing probed
+    # nothing recorded either (no empty record step writing the row's recent_at)
+    assert tuple(q(db.engine, "SELECT * FROM downstream_breaker").one()) == shared_before

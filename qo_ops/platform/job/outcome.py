@@ -124,7 +124,8 @@ class BatchOutcome(Counts):
     notes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     # Set to stop the run after this batch, as (error class or None, reason). With an error
     # class the run ends failed with it (such as dependency_unavailable). Without one, the run
-    # ends as its counts say.
+    # ends as its counts say. A claim that halts with no work ends its batch at once: a job
+    # with an external phase then calls and records nothing (an open breaker).
     halt: tuple[str | None, str] | None = None
 
     def side_effect(self, name: str, result: str, n: int = 1, *, reason: str = "") -> None:
