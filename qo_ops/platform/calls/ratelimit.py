@@ -1,8 +1,13 @@
-"""A token bucket for the calls a run makes to another system, shared by the run's workers.
+"""Rate limits for the calls runs make to another system.
 
-It allows at most ``rate`` calls a second on average, and ``burst`` calls at once after a
-quiet spell. When the other system asks for a pause (``429`` with ``Retry-After``), every
-worker pauses."""
+A token bucket allows at most ``rate`` calls a second on average, and ``burst`` calls at
+once after a quiet spell. When the other system asks for a pause (``429`` with
+``Retry-After``), every caller pauses.
+
+- :class:`TokenBucket`: one run's, shared by its workers, in memory.
+- :class:`SharedTokenBucket`: one per downstream origin for every run, process and pod,
+  kept in PostgreSQL (``downstream_rate_limit``) and counted by the database clock; a run
+  takes its tokens in small grants and its pauses are everyone's."""
 
 from __future__ import annotations
 
@@ -301,13 +306,17 @@ class SharedTokenBucket:
 
     def _ask(self, want: int) -> bool:
         """One grant from the database; True when it brought a token for this caller."""
+        grant: Grant | None = None
+        error: str | None = None
         try:
-            grant: Grant | None = take_tokens(
-                self.engine, self.downstream, self.rate, self.burst, want
-            )
-            error = None
+            grant = take_tokens(self.engine, self.downstream, self.rate, self.burst, want)
         except SQLAlchemyError as exc:
-            grant, error = None, _safe_reason(exc)
+            error = _safe_reason(exc)
+        except BaseException:  # never leave the other callers waiting for this one
+            with self._cond:
+                self._asking = False
+                self._cond.notify_all()
+            raise
         with self._cond:
             self._asking = False
             now = self._clock()
