@@ -353,7 +353,8 @@ def finish_calls(
     if breaker is not None and breaker.state == OPEN:
         outcome.halt = (DEPENDENCY_UNAVAILABLE, f"circuit breaker open for {calls.downstream}")
     elif calls.limiter.unavailable:  # no call goes without the fleet's permission
-        outcome.halt = (None, f"rate limit unavailable for {calls.downstream}")
+        reason = f"rate limit unavailable for {calls.downstream}: {calls.limiter.unavailable}"
+        outcome.halt = (None, reason)
     elif calls.budget_refused:
         outcome.halt = (None, f"retry budget used up ({calls.manners.retry_budget} retries)")
     return outcome

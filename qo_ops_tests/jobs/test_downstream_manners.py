@@ -272,7 +272,9 @@ def test_a_fleet_limit_it_cannot_read_sends_nothing_and_stops_the_run(
         stuck.execute(sa.text("SELECT * FROM downstream_rate_limit FOR UPDATE"))
         run = execute(delivery_retry.SPEC, db, batch_size=20, concurrency=4)
         stuck.rollback()
-    assert run.status_reason == f"rate limit unavailable for {origin(server.url)}", run
+    # the driver's error and its SQLSTATE (55P03: lock_not_available), no server, no secret
+    reason = f"rate limit unavailable for {origin(server.url)}: LockNotAvailable (SQLSTATE 55P03)"
+    assert run.status_reason == reason, run
     assert run.batches == 1 and run.counts.succeeded == 0
     assert requests_seen(server) == 0
     assert run.tally.get("downstream.calls", 0) == 0
