@@ -116,7 +116,8 @@ HOLD_S = 0.1  # tokens granted but unused for this long are dropped, so no run c
 GIVE_UP_S = 5.0  # how long the database may fail grants before calls stop going
 _RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # waits between grants that failed, one after another
 
-# Make the origin's row once, with a full bucket; a rerun or a rival process changes nothing.
+# Make the origin's row once, with a full bucket.
+# Twice: the insert does nothing when the row exists (a rerun, a rival process).
 ENSURE_BUCKET = sa.text(
     """
     INSERT INTO downstream_rate_limit (downstream, tokens, counted_at)
@@ -126,9 +127,10 @@ ENSURE_BUCKET = sa.text(
 )
 
 # Refill the origin's bucket by the database clock since it was last counted (at most :burst
-# held), then take up to :want whole tokens, none while a Retry-After pause runs. Safe to run
-# twice: each run of it takes only what it returns. counted_at never goes back, so a clock
-# read before a wait for the row's lock counts no second twice. (:now is for tests only.)
+# held), then take up to :want whole tokens, none while a Retry-After pause runs. (:now
+# stands in for the clock in tests only.)
+# Twice: each run of it takes only the tokens it returns, under the row's lock; counted_at
+# never goes back, so a clock read before a wait for that lock counts no second twice.
 TAKE_TOKENS = sa.text(
     """
     WITH counted AS (
@@ -158,8 +160,8 @@ TAKE_TOKENS = sa.text(
     """
 )
 
-# A 429's Retry-After holds every run's calls to the origin until then; a pause never
-# shortens an earlier one, so writing it twice is harmless.
+# A 429's Retry-After holds every run's calls to the origin until then.
+# Twice: a pause never shortens an earlier one (greatest), so a second write changes nothing.
 PAUSE_ALL = sa.text(
     """
     INSERT INTO downstream_rate_limit AS r (downstream, tokens, counted_at, paused_until)
