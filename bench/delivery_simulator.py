@@ -52,11 +52,14 @@ class Simulator:
 
 
 @contextmanager
-def simulator(latency_ms: int = LATENCY_MS) -> Iterator[Simulator]:
-    """A fresh simulator process with an empty store, stopped afterwards."""
+def simulator(latency_ms: int = LATENCY_MS, *flags: str) -> Iterator[Simulator]:
+    """A fresh simulator process with an empty store (more ``flags`` of ``qo-ops
+    downstream``, e.g. ``--rate-limit``), stopped afterwards."""
     with (
         tempfile.TemporaryDirectory(prefix="qo-ops-bench-downstream-") as tmp,
-        simulator_process(Path(tmp) / "store.sqlite3", "--latency-ms", str(latency_ms)) as proc,
+        simulator_process(
+            Path(tmp) / "store.sqlite3", "--latency-ms", str(latency_ms), *flags
+        ) as proc,
     ):
         client = DownstreamClient(proc.url)
         try:

@@ -40,6 +40,7 @@ from bench.bare_client import BareRequest, bare_run
 from bench.bench_delivery_retry import LOAD_SQL as DELIVERY_LOAD_SQL
 from bench.common import REPO, cloned_database, engine_for, env_url, fresh_database, settle
 from bench.delivery_simulator import Simulator, simulator, wait_quiet
+from bench.fleet_rate_limit import fleet_note, fleet_row, measure_fleet
 from bench.suite import Profile, Row, Section, Spread, median, pairwise_ratios
 
 TITLE = "Downstream calls at concurrency"
@@ -350,7 +351,10 @@ def run(profile: Profile) -> Section:
         "(`bench/bare_client.py`), no qo-ops and no database, measured in the same run. Verified: every item done after "
         "one attempt, and the simulator holds each once from one request.",
     )
-    return Section(TITLE, rows, notes, raw={"items": n, "runs": results})
+    fleet = measure_fleet()  # one rate limit for 8 runs at once (bench/fleet_rate_limit.py)
+    rows.append(fleet_row(fleet))
+    notes.append(fleet_note(fleet))
+    return Section(TITLE, rows, notes, raw={"items": n, "runs": results, "fleet": fleet})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Dry-run estimate: how long `qo-ops run quote_expiration --mode dry-run` takes to count the
 eligible quotes of one tenant, beside the bare ``SELECT count(*)`` of the same set.
 
-Goal (issue 24): counting 1,000,000 eligible rows takes under 0.6 s — judged on the wall time of
-the ``qo-ops`` process (start-up, count, sample, outcome checks, lag and the run row
-included: what an operator waits for), and only when the profile has >= 1,000,000 rows.
+Reported, no longer judged: issue 24 set an absolute goal (counting 1,000,000 eligible rows in
+under 0.6 s of the ``qo-ops`` process's wall time: start-up, count, sample, outcome checks, lag
+and the run row), and issue 44 retired it. At 0.92 s, 0.40 s of it the interpreter importing
+SQLAlchemy, psycopg and Typer, it is what the architecture costs; the row is kept so that the
+figure is seen not to grow (``RETIRED_AT_S``, the figure when the goal was retired).
 The limit is the bare count of the same eligible set (tenant, ACTIVE, past expiry) on an
 open connection, measured in the same run on the same data; the job's own ``duration_ms``
 is reported beside it. Beside it, ``qo-ops --help`` (goal < 0.3 s of process wall time), with
@@ -46,7 +48,7 @@ from qo_ops.platform.job.scope import Scope
 
 TITLE = "Dry-run estimate"
 PREFIX = "qo_ops_bench_dry"
-GOAL_S = 0.6
+RETIRED_AT_S = 0.92  # issue 44: the 1,000,000-row dry run's wall time when its goal was retired
 GOAL_HELP_S = 0.3
 GOAL_ROWS = 1_000_000
 EMPTY_TENANT = "tenant-002"  # no quotes: its dry run is the process's fixed cost
@@ -216,9 +218,14 @@ def run(profile: Profile) -> Section:
             figure=wall.show(_seconds),
             limit=f"{count.show(_seconds)} (bare SELECT count(*))",
             ratio=wall_s / count_s if count_s else None,
-            goal=f"< {GOAL_S:.1f} s at {GOAL_ROWS:,}",
-            met=(wall_s < GOAL_S) if judged else None,
-            note="" if judged else f"goal judged only at >= {GOAL_ROWS:,} rows",
+            goal=f"report: not above {RETIRED_AT_S:.2f} s at {GOAL_ROWS:,} (goal retired)",
+            met=None,
+            note=(
+                f"{'above' if wall_s > RETIRED_AT_S else 'not above'} the {RETIRED_AT_S:.2f} s "
+                "of issue 44"
+                if judged
+                else f"compared only at >= {GOAL_ROWS:,} rows"
+            ),
         ),
         Row(
             what="dry run: the job's own duration_ms",
@@ -274,12 +281,12 @@ def run(profile: Profile) -> Section:
                 "quotes once more) and the lag."
             ]
         ),
-        f"The goal is judged on the process wall time (what an operator waits for); the "
+        f"The figure is the process wall time (what an operator waits for); the "
         f"empty tenant's dry run puts {empty_s:.2f} s of it on the process whatever the size, "
         f"so counting {n:,} adds about {wall_s - empty_s:.2f} s.",
         f"Load average (1 min) at the start / end of the section: {load_avg[0]:.1f} / "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (the machine is shared).",
-        "If a goal is missed at the full size, the plan in the raw results "
+        "If the figure grows at the full size, the plan in the raw results "
         "(EXPLAIN ANALYZE of count_eligible's statement) says where the time goes.",
     ]
     return Section(

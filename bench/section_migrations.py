@@ -7,7 +7,7 @@ audit_record (0013: an index), customer_order (0014: an index; its grants), job_
 0017, 0018: ADD COLUMN, an ACCESS EXCLUSIVE lock for a moment), downstream_breaker (0016: ADD
 COLUMN with constant defaults). 0014's grants on job_lease, job_checkpoint,
 delivery_attempt_item, outbox_event and order_resubmission take no lock on those tables and
-read none of their rows (a GRANT updates the catalog only), and 0015 to 0018 create new
+read none of their rows (a GRANT updates the catalog only), and 0015 to 0019 create new
 tables: none of them is loaded.
 
 Data: :data:`TENANTS` tenants first, then ``big_rows`` rows in each table, set-based

@@ -57,7 +57,7 @@ MIGRATION_LOCK_KEY = 0x716F6F7073  # advisory lock: two `db upgrade` at once run
 # The newest revision in migrations/versions/: a new migration moves it (a test holds it to
 # Alembic's head), and a contract step is named in CONTRACT_REVISIONS too (a test holds
 # that to each migration's ``phase``).
-HEAD_REVISION = "0018"
+HEAD_REVISION = "0019"
 CONTRACT_REVISIONS: frozenset[str] = frozenset()
 # Releases from this revision on check the schema as this module does, or (0017) check the
 # serves table for their own head; the expand steps after it keep serving them.

@@ -63,6 +63,7 @@ EXPECTED: Matrix = {
         "job_control": SIUD,  # every run reads it; `qo-ops suspend/resume` writes it
         "downstream_breaker": SIU,  # the item jobs read it and add their evidence
         "downstream_refund": SID,  # an opening owes attempts; the item's claim takes them
+        "downstream_rate_limit": SIU,  # every calling run takes its tokens from it
         "run_approval": S,  # a destructive execute's cited approval is read, never granted
         "job_schedule_tick": SIUD,  # the schedules record their ticks and prune old ones
         "job_run_queue": SIU,  # run_queue_sensor upserts one row per job
@@ -100,6 +101,7 @@ EXPECTED: Matrix = {
         "job_control": SIUD,  # approvers suspend and resume
         "downstream_breaker": S,  # the exporter's breaker gauges
         "downstream_refund": S,
+        "downstream_rate_limit": S,
         "run_approval": SIU,  # an approver grants (POST /internal/jobs/{job}/approvals) and revokes
         "job_schedule_tick": S,
         "job_run_queue": S,

@@ -31,7 +31,7 @@ from qo_ops.platform.calls.breaker import (
 )
 from qo_ops.platform.calls.call_stats import DEPENDENCY_UNAVAILABLE
 from qo_ops.platform.calls.external import NotCalled, call_each
-from qo_ops.platform.calls.ratelimit import TokenBucket
+from qo_ops.platform.calls.ratelimit import Limiter, SharedTokenBucket, TokenBucket
 from qo_ops.platform.calls.retry import (
     CallResult,
     Disposition,
@@ -60,8 +60,9 @@ SYSTEMIC_CODES = frozenset({CALL_TIMEOUT, "connect_error", "connection_reset", "
 
 @dataclass(frozen=True)
 class Manners:
-    """How a run treats the downstream: its request rate (per run, shared by the run's
-    workers; None: no limit of ours), how many retries it may make, its circuit breaker."""
+    """How a run treats the downstream: its request rate (calls a second to the origin for
+    every run, process and pod together; None: no limit of ours), how many retries it may
+    make, its circuit breaker."""
 
     rate_limit: float | None = None
     retry_budget: int = 1000
@@ -69,7 +70,8 @@ class Manners:
 
 
 def manners_from_env(environ: Mapping[str, str] | None = None) -> Manners:
-    """``QO_OPS_DOWNSTREAM_RATE_LIMIT`` (calls a second per run, 0 or unset: none),
+    """``QO_OPS_DOWNSTREAM_RATE_LIMIT`` (calls a second for the fleet, per origin; 0 or
+    unset: none),
     ``QO_OPS_RETRY_BUDGET`` (calls for items that failed before, per run; default 1000) and
     ``QO_OPS_BREAKER_OPEN_S`` (how long the breaker stays open before a probe; default 30),
     checked (``ConfigError``)."""
@@ -115,7 +117,7 @@ class RunCalls:
     (:func:`run_calls`)."""
 
     client: DownstreamClient
-    limiter: TokenBucket
+    limiter: Limiter
     downstream: str
     manners: Manners
     breaker: CircuitBreaker | None = None
@@ -149,9 +151,14 @@ def run_calls(ctx: BatchContext, url: str, manners: Manners) -> RunCalls:
     item jobs load theirs with :func:`prepare_calls`)."""
 
     def make() -> RunCalls:
-        limiter = TokenBucket(manners.rate_limit)
+        downstream, rate = origin(url), manners.rate_limit
+        limiter: Limiter = (  # the fleet's limit, in PostgreSQL; outside a run, this process's
+            SharedTokenBucket(ctx.engine, downstream, rate)
+            if rate and ctx.engine is not None
+            else TokenBucket(rate)
+        )
         client = DownstreamClient(url, limiter=limiter, stop=ctx.stop.event)
-        return RunCalls(client, limiter, origin(url), manners)
+        return RunCalls(client, limiter, downstream, manners)
 
     return ctx.run_state(RunCalls, make)
 
@@ -391,6 +398,9 @@ def finish_calls(
     _report_counts(calls, outcome)
     if breaker is not None and breaker.state == OPEN:
         outcome.halt = (DEPENDENCY_UNAVAILABLE, f"circuit breaker open for {calls.downstream}")
+    elif calls.limiter.unavailable:  # no call goes without the fleet's permission
+        reason = f"rate limit unavailable for {calls.downstream}: {calls.limiter.unavailable}"
+        outcome.halt = (None, reason)
     elif calls.budget_refused:
         outcome.halt = (None, f"retry budget used up ({calls.manners.retry_budget} retries)")
     return outcome

@@ -22,7 +22,7 @@ from urllib.parse import quote
 from qo_ops.downstream.transport import ConnectionPool, NoAnswer
 from qo_ops.errors import ConfigError, one_line
 from qo_ops.platform.calls.breaker import CircuitBreaker
-from qo_ops.platform.calls.ratelimit import TokenBucket
+from qo_ops.platform.calls.ratelimit import Limiter, LimiterUnavailable
 from qo_ops.platform.calls.retry import DEFAULT_WAIT_S, ErrorClass, classify_http_status
 from qo_ops.platform.observability.tracing import client_span
 
@@ -145,6 +145,17 @@ def _error_token(answer: Answer) -> str | None:
     return error if isinstance(error, str) and _SAFE_TOKEN.match(error) else None
 
 
+def _acquire(limiter: Limiter, stop: threading.Event | None, what: str) -> bool:
+    """The limiter's token (False: the run is stopping). A shared limit that cannot be read
+    lets nothing go: ``rate_limit_unavailable``, never sent."""
+    try:
+        return limiter.acquire(stop)
+    except LimiterUnavailable as exc:
+        raise DownstreamError(
+            ErrorClass.RETRYABLE, "rate_limit_unavailable", f"{what}: {exc}", sent=False
+        ) from None
+
+
 class DownstreamClient:
     """Calls the downstream over HTTP. Safe to share between threads; ``close()`` when done."""
 
@@ -156,7 +167,7 @@ class DownstreamClient:
         max_connections: int = 64,
         *,
         pool_timeout: float = 30.0,
-        limiter: TokenBucket | None = None,
+        limiter: Limiter | None = None,
         breaker: CircuitBreaker | None = None,
         stop: threading.Event | None = None,
     ) -> None:
@@ -240,7 +251,7 @@ class DownstreamClient:
             )
         told = False  # the breaker hears of every ticket it gave: its evidence is in start order
         try:
-            if self.limiter is not None and not self.limiter.acquire(self.stop):
+            if self.limiter is not None and not _acquire(self.limiter, self.stop, what):
                 raise DownstreamError(
                     ErrorClass.RETRYABLE, "not_sent", f"{what}: stopping", sent=False
                 )

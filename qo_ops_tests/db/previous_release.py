@@ -266,7 +266,9 @@ with dg.instance_for_test() as instance:
                     instance.add_dynamic_partitions(
                         request.partitions_def_name, request.partition_keys
                     )
-                    seen["added_partitions"] = sorted(request.partition_keys)
+                    # every request's keys: a release may keep more than one dynamic set
+                    added = {*seen.get("added_partitions", []), *request.partition_keys}
+                    seen["added_partitions"] = sorted(added)
         for sensor in defs.sensors:
             if not isinstance(sensor, dg.RunStatusSensorDefinition):
                 continue

@@ -160,7 +160,7 @@ def test_a_migration_behind_a_long_transaction_gives_way_to_writers_then_succeed
         reader.join()
         writer.join()
 
-    assert report.applied == ["0018"] and report.outcome == "ok"
+    assert report.applied == ["0018", "0019"] and report.outcome == "ok"
     assert report.lock_timeouts >= 2  # it gave way at least twice in the 4 s the reader held
     assert {"code_version", "code_revision"} <= _columns(engine, "job_run")
     assert f"SET lock_timeout = '{migrate.LOCK_TIMEOUT}'" == migrate.SET_LOCK_TIMEOUT
@@ -187,7 +187,7 @@ def test_a_migration_behind_a_long_transaction_gives_way_to_writers_then_succeed
         report.lock_timeouts,
         "behind a long reader",
     )
-    assert row.applied == ["0018"]
+    assert row.applied == ["0018", "0019"]
 
 
 def test_a_migration_that_never_gets_its_locks_fails_in_one_line_having_applied_nothing(
@@ -211,26 +211,26 @@ def test_a_migration_that_never_gets_its_locks_fails_in_one_line_having_applied_
     assert slept == [0.5, 1.0]  # backoff between the 3 tries
     assert migrate.current_revision(engine) == "0017"
     assert not {"code_version", "code_revision"} & _columns(engine, "job_run")
-    assert migrate.upgrade(engine).applied == ["0018"]  # the reader gone: it goes through
+    assert migrate.upgrade(engine).applied == ["0018", "0019"]  # the reader gone: it goes through
 
 
-CONTRACT_STEP = '''"""Contract (planted by the test): drops what the release at 0018 still reads.
+CONTRACT_STEP = '''"""Contract (planted by the test): drops what the release at 0019 still reads.
 
-Revision ID: 0019
-Revises: 0018
+Revision ID: 0020
+Revises: 0019
 """
 
 from alembic import op
 
-revision = "0019"
-down_revision = "0018"
+revision = "0020"
+down_revision = "0019"
 branch_labels = None
 depends_on = None
 phase = "contract"
 
 
 def upgrade() -> None:
-    op.execute("COMMENT ON COLUMN job_run.window_end IS 'unused since 0019'")
+    op.execute("COMMENT ON COLUMN job_run.window_end IS 'unused since 0020'")
 
 
 def downgrade() -> None:
@@ -240,19 +240,19 @@ def downgrade() -> None:
 
 @pytest.fixture
 def with_contract_step(tmp_path: Path, monkeypatch) -> None:
-    """This code's migrations plus a contract step 0019, as the next release would ship."""
+    """This code's migrations plus a contract step 0020, as the next release would ship."""
     planted = tmp_path / "migrations"
     shutil.copytree(migrate.MIGRATIONS_DIR, planted, ignore=shutil.ignore_patterns("__pycache__"))
-    (planted / "versions" / "0019_planted_contract.py").write_text(CONTRACT_STEP)
+    (planted / "versions" / "0020_planted_contract.py").write_text(CONTRACT_STEP)
     monkeypatch.setattr(migrate, "MIGRATIONS_DIR", planted)
-    monkeypatch.setattr(migrate, "HEAD_REVISION", "0019")
-    monkeypatch.setattr(migrate, "CONTRACT_REVISIONS", frozenset({"0019"}))
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0020")
+    monkeypatch.setattr(migrate, "CONTRACT_REVISIONS", frozenset({"0020"}))
 
 
 def _older_run_holding_a_lease(engine: Engine) -> uuid.UUID:
     with engine.begin() as conn:
         run_id = _insert_run(
-            conn, mode="execute", trigger_type="schedule", status="running", code_revision="0018"
+            conn, mode="execute", trigger_type="schedule", status="running", code_revision="0019"
         )
         conn.execute(
             sa.text(
@@ -276,16 +276,16 @@ def test_a_contract_step_waits_for_older_codes_runs_then_retires_that_code(
         for smp in m.samples
         if smp.name == "job_runs_running_by_code"
     ]
-    assert running == [((("code_revision", "0018"),), 1.0)]  # what a rollout's dashboard shows
+    assert running == [((("code_revision", "0019"),), 1.0)]  # what a rollout's dashboard shows
 
     expand_only = migrate.upgrade(engine)  # a plain `db upgrade` never contracts
-    assert expand_only.pending_contract == ["0019"] and expand_only.applied == []
+    assert expand_only.pending_contract == ["0020"] and expand_only.applied == []
     with pytest.raises(migrate.MigrationBlocked) as refused:
-        migrate.upgrade(engine, contract=True, requested_by="sre", reason="retire 0018")
+        migrate.upgrade(engine, contract=True, requested_by="sre", reason="retire 0019")
     message = str(refused.value)
-    assert "\n" not in message and "contract step 0019 refused" in message
-    assert "quote_expiration tenant-001 (code 0018)" in message
-    assert migrate.current_revision(engine) == "0018"
+    assert "\n" not in message and "contract step 0020 refused" in message
+    assert "quote_expiration tenant-001 (code 0019)" in message
+    assert migrate.current_revision(engine) == "0019"
     with engine.connect() as conn:
         asked = conn.execute(
             sa.text("SELECT outcome, requested_by FROM schema_migration WHERE contract")
@@ -298,19 +298,19 @@ def test_a_contract_step_waits_for_older_codes_runs_then_retires_that_code(
                 "WHERE action = 'schema_upgrade_contract'"
             )
         ).all()
-    assert [tuple(r) for r in audited] == [("sre", "refused", "retire 0018")]
+    assert [tuple(r) for r in audited] == [("sre", "refused", "retire 0019")]
 
     with engine.begin() as conn:  # the old run ends and gives its lease back
         conn.execute(
             sa.text("UPDATE job_run SET status = 'success' WHERE id = :id"), {"id": run_id}
         )
         conn.execute(sa.text("DELETE FROM job_lease"))
-    assert migrate.upgrade(engine, contract=True).applied == ["0019"]
-    assert migrate.serves_from(engine) == "0019"
+    assert migrate.upgrade(engine, contract=True).applied == ["0020"]
+    assert migrate.serves_from(engine) == "0020"
     migrate.require_current(engine)  # the release that shipped the contract step runs on
-    monkeypatch.setattr(migrate, "HEAD_REVISION", "0018")  # the release before it does not
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0019")  # the release before it does not
     monkeypatch.setattr(migrate, "CONTRACT_REVISIONS", frozenset())
-    with pytest.raises(SchemaNotReady, match="serves code from 0019 on; this code is at 0018"):
+    with pytest.raises(SchemaNotReady, match="serves code from 0020 on; this code is at 0019"):
         migrate.require_current(engine)
 
 
@@ -330,32 +330,32 @@ def test_status_names_the_code_that_ran_each_tenants_last_run(cli, db):
 def test_after_a_contract_step_a_bad_release_is_fixed_by_the_next_not_by_a_downgrade(
     db, with_contract_step, monkeypatch, tmp_path
 ):
-    """Roll forward (docs/deploy.md): the release at 0019 contracted; going back to 0018's
-    code is refused; the fix ships as 0020, an expand step, and both 0019 and 0020 run on
+    """Roll forward (docs/deploy.md): the release at 0020 contracted; going back to 0019's
+    code is refused; the fix ships as 0021, an expand step, and both 0020 and 0021 run on
     the schema while it rolls out."""
     engine = db.engine
-    assert migrate.upgrade(engine, contract=True).applied == ["0019"]
-    monkeypatch.setattr(migrate, "HEAD_REVISION", "0018")  # "roll back" the code: refused
-    with pytest.raises(SchemaNotReady, match="deploy a release at 0019 or newer"):
+    assert migrate.upgrade(engine, contract=True).applied == ["0020"]
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0019")  # "roll back" the code: refused
+    with pytest.raises(SchemaNotReady, match="deploy a release at 0020 or newer"):
         migrate.require_current(engine)
 
-    fix = migrate.MIGRATIONS_DIR / "versions" / "0020_planted_fix.py"
+    fix = migrate.MIGRATIONS_DIR / "versions" / "0021_planted_fix.py"
     fix.write_text(
         CONTRACT_STEP.replace(
-            "Contract (planted by the test): drops what the release at 0018 still reads.",
-            "Expand: the fix of the release at 0019.",
+            "Contract (planted by the test): drops what the release at 0019 still reads.",
+            "Expand: the fix of the release at 0020.",
         )
-        .replace('revision = "0019"', 'revision = "0020"')
-        .replace('down_revision = "0018"', 'down_revision = "0019"')
-        .replace("Revision ID: 0019\nRevises: 0018", "Revision ID: 0020\nRevises: 0019")
+        .replace('revision = "0020"', 'revision = "0021"')
+        .replace('down_revision = "0019"', 'down_revision = "0020"')
+        .replace("Revision ID: 0020\nRevises: 0019", "Revision ID: 0021\nRevises: 0020")
         .replace('phase = "contract"', 'phase = "expand"')
         .replace("job_run.window_end", "job_run.window_start")
     )
-    monkeypatch.setattr(migrate, "HEAD_REVISION", "0020")
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0021")
     report = migrate.upgrade(engine)  # the next release's expand step, no --contract needed
-    assert report.applied == ["0020"] and migrate.serves_from(engine) == "0019"
+    assert report.applied == ["0021"] and migrate.serves_from(engine) == "0020"
     migrate.require_current(engine)  # the fixed release runs
-    monkeypatch.setattr(migrate, "HEAD_REVISION", "0019")
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0020")
     migrate.require_current(engine)  # and the bad one still runs beside it while it rolls out
 
 
@@ -364,12 +364,12 @@ def test_db_upgrade_fails_in_one_line_when_a_pending_contract_step_holds_back_th
 ):
     """The migrate Job of a release whose expand step comes after a contract step still
     pending exits non-zero (the new code would refuse the schema), and says what to do."""
-    (migrate.MIGRATIONS_DIR / "versions" / "0020_planted_expand.py").write_text(
-        CONTRACT_STEP.replace('revision = "0019"', 'revision = "0020"')
-        .replace('down_revision = "0018"', 'down_revision = "0019"')
+    (migrate.MIGRATIONS_DIR / "versions" / "0021_planted_expand.py").write_text(
+        CONTRACT_STEP.replace('revision = "0020"', 'revision = "0021"')
+        .replace('down_revision = "0019"', 'down_revision = "0020"')
         .replace('phase = "contract"', 'phase = "expand"')
     )
-    monkeypatch.setattr(migrate, "HEAD_REVISION", "0020")
+    monkeypatch.setattr(migrate, "HEAD_REVISION", "0021")
     monkeypatch.setenv("QO_OPS_DATABASE_URL", db.env_url)
     events = logging.getLogger(EVENT_LOGGER)  # the command adds a JSON handler to stderr
     monkeypatch.setattr(events, "handlers", list(events.handlers))  # gone after this test
@@ -377,9 +377,9 @@ def test_db_upgrade_fails_in_one_line_when_a_pending_contract_step_holds_back_th
     err = capsys.readouterr().err
     assert code != 0
     [line] = [ln for ln in err.splitlines() if not ln.startswith("{")]  # events are JSON
-    assert "before contract step(s) 0019" in line and "needs 0020" in line
+    assert "before contract step(s) 0020" in line and "needs 0021" in line
     assert "db upgrade --contract" in line and "Traceback" not in err
-    assert migrate.current_revision(db.engine) == "0018"
+    assert migrate.current_revision(db.engine) == "0019"
 
 
 def _index_valid(engine: Engine, name: str) -> bool | None:

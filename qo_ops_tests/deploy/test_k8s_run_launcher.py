@@ -556,10 +556,15 @@ def test_a_run_whose_pod_is_deleted_is_failed_by_run_monitoring(cluster):
         "throttle_ms": 1000,
     }
     run_id = cluster.launch(TENANTS[1], slow)
+    # Dagster says STARTED before the op has admitted the run; the pod is deleted only once
+    # the run's own row says it is running, so the kill lands mid-run and not before it.
     wait_until(
-        lambda: cluster.status(run_id) == dg.DagsterRunStatus.STARTED,
+        lambda: (
+            cluster.status(run_id) == dg.DagsterRunStatus.STARTED
+            and _job_run(cluster, run_id) == "running"
+        ),
         240,
-        "the run to start in its pod",
+        "the run to start in its pod and claim its scope",
         cluster.kubelet,
     )
     pod = cluster.kubelet.pod_of(f"dagster-run-{run_id}")

@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from qo_ops.demo.data import load_demo_data
 from qo_ops.jobs import delivery_retry, notification_publish
@@ -248,6 +249,41 @@ def test_our_rate_limit_is_respected(db, downstream_factory, monkeypatch):
     # a burst of 4 (a tenth of a second's worth), then 40 a second: never above 44 a second
     assert (60 - 4) / elapsed <= 40 * 1.1, f"{60 / elapsed:.1f} calls a second"
     assert run.tally["downstream.rate_limit_wait_ms"] > 0
+
+
+def test_a_fleet_limit_it_cannot_read_sends_nothing_and_stops_the_run(
+    db, downstream_factory, monkeypatch
+):
+    """The shared rate limit's row is held by a stuck session, so every grant meets the
+    lock timeout: after the give-up time no call is sent (there is no fallback to a limit
+    per run), every item keeps its attempt, and the run stops after that batch in one line.
+    The next run, the row free again, delivers them."""
+    from qo_ops.downstream.calls import origin
+    from qo_ops.platform.calls import ratelimit
+
+    load_demo_data(db.engine, tenants=1, quotes=400, seed=3, as_of=AS_OF)
+    items = make_all_deliveries_due(db, strip_poison=True)
+    server = downstream_factory()
+    monkeypatch.setenv("QO_OPS_DOWNSTREAM_URL", server.url)
+    monkeypatch.setenv("QO_OPS_DOWNSTREAM_RATE_LIMIT", "1000")
+    monkeypatch.setattr(ratelimit, "GIVE_UP_S", 0.5)
+    ratelimit.take_tokens(db.engine, origin(server.url), 1000.0, 100.0, 1)  # the origin's row
+    with db.engine.connect() as stuck:
+        stuck.execute(sa.text("SELECT * FROM downstream_rate_limit FOR UPDATE"))
+        run = execute(delivery_retry.SPEC, db, batch_size=20, concurrency=4)
+        stuck.rollback()
+    # the driver's error and its SQLSTATE (55P03: lock_not_available), no server, no secret
+    reason = f"rate limit unavailable for {origin(server.url)}: LockNotAvailable (SQLSTATE 55P03)"
+    assert run.status_reason == reason, run
+    assert run.batches == 1 and run.counts.succeeded == 0
+    assert requests_seen(server) == 0
+    assert run.tally.get("downstream.calls", 0) == 0
+    assert scalar(db.engine, "SELECT max(attempt_count) FROM delivery_attempt_item") == 0
+    assert scalar(db.engine, NOT_DELIVERED) == items
+
+    again = execute(delivery_retry.SPEC, db, batch_size=items, concurrency=4)
+    assert again.status == "success" and again.counts.succeeded == items, again
+    assert scalar(db.engine, NOT_DELIVERED) == 0
 
 
 def test_the_retry_budget_bounds_a_runs_retries(db, downstream_factory, monkeypatch):

@@ -184,6 +184,19 @@ downstream_breaker = sa.Table(
     sa.CheckConstraint("state IN ('closed', 'open', 'half_open')", name="state_known"),
 )
 
+# The fleet's rate limit per downstream origin (0019, qo_ops/platform/calls/ratelimit.py): a
+# token bucket every run, process and pod takes its calls' tokens from, counted by the
+# database clock, and the pause a 429's Retry-After asked of all of them.
+downstream_rate_limit = sa.Table(
+    "downstream_rate_limit",
+    metadata,
+    sa.Column("downstream", sa.Text, primary_key=True),  # scheme://host:port, never credentials
+    sa.Column("tokens", sa.Double, nullable=False),  # held when last counted
+    sa.Column("counted_at", TS, nullable=False),  # the database's clock at that count
+    sa.Column("paused_until", TS),  # no run calls the origin before then
+    sa.CheckConstraint("tokens >= 0", name="tokens_not_negative"),
+)
+
 # Attempts owed back to items after an outage (0016): when the breaker opens, each item
 # whose systemic failures were in its evidence gets a row; the item's job takes and gives
 # them back in the tenant's next claim, before it claims anything.
@@ -368,6 +381,7 @@ PLATFORM_TABLES = (
     job_control,
     downstream_breaker,
     downstream_refund,
+    downstream_rate_limit,
     run_approval,
     job_schedule_tick,
     job_run_queue,

@@ -9,11 +9,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from qo_ops.platform.job.counts import Counts, mutated_count
 from qo_ops.platform.job.options import Limits, Mode
 from qo_ops.platform.job.scope import Scope
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
 
 
 class StopRequest(Protocol):
@@ -61,6 +64,9 @@ class BatchContext:
     position: dict[str, Any] | None = None
     # The run's stop request (SIGTERM/SIGINT). External phases send no call once it is set.
     stop: StopRequest = field(default_factory=NoStopRequest)
+    # The run's database, for what must commit on its own beside the batch's transactions:
+    # the fleet's rate limit takes its tokens there. None outside a run.
+    engine: Engine | None = None
     # The job's own state between its steps within one run, one object per type (run_state).
     _run_states: dict[type, object] = field(default_factory=dict, init=False, repr=False)
 

@@ -165,7 +165,7 @@ class JobRun:
                 raise
         self.ctx = BatchContext(
             spec.name, scope, options.mode, self.run_id,
-            limits=self.limits, settings=settings, stop=self.stop,
+            limits=self.limits, settings=settings, stop=self.stop, engine=self.engine,
         )  # fmt: skip
         self.summary = RunSummary(
             job_run_id=str(self.run_id), job_name=spec.name, status=RunStatus.RUNNING,
