@@ -396,14 +396,21 @@ def finish_calls(
         if _share(conn, ctx, calls, spent, outcome):
             _give_back_owed(conn, calls, steps.side_effect, tenant, steps.give_back)
     _report_counts(calls, outcome)
-    if breaker is not None and breaker.state == OPEN:
+    _halt_when_held_back(calls, outcome)
+    return outcome
+
+
+def _halt_when_held_back(calls: RunCalls, outcome: BatchOutcome) -> None:
+    """Stop the run after this batch when its manners hold its calls back: the breaker is
+    open (``dependency_unavailable``), the fleet's rate limit cannot be read, or the retry
+    budget is used up."""
+    if calls.breaker is not None and calls.breaker.state == OPEN:
         outcome.halt = (DEPENDENCY_UNAVAILABLE, f"circuit breaker open for {calls.downstream}")
     elif calls.limiter.unavailable:  # no call goes without the fleet's permission
         reason = f"rate limit unavailable for {calls.downstream}: {calls.limiter.unavailable}"
         outcome.halt = (None, reason)
     elif calls.budget_refused:
         outcome.halt = (None, f"retry budget used up ({calls.manners.retry_budget} retries)")
-    return outcome
 
 
 def finish_lookups(
@@ -412,7 +419,8 @@ def finish_lookups(
     """The run's manners in the outcome of a batch that only asks the downstream
     (order_reconciliation, whose calls use no item's attempt): its ``sent`` calls counted,
     their evidence added to the shared row, its breaker transitions reported, and the run
-    stopped when the breaker is open (``dependency_unavailable``)."""
+    stopped when its calls are held back (:func:`_halt_when_held_back`: a lookup not made
+    is looked at by a later run, so this run must not go round again)."""
     calls = ctx.run_state_if_made(RunCalls)
     if calls is None or calls.breaker is None:
         return outcome
@@ -420,8 +428,7 @@ def finish_lookups(
         calls.calls += sent
     _share(conn, ctx, calls, [], outcome)
     _report_counts(calls, outcome)
-    if calls.breaker.state == OPEN:
-        outcome.halt = (DEPENDENCY_UNAVAILABLE, f"circuit breaker open for {calls.downstream}")
+    _halt_when_held_back(calls, outcome)
     return outcome
 
 

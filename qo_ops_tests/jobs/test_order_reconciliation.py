@@ -561,3 +561,33 @@ def test_an_outage_opens_the_shared_breaker_and_no_order_is_judged_until_it_clos
         )
     }
     assert judged and judged <= missing  # only the orders the downstream really misses
+
+
+def test_a_fleet_rate_limit_it_cannot_read_stops_reconciliation_after_one_batch(world, monkeypatch):
+    """The shared rate limit's row held by a stuck session: no lookup is made, so no order
+    is looked at or judged, and the run stops after that batch in one line (a lookup not
+    made is left to a later run, so the run must not select the same orders again).
+
+    Planted once: with finish_lookups halting only on an open breaker, the run went round
+    the same batch until its deadline (``timeout``, many batches)."""
+    from qo_ops.downstream.calls import origin
+    from qo_ops.platform.calls import ratelimit
+
+    db, downstream = world
+    monkeypatch.setenv("QO_OPS_DOWNSTREAM_RATE_LIMIT", "1000")
+    monkeypatch.setattr(ratelimit, "GIVE_UP_S", 0.5)
+    ratelimit.take_tokens(db.engine, origin(downstream.url), 1000.0, 100.0, 1)
+    options = RunOptions(
+        mode="execute", trigger="schedule", batch_size=20, concurrency=4, deadline_s=20,
+        progress_interval_s=3600,
+    )  # fmt: skip
+    with db.engine.connect() as stuck:
+        stuck.execute(sa.text("SELECT * FROM downstream_rate_limit FOR UPDATE"))
+        run = run_job(SPEC, SCOPE, options, engine=db.engine)
+        stuck.rollback()
+    assert run.status_reason is not None and run.status_reason.startswith(
+        f"rate limit unavailable for {origin(downstream.url)}: LockNotAvailable"
+    ), run
+    assert run.batches == 1 and run.counts.succeeded == 0
+    assert run.tally.get("downstream.calls", 0) == 0
+    assert scalar(db.engine, "SELECT count(*) FROM reconciliation_result") == 0
