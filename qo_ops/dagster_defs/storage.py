@@ -53,6 +53,7 @@ class PooledPostgresEventLogStorage(PostgresEventLogStorage):
         inst_data: ConfigurableClassData | None = None,
         token_provider: Any = None,
     ) -> None:
+        self._tables_seen: set[str] = set()
         super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)
         unpooled = self._engine
         self._engine = create_pg_engine(
@@ -69,6 +70,17 @@ class PooledPostgresEventLogStorage(PostgresEventLogStorage):
         # a process forked from this one must not use the parent's sockets: it opens its own
         storage = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_connections(storage()))
+
+    def has_table(self, table_name: str) -> bool:
+        """Whether the table exists, asked of PostgreSQL once per process once it does:
+        Dagster asks before every check evaluation it stores (``supports_asset_checks``), a
+        catalog query each time. A table Dagster created stays (its migrations add tables)."""
+        if table_name in self._tables_seen:
+            return True
+        found = super().has_table(table_name)
+        if found:
+            self._tables_seen.add(table_name)
+        return found
 
     @classmethod
     def from_config_value(

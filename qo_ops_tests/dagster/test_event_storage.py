@@ -70,6 +70,24 @@ def test_the_instance_and_a_run_workers_instance_share_connections_across_writes
             _materialize(worker, 1)
             assert len(opened) > kept
 
+            # Dagster asks whether the checks table exists before storing each evaluation:
+            # PostgreSQL's catalog is read once, not once per evaluation
+            catalog: list[str] = []
+            event.listen(
+                storage._engine,
+                "before_cursor_execute",
+                lambda _c, _cur, sql, *_: catalog.append(sql) if "pg_catalog" in sql else None,
+            )
+            for i in range(5):
+                worker.report_runless_asset_event(
+                    dg.AssetCheckEvaluation(asset_key=ASSET, check_name=f"probe_{i}", passed=True)
+                )
+            assert len(catalog) <= 1
+            evaluations = storage.get_asset_check_execution_history(
+                dg.AssetCheckKey(ASSET, "probe_4"), limit=5
+            )
+            assert len(evaluations) == 1
+
         # what the run worker wrote is what the instance (the webserver's) reads
         records = instance.fetch_materializations(ASSET, limit=100).records
         assert len(records) == 21
