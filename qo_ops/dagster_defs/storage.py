@@ -27,8 +27,9 @@ from dagster_postgres.utils import (
     pg_url_from_config,
 )
 
-# One connection per thread that writes (a run worker writes from its op's thread); more
-# threads (the daemon's) borrow overflow connections, closed when they are given back.
+# A run worker writes from one thread, and a write holds at most two connections at once
+# (Dagster reads inside its index transaction); more threads (the daemon's) borrow overflow
+# connections, closed when they are given back.
 POOL_SIZE = 2
 MAX_OVERFLOW = 8
 # A connection older than this is replaced; one the server dropped (a PostgreSQL restart)
