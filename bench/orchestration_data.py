@@ -139,7 +139,7 @@ from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.run.runner import run_job
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.scope import Scope
-url, job, tenants = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+url, job, tenants = sys.argv[1], sys.argv[2], json.loads(sys.stdin.read())
 engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
 spec = CATALOG[job]
 started = time.perf_counter()
@@ -158,7 +158,8 @@ def one_process(url: URL, tenants: list[str]) -> dict[str, Any]:
     settle(url)
     with stopwatch() as t:
         proc = subprocess.run(
-            [sys.executable, "-c", _LOOP, env_url(url), JOB, json.dumps(tenants)],
+            [sys.executable, "-c", _LOOP, env_url(url), JOB],
+            input=json.dumps(tenants),  # on stdin: 10,000 tenants exceed an argument's size
             env=env,
             capture_output=True,
             text=True,

@@ -138,6 +138,25 @@ def breakdown(d: Deployment, records: list[Any], url: URL, ids: list[str]) -> di
     }
 
 
+def storage_counts(d: Deployment) -> dict[str, int]:
+    """Connections opened to the Dagster storage database and transactions committed in it
+    so far (``pg_stat_database``): the event log's cost in connections, per tenant."""
+    from sqlalchemy.engine import make_url
+
+    engine = admin_engine()
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.text("SELECT sessions, xact_commit FROM pg_stat_database WHERE datname = :db"),
+            {"db": make_url(d.storage).database},
+        ).one()
+    engine.dispose()
+    return {"sessions": int(row.sessions), "commits": int(row.xact_commit)}
+
+
+def per_tenant(before: dict[str, int], after: dict[str, int], tenants: int) -> dict[str, float]:
+    return {f"storage_{k}_per_tenant": (after[k] - before[k]) / tenants for k in before}
+
+
 def materialized_everywhere(d: Deployment, tenants: list[str]) -> None:
     """Every tenant's partition of the quotes asset has a materialization."""
     import dagster as dg
@@ -215,6 +234,7 @@ def submitted_tick(
     assert covered == sorted(tenants), "the tick's runs do not cover exactly its tenants"
     assert len(requests) == math.ceil(len(tenants) / size), "not one run per chunk"
     settle(url)
+    counted = storage_counts(d)
     t0 = _db_now(url)
     with stopwatch() as submitted:
         ids = [
@@ -225,6 +245,7 @@ def submitted_tick(
             for r in requests
         ]
     out = finish(d, url, tenants, expected, ids, t0)
+    out.update(per_tenant(counted, storage_counts(d), len(tenants)))
     out.update(submit_s=submitted[0], how="RunRequests via launchRun", chunk=size)
     return out
 
@@ -360,12 +381,14 @@ def real_tick(d: Deployment, url: URL, tenants: list[str], expected: int) -> dic
 
     d.set_tenants(tenants)
     settle(url)
+    counted = storage_counts(d)
     (tick,) = daemon_tick(d, [f"{JOB}_schedule"])
     ids = tick["run_ids"]
     size = CATALOG[JOB].deployment.tenants_per_run
     if len(ids) != math.ceil(len(tenants) / size):
         raise AssertionError(f"the tick requested {len(ids)} runs for {len(tenants)} tenants")
     out = finish(d, url, tenants, expected, ids, tick["created"])
+    out.update(per_tenant(counted, storage_counts(d), len(tenants)))
     out.update(
         submit_s=tick["ended"] - tick["created"],
         how="real daemon tick",

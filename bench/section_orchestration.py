@@ -295,7 +295,12 @@ def run(profile: Profile) -> Section:
         "entries per tenant: "
         + ", ".join(f"{v:.1f} {k}" for k, v in t_big["events_per_tenant"].items())
         + " (runner lines: the runner's qo_ops.events JSON lines, forwarded into the event log "
-        "by dagster.yaml's managed_python_loggers, written while run_job runs). At "
+        "by dagster.yaml's managed_python_loggers, written while run_job runs; in a chunk only "
+        "its warnings, e.g. job.scheduler.drift.detected when the tick is run over 5 min after "
+        "its cron time). The Dagster storage database meanwhile, per tenant (every process of "
+        f"the deployment): {t_big['storage_sessions_per_tenant']:.1f} connections opened, "
+        f"{t_big['storage_commits_per_tenant']:.0f} transactions committed (the event log "
+        "keeps its connections pooled: qo_ops/dagster_defs/storage.py). At "
         f"{ticks[0]:,} tenants ({dagster[f'tick_{ticks[0]}']['dagster_runs']} runs, the "
         f"machine less contended): {dagster[f'tick_{ticks[0]}']['run_job_ms_median']:.0f} ms "
         f"in run_job, {dagster[f'tick_{ticks[0]}']['op_overhead_ms_per_tenant']:.0f} ms around "
@@ -321,8 +326,8 @@ def run(profile: Profile) -> Section:
         f"divided by the 8 that run at once, is {t_big['worker_s_total'] / big / 8 * 1000:.0f} ms "
         f"at {big:,} tenants against {loop_s[big] / big * 1000:.0f} ms per tenant for the whole "
         "loop; inside a run each tenant writes the event-log entries above (each asset event "
-        "and forwarded log line is its own INSERT in the event log) on 2 cores shared by 8 run "
-        "processes and PostgreSQL.",
+        "and forwarded log line is its own INSERT in the event log, over a pooled connection) "
+        "on 2 cores shared by 8 run processes and PostgreSQL.",
         "Verified for every Dagster measurement: every run SUCCESS, one success execute "
         "job_run per tenant written by the measured runs, every eligible quote expired, every "
         "tenant's partition of qo_ops/quotes materialized.",

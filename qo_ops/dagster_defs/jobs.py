@@ -13,7 +13,6 @@ from datetime import timedelta
 from typing import Any
 
 import dagster as dg
-import pandas as pd
 import sqlalchemy as sa
 
 from qo_ops.dagster_defs.checks import judged_materialization
@@ -80,11 +79,11 @@ def human_ages(metadata: dict[str, Any]) -> dict[str, Any]:
 
 def report_table(summary: RunSummary) -> dg.TableMetadataValue:
     """The run's report rows (ids, states, classes and numbers) as a Dagster table."""
-    frame = pd.DataFrame(summary.report, columns=[c for c, _ in REPORT_COLUMNS])
-    frame["count"] = frame["count"].astype("int64")
     records = [
-        dg.TableRecord({k: (int(v) if k == "count" else str(v)) for k, v in row.items()})
-        for row in frame.to_dict("records")
+        dg.TableRecord(
+            {c: (int(row[c]) if t == "int" else str(row.get(c))) for c, t in REPORT_COLUMNS}
+        )
+        for row in summary.report
     ]
     schema = dg.TableSchema(columns=[dg.TableColumn(c, t) for c, t in REPORT_COLUMNS])
     return dg.MetadataValue.table(records, schema)

@@ -1,14 +1,20 @@
 """Chunked runs on a real deployment (webserver + daemon over PostgreSQL): a backfill
 launched from tenant_backfill_job's Launchpad becomes chunked runs through the daemon's
 sensor; a chunk with a failing tenant fails naming it, and Dagster's re-execution (the UI's
-Re-execute, through GraphQL) runs only that tenant."""
+Re-execute, through GraphQL) runs only that tenant; each tenant of the chunk has its outcome
+and its checks on its own partition, written by the run worker through the pooled event log."""
 
 from __future__ import annotations
 
 import dagster as dg
+import httpx
 import sqlalchemy as sa
+from dagster._core.event_api import PartitionKeyFilter
+from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
 from qo_ops.dagster_defs.backfills import BACKFILL_JOB, BACKFILL_OP
+from qo_ops.dagster_defs.freshness import RECENT_SUCCESS_CHECK
+from qo_ops.jobs.catalog import CATALOG
 from qo_ops.platform.actions.control import ControlChange, resume, suspend
 from qo_ops.platform.schedule.partition_keys import FAILED_TENANTS_TAG
 from qo_ops_tests.dagster.stack import LOCATION, dagster_stack, wait_for
@@ -41,6 +47,42 @@ def _runner_lines(instance: dg.DagsterInstance, run_id: str, event: str) -> int:
         f'"event.name": "{event}"' in (entry.user_message or "")
         for entry in instance.all_logs(run_id)
     )
+
+
+RUN_MATERIALIZATIONS = """
+query($id: ID!) { runOrError(runId: $id) { ... on Run { assetMaterializations { partition } } } }
+"""
+
+
+def _each_tenant_on_its_partition(
+    instance: dg.DagsterInstance, port: int, run_id: str, tenants: list[str]
+) -> None:
+    """The run worker (its instance from dagster.yaml: the pooled event log) put each tenant's
+    outcome and every check of the job on the tenant's own partition; the webserver shows
+    them."""
+    spec = CATALOG[JOB]
+    asset = dg.AssetKey(["qo_ops", spec.presentation.outcome_asset])
+    for tenant in tenants:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=asset, asset_partitions=[tenant]), limit=5
+        ).records
+        assert [r.run_id for r in records] == [run_id], tenant
+        for check in [RECENT_SUCCESS_CHECK, *(c.name for c in spec.checks)]:
+            executions = instance.event_log_storage.get_asset_check_execution_history(
+                dg.AssetCheckKey(asset, check),
+                limit=5,
+                partition_filter=PartitionKeyFilter(key=tenant),
+            )
+            assert [(e.run_id, e.status) for e in executions] == [
+                (run_id, AssetCheckExecutionRecordStatus.SUCCEEDED)
+            ], (tenant, check)
+    body = httpx.post(
+        f"http://127.0.0.1:{port}/graphql",
+        json={"query": RUN_MATERIALIZATIONS, "variables": {"id": run_id}},
+        timeout=60,
+    ).json()
+    shown = body["data"]["runOrError"]["assetMaterializations"]
+    assert sorted(m["partition"] for m in shown) == tenants
 
 
 def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_deployment(
@@ -114,6 +156,7 @@ def test_backfill_from_the_launchpad_and_rerun_of_a_failed_tenant_on_a_real_depl
         done = f"{JOB}: 3/3 tenants done — 1 no_work, 1 refused, 1 success"
         assert sum(done in m for m in op_lines) == 1
         assert sum(f"{JOB} tenant-002: refused: " in m for m in op_lines) == 1
+        _each_tenant_on_its_partition(instance, port, chunk, ["tenant-001", "tenant-003"])
 
         # lift the suspension, press Re-execute: only tenant-002 runs
         resume(

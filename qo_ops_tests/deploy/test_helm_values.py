@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from dagster._core.instance.config import dagster_instance_config
+from dagster_postgres import DagsterPostgresStorage
 from jsonschema import Draft202012Validator
 
 from qo_ops.definitions import build_definitions
@@ -88,7 +89,10 @@ def instance_differences(local: dict[str, Any], chart: dict[str, Any]) -> list[s
     differences = []
     for key, section in local.items():
         if key == "storage":  # the same PostgreSQL storage, in the chart's per-store form
-            if "postgres" not in section or "postgres_db" not in chart["run_storage"]["config"]:
+            if (
+                not _postgres_storage(section)
+                or "postgres_db" not in chart["run_storage"]["config"]
+            ):
                 differences.append(key)
         elif key == "run_coordinator":
             theirs = chart.get(key, {})
@@ -97,6 +101,17 @@ def instance_differences(local: dict[str, Any], chart: dict[str, Any]) -> list[s
         elif chart.get(key) != section:
             differences.append(key)
     return differences
+
+
+def _postgres_storage(section: dict[str, Any]) -> bool:
+    """dagster-postgres's storage, or a class extending it with the same configuration (the
+    chart's image cannot import qo_ops: its processes use Dagster's own classes, on the same
+    tables)."""
+    if "postgres" in section:
+        return True
+    custom = section.get("custom", {})
+    mine = getattr(importlib.import_module(custom["module"]), custom["class"])
+    return issubclass(mine, DagsterPostgresStorage) and "config_type" not in vars(mine)
 
 
 def _same_queue(local: dict[str, Any], chart: dict[str, Any]) -> bool:
