@@ -37,8 +37,8 @@ from qo_ops.platform.job.spec import ExternalPhase
 
 Decision = tuple[CallResult, Disposition]  # a call's result and what the retry policy made of it
 
-# 1,024, a multiple of 32 and 64 calls: a batch's calls wait for its slowest, then for the
-# record and the next claim; fewer, larger batches leave them idle less (bench/TUNING.md)
+# 1,024, a multiple of 32 and 64 calls: a batch's calls wait for its slowest before the next
+# batch's start; fewer, larger batches leave them idle less (bench/TUNING.md)
 CALLING_DEFAULTS = Limits(batch_size=1024, concurrency=32)
 
 
@@ -94,7 +94,8 @@ class ClaimedCalls:
         before any claim) and the batch defaults, for the job's JobSpec."""
         return CallingSteps(
             transition=self.claim_batch,
-            then=ExternalPhase(call=self.call_batch, record=self.record_batch),
+            # the next batch is claimed and the last recorded while a batch's calls are in flight
+            then=ExternalPhase(call=self.call_batch, record=self.record_batch, overlap=True),
             validate_settings=call_settings,
             defaults=CALLING_DEFAULTS,
         )
