@@ -16,7 +16,7 @@ from qo_ops.jobs.temp_file_cleanup import AnomalyThreshold, CleanupConfigError
 from qo_ops.platform.actions.control import JobSuspended
 from qo_ops.platform.calls.object_store import ObjectStoreError
 from qo_ops.platform.job.options import ExecuteRefused
-from qo_ops.platform.run.runner import _error_class
+from qo_ops.platform.run.records import run_error_class
 
 
 @pytest.mark.parametrize(
@@ -34,14 +34,14 @@ from qo_ops.platform.run.runner import _error_class
 )
 def test_an_error_names_its_own_class(exc: BaseException, code: str) -> None:
     assert error_class(exc, "bad_input") == code
-    assert _error_class(exc) == code  # what a run it ends records
+    assert run_error_class(exc) == code  # what a run it ends records
 
 
 def test_an_error_that_names_none_takes_the_callers_default() -> None:
     for exc in (BadInput("x"), ConfigError("x"), ValueError("x")):
         assert error_class(exc, "bad_input") == "bad_input"
-        assert _error_class(exc) == "internal_error"
-    assert _error_class(OperationalError("SELECT 1", {}, Exception("boom"))) == "database_error"
+        assert run_error_class(exc) == "internal_error"
+    assert run_error_class(OperationalError("SELECT 1", {}, Exception("boom"))) == "database_error"
 
 
 def test_an_attribute_alone_does_not_make_an_error_class() -> None:

@@ -19,6 +19,7 @@ from qo_ops.config import number, whole_number
 from qo_ops.downstream.client import DownstreamClient, DownstreamError, downstream_url
 from qo_ops.errors import ConfigError
 from qo_ops.platform.calls.breaker import (
+    CLOSED,
     OPEN,
     BatchEvidence,
     BreakerSettings,
@@ -257,9 +258,11 @@ def _give_back_owed(
 
 def claim_seconds(ctx: BatchContext, items: int) -> float:
     """How long a batch's claim hides its items: twice the lease TTL, plus the time our
-    rate limit needs to send them all (so a slow, polite batch never outlives its claim)."""
+    rate limit needs to send them and a batch as large before them (so a slow, polite
+    batch claimed ahead never outlives its claim)."""
     rate = run_settings(ctx, call_settings).manners.rate_limit
-    return 2 * ctx.limits.lease_ttl_s + (items / rate if rate else 0.0)
+    # overlapped batches: a batch claimed ahead waits for the calls of the one before it
+    return 2 * ctx.limits.lease_ttl_s + (2 * items / rate if rate else 0.0)
 
 
 def systemic(result: CallResult) -> bool:
@@ -297,11 +300,20 @@ def call_for_each(
 
     Manners: no call while the breaker is open (the item is released, not failed), a retry
     only within the run's budget, and when the breaker opens during these calls every
-    systemic failure among them is spared (the item keeps its attempt)."""
+    systemic failure among them is spared (the item keeps its attempt).
+
+    With overlapped batches, these calls start before the last batch is recorded. So no
+    call of this batch goes once an earlier batch used the retry budget up (its items are
+    released unsent, as the next batch of a run that stopped would not have been claimed),
+    and the breaker opens "during these calls" also when a record or claim running
+    alongside takes up an opening from the shared row."""
     settings = run_settings(ctx, call_settings)
     calls = run_calls(ctx, settings.downstream_url, settings.manners)
+    if calls.budget_refused:  # the run stops after the batch that used the budget up
+        return [_released(NotCalled(item, sent=False)) for item in work]
     breaker = calls.breaker
     opened_before = breaker.opened if breaker is not None else 0
+    closed_before = breaker is not None and breaker.state == CLOSED
 
     def one(item: ClaimedItem) -> CallResult:
         base: dict[str, Any] = {
@@ -333,7 +345,10 @@ def call_for_each(
 
     results = call_each(work, one, ctx.limits.concurrency, ctx.stop)
     done = [_released(r) if isinstance(r, NotCalled) else r for r in results]
-    if breaker is not None and breaker.opened > opened_before:
+    opened = breaker is not None and (
+        breaker.opened > opened_before or (closed_before and breaker.state == OPEN)
+    )
+    if opened:
         done = [replace(r, spared=True) if systemic(r) else r for r in done]
     return done
 

@@ -37,9 +37,10 @@ from qo_ops.platform.job.spec import ExternalPhase
 
 Decision = tuple[CallResult, Disposition]  # a call's result and what the retry policy made of it
 
-# 1,024, a multiple of 32 and 64 calls: a batch's calls wait for its slowest, then for the
-# record and the next claim; fewer, larger batches leave them idle less (bench/TUNING.md)
-CALLING_DEFAULTS = Limits(batch_size=1024, concurrency=32)
+# 4,096, a multiple of 32 and 64 calls: a batch's calls wait for its slowest before the next
+# batch's start; with the claim and the record overlapped, fewer, larger batches leave them
+# idle less, and a stop still stops the calls mid-batch (bench/TUNING.md)
+CALLING_DEFAULTS = Limits(batch_size=4096, concurrency=32)
 
 
 def select_due(
@@ -94,7 +95,8 @@ class ClaimedCalls:
         before any claim) and the batch defaults, for the job's JobSpec."""
         return CallingSteps(
             transition=self.claim_batch,
-            then=ExternalPhase(call=self.call_batch, record=self.record_batch),
+            # the next batch is claimed and the last recorded while a batch's calls are in flight
+            then=ExternalPhase(call=self.call_batch, record=self.record_batch, overlap=True),
             validate_settings=call_settings,
             defaults=CALLING_DEFAULTS,
         )

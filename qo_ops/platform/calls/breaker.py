@@ -286,12 +286,19 @@ class CircuitBreaker:
         in it). If the row is half-open, this run continues probing from the probes answered
         so far, which may be another run's, alive or not. If the row is open, another run
         opened it and no call goes. An open breaker whose probe is due comes back half-open.
-        This run does not write or count another run's transitions."""
+        This run does not write or count another run's transitions.
+
+        A run whose batches overlap may take up the row while calls are in flight: outcomes
+        it has not written yet stay in its evidence, and while a transition of its own is
+        not written yet, its state is newer than the row's and stays."""
         with self._lock:
+            if self._pending:
+                return
             if shared.state == CLOSED:
                 if self.state != CLOSED:
                     self.state, self._probes_out, self._probes_ok = CLOSED, 0, 0
-                self.evidence = Evidence.from_text(shared.recent, self.settings)
+                unshared = "".join(FAILED if failed else ANSWERED for failed in self._added)
+                self.evidence = Evidence.from_text(shared.recent + unshared, self.settings)
             elif shared.state == HALF_OPEN:
                 if self.state != HALF_OPEN:
                     answered = len(shared.recent) - len(shared.recent.rstrip(ANSWERED))

@@ -2,7 +2,8 @@
 
 The calls run in parallel, with a bound on how many run at once, and outside any database
 transaction. They can be stopped. Once the run is asked to stop, no further call is sent.
-Calls already sent are waited for only until half of the stop grace is gone."""
+Calls already sent are waited for only until half of the stop grace is gone. A batch whose
+run gave up on it (:func:`giving_up`) sends no further call and waits for none."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -78,6 +81,22 @@ _CALLERS = _Callers()
 os.register_at_fork(after_in_child=_CALLERS.forget)
 
 
+# Set while a batch's calls run on a thread the run may give up on (the overlapped batches).
+_GIVE_UP: ContextVar[threading.Event | None] = ContextVar("qo_ops_give_up", default=None)
+
+
+@contextmanager
+def giving_up(event: threading.Event) -> Iterator[None]:
+    """Within it, :func:`call_each` sends no further call once ``event`` is set, and returns
+    at once (what it did not wait for is ``NotCalled``). For a run that ends on an error
+    while a batch's calls are in flight: its items stay claimed until the claim lapses."""
+    token = _GIVE_UP.set(event)
+    try:
+        yield
+    finally:
+        _GIVE_UP.reset(token)
+
+
 @dataclass(frozen=True)
 class NotCalled(Generic[T]):
     """An item whose call a stopping run did not make or did not wait for.
@@ -113,11 +132,15 @@ def call_each(
     traced = in_current_context(call)
     workers = max(1, min(concurrency, len(items)))
     raised: list[BaseException] = []
+    give_up = _GIVE_UP.get()
+
+    def halted() -> bool:
+        return (stop is not None and stop.requested) or (give_up is not None and give_up.is_set())
 
     def work() -> None:  # each of the ``workers`` threads takes the next item until none is left
         while True:
             with lock:
-                index = None if stop is not None and stop.requested else next(todo, None)
+                index = None if halted() else next(todo, None)
                 if index is not None:
                     sent.add(index)
             if index is None:
@@ -136,6 +159,8 @@ def call_each(
     while idle < workers:
         deadline = stop.calls_deadline() if stop is not None else None
         if deadline is not None and time.monotonic() >= deadline:
+            break
+        if give_up is not None and give_up.is_set():
             break
         if finished.acquire(timeout=_POLL_S):
             idle += 1

@@ -134,6 +134,12 @@ class BatchOutcome(Counts):
     # with an external phase then calls and records nothing (an open breaker).
     halt: tuple[str | None, str] | None = None
 
+    @property
+    def ends_at_claim(self) -> bool:
+        """A claim that halts the run and took nothing (an open breaker): its batch ends with
+        the claim's transaction, nothing to call or record."""
+        return self.halt is not None and not self.work
+
     def side_effect(self, name: str, result: str, n: int = 1, *, reason: str = "") -> None:
         """Count ``n`` attempts at the side effect ``name`` that ended in ``result``.
 

@@ -58,10 +58,17 @@ class ExternalPhase:
 
     The transition only claims, and commits. Then ``call`` calls the other system with no
     transaction open and no row locked. Then ``record`` writes the results in a second
-    transaction under the lease's guard."""
+    transaction under the lease's guard.
+
+    With ``overlap``, the runner claims the next batch and records the last one while a
+    batch's calls are in flight (``qo_ops/platform/run/overlap.py``). Two batches' calls never
+    overlap. A job sets it when its claim hides what it claimed until its record (or until
+    the claim lapses) and its selection does not depend on the batch before (no positions,
+    no checkpoint)."""
 
     call: Callable[[BatchContext, list[Any]], list[Any]]
     record: Record
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,6 +263,11 @@ class JobSpec:
             problems.append(f"two checks share a name: {names}")
         if self.deployment.scheduled_window_age_days and self.partitioning != "tenant_day":
             problems.append("deployment.scheduled_window_age_days is for windowed jobs only")
+        overlaps = isinstance(self.then, ExternalPhase) and self.then.overlap
+        if overlaps and (self.batching.positions or self.batching.checkpoint):
+            problems.append(
+                "an overlapping external phase needs a selection without positions or checkpoint"
+            )
         if self.recovery.requeue is not None and self.signals.dead_letters is None:
             problems.append("recovery.requeue needs signals.dead_letters, the count of them")
         if problems:

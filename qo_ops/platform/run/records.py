@@ -13,11 +13,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from qo_ops.db.audit import AuditEntry, append_audit
+from qo_ops.db.availability import UNAVAILABLE, is_unavailable
 from qo_ops.db.migrate import HEAD_REVISION
 from qo_ops.db.schema import job_run
-from qo_ops.errors import BadInput, one_line
+from qo_ops.errors import BadInput, error_class, one_line
 from qo_ops.platform.job.counts import COLUMNS, Counts
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.outcome import RunSummary
@@ -426,3 +428,32 @@ def running_run_by_prefix(engine: Engine, prefix: str) -> uuid.UUID:
     if len(found) > 1:
         raise BadInput(f"several running runs have ids starting {prefix!r}: give more of it")
     return uuid.UUID(str(found[0]))
+
+
+def mark_failed(summary: RunSummary, exc: BaseException) -> None:
+    """Mark a run that ends on ``exc`` ``failed``: its error class, and a safe one-line text."""
+    summary.status = RunStatus.FAILED
+    summary.error_code = UNAVAILABLE if is_unavailable(exc) else run_error_class(exc)
+    summary.status_reason = summary.error_code
+    summary.error_text = one_line(
+        f"{type(exc).__name__}: {getattr(exc, 'orig', exc)}", ERROR_TEXT_LIMIT
+    )
+
+
+def run_error_class(exc: BaseException) -> str:
+    """The run's error class. It is the one ``exc`` declares (a job's own stop, such as
+    anomaly_threshold), else ``database_error`` or ``internal_error``."""
+    return error_class(exc, "database_error" if isinstance(exc, DBAPIError) else "internal_error")
+
+
+def final_status(summary: RunSummary) -> RunStatus:
+    """How a run's batches ended, judged by their counters."""
+    counts = summary.counts
+    if counts.processed == 0:
+        return RunStatus.NO_WORK
+    if counts.failed == 0:
+        return RunStatus.SUCCESS
+    if counts.succeeded > 0:
+        return RunStatus.PARTIAL_SUCCESS
+    summary.error_code = summary.error_code or "items_failed"
+    return RunStatus.FAILED

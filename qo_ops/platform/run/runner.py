@@ -32,7 +32,7 @@ from qo_ops.db.availability import (
     is_unavailable,
     retry_while_unavailable,
 )
-from qo_ops.errors import DatabaseUnavailable, error_class, one_line
+from qo_ops.errors import DatabaseUnavailable
 from qo_ops.platform.job.counts import PROGRESS, SPAN, Counts
 from qo_ops.platform.job.options import RunOptions
 from qo_ops.platform.job.outcome import (
@@ -52,6 +52,7 @@ from qo_ops.platform.run.admission import Admission
 from qo_ops.platform.run.faults import crash_point, hold_point
 from qo_ops.platform.run.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.run.liveness import Liveness
+from qo_ops.platform.run.overlap import overlapped_batches
 from qo_ops.platform.run.report import add_report
 from qo_ops.platform.run.selection import count_eligible, select_batch
 from qo_ops.platform.run.stopping import TERMINATED, StopSignals, Terminated, stop_grace_s
@@ -295,7 +296,7 @@ class JobRun:
             with self.stop.deferred():
                 self._release()
         if summary.status == RunStatus.RUNNING:
-            summary.status = self._final_status()
+            summary.status = records.final_status(summary)
 
     def _lock_name(self) -> str:
         return f"{self.spec.name}:{self.scope.key}"
@@ -380,7 +381,11 @@ class JobRun:
     def _batch_loop(self, conn: Connection) -> None:
         """Batch after batch, until the work is done or the run must stop."""
         self.batches_started = time.monotonic()
-        while (room := self._room()) > 0:
+        then = self.spec.then
+        if isinstance(then, ExternalPhase) and then.overlap:
+            overlapped_batches(self, conn, then)  # claims and records while calls are in flight
+            return
+        while (room := self.room()) > 0:
             number = self.summary.batches + 1
             with (
                 self.stop.deferred(),  # a signal waits for the batch (and its calls) to be recorded
@@ -389,20 +394,15 @@ class JobRun:
                 ) as batch_span,
             ):
                 outcome = self._batch(conn, room)
-                if isinstance(outcome, BatchOutcome):
-                    self._account(outcome)
-                    for name, count in outcome.event_fields(SPAN).items():
-                        batch_span.set_attribute(name, count)  # counts only, never ids
-                    self._move_on(outcome)
-                    self._emit_batch(outcome)
+                halted = isinstance(outcome, BatchOutcome) and self.recorded(outcome, batch_span)
             if outcome is _Step.AGAIN:
                 continue
-            if outcome is _Step.DONE or self._halted(outcome):
+            if outcome is _Step.DONE or halted:
                 return
             if self.limits.throttle_ms:  # a stop signal wakes it, and the loop head ends the run
                 self.stop.event.wait(self.limits.throttle_ms / 1000.0)
 
-    def _room(self) -> int:
+    def room(self) -> int:
         """How many more items this run may take. It is 0 when the run must end now, because
         of a stop, its deadline or its item limit. The summary says which."""
         summary = self.summary
@@ -432,6 +432,16 @@ class JobRun:
         """One batch: guard, select, transition, checkpoint and counters in one transaction.
         For a job with a second step, the transition only claims (see ``_second_step``)."""
         started = time.perf_counter()
+        claimed = self.claim(conn, room)
+        if not isinstance(claimed, BatchOutcome):
+            return claimed
+        outcome = claimed if claimed.ends_at_claim else self._second_step(conn, claimed)
+        self.batch_ms.append((time.perf_counter() - started) * 1000)
+        return outcome
+
+    def claim(self, conn: Connection, room: int) -> BatchOutcome | _Step:
+        """A batch's first transaction: guard, select and transition. For a job without a
+        second step it also writes the checkpoint and counters, so the batch is recorded."""
         with self._transaction(conn) as must_stop:
             if must_stop:  # at a batch boundary, so the batches before it are all committed
                 self.summary.status, self.summary.status_reason = RunStatus.CANCELLED, must_stop
@@ -448,15 +458,9 @@ class JobRun:
             outcome = self.spec.transition(conn, self.ctx, items)
             outcome.processed = len(items)
             crash_point("before_commit")
-            # A claim that halts the run and took nothing (an open breaker) has nothing to call
-            # or record, so its batch ends here.
-            refused = outcome.halt is not None and not outcome.work
-            if self.spec.then is None or refused:
+            if self.spec.then is None or outcome.ends_at_claim:
                 self._commit_effects(conn, outcome)
         crash_point("after_commit")
-        if not refused:
-            outcome = self._second_step(conn, outcome)
-        self.batch_ms.append((time.perf_counter() - started) * 1000)
         return outcome
 
     def _anything_left(self, conn: Connection) -> bool:
@@ -479,9 +483,16 @@ class JobRun:
         if isinstance(then, ExternalPhase):
             results = then.call(self.ctx, claimed.work)
             crash_point("after_external_call")
-            finish = then.record
         else:  # a second transaction, nothing called in between
-            results, finish = claimed.work, then.finish
+            results = claimed.work
+        return self.record(conn, claimed, results)
+
+    def record(self, conn: Connection, claimed: BatchOutcome, results: list[Any]) -> BatchOutcome:
+        """A claimed batch's second transaction, under the lease's guard: the job's record
+        (or finish) of ``results``, the checkpoint and the counters."""
+        then = self.spec.then
+        assert then is not None
+        finish = then.record if isinstance(then, ExternalPhase) else then.finish
         with self._transaction(conn):
             outcome = finish(conn, self.ctx, results)
             outcome.processed = claimed.processed  # the claim knows what was selected
@@ -509,6 +520,16 @@ class JobRun:
         ):
             records.add_counts(conn, self.run_id, Counts(), {CHECKPOINT_RESETS: 1})
             self.summary.tally[CHECKPOINT_RESETS] = 1
+
+    def recorded(self, outcome: BatchOutcome, batch_span: SpanLike) -> bool:
+        """Take a recorded batch into the run: counters, span, position, events. Return
+        whether it stops the run (``_halted``)."""
+        self._account(outcome)
+        for name, count in outcome.event_fields(SPAN).items():
+            batch_span.set_attribute(name, count)  # counts only, never ids
+        self._move_on(outcome)
+        self._emit_batch(outcome)
+        return self._halted(outcome)
 
     def _account(self, outcome: BatchOutcome) -> None:
         """Add a recorded batch's counters to the summary and the metrics."""
@@ -591,18 +612,6 @@ class JobRun:
             summary.status_reason = summary.status_reason or "interrupted during outcome checks"
             raise
 
-    def _final_status(self) -> RunStatus:
-        """How the batches ended, judged by their counters."""
-        counts = self.summary.counts
-        if counts.processed == 0:
-            return RunStatus.NO_WORK
-        if counts.failed == 0:
-            return RunStatus.SUCCESS
-        if counts.succeeded > 0:
-            return RunStatus.PARTIAL_SUCCESS
-        self.summary.error_code = self.summary.error_code or "items_failed"
-        return RunStatus.FAILED
-
     def _stopped_by_signal(self, where: str) -> None:
         """A run stopped by SIGTERM/SIGINT ends ``cancelled``/``terminated``. If its work was
         already over, it keeps its status, and the reason says what was cut short."""
@@ -614,13 +623,7 @@ class JobRun:
 
     def _failed(self, exc: BaseException) -> None:
         """A run that ends on an error is ``failed``, with its class and a safe one-line text."""
-        summary = self.summary
-        summary.status = RunStatus.FAILED
-        summary.error_code = UNAVAILABLE if is_unavailable(exc) else _error_class(exc)
-        summary.status_reason = summary.error_code
-        summary.error_text = one_line(
-            f"{type(exc).__name__}: {getattr(exc, 'orig', exc)}", records.ERROR_TEXT_LIMIT
-        )
+        records.mark_failed(self.summary, exc)
         log.debug("run failed", exc_info=True)
 
     def _interrupted(self) -> None:
@@ -691,9 +694,3 @@ class JobRun:
                 f"(qo-ops reap)",
                 exit_code=1,
             ) from None
-
-
-def _error_class(exc: BaseException) -> str:
-    """The run's error class. It is the one ``exc`` declares (a job's own stop, such as
-    anomaly_threshold), else ``database_error`` or ``internal_error``."""
-    return error_class(exc, "database_error" if isinstance(exc, DBAPIError) else "internal_error")

@@ -265,3 +265,21 @@ def test_a_caller_waiting_for_a_probe_gives_up_when_the_run_stops():
     stop = threading.Event()
     stop.set()
     assert breaker.allow(stop) is None
+
+
+def test_a_sync_while_calls_are_in_flight_keeps_what_this_run_has_not_written():
+    """Overlapped batches take up the shared row (at the next claim) before the last batch's
+    record wrote this run's outcomes and transitions. The row is older than them: the run
+    keeps its unwritten outcomes in its evidence, and its unwritten opening."""
+    breaker = CircuitBreaker()
+    for _ in range(6):
+        fail(breaker)
+    breaker.sync(SharedState(CLOSED, recent="FFF"))  # the row: three failures, not this run's six
+    assert breaker.evidence.streak == 9
+    fail(breaker)  # the tenth in a row, counting the row's and this run's
+    assert breaker.state == OPEN
+    breaker.sync(SharedState(CLOSED, recent="SSSS"))  # the row does not say open yet
+    assert breaker.state == OPEN and breaker.allow() is None
+    assert [t.to for t in breaker.drain()] == [OPEN]  # the record writes it …
+    breaker.sync(SharedState(CLOSED, recent="SSSS"))  # … and a later row is taken up as before
+    assert breaker.state == CLOSED and breaker.evidence.text() == "SSSS"

@@ -244,12 +244,15 @@ def test_sigterm_cancels_an_outcome_check_query_on_the_server(quotes):
     assert the_run(db.engine).finished_at is not None
 
 
+@pytest.mark.parametrize("batch", [256, 64], ids=["one-batch", "a-batch-claimed-ahead"])
 def test_sigterm_during_a_slow_downstream_batch_releases_every_unsent_item(
-    db, downstream_factory, tmp_path
+    db, downstream_factory, tmp_path, batch
 ):
     """256 items, 900 ms per call, 4 at a time: a batch takes about a minute, longer than
     Kubernetes waits. SIGTERM mid-batch: the calls in flight finish and are recorded, the
-    rest are given back (READY, attempt refunded), and the run ends within the grace."""
+    rest are given back (READY, attempt refunded), and the run ends within the grace. In
+    batches of 64, the next batch is claimed while the first one's calls are in flight
+    (qo_ops/platform/run/overlap.py): it sends nothing and is given back too."""
     load_demo_data(db.engine, tenants=1, quotes=3000, seed=3, as_of=AS_OF)
     with db.engine.begin() as conn:  # 256 due, clean items
         conn.execute(sa.text("UPDATE delivery_attempt_item SET payload = payload - 'fault'"))
@@ -268,10 +271,17 @@ def test_sigterm_during_a_slow_downstream_batch_releases_every_unsent_item(
         )
     server = downstream_factory(latency_ms=900)
     args = ["run", "delivery_retry", "--tenant", "tenant-001", "--mode", "execute"]
-    args += ["--reason", "t", "--batch-size", "256", "--concurrency", "4"]
+    args += ["--reason", "t", "--batch-size", str(batch), "--concurrency", "4"]
     env = cli_env(db, QO_OPS_DOWNSTREAM_URL=server.url, **{STOP_GRACE_ENV: "10"})
     proc = start(args, env, tmp_path)
-    wait_for(lambda: server.client.stats()["delivery_requests"] >= 8, what="calls under way")
+    claimed = "SELECT count(*) FROM delivery_attempt_item WHERE status = 'IN_PROGRESS'"
+    wait_for(
+        lambda: (
+            server.client.stats()["delivery_requests"] >= 8
+            and scalar(db.engine, claimed) == min(256, 2 * batch)
+        ),
+        what="calls under way (and the next batch claimed)",
+    )
     assert stopped(proc, signal.SIGTERM, tmp_path) == EXIT_CANCELLED
     row = the_run(db.engine, "delivery_retry")
     assert (row.status, row.status_reason) == ("cancelled", "terminated")
