@@ -275,7 +275,10 @@ def test_a_fleet_limit_it_cannot_read_sends_nothing_and_stops_the_run(
     # the driver's error and its SQLSTATE (55P03: lock_not_available), no server, no secret
     reason = f"rate limit unavailable for {origin(server.url)}: LockNotAvailable (SQLSTATE 55P03)"
     assert run.status_reason == reason, run
-    assert run.batches == 1 and run.counts.succeeded == 0
+    # the batch it met the limit in, and the one it had claimed ahead (overlapped batches):
+    # both recorded with nothing sent, and no third claimed
+    assert run.batches in (1, 2) and run.counts.succeeded == 0, run
+    assert run.counts.processed <= 2 * 20, run
     assert requests_seen(server) == 0
     assert run.tally.get("downstream.calls", 0) == 0
     assert scalar(db.engine, "SELECT max(attempt_count) FROM delivery_attempt_item") == 0

@@ -1,7 +1,8 @@
 """The rerun property, for every job of the catalog: run it (execute) over a scope of the demo
 data, then once more over the same scope with nothing changed in between. The second run
 changes no business row, no outbox event and no earlier run's record (only its own run row,
-audit rows, result rows, lease and checkpoint are new), emits no new side effect (its tally
+audit rows, result rows, lease and checkpoint are new, and what its calls add to the
+downstream breaker's evidence), emits no new side effect (its tally
 counts no ``side_effect.*.success``; ``duplicate_prevented`` is fine), and the downstream
 simulator receives no new distinct delivery or notification.
 
@@ -25,6 +26,8 @@ from qo_ops.db.digest import database_digest, table_digest
 from qo_ops.db.schema import (
     BUSINESS_TABLES,
     PLATFORM_TABLES,
+    downstream_breaker,
+    downstream_rate_limit,
     job_audit,
     job_checkpoint,
     job_lease,
@@ -51,8 +54,11 @@ PER_RUN = {
     job_audit: "t.job_run_id IS DISTINCT FROM :run",
     reconciliation_result: "t.job_run_id <> :run",  # the mismatches each run saw
 }
-# The runner's own bookkeeping of each run: the lease it took, the cursor it moved.
-BOOKKEEPING = (job_lease, job_checkpoint)
+# The runner's own bookkeeping of each run: the lease it took, the cursor it moved; and what
+# its calls add to the downstream's shared manners: the breaker's evidence (a rerun of
+# order_reconciliation looks its orders up again: calls, though nothing changes) and the
+# fleet's rate-limit tokens.
+BOOKKEEPING = (job_lease, job_checkpoint, downstream_breaker, downstream_rate_limit)
 # What a rerun must leave alone: every business table, the outbox, the rest of the platform.
 STATE_TABLES = tuple(
     t for t in (*BUSINESS_TABLES, *PLATFORM_TABLES) if t not in PER_RUN and t not in BOOKKEEPING
