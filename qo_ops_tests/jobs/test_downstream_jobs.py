@@ -45,6 +45,22 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     pytest.fail(f"timed out waiting for {what}")
 
 
+def wait_for_claims_to_lapse(engine: sa.Engine, timeout: float) -> None:
+    """Until no delivery item is claimed into the future and no lease is unexpired: what a
+    killed run leaves lapses, so the next run may take it."""
+    wait_for(
+        lambda: (
+            scalar(
+                engine, "SELECT count(*) FROM delivery_attempt_item WHERE next_attempt_at > now()"
+            )
+            == 0
+            and scalar(engine, "SELECT count(*) FROM job_lease WHERE expires_at > now()") == 0
+        ),
+        timeout,
+        "the claims and the lease to lapse",
+    )
+
+
 def q(engine: sa.Engine, sql: str, **params: object):
     with engine.connect() as conn:
         return conn.execute(sa.text(sql), params)
@@ -274,18 +290,7 @@ def test_killed_after_sending_then_rerun_delivers_once(db, downstream, fast_retr
         scalar(db.engine, "SELECT count(*) FROM delivery_attempt_item WHERE status = 'IN_PROGRESS'")
         == items
     )  # ...not recorded
-    wait_for(
-        lambda: (
-            scalar(
-                db.engine,
-                "SELECT count(*) FROM delivery_attempt_item WHERE next_attempt_at > now()",
-            )
-            == 0
-            and scalar(db.engine, "SELECT count(*) FROM job_lease WHERE expires_at > now()") == 0
-        ),
-        15,
-        "the claims and the lease to lapse",
-    )
+    wait_for_claims_to_lapse(db.engine, 15)
     rerun = run_cli(args, env)
     assert rerun.code == 0, rerun.stderr[-500:]
     assert (

@@ -122,6 +122,23 @@ def resubmit_events(db) -> dict[int, list[str]]:
     return found
 
 
+def eligible_orders(db) -> list[int]:
+    """The ids of the orders the run over ``SCOPE`` looks at, in the order it does."""
+    start, end = SCOPE.window_bounds()
+    return [
+        r.id
+        for r in rows(
+            db.engine,
+            "SELECT id FROM customer_order WHERE tenant_id = :t AND submitted_at >= :s "
+            "AND submitted_at < :e AND status IN ('SUBMITTED', 'IN_FULFILLMENT') "
+            "AND NOT needs_manual_review ORDER BY id",
+            t=TENANT,
+            s=start,
+            e=end,
+        )
+    ]
+
+
 def budget_rows(db, order_id: int) -> list[int]:
     return [
         r.resubmission
@@ -404,19 +421,7 @@ def test_a_reconciliation_stopped_mid_batch_keeps_its_checkpoint_before_unchecke
     import time
 
     db, downstream = world
-    start, end = SCOPE.window_bounds()
-    eligible = [
-        r.id
-        for r in rows(
-            db.engine,
-            "SELECT id FROM customer_order WHERE tenant_id = :t AND submitted_at >= :s "
-            "AND submitted_at < :e AND status IN ('SUBMITTED', 'IN_FULFILLMENT') "
-            "AND NOT needs_manual_review ORDER BY id",
-            t=TENANT,
-            s=start,
-            e=end,
-        )
-    ]
+    eligible = eligible_orders(db)
     assert len(eligible) > 60
     downstream.client.set_faults(latency_ms=150)
 
@@ -499,19 +504,7 @@ def test_an_outage_opens_the_shared_breaker_and_no_order_is_judged_until_it_clos
     in ``read_orders``), every order was looked up in the outage and the row never opened."""
     db, downstream = world
     missing = set(missing_orders(db).values())
-    start, end = SCOPE.window_bounds()
-    eligible = [
-        r.id
-        for r in rows(
-            db.engine,
-            "SELECT id FROM customer_order WHERE tenant_id = :t AND submitted_at >= :s "
-            "AND submitted_at < :e AND status IN ('SUBMITTED', 'IN_FULFILLMENT') "
-            "AND NOT needs_manual_review ORDER BY id",
-            t=TENANT,
-            s=start,
-            e=end,
-        )
-    ]
+    eligible = eligible_orders(db)
     assert len(eligible) > 60
     monkeypatch.setenv("QO_OPS_BREAKER_OPEN_S", "60")
     downstream.client.set_faults(outage="503")

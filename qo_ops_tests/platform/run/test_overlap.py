@@ -26,6 +26,7 @@ from qo_ops_tests.jobs.test_downstream_jobs import (
     make_all_deliveries_due,
     scalar,
     wait_for,
+    wait_for_claims_to_lapse,
 )
 from qo_ops_tests.jobs.test_downstream_manners import requests_seen
 
@@ -120,18 +121,7 @@ def test_a_sigkill_while_two_batches_are_claimed_leaves_them_to_the_next_run(
     left_claimed = scalar(db.engine, CLAIMED)
     assert recorded < items and left_claimed > 50  # the kill left two batches claimed
     assert scalar(db.engine, "SELECT sum(succeeded_count) FROM job_run") == recorded
-    wait_for(
-        lambda: (
-            scalar(
-                db.engine,
-                "SELECT count(*) FROM delivery_attempt_item WHERE next_attempt_at > now()",
-            )
-            == 0
-            and scalar(db.engine, "SELECT count(*) FROM job_lease WHERE expires_at > now()") == 0
-        ),
-        30,
-        "the claims and the lease to lapse",
-    )
+    wait_for_claims_to_lapse(db.engine, 30)
     rerun = run_cli(args, env)
     assert rerun.code == 0, rerun.stderr[-800:]
     assert scalar(db.engine, DELIVERED) == items and scalar(db.engine, CLAIMED) == 0
