@@ -113,7 +113,7 @@ class JobRun:
     summary: RunSummary
     events: EventContext
     started: float  # monotonic, just before the record. The run's duration counts from it.
-    # once the lease is taken (_execute)
+    # once the lease is taken (_acquire; then ``leased`` is True)
     lease: Lease
     heartbeat: Heartbeat
     deadline: float  # monotonic
@@ -127,6 +127,7 @@ class JobRun:
         self.limits = self.spec.defaults.overridden_by(self.options)
         self.owner = owner_identity()
         self.liveness: Liveness | None = None  # taken before the record, given back after it
+        self.leased = False  # whether lease and heartbeat are set: the lease is to be given back
         self.batch_ms: list[float] = []  # batch transaction times (guard to commit)
 
     # ------------------------------------------------------------------ the run
@@ -263,16 +264,13 @@ class JobRun:
         summary.status = RunStatus.SUCCESS if summary.eligible_count else RunStatus.NO_WORK
 
     def _execute(self) -> None:
-        """Run the batches under the lease. Whatever happens, the lease goes back before the
-        run is recorded as ended."""
-        lease = self._acquire()
-        if lease is None:
-            return
+        """Run the batches under the lease, which goes back, whatever happens once it is ours."""
         summary = self.summary
-        beat = Heartbeat(self.engine, lease, self.run_id, self._on_beat)
-        self.lease, self.heartbeat = lease, beat.start()
-        self.deadline = time.monotonic() + self.limits.deadline_s
         try:
+            lease = self._acquire()  # from here on, self.leased says whether to give it back
+            if lease is None:
+                return
+            self.deadline = time.monotonic() + self.limits.deadline_s
             crash_point("after_lease_acquire")
             hold_point("after_lease_acquire")
             self._load_checkpoint()
@@ -288,13 +286,16 @@ class JobRun:
             summary.status_reason, summary.error_text = "lease_lost", str(exc)
             self.events.emit("job.lock.lost", logging.ERROR, **{"lock.name": self._lock_name()})
         except Exception as exc:  # any failure ends the run failed, with a safe one-line reason
+            if not self.leased:
+                raise  # taking the lease failed: nothing to give back, the run's end records it
             self._failed(exc)
             if summary.error_code != UNAVAILABLE and not self._still_held():
                 summary.error_code = summary.status_reason = "lease_lost"
         finally:  # on a signal too, the lease goes back before the run is recorded as ended
-            self.heartbeat.stop()
-            with self.stop.deferred():
-                self._release()
+            if self.leased:
+                self.heartbeat.stop()
+                with self.stop.deferred():
+                    self._release()
         if summary.status == RunStatus.RUNNING:
             summary.status = records.final_status(summary)
 
@@ -314,8 +315,12 @@ class JobRun:
                 self.engine, self.spec.name, self.scope.key, self.owner,
                 self.limits.lease_ttl_s, self.run_id,
             )  # fmt: skip
+            if lease is not None:  # held and beating before a signal can interrupt the run
+                beat = Heartbeat(self.engine, lease, self.run_id, self._on_beat)
+                self.lease, self.heartbeat, self.leased = lease, beat.start(), True
             summary.lock_wait_ms = int((time.monotonic() - asked) * 1000)
             acquiring.set_attribute("lock.acquired", lease is not None)
+        hold_point("lease_taken")  # a signal here, before the batches' guard, still frees it
         if lease is None:
             if self.stop.requested:  # asked to stop while waiting for the lease
                 summary.status, summary.status_reason = RunStatus.CANCELLED, TERMINATED
@@ -429,8 +434,7 @@ class JobRun:
             yield self.lease.guard(conn, self.run_id)
 
     def _batch(self, conn: Connection, room: int) -> BatchOutcome | _Step:
-        """One batch: guard, select, transition, checkpoint and counters in one transaction.
-        For a job with a second step, the transition only claims (see ``_second_step``)."""
+        """One batch: its claim (``claim``), then what follows the claim (``_second_step``)."""
         started = time.perf_counter()
         claimed = self.claim(conn, room)
         if not isinstance(claimed, BatchOutcome):

@@ -188,6 +188,26 @@ def test_sigterm_between_batches_keeps_every_committed_batch_and_the_rerun_compl
     assert_outcome_intact(db.engine)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_the_instant_the_lease_is_taken_still_frees_it(quotes, tmp_path, sig):
+    """The window CI once hit: the signal lands after the lease is committed and before the
+    batches' ``try`` (the run held at ``lease_taken``, just after the lease's deferred
+    section). Planted once: with the lease's ``try``/``finally`` starting after that point
+    again (as before), the run ended cancelled and its lease stayed held for its TTL."""
+    db, eligible = quotes
+    proc = start(run_args(), cli_env(db, **{HOLD_ENV: "lease_taken"}), tmp_path)
+    wait_for(
+        lambda: "holding at lease_taken" in (tmp_path / "stderr").read_text(),
+        what="the run to take its lease",
+    )
+    assert lease_held(db.engine)
+    assert stopped(proc, sig, tmp_path) == EXIT_CANCELLED
+    row = the_run(db.engine)
+    assert (row.status, row.status_reason, row.processed_count) == ("cancelled", "terminated", 0)
+    assert overdue(db.engine) == eligible  # no batch ran
+    assert_nothing_left_behind(db.engine)
+
+
 def test_sigterm_in_the_outcome_check_phase_keeps_the_work_and_ends_the_record(quotes, tmp_path):
     db, eligible = quotes
     proc = start(run_args(), cli_env(db, **{HOLD_ENV: "before_finalize"}), tmp_path)
