@@ -117,7 +117,13 @@ def test_a_signal_before_the_batches_ends_the_run_cancelled_and_frees_the_lease(
 ):
     db, eligible = quotes
     proc = start(run_args(), cli_env(db, **{HOLD_ENV: "after_lease_acquire"}), tmp_path)
-    wait_for(lambda: lease_held(db.engine), what="the run to take its lease")
+    # The hold's line, not the lease row: the row is committed while the run is still inside
+    # the acquire's deferred section, and a signal there waits for the batches' first check.
+    wait_for(
+        lambda: "holding at after_lease_acquire" in (tmp_path / "stderr").read_text(),
+        what="the run to hold after taking its lease",
+    )
+    assert lease_held(db.engine)
     assert stopped(proc, sig, tmp_path) == EXIT_CANCELLED
     row = the_run(db.engine)
     assert (row.status, row.status_reason, row.processed_count) == ("cancelled", "terminated", 0)
