@@ -99,7 +99,15 @@ def test_only_explained_alerts_pass():
     assert judge("QoOpsJobSchedulerDriftHigh", drift, 1, f) is None  # p90 30 s
     late = _facts(drift_p90_s={"quote_expiration": 75.0})
     assert judge("QoOpsJobSchedulerDriftHigh", drift, 1, late) is not None
-    assert judge("QoOpsJobRunQueueNotDraining", drift, 1, f) is None  # oldest 40 s < 900 s
+    # the queue's one alert: right once a run waited longer than its bound (60 s here)
+    assert judge("QoOpsRunQueueBacklog", {}, 1, f) is None  # oldest 40 s
+    backed_up = _facts(oldest_queued_s={"quote_expiration": 140.0, "audit_archive": 30.0})
+    assert "1 jobs" in judge("QoOpsRunQueueBacklog", {}, 1, backed_up)
+    # the queue explains no per-job "not succeeding" page (the rule holds it back): wrong,
+    # unless the job's own runs failed
+    assert judge("QoOpsJobNotSucceeding", drift, 1, backed_up) is None
+    failing = _facts(oldest_queued_s={"quote_expiration": 140.0}, failed_jobs={"quote_expiration"})
+    assert judge("QoOpsJobNotSucceeding", drift, 1, failing) == "its runs failed"
     assert judge("QoOpsJobSuspendedTooLong", drift, 1, f) is None
 
 

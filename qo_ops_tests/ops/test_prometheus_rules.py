@@ -43,7 +43,7 @@ ALERTS = {
     "QoOpsJobLeaseTakeover",
     "QoOpsJobAnomalyStop",
     "QoOpsJobMissedRuns",
-    "QoOpsJobRunQueueNotDraining",
+    "QoOpsRunQueueBacklog",
     "QoOpsJobSuspendedTooLong",
     "QoOpsJobRetryPressureHigh",
     "QoOpsJobSchedulerDriftHigh",
@@ -60,13 +60,17 @@ NEW_ALERTS = {
     "QoOpsJobReconciliationMismatchSpike",
     "QoOpsJobRunRetriesSustained",
 }
-# rules not about one job: the exporter's, and the downstream's (labelled by its origin)
-NOT_JOB_ALERTS = {"QoOpsExporterDown", "QoOpsDownstreamBreakerOpen"}
+# rules not about one job: the exporter's, the downstream's (labelled by its origin), and the
+# run queue's (one alert for the queue, naming every job it holds up)
+NOT_JOB_ALERTS = {"QoOpsExporterDown", "QoOpsDownstreamBreakerOpen", "QoOpsRunQueueBacklog"}
 SEVERITIES = {"page", "ticket"}
 RUNBOOK = "https://github.com/qo-ops/qo-ops/blob/main/docs/runbooks/{{ $labels.job_name }}.md"
 EXPORTER_RUNBOOK = "https://github.com/qo-ops/qo-ops/blob/main/docs/observability.md"
 DOWNSTREAM_RUNBOOK = (
     "https://github.com/qo-ops/qo-ops/blob/main/docs/downstream.md#during-a-downstream-incident"
+)
+QUEUE_RUNBOOK = (
+    "https://github.com/qo-ops/qo-ops/blob/main/docs/runbooks/README.md#a-backlog-in-the-run-queue"
 )
 DASHBOARD = "/d/qo-ops/qo-ops?var-job={{ $labels.job_name }}"
 # What every job alert says about its job (the seed's "alert message should include"): each
@@ -289,7 +293,15 @@ def test_every_rule_has_severity_annotations_and_links(rule: dict[str, Any]) -> 
     assert labels.get("severity") in SEVERITIES, labels
     for key in ("summary", "description", "runbook_url", "dashboard"):
         assert str(annotations.get(key, "")).strip(), f"{rule['alert']}: no {key}"
-    if "job_name" in grouping_labels(rule["expr"]):
+    if rule["alert"] == "QoOpsRunQueueBacklog":
+        # the queue's alert: how deep, how old, how many jobs; links the backlog section
+        assert "job_run_queue_depth" in annotations["summary"]
+        assert "job_run_queue_oldest_seconds" in annotations["summary"]
+        assert "$value" in annotations["summary"]
+        assert annotations["runbook_url"] == QUEUE_RUNBOOK
+        section = "## A backlog in the run queue"
+        assert section in (RUNBOOKS / "README.md").read_text()
+    elif _is_job_rule(rule):
         # a job alert: says which job and how bad, links the job's runbook and dashboard
         assert "{{ $labels.job_name }}" in annotations["summary"]
         assert "$value" in annotations["summary"]
@@ -354,6 +366,18 @@ def test_the_not_job_alerts_carry_what_applies_to_them() -> None:
     assert set().union(*map(metric_names, jobs)) == {"job_failed_total", "job_backlog_items"}
     last = template_queries(rules["QoOpsExporterDown"]["annotations"]["last_good_scrape"])
     assert set().union(*map(metric_names, last)) == {"qo_ops_database_up"}
+    queue = rules["QoOpsRunQueueBacklog"]["annotations"]
+    waiting = template_queries(queue["jobs_waiting"])
+    assert set().union(*map(metric_names, waiting)) == {
+        "job_run_queue_oldest_seconds",
+        "job_run_queue_depth",
+    }
+    behind = template_queries(queue["jobs_behind"])
+    assert set().union(*map(metric_names, behind)) == {
+        "job_last_success_timestamp_seconds",
+        "job_expected_interval_seconds",
+        "job_run_queue_oldest_seconds",
+    }
 
 
 @pytest.mark.parametrize("rule", _rules(), ids=lambda rule: rule.get("alert", "?"))
@@ -441,8 +465,7 @@ def test_every_job_alert_is_quiet_while_its_job_is_suspended() -> None:
     job_rules = [
         rule
         for rule in _rules()
-        if "job_name" in grouping_labels(rule["expr"])
-        and rule["alert"] != "QoOpsJobSuspendedTooLong"
+        if _is_job_rule(rule) and rule["alert"] != "QoOpsJobSuspendedTooLong"
     ]
     assert {rule["alert"] for rule in job_rules} == ALERTS - NOT_JOB_ALERTS - {
         "QoOpsJobSuspendedTooLong"
