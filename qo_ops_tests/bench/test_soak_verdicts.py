@@ -119,3 +119,25 @@ def test_one_wrong_alert_fails_the_alert_row_and_is_named():
     assert _met(section, "Alerts") is False
     assert any("WRONG" in n and "daemon_down" in n for n in section.notes)
     assert _met(_section(calm), "Alerts") is True
+
+
+def test_a_start_later_than_the_queue_explains_fails_the_delay_row():
+    """Tick-to-start p95 against what the queue explains: the tick's evaluation lag (p95)
+    plus the phase's deepest queue at its measured start rate (docs/dagster.md)."""
+    samples = [_sample(t, 20) for t in (0, 10, 20, 30, 40)]  # the "before" phase: 0–50 s
+    minutes = QUICK.soak_s / 3 / 60
+
+    def section(delay_s: float):
+        runs = [
+            {"job": "quote_expiration", "asked_in": "before", "t": 5.0 + i, "phase": "before",
+             "delay_s": delay_s, "created_s": 2.0, "by": "schedule"}
+            for i in range(10)
+        ]  # fmt: skip
+        timeline = Timeline(started=0.0, outage=OUTAGE, samples=samples, alerts={})
+        return figures(QUICK, timeline, runs, {}, _facts(), 11, 11, "")
+
+    bound = 2.0 + 20 / (10 / minutes) * 60.0  # 2 s + 20 queued at 12 starts a minute
+    assert _met(section(bound - 1), "Tick-to-start") is True
+    assert _met(section(bound + 1), "Tick-to-start") is False
+    [row] = [r for r in section(bound + 1).rows if r.what.startswith("Tick-to-start")]
+    assert "deepest queue 20" in row.limit
