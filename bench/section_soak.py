@@ -31,13 +31,7 @@ It passes only if
   pressure or item failures only for a job whose runs retried or failed items (the demo's
   poison items and faults), the downstream's alerts only once it was stopped. ``daemon_down``
   misses, ``QoOpsExporterDown`` and an alert nothing explains are wrong.
-
-Explained by the queue: ``QoOpsRunQueueBacklog`` is right when the samples saw a run wait in
-the queue longer than its bound (the job's cadence: 60 s here). The queue explains no
-``QoOpsJobNotSucceeding``: that rule is held back for a job whose runs wait (the queue's
-alert names it), so one that still fires is right only if the job's own runs failed or the
-outage stopped them, and is wrong if the queue is all that explains it (one cause, two
-pages).
+The queue's alert and what the queue explains: ``bench/soak_judge.py``.
 """
 
 from __future__ import annotations
@@ -51,14 +45,12 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-import sqlalchemy as sa
-from sqlalchemy.engine import URL
 
 from bench.common import REPO, engine_for, env_url, fresh_database, percentile, stop_group
 from bench.orchestration_data import partition_start
@@ -72,17 +64,14 @@ from bench.orchestration_deployment import (
     wait_for,
 )
 from bench.soak_catalog import CRON, PER_RUN_ENV
-from bench.suite import Profile, Row, Section, median
-from qo_ops.platform.calls.call_stats import CALLS, RETRIES
+from bench.soak_judge import Facts, Timeline, facts, judge
+from bench.suite import Profile, Row, Section, Spread, median
 
 TITLE = "Soak: every schedule and sensor under backlog"
 PREFIX = "qo_ops_bench_soak"
 QUOTES_PER_TENANT = 200
 SAMPLE_S = 10.0
 SCRAPE_S = 5
-# QoOpsRunQueueBacklog's bound for a job (alerts.yml): its cadence, clamped to 60-900 s. The
-# soak's catalog runs every job every minute, so 60 s for each.
-QUEUE_BOUND_S = 60.0
 PHASES = ("before", "outage", "after")
 
 REPOSITORY_STATE = """
@@ -228,19 +217,6 @@ def monitoring(home: Path, env: dict[str, str]) -> Any:
 # ------------------------------------------------------------------ sampling
 
 
-@dataclass
-class Timeline:
-    started: float  # time.time() at the soak's start
-    outage: tuple[float, float]  # seconds from the start
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    alerts: dict[tuple[str, tuple[tuple[str, str], ...]], dict[str, Any]] = field(
-        default_factory=dict
-    )
-
-    def phase(self, t: float) -> str:
-        return "before" if t < self.outage[0] else "outage" if t < self.outage[1] else "after"
-
-
 def _scope_keys(run: Any) -> list[tuple[str, str, str]]:
     """(job, tenant, window) for each scope a run names: its config's tenants (a schedule's
     or sensor's chunk), else its tenant partition; the window is its day partition, if any."""
@@ -299,123 +275,6 @@ def note_alerts(timeline: Timeline, prom: Prometheus, t: float) -> None:
             seen["state"] = "firing"
 
 
-# ------------------------------------------------------------------ judging
-
-
-@dataclass(frozen=True)
-class Facts:
-    """What the soak did and what the database holds, to judge each alert against."""
-
-    outage_start: float  # seconds from the start
-    failed_jobs: frozenset[str]  # jobs with a failed or cancelled run in the soak
-    anomaly_jobs: frozenset[str]  # jobs with a run stopped by an anomaly threshold
-    takeover_jobs: frozenset[str]  # jobs with a run that lost its lease
-    downstream_jobs: frozenset[str]  # jobs whose runs called the downstream (the outage's)
-    deadletter_jobs: frozenset[str]  # jobs whose runs dead-lettered items
-    item_failure_jobs: frozenset[str]  # jobs whose runs had items fail (demo poison, faults)
-    retry_jobs: frozenset[str]  # jobs whose runs retried downstream calls
-    mismatch_jobs: frozenset[str]  # reconciliation jobs whose runs found mismatches
-    oldest_queued_s: dict[str, float]  # per job, the oldest queued run the samples saw
-    drift_p90_s: dict[str, float]  # per job, its schedule runs' tick-to-start delay (p90)
-
-
-def judge(name: str, labels: dict[str, str], first_t: float, f: Facts) -> str | None:
-    """Why this alert is right, or None: it is wrong."""
-    job = labels.get("job_name", "")
-    after_outage = first_t >= f.outage_start
-    if name == "QoOpsJobMissedRuns":
-        reason = labels.get("reason")
-        if reason == "previous_run_active":
-            return "a run of the scope was still running at the tick (runs wait, then run late)"
-        if reason in ("previous_run_queued", "queued") and f.oldest_queued_s.get(job, 0.0) > 0:
-            return f"its runs waited in the queue ({reason}): more asked for than started"
-        return None  # daemon_down with a healthy daemon: the issue's wrong cause
-    if name == "QoOpsRunQueueBacklog":  # one for the queue, no job_name
-        held = sorted(j for j, age in f.oldest_queued_s.items() if age > QUEUE_BOUND_S)
-        oldest = max(f.oldest_queued_s.values(), default=0.0)
-        return (
-            f"runs waited in the queue up to {oldest:.0f} s (> {QUEUE_BOUND_S:.0f} s) for "
-            f"{len(held)} jobs"
-            if held
-            else None
-        )
-    if name == "QoOpsJobSchedulerDriftHigh":  # p90 over max(60 s, a quarter of the cadence)
-        drift = f.drift_p90_s.get(job, 0.0)
-        return f"its runs started {drift:.0f} s after their tick (p90)" if drift > 60 else None
-    if name == "QoOpsDownstreamBreakerOpen":
-        return "the downstream was stopped" if after_outage else None
-    if name == "QoOpsJobAnomalyStop":
-        return "the demo data plants an anomaly" if job in f.anomaly_jobs else None
-    if name == "QoOpsJobLeaseTakeover":
-        return "a run lost its lease" if job in f.takeover_jobs else None
-    if name == "QoOpsJobDeadLetters":
-        return "the demo data plants poison items" if job in f.deadletter_jobs else None
-    if name == "QoOpsJobReconciliationMismatchSpike":
-        return "the demo data plants mismatches" if job in f.mismatch_jobs else None
-    if name == "QoOpsJobPartialFailureRateHigh" and job in f.item_failure_jobs:
-        return "items of its runs failed (the demo's poison items and faults, the outage)"
-    if name == "QoOpsJobRetryPressureHigh" and job in f.retry_jobs:
-        return "its runs retried downstream calls (the demo's faults, the outage)"
-    if name == "QoOpsJobBacklogGrowing" and f.oldest_queued_s.get(job, 0.0) > 0:
-        return "items kept arriving while its runs waited in the queue"
-    if name in ("QoOpsJobConsecutiveFailures", "QoOpsJobNotSucceeding") and job in f.failed_jobs:
-        return "its runs failed"
-    if name in (
-        "QoOpsJobBacklogGrowing",
-        "QoOpsJobConsecutiveFailures",
-        "QoOpsJobNotSucceeding",
-        "QoOpsJobRetryPressureHigh",
-        "QoOpsJobPartialFailureRateHigh",
-        "QoOpsJobRunRetriesSustained",
-    ):
-        return "the downstream was stopped" if job in f.downstream_jobs and after_outage else None
-    return None  # QoOpsExporterDown, QoOpsJobSuspendedTooLong (nobody suspended), …
-
-
-def facts(
-    url: URL,
-    since: datetime,
-    outage_start: float,
-    timeline: Timeline,
-    started: list[dict[str, Any]],
-) -> Facts:
-    delays: dict[str, list[float]] = defaultdict(list)
-    for r in started:
-        if r["by"] == "schedule" and r["delay_s"] is not None:
-            delays[r["job"]].append(r["delay_s"])
-    oldest: dict[str, float] = defaultdict(float)
-    for s in timeline.samples:
-        for job, age in s["oldest_by_job"].items():
-            oldest[job] = max(oldest[job], age)
-    engine = engine_for(url)
-    with engine.connect() as conn:
-
-        def jobs(where: str) -> frozenset[str]:
-            rows = conn.execute(
-                sa.text(
-                    f"SELECT DISTINCT job_name FROM job_run WHERE created_at >= :s AND {where}"
-                ),
-                {"s": since},
-            )
-            return frozenset(r[0] for r in rows)
-
-        out = Facts(
-            outage_start=outage_start,
-            failed_jobs=jobs("status IN ('failed', 'timeout', 'cancelled')"),
-            anomaly_jobs=jobs("last_error_code = 'anomaly_threshold'"),
-            takeover_jobs=jobs("last_error_code = 'lease_lost'"),
-            downstream_jobs=jobs(f"coalesce((tally->>'{CALLS}')::bigint, 0) > 0"),
-            deadletter_jobs=jobs("deadlettered_count > 0"),
-            item_failure_jobs=jobs("failed_count > 0"),
-            retry_jobs=jobs(f"coalesce((tally->>'{RETRIES}')::bigint, 0) > 0"),
-            mismatch_jobs=jobs("job_name = 'order_reconciliation' AND tally <> '{}'::jsonb"),
-            oldest_queued_s=dict(oldest),
-            drift_p90_s={job: percentile(d, 0.9) for job, d in delays.items()},
-        )
-    engine.dispose()
-    return out
-
-
 # ------------------------------------------------------------------ figures
 
 
@@ -458,6 +317,83 @@ def coalescing_bound(tenants: int, per_run: int, jobs: int) -> int:
 
 
 def run(profile: Profile) -> Section:
+    """The soak ``profile.repeats`` times in a row on the machine as it is (quiet for a
+    measurement), then, except at the quick profile, once more under load: one busy process
+    per core beside the deployment for the whole run."""
+    quiet = []
+    for k in range(profile.repeats):
+        print(f"   soak run {k + 1} of {profile.repeats}", flush=True)
+        quiet.append(soak_once(profile))
+    if profile.name == "quick":
+        return combined(quiet, [], 0)
+    busy = os.cpu_count() or 1
+    print(f"   soak under load: {busy} busy processes beside it", flush=True)
+    with busy_processes(busy):
+        loaded = soak_once(profile)
+    return combined(quiet, [loaded], busy)
+
+
+@contextmanager
+def busy_processes(n: int) -> Any:
+    """``n`` processes spinning on the CPU (at normal priority) until the block ends."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    procs = [subprocess.Popen(spin, start_new_session=True) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def combined(quiet: list[Section], loaded: list[Section], busy: int) -> Section:
+    """One table for the runs: each figure's median and range over the quiet runs (met only
+    if every run met it), then the loaded run's rows as they are; every run's notes."""
+    if len(quiet) == 1 and not loaded:
+        return quiet[0]
+    rows = [_over_runs([s.rows[i] for s in quiet], [s.raw["figures"] for s in quiet], i)
+            for i in range(len(quiet[0].rows))]  # fmt: skip
+    for row in loaded[0].rows if loaded else []:
+        what = row.what.replace("(soak)", f"(soak, {busy} busy processes beside it)")
+        rows.append(Row(what, row.size, row.figure, row.limit, row.ratio, row.goal, row.met,
+                        note=row.note))  # fmt: skip
+    notes = [f"Run {k}. {n}" for k, s in enumerate(quiet, 1) for n in s.notes]
+    notes += [f"Under load ({busy} busy processes). {n}" for s in loaded for n in s.notes]
+    raw = {"runs": [s.raw for s in quiet], "loaded": [s.raw for s in loaded], "busy": busy}
+    return Section(TITLE, rows, notes, raw)
+
+
+def _over_runs(rows: list[Row], figures: list[dict[str, float]], i: int) -> Row:
+    """Row ``i`` of each run as one: its figure's median (min–max), met in every run."""
+    first, runs = rows[0], len(rows)
+    ratios = [r.ratio for r in rows if r.ratio is not None]
+    spread = Spread.of(ratios) if ratios else None
+    met = all(r.met for r in rows) if all(r.met is not None for r in rows) else None
+    if i == 0:
+        figure = Spread.of([f["deepest"] for f in figures]).show(lambda v: f"{v:.0f} runs")
+        limit = first.limit
+    elif i == 1:
+        figure = Spread.of([f["delay_p95_s"] for f in figures]).show(lambda v: f"{v:.0f} s")
+        bounds = Spread.of([f["delay_bound_s"] for f in figures]).show(lambda v: f"{v:.0f} s")
+        limit = f"{bounds}: tick lag p95 + deepest queue / starts a minute, per run"
+    else:
+        alerts = Spread.of([f["alerts"] for f in figures]).show(lambda v: f"{v:.0f}")
+        wrong = ", ".join(f"{f['wrong']:.0f}" for f in figures)
+        figure, limit = f"{alerts} alerts, wrong per run: {wrong}", first.limit
+    return Row(
+        f"{first.what[:-1]}, {runs} runs)" if first.what.endswith(")") else first.what,
+        first.size,
+        figure,
+        limit,
+        None if spread is None else spread.mid,
+        f"{first.goal} in every run" if first.goal else "",
+        met,
+        note=" | ".join(f"run {k}: {r.note}" for k, r in enumerate(rows, 1)),
+        ratio_range=None if spread is None else spread.range,
+    )
+
+
+def soak_once(profile: Profile) -> Section:
     from qo_ops.downstream.local import seed_from_demo, simulator_process
 
     tenants, per_run, soak_s = profile.soak_tenants, profile.soak_tenants_per_run, profile.soak_s
@@ -680,6 +616,13 @@ def figures(
     if doubled:
         notes.append(f"Scopes with two runs queued or running at once: {', '.join(doubled[:10])}")
     raw = {
+        "figures": {
+            "deepest": float(max_queued),
+            "delay_p95_s": float(worst["delay_p95_s"]),
+            "delay_bound_s": float(worst["delay_bound_s"]),
+            "alerts": float(len(verdicts)),
+            "wrong": float(len(wrong)),
+        },
         "samples": timeline.samples,
         "phases": phases,
         "missed": missed,

@@ -1,8 +1,8 @@
 """The benchmark suite: one table of figures, each against its limit measured in the same run
 on the same machine, written to BENCHMARKS.md.
 
-    python -m bench.suite                 # default sizes (make bench): ~44 minutes (the soak ~12,
-                                          # the nemesis ~10)
+    python -m bench.suite                 # default sizes (make bench): ~75 minutes (the soak
+                                          # ~45: 3 runs and 1 under load, the nemesis ~10)
     python -m bench.suite --profile full  # the published sizes (1,000,000 rows, 10,000,000 big)
     python -m bench.suite --profile quick # seconds: a smoke check (make test), no figures kept
     python -m bench.suite --only jobs,partitions

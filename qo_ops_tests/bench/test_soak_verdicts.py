@@ -5,7 +5,7 @@ runs the soak itself on a real deployment; here its judgement alone, on planted 
 
 from __future__ import annotations
 
-from bench.section_soak import Facts, Timeline, figures, judge
+from bench.section_soak import Facts, Timeline, combined, figures, judge
 from bench.suite import PROFILES
 
 QUICK = PROFILES["quick"]  # 3 tenants, 1 a run: a bound of 11 jobs x 3 chunks = 33
@@ -141,3 +141,23 @@ def test_a_start_later_than_the_queue_explains_fails_the_delay_row():
     assert _met(section(bound + 1), "Tick-to-start") is False
     [row] = [r for r in section(bound + 1).rows if r.what.startswith("Tick-to-start")]
     assert "deepest queue 20" in row.limit
+
+
+def test_the_runs_combine_into_median_and_range_and_one_wrong_alert_fails_them_all():
+    """Three quiet runs and one under load: each figure as median (min–max), met only if
+    every run met it; the loaded run's rows beside them."""
+    calm = [_sample(t, 20) for t in (0, 60, 120)]
+    labels = (("alertname", "QoOpsJobMissedRuns"), ("job_name", "x"), ("reason", "daemon_down"))
+    wrong = {("QoOpsJobMissedRuns", labels): {"first_t": 30.0, "state": "firing"}}
+    deeper = [_sample(0, 10), _sample(60, 30), _sample(120, 5)]
+    runs = [_section(calm), _section(deeper), _section(calm)]
+    section = combined(runs, [_section(calm)], 2)
+    [queue] = [r for r in section.rows if r.what == "Run queue, deepest (soak, 3 runs)"]
+    assert queue.figure == "20 runs (20 runs–30 runs)" and queue.met is True
+    assert queue.ratio_range == (20 / 33, 30 / 33)
+    assert _met(section, "Alerts pending or firing (soak, 3 runs)") is True
+    assert _met(section, "Alerts pending or firing (soak, 2 busy") is True
+    planted = combined([_section(calm), _section(calm, wrong), _section(calm)], [], 0)
+    [alerts] = [r for r in planted.rows if r.what.startswith("Alerts")]
+    assert alerts.met is False and "wrong per run: 0, 1, 0" in alerts.figure
+    assert any(n.startswith("Run 2.") and "WRONG" in n for n in planted.notes)
