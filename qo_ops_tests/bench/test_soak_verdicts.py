@@ -122,25 +122,32 @@ def test_one_wrong_alert_fails_the_alert_row_and_is_named():
 
 
 def test_a_start_later_than_the_queue_explains_fails_the_delay_row():
-    """Tick-to-start p95 against what the queue explains: the tick's evaluation lag (p95)
-    plus the phase's deepest queue at its measured start rate (docs/dagster.md)."""
-    samples = [_sample(t, 20) for t in (0, 10, 20, 30, 40)]  # the "before" phase: 0–50 s
-    minutes = QUICK.soak_s / 3 / 60
+    """Tick-to-start p95 against what the queue explains: the tick's evaluation (p95), every
+    other scope's run ahead of it at the slowest phase's start rate, and the launch (p95)."""
+    samples = [_sample(t, 20) for t in range(0, 150, 10)]
+    per_phase = QUICK.soak_s / 3
 
-    def section(delay_s: float):
+    def section(delay_s: float, before_runs: int = 10):
         runs = [
-            {"job": "quote_expiration", "asked_in": "before", "t": 5.0 + i, "phase": "before",
-             "delay_s": delay_s, "created_s": 2.0, "by": "schedule"}
-            for i in range(10)
+            {"job": "quote_expiration", "asked_in": phase, "t": start + i, "phase": phase,
+             "delay_s": delay_s, "created_s": 2.0, "queued_s": delay_s - 5.0, "launch_s": 3.0,
+             "by": "schedule"}
+            for phase, start in zip(("before", "outage", "after"), (0.0, 50.0, 100.0), strict=True)
+            for i in range(before_runs if phase == "before" else 10)
         ]  # fmt: skip
         timeline = Timeline(started=0.0, outage=OUTAGE, samples=samples, alerts={})
         return figures(QUICK, timeline, runs, {}, _facts(), 11, 11, "")
 
-    bound = 2.0 + 20 / (10 / minutes) * 60.0  # 2 s + 20 queued at 12 starts a minute
+    rate = 10 / (per_phase / 60)  # starts a minute in each phase
+    bound = 2.0 + 32 / rate * 60.0 + 3.0  # 32 runs ahead at most (a bound of 11 x 3 = 33)
     assert _met(section(bound - 1), "Tick-to-start") is True
     assert _met(section(bound + 1), "Tick-to-start") is False
     [row] = [r for r in section(bound + 1).rows if r.what.startswith("Tick-to-start")]
-    assert "deepest queue 20" in row.limit
+    assert "32 runs ahead at most" in row.limit
+    # the slowest phase sets the rate: fewer starts before the outage, a longer allowance
+    slower = 2.0 + 32 / (5 / (per_phase / 60)) * 60.0 + 3.0
+    assert _met(section(slower - 1, before_runs=5), "Tick-to-start") is True
+    assert _met(section(slower + 1, before_runs=5), "Tick-to-start") is False
 
 
 def test_the_runs_combine_into_median_and_range_and_one_wrong_alert_fails_them_all():
