@@ -64,7 +64,7 @@ from bench.orchestration_deployment import (
     wait_for,
 )
 from bench.soak_catalog import CRON, PER_RUN_ENV
-from bench.soak_judge import Facts, Timeline, facts, judge
+from bench.soak_judge import QUEUE_RULE, Facts, Timeline, facts, judge
 from bench.suite import Profile, Row, Section, Spread, median
 
 TITLE = "Soak: every schedule and sensor under backlog"
@@ -380,7 +380,7 @@ def combined(quiet: list[Section], loaded: list[Section], busy: int) -> Section:
         what = row.what.replace("(soak)", f"(soak, {busy} busy processes beside it)")
         rows.append(Row(what, row.size, row.figure, row.limit, row.ratio, row.goal, row.met,
                         note=row.note))  # fmt: skip
-    notes = [f"Run {k}. {n}" for k, s in enumerate(quiet, 1) for n in s.notes]
+    notes = [QUEUE_RULE] + [f"Run {k}. {n}" for k, s in enumerate(quiet, 1) for n in s.notes]
     notes += [f"Under load ({busy} busy processes). {n}" for s in loaded for n in s.notes]
     raw = {"runs": [s.raw for s in quiet], "loaded": [s.raw for s in loaded], "busy": busy}
     return Section(TITLE, rows, notes, raw)

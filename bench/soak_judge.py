@@ -26,6 +26,16 @@ from qo_ops.platform.calls.call_stats import CALLS, RETRIES
 # QoOpsRunQueueBacklog's bound for a job (alerts.yml): its cadence, clamped to 60-900 s. The
 # soak's catalog runs every job every minute, so 60 s for each.
 QUEUE_BOUND_S = 60.0
+# the judge's rule for "explained by the queue", as BENCHMARKS.md states it beside the runs
+QUEUE_RULE = (
+    "Explained by the queue: QoOpsRunQueueBacklog is right when the samples saw a run wait in "
+    f"the queue longer than its bound (the job's cadence, clamped to 60-900 s: "
+    f"{QUEUE_BOUND_S:.0f} s here); QoOpsJobMissedRuns with reason queued or "
+    "previous_run_queued and QoOpsJobBacklogGrowing are right for a job whose runs the samples "
+    "saw queued; the queue explains no QoOpsJobNotSucceeding (held back for a job whose runs "
+    "wait: one that fires is right only if the job's own runs failed or the outage stopped "
+    "them)."
+)
 
 
 @dataclass
