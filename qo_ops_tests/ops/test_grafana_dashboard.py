@@ -518,3 +518,49 @@ def test_promtool_evaluates_the_drift_and_reconciliation_panels(
         [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_evaluates_the_run_queue_panel(dashboard: dict[str, Any], tmp_path: Path) -> None:
+    """One line per job with runs queued: how many, the oldest wait, and whether it is held up
+    (waited longer than its cadence, clamped to 1-15 minutes: QoOpsRunQueueBacklog's test);
+    a job with nothing queued has no line."""
+    promtool = _promtool()
+    inputs = [
+        # a minutely job whose oldest run has waited 2 minutes: held up
+        {"series": 'job_run_queue_depth{job_name="quote_expiration"}', "values": "4x10"},
+        {"series": 'job_run_queue_oldest_seconds{job_name="quote_expiration"}', "values": "120x10"},
+        {"series": 'job_expected_interval_seconds{job_name="quote_expiration"}', "values": "60x10"},
+        # a daily job waiting 10 minutes: under its 15-minute bound
+        {"series": 'job_run_queue_depth{job_name="audit_archive"}', "values": "1x10"},
+        {"series": 'job_run_queue_oldest_seconds{job_name="audit_archive"}', "values": "600x10"},
+        {"series": 'job_expected_interval_seconds{job_name="audit_archive"}', "values": "86400x10"},
+        # nothing queued
+        {"series": 'job_run_queue_depth{job_name="delivery_retry"}', "values": "0x10"},
+        {"series": 'job_run_queue_oldest_seconds{job_name="delivery_retry"}', "values": "0x10"},
+        {"series": 'job_expected_interval_seconds{job_name="delivery_retry"}', "values": "120x10"},
+    ]  # fmt: skip
+    [table] = [p for p in dashboard["panels"] if p["title"] == "Run queue"]
+    depth, oldest, held = (t["expr"] for t in table["targets"])
+
+    def samples(**values: float) -> list[dict[str, Any]]:
+        return [{"labels": f'{{job_name="{j}"}}', "value": v} for j, v in values.items()]
+
+    tests = [
+        {"expr": depth, "eval_time": "5m",
+         "exp_samples": samples(quote_expiration=4, audit_archive=1)},
+        {"expr": oldest, "eval_time": "5m",
+         "exp_samples": samples(quote_expiration=120, audit_archive=600)},
+        {"expr": held, "eval_time": "5m",
+         "exp_samples": samples(quote_expiration=1, audit_archive=0)},
+    ]  # fmt: skip
+    spec = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": inputs, "promql_expr_test": tests}],
+    }
+    path = tmp_path / "dashboard-queue-test.yml"
+    path.write_text(json.dumps(spec, indent=2))
+    result = subprocess.run(
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
