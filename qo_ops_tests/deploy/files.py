@@ -293,6 +293,14 @@ def chart_instance(chart_values: dict[str, Any]) -> dict[str, Any]:
                 "max_concurrent_runs": queued["maxConcurrentRuns"],
                 "tag_concurrency_limits": queued["tagConcurrencyLimits"],
                 "dequeue_interval_seconds": queued["dequeueIntervalSeconds"],
+                **{  # the chart writes each only when set (and true: a false is left out)
+                    key: queued[value]
+                    for key, value in (
+                        ("dequeue_use_threads", "dequeueUseThreads"),
+                        ("dequeue_num_workers", "dequeueNumWorkers"),
+                    )
+                    if queued.get(value)
+                },
             },
         }
     logs = chart_values["pythonLogs"]

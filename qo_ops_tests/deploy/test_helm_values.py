@@ -160,6 +160,12 @@ def test_a_drift_from_dagster_yaml_is_noticed():
     }
     with pytest.raises(AssertionError, match="doubles"):
         chart_instance(doubled)
+    # the daemon launching a tick's runs one after another again, in the chart only
+    serial = copy.deepcopy(values())
+    del serial["dagsterDaemon"]["runCoordinator"]["config"]["queuedRunCoordinator"][
+        "dequeueUseThreads"
+    ]
+    assert instance_differences(local, chart_instance(serial)) == ["run_coordinator"]
 
 
 def test_dagster_accepts_the_charts_instance(tmp_path):
@@ -168,6 +174,7 @@ def test_dagster_accepts_the_charts_instance(tmp_path):
     assert custom_class is None
     assert config["run_retries"]["retry_on_asset_or_op_failure"] is False
     assert config["run_monitoring"]["max_runtime_seconds"] == 14400
+    assert config["run_coordinator"]["config"]["dequeue_use_threads"] is True
 
 
 # ------------------------------------------------------------------------- images and secrets
