@@ -287,12 +287,13 @@ def run_tenants(
         else None
     )
     progress = ChunkProgress(spec.name, len(scopes), context.log)
+    lines = RunnerLines(len(scopes) > 1)
     for n, scope in enumerate(scopes, 1):
         outcome = TenantOutcome(scope)
         outcomes.append(outcome)
         try:
             # (around the call only: Dagster re-attaches its handler when the op resumes)
-            with runner_lines_for_people(len(scopes) > 1):
+            with lines.around_run_job():
                 outcome.summary = run_job(spec, scope, options, engine=engine)
         except QoOpsError as exc:  # bad input for this tenant (e.g. suspended): nothing written
             outcome.refused = exc
@@ -305,7 +306,7 @@ def run_tenants(
             if is_unavailable(exc):
                 context.log.error("database unavailable: the remaining tenants are not run")
                 outcomes.extend(TenantOutcome(s, error="not run") for s in scopes[n:])
-                return
+                break
             progress.tick(n, outcomes)
             continue
         summary = outcome.summary
@@ -326,42 +327,78 @@ def run_tenants(
             yield from check_evaluations(spec, asset_key, summary, scope, context.instance)
         if (summary.status_reason or "").startswith(TERMINATED):  # the process is stopping
             outcomes.extend(TenantOutcome(s, error="not run: terminated") for s in scopes[n:])
-            return
+            break
+    for repeated in lines.summary_lines(len(scopes)):
+        context.log.warning(repeated)
+
+
+# one cause for the whole run (its tick was late): every tenant of a chunk would say it
+ONCE_PER_RUN = ("job.scheduler.drift.detected",)
+
+
+class RunnerLines:
+    """In a run of many tenants, only the runner's warnings and errors are copied into the
+    Dagster event log (``managed_python_loggers``): its routine lines, ~5 a tenant, would
+    bury the op's one line per tenant, and each costs an event-log write (~25 ms here). A
+    warning every tenant of the run gives for the same cause (``ONCE_PER_RUN``: the chunk's
+    tick was late) is copied once per reason (its first tenant's); ``repeated`` counts the
+    tenants that gave it. All still reach the run worker's own log (stdout, the pod's log)
+    as JSON, and each tenant's start and tick are on its job_run row."""
+
+    def __init__(self, many_tenants: bool) -> None:
+        self.many_tenants = many_tenants
+        self.repeated: dict[str, int] = {}  # "event (reason)": tenants that gave it
+
+    def emit(self, target: logging.Handler, record: logging.LogRecord) -> None:
+        """Hand ``record`` to ``target`` unless it repeats a once-per-run warning."""
+        event = getattr(record, "event", None) or {}
+        if event.get("event.name") in ONCE_PER_RUN:
+            key = f"{event['event.name']} ({event.get('reason')})"
+            self.repeated[key] = self.repeated.get(key, 0) + 1
+            if self.repeated[key] > 1:
+                return
+        target.handle(record)
+
+    @contextmanager
+    def around_run_job(self) -> Iterator[None]:
+        """Around one tenant's ``run_job`` only: Dagster re-attaches its handler when the op
+        resumes."""
+        logger = logging.getLogger(EVENT_LOGGER)
+        dagsters = [  # Dagster's handler for the run (dagster._core.log_manager); it ignores
+            h  # added filters, so it is swapped for one that passes it warnings only
+            for h in logger.handlers
+            if self.many_tenants and type(h).__name__ == "DagsterLogHandler"
+        ]
+        forwards = [_WarningsTo(h, self) for h in dagsters]
+        for dagster, forward in zip(dagsters, forwards, strict=True):
+            logger.removeHandler(dagster)
+            logger.addHandler(forward)
+        try:
+            yield
+        finally:
+            for dagster, forward in zip(dagsters, forwards, strict=True):
+                logger.removeHandler(forward)
+                logger.addHandler(dagster)
+
+    def summary_lines(self, tenants: int) -> list[str]:
+        """One line per once-per-run warning (and reason) that more than one tenant gave."""
+        return [
+            f"{key}: {n} of {tenants} tenants (the first one's line above; every tenant's in "
+            "the run worker's log, its tick and start on its job_run row)"
+            for key, n in self.repeated.items()
+            if n > 1
+        ]
 
 
 class _WarningsTo(logging.Handler):
-    """Hands the warnings and errors it receives to another handler."""
+    """Hands the warnings and errors it receives to another handler, through ``lines``."""
 
-    def __init__(self, target: logging.Handler) -> None:
+    def __init__(self, target: logging.Handler, lines: RunnerLines) -> None:
         super().__init__(logging.WARNING)
-        self.target = target
+        self.target, self.lines = target, lines
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.target.handle(record)
-
-
-@contextmanager
-def runner_lines_for_people(many_tenants: bool) -> Iterator[None]:
-    """In a run of many tenants, only the runner's warnings and errors are copied into the
-    Dagster event log (``managed_python_loggers``): its routine lines, ~5 a tenant, would
-    bury the op's one line per tenant, and each costs an event-log write (~25 ms here). They
-    still reach the run worker's own log (stdout, the pod's log) as JSON."""
-    logger = logging.getLogger(EVENT_LOGGER)
-    dagsters = [  # Dagster's handler for the run (dagster._core.log_manager); it ignores
-        h  # added filters, so it is swapped for one that passes it warnings only
-        for h in logger.handlers
-        if many_tenants and type(h).__name__ == "DagsterLogHandler"
-    ]
-    forwards = [_WarningsTo(h) for h in dagsters]
-    for dagster, forward in zip(dagsters, forwards, strict=True):
-        logger.removeHandler(dagster)
-        logger.addHandler(forward)
-    try:
-        yield
-    finally:
-        for dagster, forward in zip(dagsters, forwards, strict=True):
-            logger.removeHandler(forward)
-            logger.addHandler(dagster)
+        self.lines.emit(self.target, record)
 
 
 def tenants_table(outcomes: list[TenantOutcome]) -> dg.TableMetadataValue:

@@ -147,3 +147,41 @@ def test_a_chunk_whose_downstream_breaker_is_open_claims_nothing_for_any_tenant(
     assert after == before
     stats = downstream.client.stats(detail=False)
     assert stats["delivery_requests"] == stats["outage_refused"] == 0
+
+
+def test_a_late_ticks_drift_warning_reaches_the_event_log_once_per_chunk_not_per_tenant(
+    defs, loaded
+):
+    """Every tenant of a chunk whose tick is 10 minutes late logs
+    job.scheduler.drift.detected; the run's Dagster event log (managed_python_loggers, as in
+    dagster.yaml) gets the first one and a line counting them all, not one write per tenant.
+    Each tenant's tick and start stay on its job_run row."""
+    from datetime import UTC, datetime, timedelta
+
+    with loaded.engine.begin() as conn:  # a third tenant: three drift warnings to fold
+        conn.execute(sa.text("INSERT INTO tenant (id, name) VALUES ('tenant-003', 'T3')"))
+    tenants = ["tenant-001", "tenant-002", "tenant-003"]
+    tick = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=600)
+    logs = {
+        "python_logs": {"managed_python_loggers": ["qo_ops.events"], "python_log_level": "INFO"}
+    }
+    with dg.instance_for_test(overrides=logs) as instance:
+        instance.add_dynamic_partitions("tenants", tenants)
+        result = defs.resolve_job_def(JOB).execute_in_process(
+            instance=instance,
+            run_config={"ops": {f"{JOB}_op": {"config": {"mode": "execute", "tenants": tenants}}}},
+            tags={"dagster/schedule_name": f"{JOB}_schedule",
+                  "qo_ops/scheduled_for": tick.isoformat()},
+        )  # fmt: skip
+        assert result.success
+        messages = [e.user_message or "" for e in instance.all_logs(result.run_id)]
+    drift = '"event.name": "job.scheduler.drift.detected"'
+    assert sum(drift in m for m in messages) == 1, messages
+    counted = [m for m in messages if "job.scheduler.drift.detected (start_delayed): 3 of 3" in m]
+    assert len(counted) == 1, messages
+    with loaded.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT scope, scheduled_for FROM job_run WHERE dagster_run_id = :id"),
+            {"id": result.run_id},
+        ).all()
+    assert sorted((r.scope, r.scheduled_for) for r in rows) == [(t, tick) for t in tenants]

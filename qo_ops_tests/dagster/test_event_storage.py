@@ -6,6 +6,7 @@ writes share one connection; a connection the server dropped is replaced before 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 
 import dagster as dg
 import sqlalchemy as sa
@@ -92,3 +93,42 @@ def test_the_instance_and_a_run_workers_instance_share_connections_across_writes
         records = instance.fetch_materializations(ASSET, limit=100).records
         assert len(records) == 21
         assert records[0].asset_materialization.metadata["i"].value == 0
+
+
+def test_an_event_is_stored_with_its_index_rows_and_no_notify(db, tmp_path, monkeypatch):
+    """Each event is one INSERT into event_logs, without dagster-postgres's NOTIFY after it
+    (nothing LISTENs); an asset event still gets its asset_keys row and tags, a check
+    evaluation its asset_check_executions row, a run's events their run's log."""
+    storage_url = db.target.dagster_storage_url()
+    ensure_database(db.url, sa.engine.make_url(storage_url).database)
+    shutil.copy(REPO / "dagster.yaml", tmp_path / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    monkeypatch.setenv("QO_OPS_DAGSTER_STORAGE_URL", storage_url)
+
+    @dg.asset(key=ASSET, check_specs=[dg.AssetCheckSpec("probe", asset=ASSET)])
+    def probe() -> Iterator[object]:
+        yield dg.Output(1, metadata={"tenant": "tenant-001"})
+        yield dg.AssetCheckResult(passed=True)
+
+    with dg.DagsterInstance.get() as instance:
+        storage = instance.event_log_storage
+        assert isinstance(storage, PooledPostgresEventLogStorage)
+        statements: list[str] = []
+        event.listen(
+            storage._engine,
+            "before_cursor_execute",
+            lambda _c, _cur, sql, *_: statements.append(sql),
+        )
+        result = dg.materialize([probe], instance=instance)
+        assert result.success
+        assert not [s for s in statements if "NOTIFY" in s.upper()]
+        assert sum("INSERT INTO event_logs" in s for s in statements) == len(
+            instance.all_logs(result.run_id)
+        )
+        (record,) = instance.fetch_materializations(ASSET, limit=5).records
+        assert record.run_id == result.run_id
+        assert instance.get_latest_materialization_event(ASSET).run_id == result.run_id
+        (check,) = storage.get_asset_check_execution_history(
+            dg.AssetCheckKey(ASSET, "probe"), limit=5
+        )
+        assert check.run_id == result.run_id and check.status.value == "SUCCEEDED"
