@@ -277,6 +277,8 @@ class JobSpec:
             problems.append(
                 "an overlapping external phase needs a selection without positions or checkpoint"
             )
+        if self.batching.claims is not None and self.batching.dry_run_scans:
+            problems.append("batching.claims writes: a dry run that scans would run it")
         if self.recovery.requeue is not None and self.signals.dead_letters is None:
             problems.append("recovery.requeue needs signals.dead_letters, the count of them")
         if problems:

@@ -48,10 +48,12 @@ def take_batch(
 
 
 # Compiles a selection with :name parameters (no casts), which text() binds as its own.
-_NAMED = PGDialect(paramstyle="named")
+_NAMED = PGDialect(paramstyle="named")  # type: ignore[no-untyped-call]
 
 
-def with_selection(statement: str, selection: sa.Select[Any]) -> tuple[sa.TextClause, dict]:
+def with_selection(
+    statement: str, selection: sa.Select[Any]
+) -> tuple[sa.TextClause, dict[str, Any]]:
     """``statement`` with its ``{selection}`` replaced by ``selection``, compiled, and the
     selection's parameters to bind with the statement's own. The selection is the runner's
     own query, so the statement takes exactly the rows a batch of ids would have held."""
