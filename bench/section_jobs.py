@@ -28,6 +28,7 @@ statement), ``jobs_rows`` and ``jobs_files`` (each family's data, limits and ver
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from bench.jobs_common import AUDIT_RETENTION_DAYS, CLEANUP_RETENTION_DAYS, SPAN_DAYS
@@ -127,8 +128,13 @@ def _throughput(
     return row, summary
 
 
+ONLY_ENV = "BENCH_JOBS"  # comma-separated job names: measure only those (for iterating)
+
+
 def run(profile: Profile) -> Section:
     cases = cases_for(profile.rows)
+    if only := {j.strip() for j in os.environ.get(ONLY_ENV, "").split(",") if j.strip()}:
+        cases = [c for c in cases if c.job in only]
     results: dict[str, dict[str, Any]] = {}
     for case in cases:
         print(f"   {case.job} ({case.rows:,} rows)", flush=True)
@@ -151,6 +157,21 @@ def run(profile: Profile) -> Section:
             row.what += ", second limit (the work it must do too)"
             rows.append(row)
 
+    memory: dict[str, list[int]] = {}
+    if "quote_expiration" in results:  # not when BENCH_JOBS leaves it out
+        memory = _memory_row(profile, results, rows)
+    _batch_rows(cases, results, rows)
+    return Section(
+        TITLE,
+        rows,
+        _notes(profile, cases, results, memory),
+        raw={"jobs": results, "peak_rss_kb": memory, "rows": profile.rows},
+    )
+
+
+def _memory_row(
+    profile: Profile, results: dict[str, dict[str, Any]], rows: list[Row]
+) -> dict[str, list[int]]:
     print(f"   peak RSS at {', '.join(f'{m:,}' for m in profile.memory_sizes)}", flush=True)
     quote_runs = results["quote_expiration"]
     reuse = {quote_runs["rows"]: [x["peak_rss_kb"] for x in quote_runs["job"]]}
@@ -169,7 +190,10 @@ def run(profile: Profile) -> Section:
             met=rss_ratio <= GOAL_RSS_RATIO,
         )
     )
+    return memory
 
+
+def _batch_rows(cases: list[Case], results: dict[str, dict[str, Any]], rows: list[Row]) -> None:
     for case in cases:
         jobs = results[case.job]["job"]
         p50 = median([x["batch_ms_p50"] for x in jobs])
@@ -191,13 +215,6 @@ def run(profile: Profile) -> Section:
                 met=p99.mid < GOAL_P99_MS,
             )
         )
-
-    return Section(
-        TITLE,
-        rows,
-        _notes(profile, cases, results, memory),
-        raw={"jobs": results, "peak_rss_kb": memory, "rows": profile.rows},
-    )
 
 
 def _plan_note(job: str, plans: dict[str, list[str]]) -> str:

@@ -64,6 +64,13 @@ ALLOWED: list[tuple[str, str, str]] = [
         "identifiers (a table's name and key columns from the schema); ``where`` is SQL the "
         "tests write over alias t, with their values bound",
     ),
+    (
+        "qo_ops/platform/run/selection",
+        "statement.replace",
+        "the runner's own selection of a batch (JobSpec.eligible, LIMIT, locks), compiled by "
+        "SQLAlchemy with its values bound (:name), into a module-level statement's "
+        "{selection} slot (Batching.claims)",
+    ),
     ("qo_ops/cli", "SELECT count(*) FROM {t.name}", "an identifier: a schema table's name"),
     ("qo_ops/demo/data", "DROP INDEX {name}", "identifiers: the load drops the tables' indexes"),
     ("qo_ops/demo/data", "ddl", "the load re-creates each index from its own pg_get_indexdef"),

@@ -39,7 +39,7 @@ from qo_ops.platform.job.spec import (
     Presentation,
     Signals,
 )
-from qo_ops.platform.run.selection import id_array
+from qo_ops.platform.run.selection import id_array, with_selection
 
 CHECK_NAME = "current_snapshot_for_every_quote"
 
@@ -84,12 +84,10 @@ def parse_cursor_time(cursor: dict[str, Any]) -> datetime:
 
 # One set-based statement per batch recomputes the batch's snapshots for the current price
 # book and upserts only what differs. It reports how many rows changed, whether the tenant has
-# a current price book, and the created_at of the last selected quote (the new cursor).
-# Twice: one snapshot per (quote, price-book version), updated only where it differs, so a
-# second run over the same quotes and book writes nothing.
-RECALCULATE_BATCH = sa.text(
-    """
-    WITH pb AS (
+# a current price book, and where the next batch starts. The two statements below share it:
+# RECALCULATE_BATCH is given the batch as ids, CLAIM_BATCH selects it itself.
+_RECALCULATE_HEAD = """
+    pb AS (
         SELECT version, price_factor FROM price_book WHERE tenant_id = :tenant AND is_current
     ), computed AS (
         SELECT q.id AS quote_id, q.tenant_id, pb.version,
@@ -98,7 +96,9 @@ RECALCULATE_BATCH = sa.text(
           FROM quote q
           CROSS JOIN pb
           LEFT JOIN quote_line l ON l.quote_id = q.id
-         WHERE q.id = ANY(CAST(:ids AS bigint[])) AND q.tenant_id = :tenant
+         WHERE q.tenant_id = :tenant AND q.id"""
+# The rest of the statement the two below share: the upsert and the counts.
+_RECALCULATE_TAIL = """
          GROUP BY q.id, q.tenant_id, pb.version, pb.price_factor
     ), upserted AS (
         INSERT INTO pricing_snapshot AS s (tenant_id, quote_id, price_book_version, total_amount,
@@ -114,10 +114,30 @@ RECALCULATE_BATCH = sa.text(
         RETURNING 1
     )
     SELECT (SELECT count(*) FROM upserted) AS changed,
-           EXISTS (SELECT 1 FROM pb) AS has_price_book,
+           EXISTS (SELECT 1 FROM pb) AS has_price_book,"""
+
+# The batch given as ids; the new cursor is the last id's created_at.
+# Twice: one snapshot per (quote, price-book version), updated only where it differs, so a
+# second run over the same quotes and book writes nothing.
+RECALCULATE_BATCH = sa.text(
+    f"""
+    WITH {_RECALCULATE_HEAD} = ANY(CAST(:ids AS bigint[])) {_RECALCULATE_TAIL}
            (SELECT created_at FROM quote WHERE id = :last AND tenant_id = :tenant) AS last_created_at
     """
 )
+
+# The batch selected in the statement itself (Batching.claims): the runner's selection, each
+# quote's created_at beside its id, goes in ``{selection}`` (selection.with_selection). How
+# many it holds is the batch's size, and its last quote by (created_at, id) the new cursor.
+# Twice: one snapshot per (quote, price-book version), updated only where it differs, so a
+# second run over the same quotes and book writes nothing.
+CLAIM_BATCH = f"""
+    WITH batch AS ({{selection}}),
+    {_RECALCULATE_HEAD} IN (SELECT id FROM batch) {_RECALCULATE_TAIL}
+           (SELECT count(*) FROM batch) AS selected,
+           (SELECT created_at FROM batch ORDER BY created_at DESC, id DESC LIMIT 1) AS last_created_at,
+           (SELECT id FROM batch ORDER BY created_at DESC, id DESC LIMIT 1) AS last_id
+    """
 
 
 def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
@@ -131,6 +151,24 @@ def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -
             "last": int(ids[-1]),
         },
     ).one()
+    return _outcome(ctx, row, len(ids), int(ids[-1]))
+
+
+def claim_batch(conn: Connection, ctx: BatchContext, selection: sa.Select[Any]) -> BatchOutcome:
+    """Select the next quotes (the runner's ``selection``) and upsert their snapshots for the
+    current price book, in one statement. Nothing selected: nothing written, processed 0."""
+    statement, params = with_selection(CLAIM_BATCH, selection.add_columns(quote.c.created_at))
+    params |= {"tenant": ctx.scope.tenant_id, "run": ctx.job_run_id}
+    row = conn.execute(statement, params).one()
+    if not row.selected:
+        return BatchOutcome()
+    outcome = _outcome(ctx, row, int(row.selected), int(row.last_id))
+    outcome.processed = int(row.selected)
+    return outcome
+
+
+def _outcome(ctx: BatchContext, row: Any, selected: int, last_id: int) -> BatchOutcome:
+    """A recalculated batch's outcome, its cursor at the last quote selected (``last_id``)."""
     if not row.has_price_book:
         # Raising rolls the batch back and fails the run. The checkpoint stays where it was.
         raise NoCurrentPriceBook(f"tenant {ctx.scope.tenant_id} has no current price book")
@@ -139,8 +177,8 @@ def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -
     changed = int(row.changed)
     return BatchOutcome(
         succeeded=changed,
-        skipped=len(ids) - changed,
-        cursor={"created_at": row.last_created_at.isoformat(), "id": int(ids[-1])},
+        skipped=selected - changed,
+        cursor={"created_at": row.last_created_at.isoformat(), "id": last_id},
     )
 
 
@@ -214,6 +252,7 @@ SPEC = JobSpec(
     batching=Batching(
         locks=None,  # one run per scope holds the lease (see the docstring)
         checkpoint=Checkpointing(rescan_when_complete=False),  # a window gone through stays done
+        claims=claim_batch,  # the batch selected and written in one statement
     ),
     presentation=Presentation(
         outcome_asset="pricing_snapshots",

@@ -33,7 +33,7 @@ from qo_ops.platform.job.spec import (
     Presentation,
     SkipLocked,
 )
-from qo_ops.platform.run.selection import after_position, id_array
+from qo_ops.platform.run.selection import after_position, id_array, with_selection
 
 # Drift by kind: the row is missing, or a column derived from the order differs.
 _DRIFT_KINDS: dict[str, sa.ColumnElement[bool]] = {
@@ -83,19 +83,15 @@ def _orders_of_window(query: sa.Select[Any], ctx: BatchContext) -> sa.Select[Any
     )
 
 
-# Recompute the rows from the source. It also returns the last selected order's
-# submitted_at, where the next batch's selection starts.
-# Twice: the WHERE on the update leaves rows that are already right untouched, so a second
-# run writes nothing.
-REPAIR_READ_MODEL_BATCH = sa.text(
-    """
-    WITH repaired AS (
+# Recompute the rows from the source. The two statements below share the upsert: its
+# columns here, its rows (``o``, an order, beside ``q``, its quote) each statement's own.
+_REPAIR_INTO = """
         INSERT INTO order_read_model AS r (order_id, tenant_id, order_number, quote_number, status,
                                            total_amount, line_count, source_version, refreshed_at)
         SELECT o.id, o.tenant_id, o.order_number, q.quote_number, o.status, o.total_amount,
-               o.line_count, o.version, clock_timestamp()
-          FROM customer_order o LEFT JOIN quote q ON q.id = o.quote_id
-         WHERE o.id = ANY(CAST(:ids AS bigint[])) AND o.tenant_id = :tenant
+               o.line_count, o.version, clock_timestamp()"""
+# The rest of the upsert the two statements below share: only rows that differ are written.
+_REPAIR_ON_CONFLICT = """
         ON CONFLICT (order_id) DO UPDATE
            SET order_number = EXCLUDED.order_number, quote_number = EXCLUDED.quote_number,
                status = EXCLUDED.status, total_amount = EXCLUDED.total_amount,
@@ -104,12 +100,42 @@ REPAIR_READ_MODEL_BATCH = sa.text(
          WHERE (r.order_number, r.quote_number, r.status, r.total_amount, r.line_count, r.source_version)
                IS DISTINCT FROM (EXCLUDED.order_number, EXCLUDED.quote_number, EXCLUDED.status,
                                  EXCLUDED.total_amount, EXCLUDED.line_count, EXCLUDED.source_version)
-        RETURNING 1
+        RETURNING 1"""
+
+# The batch given as ids. It also returns the last order's submitted_at, where the next
+# batch's selection starts.
+# Twice: the WHERE on the update leaves rows that are already right untouched, so a second
+# run writes nothing.
+REPAIR_READ_MODEL_BATCH = sa.text(
+    f"""
+    WITH repaired AS ({_REPAIR_INTO}
+          FROM customer_order o LEFT JOIN quote q ON q.id = o.quote_id
+         WHERE o.id = ANY(CAST(:ids AS bigint[])) AND o.tenant_id = :tenant {_REPAIR_ON_CONFLICT}
     )
     SELECT (SELECT count(*) FROM repaired) AS repaired,
            (SELECT submitted_at FROM customer_order WHERE id = :last_id) AS last_submitted_at
     """
 )
+
+# The batch selected in the statement itself (Batching.claims): the runner's selection, which
+# locks the orders, with the columns the upsert reads, goes in ``{selection}``
+# (selection.with_selection); the orders are not looked up again. How many it holds is the
+# batch's size, and its last order by (submitted_at, id) where the next batch starts.
+# Twice: the WHERE on the update leaves rows that are already right untouched, so a second
+# run writes nothing.
+CLAIM_BATCH = f"""
+    WITH batch AS ({{selection}}), repaired AS ({_REPAIR_INTO}
+          FROM batch o LEFT JOIN quote q ON q.id = o.quote_id {_REPAIR_ON_CONFLICT}
+    )
+    SELECT (SELECT count(*) FROM repaired) AS repaired,
+           (SELECT count(*) FROM batch) AS selected,
+           (SELECT submitted_at FROM batch ORDER BY submitted_at DESC, id DESC LIMIT 1)
+               AS last_submitted_at,
+           (SELECT id FROM batch ORDER BY submitted_at DESC, id DESC LIMIT 1) AS last_id
+    """
+# What the upsert reads of each order, beside the id the selection returns.
+_ORDER_COLUMNS = ("tenant_id", "order_number", "status", "total_amount", "line_count", "version",
+                  "quote_id", "submitted_at")  # fmt: skip
 
 
 def repair_read_model_batch(
@@ -124,6 +150,22 @@ def repair_read_model_batch(
         succeeded=row.repaired,
         skipped=len(ids) - row.repaired,
         position={"submitted_at": row.last_submitted_at, "id": ids[-1]},
+    )
+
+
+def claim_batch(conn: Connection, ctx: BatchContext, selection: sa.Select[Any]) -> BatchOutcome:
+    """Select (and lock) the next drifted orders, the runner's ``selection``, and recompute
+    their read-model rows, in one statement. Nothing selected: nothing written, processed 0."""
+    columns = [customer_order.c[name] for name in _ORDER_COLUMNS]
+    statement, params = with_selection(CLAIM_BATCH, selection.add_columns(*columns))
+    row = conn.execute(statement, params).one()
+    if not row.selected:
+        return BatchOutcome()
+    return BatchOutcome(
+        processed=int(row.selected),
+        succeeded=row.repaired,
+        skipped=int(row.selected) - row.repaired,
+        position={"submitted_at": row.last_submitted_at, "id": int(row.last_id)},
     )
 
 
@@ -175,6 +217,7 @@ SPEC = JobSpec(
         locks=SkipLocked(of=customer_order),
         # The last pass's LIMIT plan walks every order of the window, so count first.
         positions=Positions(count_before_last_pass=True),
+        claims=claim_batch,  # the batch selected, locked and written in one statement
     ),
     presentation=Presentation(
         outcome_asset="order_read_model",

@@ -461,6 +461,36 @@ CLI_RUN = [
 ]
 
 
+def test_cli_killed_after_its_one_statement_selected_and_wrote_leaves_nothing(loaded):
+    """The batch is selected and written by one statement (``Batching.claims``), and the
+    runner's ``after_batch_select`` follows it: killed there, the statement's writes roll
+    back with the transaction, so no snapshot, no checkpoint and no count is left, and the
+    rerun does the whole window."""
+    db, n, todo = loaded
+    assert SPEC.batching.claims is not None
+    env = base_env(QO_OPS_DATABASE_URL=db.env_url)
+    killed = run_cli([*CLI_RUN, "--batch-size", "100"], {**env, CRASH_ENV: "after_batch_select"})
+    assert killed.code == -signal.SIGKILL, (killed.code, killed.stderr[-800:])
+
+    run_id = scalar(db.engine, "SELECT id FROM job_run WHERE job_name = :j", j=JOB)
+    processed = scalar(db.engine, "SELECT processed_count FROM job_run WHERE id = :id", id=run_id)
+    assert (processed, checkpoint(db.engine), not_current(db.engine)) == (0, None, todo)
+
+    wait_for(
+        lambda: _lease_expired_and_run_stale(db.engine, run_id, 2.0),
+        what="the killed run's lease to expire",
+    )
+    rerun = run_cli([*CLI_RUN, "--json"], env)
+    assert rerun.code == 0, rerun.stderr[-800:]
+    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert (summary["status"], summary["processed_count"], summary["succeeded_count"]) == (
+        "success",
+        n,
+        todo,
+    )
+    assert not_current(db.engine) == 0
+
+
 def test_cli_killed_after_a_commit_resumes_after_that_batch(loaded):
     """Needs the job in the catalog (the CLI only runs catalog jobs)."""
     db, n, todo = loaded

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 
+import pytest
 import sqlalchemy as sa
 
 from qo_ops.db.digest import database_digest
@@ -130,10 +131,13 @@ def test_a_run_stopped_midway_resumes_and_its_check_sees_what_is_left(db):
     assert _drift(db.engine, "tenant-001") == 0 and all(c.passed for c in rest.checks)
 
 
-def test_a_row_held_during_its_batch_is_repaired_by_the_last_pass(db):
+@pytest.mark.parametrize("shape", ["one statement", "ids"])
+def test_a_row_held_during_its_batch_is_repaired_by_the_last_pass(db, shape):
     """A drifted order another transaction holds is skipped by its batch and falls behind
     the position; once it is free, the run's last pass from the start repairs it (the pass
-    is taken because the selection, counted from the start, still matches it)."""
+    is taken because the selection, counted from the start, still matches it). Both batch
+    shapes: the job's one statement that selects and writes (``Batching.claims``, what runs)
+    and the runner's selection handing ids to ``transition``."""
     load_demo_data(db.engine, tenants=1, quotes=1000, seed=4, as_of=AS_OF)
     drifted = _drift(db.engine, "tenant-001")
     assert drifted > 10
@@ -144,14 +148,29 @@ def test_a_row_held_during_its_batch_is_repaired_by_the_last_pass(db):
             SPEC.eligible(ctx).limit(1).with_for_update(of=SPEC.batching.locks.of)
         ).scalar_one()
 
-        def repair_then_free_the_held_row(conn, batch_ctx, ids):
-            outcome = SPEC.transition(conn, batch_ctx, ids)
+        def free_the_held_row(outcome):
             if held.is_active:
                 held.commit()
             return outcome
 
+        claims = SPEC.batching.claims
+        assert claims is not None
+        spec = (
+            replace(
+                SPEC,
+                batching=replace(
+                    SPEC.batching, claims=lambda c, bc, sel: free_the_held_row(claims(c, bc, sel))
+                ),
+            )
+            if shape == "one statement"
+            else replace(
+                SPEC,
+                transition=lambda c, bc, ids: free_the_held_row(SPEC.transition(c, bc, ids)),
+                batching=replace(SPEC.batching, claims=None),
+            )
+        )
         run = run_job(
-            replace(SPEC, transition=repair_then_free_the_held_row),
+            spec,
             WINDOW,
             RunOptions(mode="execute", reason="test", approval=APPROVAL, batch_size=3),
             engine=db.engine,

@@ -18,7 +18,7 @@ from typing import Self
 class Counts:
     """How many items were processed, and how they ended."""
 
-    processed: int = 0  # items selected (the runner counts them, not the job)
+    processed: int = 0  # items selected (the runner counts them, or a Batching.claims statement)
     succeeded: int = 0  # changed as the job means to (presentation.change says how)
     failed: int = 0
     skipped: int = 0  # left as they were (already right, or not this run's to change)

@@ -112,7 +112,8 @@ class BatchOutcome(Counts):
     """What one transition did, and what the runner does next.
 
     Its :class:`Counts` add up into the run record. A job sets ``succeeded``, ``failed`` and
-    so on, and the runner sets ``processed`` to the items it selected."""
+    so on, and the runner sets ``processed`` to the items it selected (a job whose statement
+    selects its batch itself, ``Batching.claims``, sets it to the rows that statement selected)."""
 
     events_written: int = 0
     cursor: dict[str, Any] | None = None  # the checkpoint after this batch, for cursor jobs

@@ -29,6 +29,8 @@ from qo_ops.platform.job.statuses import RunStatus, fresh_statuses
 Partitioning = Literal["tenant", "tenant_day"]
 Transition = Callable[[Connection, BatchContext, Sequence[Any]], BatchOutcome]
 Record = Callable[[Connection, BatchContext, list[Any]], BatchOutcome]
+# One statement that selects a batch and writes it, given the batch's selection (Batching.claims)
+Claim = Callable[[Connection, BatchContext, sa.Select[Any]], BatchOutcome]
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,13 @@ class Batching:
     # A dry run that must look (for example, ask the downstream) runs the batches too. The
     # job's functions write nothing when ``ctx.mode == "dry_run"``, and no checkpoint is saved.
     dry_run_scans: bool = False
+    # One statement selects the batch and writes it, so its ids make no round trip through
+    # the runner and its rows are not looked up again. The job's function gets the batch's
+    # selection (``eligible`` with the batch's LIMIT and locks) to run inside its statement.
+    # It writes only what that selection returns, and sets ``processed`` to how many rows it
+    # returned (0: nothing selected, nothing written). ``transition`` stays the same work
+    # over given ids. The runner's crash point ``after_batch_select`` follows the statement.
+    claims: Claim | None = None
 
 
 # ------------------------------------------------------------------ the Dagster UI: Presentation
@@ -268,6 +277,8 @@ class JobSpec:
             problems.append(
                 "an overlapping external phase needs a selection without positions or checkpoint"
             )
+        if self.batching.claims is not None and self.batching.dry_run_scans:
+            problems.append("batching.claims writes: a dry run that scans would run it")
         if self.recovery.requeue is not None and self.signals.dead_letters is None:
             problems.append("recovery.requeue needs signals.dead_letters, the count of them")
         if problems:

@@ -54,7 +54,7 @@ from qo_ops.platform.run.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.run.liveness import Liveness
 from qo_ops.platform.run.overlap import overlapped_batches
 from qo_ops.platform.run.report import add_report
-from qo_ops.platform.run.selection import count_eligible, select_batch
+from qo_ops.platform.run.selection import count_eligible, select_batch, take_batch
 from qo_ops.platform.run.stopping import TERMINATED, StopSignals, Terminated, stop_grace_s
 from qo_ops.platform.schedule.drift import drift_reason, drift_s, drift_warn_s
 
@@ -193,7 +193,8 @@ class JobRun:
         """Everything between the run record's creation and its end. That is the start
         events, the orphans, the work (dry run or batches), then the outcome checks."""
         self._announce()
-        self._reap_orphans()
+        with self.stop.deferred():
+            self._reap()  # orphans
         if self.options.mode == "dry_run" and not self.spec.batching.dry_run_scans:
             self._dry_run()
         else:
@@ -226,10 +227,6 @@ class JobRun:
                 reason=reason,
                 **{"scheduler.drift_s": round(late, 3), "scheduler.drift_warn_s": drift_warn_s()},
             )
-
-    def _reap_orphans(self) -> None:
-        with self.stop.deferred():
-            self._reap()
 
     def _reap(self) -> None:
         """Finish the records of runs whose process is gone (any job). Also finish those of
@@ -450,7 +447,7 @@ class JobRun:
             if must_stop:  # at a batch boundary, so the batches before it are all committed
                 self.summary.status, self.summary.status_reason = RunStatus.CANCELLED, must_stop
                 return _Step.DONE
-            items = select_batch(conn, self.spec, self.ctx, min(self.limits.batch_size, room))
+            items = take_batch(conn, self.spec, self.ctx, min(self.limits.batch_size, room))
             if not items and self.ctx.position is not None:
                 self.ctx.position = None
                 if self._anything_left(conn):
@@ -459,8 +456,11 @@ class JobRun:
                 self._rescan_next_time(conn)
                 return _Step.DONE
             crash_point("after_batch_select")
-            outcome = self.spec.transition(conn, self.ctx, items)
-            outcome.processed = len(items)
+            if isinstance(items, BatchOutcome):  # one statement selected and wrote it
+                outcome = items
+            else:
+                outcome = self.spec.transition(conn, self.ctx, items)
+                outcome.processed = len(items)
             crash_point("before_commit")
             if self.spec.then is None or outcome.ends_at_claim:
                 self._commit_effects(conn, outcome)

@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql.base import PGDialect
 from sqlalchemy.engine import Connection
 
-from qo_ops.platform.job.outcome import BatchContext
+from qo_ops.platform.job.outcome import BatchContext, BatchOutcome
 from qo_ops.platform.job.spec import JobSpec
 
 
@@ -19,13 +20,45 @@ def count_eligible(conn: Connection, spec: JobSpec, ctx: BatchContext) -> int:
     return int(conn.execute(sa.select(sa.func.count()).select_from(selection)).scalar() or 0)
 
 
-def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int) -> list[Any]:
-    """The next ``limit`` items, locked for this transaction. Items others hold are skipped."""
+def batch_query(spec: JobSpec, ctx: BatchContext, limit: int) -> sa.Select[Any]:
+    """The selection of the next ``limit`` items, locking them for the transaction (items
+    others hold are skipped) when the job takes row locks."""
     query = spec.eligible(ctx).limit(limit)
     locks = spec.batching.locks
     if locks is not None:
         query = query.with_for_update(skip_locked=True, of=locks.of)
-    return list(conn.execute(query).scalars().all())
+    return query
+
+
+def select_batch(conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int) -> list[Any]:
+    """The next ``limit`` items, locked for this transaction. Items others hold are skipped."""
+    return list(conn.execute(batch_query(spec, ctx, limit)).scalars().all())
+
+
+def take_batch(
+    conn: Connection, spec: JobSpec, ctx: BatchContext, limit: int
+) -> list[Any] | BatchOutcome:
+    """The next batch: its items, or, for a job whose one statement selects and writes
+    (``Batching.claims``), that statement's outcome. An empty list when nothing is left."""
+    claims = spec.batching.claims
+    if claims is None:
+        return select_batch(conn, spec, ctx, limit)
+    outcome = claims(conn, ctx, batch_query(spec, ctx, limit))
+    return outcome if outcome.processed else []
+
+
+# Compiles a selection with :name parameters (no casts), which text() binds as its own.
+_NAMED = PGDialect(paramstyle="named")  # type: ignore[no-untyped-call]
+
+
+def with_selection(
+    statement: str, selection: sa.Select[Any]
+) -> tuple[sa.TextClause, dict[str, Any]]:
+    """``statement`` with its ``{selection}`` replaced by ``selection``, compiled, and the
+    selection's parameters to bind with the statement's own. The selection is the runner's
+    own query, so the statement takes exactly the rows a batch of ids would have held."""
+    compiled = selection.compile(dialect=_NAMED, compile_kwargs={"render_postcompile": True})
+    return sa.text(statement.replace("{selection}", str(compiled))), dict(compiled.params)
 
 
 def id_array(ids: Sequence[Any]) -> str:
