@@ -425,6 +425,17 @@ def test_the_dagster_test_data_has_a_day_with_work_that_executes_cleanly(db):
 # ------------------------------------------------------------------------------ CLI (catalog)
 
 
+def _rerun_once_the_kill_lapsed(db: Any, run_id: Any, env: dict[str, str]) -> dict[str, Any]:
+    """Wait for the killed run's lease to expire, rerun by the CLI, its JSON summary."""
+    wait_for(
+        lambda: _lease_expired_and_run_stale(db.engine, run_id, 2.0),
+        what="the killed run's lease to expire",
+    )
+    rerun = run_cli([*CLI_RUN, "--json"], env)
+    assert rerun.code == 0, rerun.stderr[-800:]
+    return dict(json.loads(rerun.stdout.strip().splitlines()[-1]))
+
+
 def _lease_expired_and_run_stale(engine: sa.Engine, run_id: object, grace_s: float) -> bool:
     return bool(
         scalar(
@@ -476,13 +487,7 @@ def test_cli_killed_after_its_one_statement_selected_and_wrote_leaves_nothing(lo
     processed = scalar(db.engine, "SELECT processed_count FROM job_run WHERE id = :id", id=run_id)
     assert (processed, checkpoint(db.engine), not_current(db.engine)) == (0, None, todo)
 
-    wait_for(
-        lambda: _lease_expired_and_run_stale(db.engine, run_id, 2.0),
-        what="the killed run's lease to expire",
-    )
-    rerun = run_cli([*CLI_RUN, "--json"], env)
-    assert rerun.code == 0, rerun.stderr[-800:]
-    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    summary = _rerun_once_the_kill_lapsed(db, run_id, env)
     assert (summary["status"], summary["processed_count"], summary["succeeded_count"]) == (
         "success",
         n,
@@ -509,13 +514,7 @@ def test_cli_killed_after_a_commit_resumes_after_that_batch(loaded):
     created, qid = nth_quote_key(db.engine, 100)
     assert checkpoint(db.engine) == {"created_at": created.isoformat(), "id": qid}
 
-    wait_for(
-        lambda: _lease_expired_and_run_stale(db.engine, run_id, 2.0),
-        what="the killed run's lease to expire",
-    )
-    rerun = run_cli([*CLI_RUN, "--json"], env)
-    assert rerun.code == 0, rerun.stderr[-800:]
-    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    summary = _rerun_once_the_kill_lapsed(db, run_id, env)
     assert summary["status"] == "success"
     assert summary["eligible_count"] == summary["processed_count"] == n - 100
     assert summary["checks"][0]["passed"]

@@ -374,15 +374,24 @@ def test_promtool_evaluates_the_headline_stats(dashboard: dict[str, Any], tmp_pa
             ],
         },
     ]
-    spec = {
+    spec = _expression_tests(inputs, tests, interval="30s")
+    _promtool_passes(promtool, spec, tmp_path / "dashboard-test.yml")
+
+
+def _expression_tests(inputs: list[Any], tests: list[Any], interval: str) -> dict[str, Any]:
+    """A promtool test file of expression tests over ``inputs`` (no rules)."""
+    return {
         "rule_files": [],
         "evaluation_interval": "1m",
-        "tests": [{"interval": "30s", "input_series": inputs, "promql_expr_test": tests}],
+        "tests": [{"interval": interval, "input_series": inputs, "promql_expr_test": tests}],
     }
-    path = tmp_path / "dashboard-test.yml"
+
+
+def _promtool_passes(promtool: str, spec: dict[str, Any], path: Path, timeout: int = 60) -> None:
+    """``promtool test rules`` on ``spec``, written to ``path``: every expectation holds."""
     path.write_text(json.dumps(spec, indent=2))
     result = subprocess.run(
-        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -437,17 +446,8 @@ def test_promtool_evaluates_the_downstream_panels(
             ],
         },
     ]
-    spec = {
-        "rule_files": [],
-        "evaluation_interval": "1m",
-        "tests": [{"interval": "30s", "input_series": inputs, "promql_expr_test": tests}],
-    }
-    path = tmp_path / "dashboard-downstream-test.yml"
-    path.write_text(json.dumps(spec, indent=2))
-    result = subprocess.run(
-        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    spec = _expression_tests(inputs, tests, interval="30s")
+    _promtool_passes(promtool, spec, tmp_path / "dashboard-downstream-test.yml")
 
 
 def test_promtool_evaluates_the_drift_and_reconciliation_panels(
@@ -512,12 +512,7 @@ def test_promtool_evaluates_the_drift_and_reconciliation_panels(
             },
         ],
     }
-    path = tmp_path / "dashboard-issue21-test.yml"
-    path.write_text(json.dumps(spec, indent=2))
-    result = subprocess.run(
-        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    _promtool_passes(promtool, spec, tmp_path / "dashboard-issue21-test.yml", timeout=120)
 
 
 def test_promtool_evaluates_the_run_queue_panel(dashboard: dict[str, Any], tmp_path: Path) -> None:
@@ -553,14 +548,5 @@ def test_promtool_evaluates_the_run_queue_panel(dashboard: dict[str, Any], tmp_p
         {"expr": held, "eval_time": "5m",
          "exp_samples": samples(quote_expiration=1, audit_archive=0)},
     ]  # fmt: skip
-    spec = {
-        "rule_files": [],
-        "evaluation_interval": "1m",
-        "tests": [{"interval": "1m", "input_series": inputs, "promql_expr_test": tests}],
-    }
-    path = tmp_path / "dashboard-queue-test.yml"
-    path.write_text(json.dumps(spec, indent=2))
-    result = subprocess.run(
-        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    spec = _expression_tests(inputs, tests, interval="1m")
+    _promtool_passes(promtool, spec, tmp_path / "dashboard-queue-test.yml")
