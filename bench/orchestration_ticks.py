@@ -316,9 +316,11 @@ def daemon_tick(d: Deployment, names: list[str]) -> list[dict[str, Any]]:
             if name in ticks:
                 continue
             found = d.instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=1)
+            # A later cron time than ``due`` is the same daemon tick when the minute it ran in
+            # crossed the schedule's next cron time (Dagster then evaluates only the latest).
             if (
                 found
-                and found[0].timestamp == due[name].timestamp()
+                and found[0].timestamp >= due[name].timestamp()
                 and found[0].status
                 in (
                     TickStatus.SUCCESS,
@@ -327,7 +329,8 @@ def daemon_tick(d: Deployment, names: list[str]) -> list[dict[str, Any]]:
                 )
             ):
                 ticks[name] = found[0]
-            elif not found or found[0].timestamp != due[name].timestamp():
+                due[name] = datetime.fromtimestamp(found[0].timestamp, UTC)
+            elif not found or found[0].timestamp < due[name].timestamp():
                 reassert(name)
         return len(ticks) == len(names)
 
