@@ -27,7 +27,8 @@ It passes only if
   Prometheus's first good scrape of the exporter) is explained by what the soak did or by
   what the database shows its runs met (see ``judge``): misses as previous_run_queued or
   queued only for a job whose runs the samples saw waiting in the queue, scheduler drift
-  only for a job whose runs started over 60 s after their tick (p90, measured here), retry
+  only for a job whose tenant runs started over 60 s after their tick (p90 of
+  ``job_run.started_at - scheduled_for``, as the exporter counts it), retry
   pressure or item failures only for a job whose runs retried or failed items (the demo's
   poison items and faults), the downstream's alerts only once it was stopped. ``daemon_down``
   misses, ``QoOpsExporterDown`` and an alert nothing explains are wrong.
