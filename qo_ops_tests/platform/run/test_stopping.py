@@ -97,6 +97,11 @@ def assert_nothing_left_behind(engine: sa.Engine, job: str = "quote_expiration")
     )
 
 
+def held_at(tmp_path: Path, point: str, what: str) -> None:
+    """Wait for the run started in ``tmp_path`` to say it holds at ``point`` (its stderr)."""
+    wait_for(lambda: f"holding at {point}" in (tmp_path / "stderr").read_text(), what=what)
+
+
 def stopped(proc: subprocess.Popen, sig: int, tmp_path: Path) -> int:
     proc.send_signal(sig)
     try:
@@ -119,10 +124,7 @@ def test_a_signal_before_the_batches_ends_the_run_cancelled_and_frees_the_lease(
     proc = start(run_args(), cli_env(db, **{HOLD_ENV: "after_lease_acquire"}), tmp_path)
     # The hold's line, not the lease row: the row is committed while the run is still inside
     # the acquire's deferred section, and a signal there waits for the batches' first check.
-    wait_for(
-        lambda: "holding at after_lease_acquire" in (tmp_path / "stderr").read_text(),
-        what="the run to hold after taking its lease",
-    )
+    held_at(tmp_path, "after_lease_acquire", "the run to hold after taking its lease")
     assert lease_held(db.engine)
     assert stopped(proc, sig, tmp_path) == EXIT_CANCELLED
     row = the_run(db.engine)
@@ -202,10 +204,7 @@ def test_a_signal_the_instant_the_lease_is_taken_still_frees_it(quotes, tmp_path
     again (as before), the run ended cancelled and its lease stayed held for its TTL."""
     db, eligible = quotes
     proc = start(run_args(), cli_env(db, **{HOLD_ENV: "lease_taken"}), tmp_path)
-    wait_for(
-        lambda: "holding at lease_taken" in (tmp_path / "stderr").read_text(),
-        what="the run to take its lease",
-    )
+    held_at(tmp_path, "lease_taken", "the run to take its lease")
     assert lease_held(db.engine)
     assert stopped(proc, sig, tmp_path) == EXIT_CANCELLED
     row = the_run(db.engine)
@@ -217,10 +216,8 @@ def test_a_signal_the_instant_the_lease_is_taken_still_frees_it(quotes, tmp_path
 def test_sigterm_in_the_outcome_check_phase_keeps_the_work_and_ends_the_record(quotes, tmp_path):
     db, eligible = quotes
     proc = start(run_args(), cli_env(db, **{HOLD_ENV: "before_finalize"}), tmp_path)
-    wait_for(  # the run says it reached the phase (its lease is given back before it)
-        lambda: "holding at before_finalize" in (tmp_path / "stderr").read_text(),
-        what="the run to reach its outcome checks",
-    )
+    # the run says it reached the phase (its lease is given back before it)
+    held_at(tmp_path, "before_finalize", "the run to reach its outcome checks")
     assert overdue(db.engine) == 0 and not lease_held(db.engine)  # the batches are done
     assert stopped(proc, signal.SIGTERM, tmp_path) == 0  # the work itself succeeded
     row = the_run(db.engine)
