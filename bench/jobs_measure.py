@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -223,9 +224,23 @@ def _check(case: Case, url: URL, n: int, w: Window | None, home: Path, label: st
     return found
 
 
+PROFILE_ENV = "BENCH_JOBS_PROFILE"  # a directory: each job run under cProfile, its stats there
+
+
+def _profiled(job: str) -> list[str]:
+    """The CLI's command, under cProfile when BENCH_JOBS_PROFILE names a directory (one
+    ``<job>-<n>.prof`` per run; the figures of such a run measure the profiler too)."""
+    out = os.environ.get(PROFILE_ENV)
+    if not out:
+        return [QO_OPS]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    n = len(list(Path(out).glob(f"{job}-*.prof")))
+    return [sys.executable, "-m", "cProfile", "-o", str(Path(out) / f"{job}-{n}.prof"), QO_OPS]
+
+
 def run_job_cli(case: Case, url: URL, n: int, w: Window | None, home: Path) -> dict[str, Any]:
     """The real CLI in its own process, default batch size; verified afterwards."""
-    cmd = [QO_OPS, "run", case.job, "--tenant", TENANT, *(w.cli() if w else [])]
+    cmd = [*_profiled(case.job), "run", case.job, "--tenant", TENANT, *(w.cli() if w else [])]
     cmd += ["--mode", "execute", "--reason", "bench: jobs vs the limit", "--json"]
     if get_spec(case.job).destructive:  # its execute cites an approval, as on every path
         engine = sa.create_engine(url, poolclass=sa.pool.NullPool)

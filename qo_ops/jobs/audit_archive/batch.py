@@ -56,7 +56,6 @@ class FileResult:
     chunk: Chunk
     ok: bool
     reason: str | None = None
-    ids: list[int] = field(default_factory=list)  # the file's ids, in order
     digests: tuple[str, str] | None = None  # table_digests() of the file's rows
     orphans_removed: int = 0
 

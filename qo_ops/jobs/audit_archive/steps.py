@@ -336,7 +336,7 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
         problems.append("rows outside the manifest window")
     if problems:
         return FileResult(chunk, False, "; ".join(problems))
-    return FileResult(chunk, True, ids=ids.to_pylist(), digests=table_digests(table))
+    return FileResult(chunk, True, digests=table_digests(table))
 
 
 def write_and_verify(ctx: BatchContext, work_items: list[Work]) -> list[FileResult]:
