@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -344,6 +345,10 @@ def run(profile: Profile) -> Section:
     """The soak ``profile.repeats`` times in a row on the machine as it is (quiet for a
     measurement), then, except at the quick profile, once more under load: one busy process
     per core beside the deployment for the whole run."""
+    if shutil.which("prometheus") is None:  # before anything is built, in one line
+        raise SystemExit(
+            "soak: no prometheus on PATH (Debian's package prometheus, which .ci/run installs)"
+        )
     quiet = []
     for k in range(profile.repeats):
         print(f"   soak run {k + 1} of {profile.repeats}", flush=True)

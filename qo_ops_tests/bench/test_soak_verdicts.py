@@ -1,11 +1,14 @@
 """The soak's verdicts (bench/section_soak.py) fail on what they must: a queue above the
 coalescing bound, a scope with two runs at once, and an alert nothing explains (daemon_down
 with a healthy daemon, the exporter down, the breaker before any outage). The smoke test
-runs the soak itself on a real deployment; here its judgement alone, on planted figures."""
+runs the soak itself on a real deployment; here its judgement alone, on planted figures, and
+its one-line refusal on a machine without Prometheus."""
 
 from __future__ import annotations
 
-from bench.section_soak import Facts, Timeline, combined, figures, judge
+import pytest
+
+from bench.section_soak import Facts, Timeline, combined, figures, judge, run
 from bench.suite import PROFILES
 
 QUICK = PROFILES["quick"]  # 3 tenants, 1 a run: a bound of 11 jobs x 3 chunks = 33
@@ -168,3 +171,13 @@ def test_the_runs_combine_into_median_and_range_and_one_wrong_alert_fails_them_a
     [alerts] = [r for r in planted.rows if r.what.startswith("Alerts")]
     assert alerts.met is False and "wrong per run: 0, 1, 0" in alerts.figure
     assert any(n.startswith("Run 2.") and "WRONG" in n for n in planted.notes)
+
+
+def test_without_prometheus_the_soak_says_so_in_one_line_before_building_anything(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no prometheus on it
+    with pytest.raises(SystemExit) as stopped:
+        run(QUICK)
+    message = str(stopped.value.code)
+    assert "prometheus" in message and "\n" not in message
