@@ -10,9 +10,12 @@ With ``count``, every request is built before the clock starts. Two kinds:
 
 * ``asyncio``: one event loop (uvloop when installed), raw streams, HTTP/1.1 written and
   parsed by hand: the least client CPU per request we know how to spend in Python;
-* ``threads``: a thread per connection, each with its own stdlib ``http.client`` connection.
+* ``threads``: a thread per connection, each with its own stdlib ``http.client`` connection;
+* ``sockets``: a thread per connection, each a raw socket: the request's prebuilt bytes in
+  one ``sendall``, the answer read with ``recv`` until its head and ``Content-Length`` are in
+  (what the jobs' own transport does per call since 2026-12-07, minus its checks).
 
-``limit_rate`` measures both and returns the faster. Every answer must be the request's
+``limit_rate`` measures all three and returns the fastest. Every answer must be the request's
 status (``201`` for a delivery): anything else (a fault, a duplicate, a 429) raises
 ``BareClientError``, so a figure always means that many distinct items were stored.
 ``http_client_sender`` is the ``threads`` kind's connection as a function, for a caller that
@@ -31,6 +34,7 @@ import asyncio
 import http.client
 import json
 import resource
+import socket
 import tempfile
 import threading
 import time
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-KINDS = ("asyncio", "threads")
+KINDS = ("asyncio", "threads", "sockets")
 TENANT = "tenant-bare"
 PATH = "/fulfilment/deliveries"
 
@@ -138,7 +142,7 @@ def bare_run(
     if kind == "asyncio":
         _run_asyncio(host, port, concurrency, budget, requests)
     else:
-        _run_threads(host, port, concurrency, budget, requests)
+        _run_threads(host, port, concurrency, budget, requests, raw=kind == "sockets")
     elapsed = time.perf_counter() - started
     return BareRun(kind, concurrency, budget.done, elapsed, _own_cpu_s() - cpu)
 
@@ -258,27 +262,55 @@ def http_client_sender(url: str, request: BareRequest = DELIVERY) -> Callable[[s
     return send
 
 
+def _raw_post(sock: socket.socket, raw: bytes, status: bytes) -> None:
+    """One request's bytes on a keep-alive socket, its whole answer read and checked."""
+    sock.sendall(raw)
+    data = b""
+    while (end := data.find(b"\r\n\r\n")) < 0:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise BareClientError("closed without an answer")
+        data += chunk
+    want = end + 4 + _content_length(data[:end])
+    while len(data) < want:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise BareClientError("closed mid-answer")
+        data += chunk
+    if data[9:12] != status:
+        raise BareClientError(f"HTTP {data[9:12].decode()} for a fresh key")
+
+
 def _run_threads(
-    host: str, port: int, concurrency: int, budget: _Budget, requests: _Requests
+    host: str, port: int, concurrency: int, budget: _Budget, requests: _Requests, raw: bool
 ) -> None:
     errors: list[BaseException] = []
+    status = str(requests.request.status).encode()
 
     def connection() -> None:
         conn = http.client.HTTPConnection(host, port, timeout=30)
+        sock = socket.create_connection((host, port), timeout=30) if raw else None
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             while True:
                 with budget.lock:
                     i = budget.next_index()
                 if i is None:
                     return
-                _, body, headers = requests[i]
-                _post(conn, requests.request, body, headers)
+                data, body, headers = requests[i]
+                if sock is not None:
+                    _raw_post(sock, data, status)
+                else:
+                    _post(conn, requests.request, body, headers)
                 with budget.lock:
                     budget.done += 1
         except BaseException as exc:
             errors.append(exc)
         finally:
             conn.close()
+            if sock is not None:
+                sock.close()
 
     threads = [threading.Thread(target=connection, daemon=True) for _ in range(concurrency)]
     for thread in threads:

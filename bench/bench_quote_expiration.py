@@ -46,10 +46,10 @@ from bench.common import (
     settle,
     stopwatch,
 )
+from qo_ops.db.arrays import int_array
 from qo_ops.jobs.quote_expiration import EXPIRE_QUOTE_BATCH, SPEC
 from qo_ops.platform.job.outcome import BatchContext
 from qo_ops.platform.job.scope import Scope
-from qo_ops.platform.run.selection import id_array
 
 TENANT = "tenant-001"
 BIG, SMALL = 1_000_000, 10_000
@@ -112,7 +112,7 @@ def expire_all_at_once(conn: Connection) -> Any:
     EXPIRE_QUOTE_BATCH over all of them at once."""
     ctx = BatchContext(SPEC.name, Scope(TENANT), "execute", uuid.uuid4())
     ids = list(conn.execute(SPEC.eligible(ctx)).scalars())
-    params = {"ids": id_array(ids), "tenant": TENANT, "last_id": ids[-1]}
+    params = {"ids": int_array(ids), "tenant": TENANT, "last_id": ids[-1]}
     return conn.execute(EXPIRE_QUOTE_BATCH, params).one()
 
 

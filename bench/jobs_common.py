@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
 from bench.common import engine_for
+from qo_ops.db.arrays import int_array
 from qo_ops.jobs import temp_file_cleanup as cleanup_job
 from qo_ops.jobs.abandoned_checkout_close import CLOSE_CHECKOUT_BATCH
 from qo_ops.jobs.audit_archive import format as archive_format
@@ -19,7 +20,6 @@ from qo_ops.jobs.quote_expiration import EXPIRE_QUOTE_BATCH
 from qo_ops.jobs.read_model_repair import REPAIR_READ_MODEL_BATCH
 from qo_ops.platform.job.outcome import BatchContext
 from qo_ops.platform.job.scope import Scope
-from qo_ops.platform.run.selection import id_array
 
 TENANT = "tenant-001"
 SPAN_DAYS = 10  # windowed jobs: rows spread over this many UTC days, window = exactly those
@@ -88,7 +88,7 @@ def one_row(url: URL, sql: str, params: dict[str, Any]) -> dict[str, Any]:
 def transition_sql(job: str, ids: list[int], ctx: BatchContext) -> tuple[sa.TextClause, dict]:
     """The statement a job's batch applies to ``ids`` (the job's own constant), with the
     parameters the job binds."""
-    array = id_array(ids)
+    array = int_array(ids)
     if job == "quote_expiration":
         return EXPIRE_QUOTE_BATCH, {"ids": array, "tenant": TENANT, "last_id": ids[-1]}
     if job == "abandoned_checkout_close":

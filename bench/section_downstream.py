@@ -134,7 +134,11 @@ def verify_simulator(sim: Simulator, kind: Kind, n: int, label: str) -> dict[str
 
 
 # the bare client's kinds, by the name the notes give them
-BARE_CLIENTS = {"asyncio": "asyncio", "http.client threads": "threads"}
+BARE_CLIENTS = {
+    "asyncio": "asyncio",
+    "http.client threads": "threads",
+    "raw socket threads": "sockets",
+}
 
 
 def bare_rate(

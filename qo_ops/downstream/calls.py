@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, RowMapping
 
 from qo_ops.config import number, whole_number
 from qo_ops.downstream.client import DownstreamClient, DownstreamError, downstream_url
@@ -286,13 +286,13 @@ class ClaimedItem:
     id: str
     attempt: int
     max_attempts: int
-    row: dict[str, Any]
+    row: RowMapping
 
 
 def call_for_each(
     ctx: BatchContext,
     work: list[ClaimedItem],
-    call: Callable[[DownstreamClient, dict[str, Any]], bool],
+    call: Callable[[DownstreamClient, RowMapping], bool],
 ) -> list[CallResult]:
     """``call(client, item.row)`` for every claimed item, concurrently; failures become
     results. ``call`` answers whether the downstream had already seen the item (a

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, RowMapping
 
+from qo_ops.db.arrays import float_array, int_array, text_array
 from qo_ops.downstream.calls import (
     CallSettings,
     CallSteps,
@@ -46,10 +47,12 @@ CALLING_DEFAULTS = Limits(batch_size=4096, concurrency=32)
 def select_due(
     ctx: BatchContext, table: sa.Table, due_at: sa.Column[Any], *due: sa.ColumnElement[bool]
 ) -> sa.Select[Any]:
-    """The tenant's rows of ``table`` that are ``due`` and whose ``due_at`` has passed, the
-    longest due first (``id`` breaking ties): what a claim → call → record job selects."""
+    """The ids (as text) of the tenant's rows of ``table`` that are ``due`` and whose
+    ``due_at`` has passed, the longest due first (``id`` breaking ties): what a claim → call
+    → record job selects. Text, because the claim binds them as text and a ``uuid`` object
+    each costs more to make than the rest of the selection."""
     return (
-        sa.select(table.c.id)
+        sa.select(sa.cast(table.c.id, sa.Text).label("id"))
         .where(table.c.tenant_id == ctx.scope.tenant_id, *due, due_at <= sa.func.now())
         .order_by(due_at, table.c.id)
     )
@@ -69,23 +72,24 @@ class ClaimedCalls:
     """One job's claim, call and record.
 
     ``claim`` takes ``:ids``, ``:tenant`` and ``:claim_s`` and returns the items it claimed
-    (``id``, the attempt number in ``attempt_field``, what ``call`` needs), each handed to
-    the call step as a :class:`~qo_ops.downstream.calls.ClaimedItem`; ``call`` sends one
-    item (its row) and answers whether the downstream had seen it already. ``record`` takes
-    one array per result — ``:ids``, ``:attempts``, ``:states``, ``:delays`` and the job's own
-    ``columns`` — and returns ``(id, state)`` of each result it recorded; ``on_done`` (if
-    any) then runs over the ``:ids`` recorded done; ``give_back`` takes ``:ids``,
+    (``id`` as text, the attempt number in ``attempt_field``, what ``call`` needs), each
+    handed to the call step as a :class:`~qo_ops.downstream.calls.ClaimedItem`; ``call``
+    sends one item (its row) and answers whether the downstream had seen it already.
+    ``record`` takes one array per result — ``:ids``, ``:attempts``, ``:states``,
+    ``:delays`` and the job's own ``columns`` (each one array value, :mod:`qo_ops.db.arrays`)
+    — and returns ``(id, state)`` of each result it recorded; ``on_done`` (if any) then runs
+    over the ``:ids`` recorded done; ``give_back`` takes ``:ids``,
     ``:attempts``, ``:refunds`` and ``:revives``: what an outage owes back to items (each
     only while it is still at that attempt; a revived one was dead-lettered by the outage
     and is due again) (:func:`prepare_calls`, :func:`finish_calls`)."""
 
     side_effect: str
     claim: sa.TextClause
-    call: Callable[[DownstreamClient, dict[str, Any]], bool]
+    call: Callable[[DownstreamClient, RowMapping], bool]
     attempt_field: str
-    max_attempts: Callable[[dict[str, Any]], int]
+    max_attempts: Callable[[RowMapping], int]
     record: sa.TextClause
-    columns: Callable[[list[Decision]], dict[str, list[Any]]]
+    columns: Callable[[list[Decision]], dict[str, str]]
     give_back: sa.TextClause
     on_done: sa.TextClause | None = None
 
@@ -109,18 +113,12 @@ class ClaimedCalls:
         if refused is not None:  # the breaker is open: nothing claimed, the run halts
             return refused
         claim_s = claim_seconds(ctx, len(ids))
-        params = {"ids": [str(i) for i in ids], "tenant": ctx.scope.tenant_id, "claim_s": claim_s}
-        rows = [dict(r) for r in conn.execute(self.claim, params).mappings()]
+        ids_value = text_array([str(i) for i in ids])
+        params = {"ids": ids_value, "tenant": ctx.scope.tenant_id, "claim_s": claim_s}
+        rows = conn.execute(self.claim, params).mappings().all()  # read-only rows, not copied
+        attempt, max_attempts = self.attempt_field, self.max_attempts
         return BatchOutcome(
-            work=[
-                ClaimedItem(
-                    id=str(r["id"]),
-                    attempt=r[self.attempt_field],
-                    max_attempts=self.max_attempts(r),
-                    row=r,
-                )
-                for r in rows
-            ]
+            work=[ClaimedItem(r["id"], r[attempt], max_attempts(r), r) for r in rows]
         )
 
     def call_batch(self, ctx: BatchContext, work: list[ClaimedItem]) -> list[CallResult]:
@@ -137,17 +135,17 @@ class ClaimedCalls:
         rows = conn.execute(
             self.record,
             {
-                "ids": [r.item_id for r, _ in decisions],
-                "attempts": [r.attempt for r, _ in decisions],
-                "states": [d.state for _, d in decisions],
-                "delays": [d.delay_s for _, d in decisions],
+                "ids": text_array([r.item_id for r, _ in decisions]),
+                "attempts": int_array([r.attempt for r, _ in decisions]),
+                "states": text_array([d.state for _, d in decisions]),
+                "delays": float_array([d.delay_s for _, d in decisions]),
                 **self.columns(decisions),
             },
         ).all()
-        recorded = {str(row.id): row.state for row in rows}
+        recorded = {row.id: row.state for row in rows}
         done = [i for i, state in recorded.items() if state == "done"]
         if self.on_done is not None and done:
-            conn.execute(self.on_done, {"ids": done})
+            conn.execute(self.on_done, {"ids": text_array(done)})
         return finish_calls(
             conn, ctx, decisions, recorded, CallSteps(self.side_effect, self.give_back)
         )

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.config import whole_number
+from qo_ops.db.arrays import int_array
 from qo_ops.db.schema import checkout_session
 from qo_ops.platform.calls.outbox import transitions_with_events
 from qo_ops.platform.job.options import Limits
@@ -32,7 +33,6 @@ from qo_ops.platform.job.spec import (
 )
 from qo_ops.platform.run.selection import (
     after_position,
-    id_array,
     seconds_or_none,
     without_parallel_workers,
 )
@@ -139,7 +139,7 @@ def close_checkout_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]
     row = conn.execute(
         CLOSE_CHECKOUT_BATCH,
         {
-            "ids": id_array(ids),
+            "ids": int_array(ids),
             "tenant": ctx.scope.tenant_id,
             "hours": _run_idle_hours(ctx),
             "last_id": ids[-1],

@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, RowMapping
 
+from qo_ops.db.arrays import int_array, text_array
 from qo_ops.db.schema import delivery_attempt_item
 from qo_ops.downstream.claims import ClaimedCalls, Decision, select_due
 from qo_ops.downstream.client import DownstreamClient
@@ -64,13 +65,13 @@ CLAIM_DELIVERY_BATCH = sa.text(
      WHERE i.id = ANY(CAST(:ids AS uuid[])) AND i.tenant_id = :tenant
        AND i.status IN ('READY', 'IN_PROGRESS') AND i.next_attempt_at <= now()
        AND o.id = i.order_id
-    RETURNING i.id, i.business_key, i.tenant_id, i.attempt_count, i.max_attempts, i.payload,
+    RETURNING i.id::text AS id, i.business_key, i.tenant_id, i.attempt_count, i.max_attempts, i.payload,
               o.order_number
     """
 )
 
 
-def submit_delivery(client: DownstreamClient, item: dict[str, Any]) -> bool:
+def submit_delivery(client: DownstreamClient, item: RowMapping) -> bool:
     """Submit one claimed item to the fulfilment system. Return whether it had the key already."""
     return client.submit_delivery(
         item["business_key"], item["tenant_id"], item["order_number"], item["payload"]
@@ -99,7 +100,7 @@ RECORD_DELIVERY_RESULTS = sa.text(
                   CAST(:codes AS text[]), CAST(:messages AS text[]))
            AS r(id, attempt, state, status, delay_s, refund, code, message)
      WHERE i.id = r.id AND i.status = 'IN_PROGRESS' AND i.attempt_count = r.attempt
-    RETURNING i.id, r.state
+    RETURNING i.id::text AS id, r.state
     """
 )
 
@@ -130,17 +131,19 @@ GIVE_BACK_DELIVERY_ATTEMPTS = sa.text(
 )
 
 
-def delivery_columns(decisions: list[Decision]) -> dict[str, list[Any]]:
+def delivery_columns(decisions: list[Decision]) -> dict[str, str]:
     """Build the columns RECORD_DELIVERY_RESULTS takes besides ids, attempts, states and delays.
 
     They are the status (DELIVERED, READY or DEAD_LETTER), the attempt given back, and the
     error.
     """
     return {
-        "statuses": [_STATE[d.state] for _, d in decisions],
-        "refunds": [int(d.refund) for _, d in decisions],
-        "codes": [r.code for r, _ in decisions],
-        "messages": [one_line(r.message, 300) if r.message else None for r, _ in decisions],
+        "statuses": text_array([_STATE[d.state] for _, d in decisions]),
+        "refunds": int_array([d.refund for _, d in decisions]),
+        "codes": text_array([r.code for r, _ in decisions]),
+        "messages": text_array(
+            [one_line(r.message, 300) if r.message else None for r, _ in decisions]
+        ),
     }
 
 

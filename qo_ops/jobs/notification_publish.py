@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, RowMapping
 
+from qo_ops.db.arrays import text_array
 from qo_ops.db.schema import outbox_event
 from qo_ops.downstream.claims import ClaimedCalls, Decision, select_due
 from qo_ops.downstream.client import DownstreamClient
@@ -58,15 +59,15 @@ CLAIM_EVENT_BATCH = sa.text(
            available_at = clock_timestamp() + make_interval(secs => :claim_s)
      WHERE id = ANY(CAST(:ids AS uuid[])) AND tenant_id = :tenant
        AND published_at IS NULL AND dead_lettered_at IS NULL AND available_at <= now()
-    RETURNING id, event_type, tenant_id, payload, publish_attempts
+    RETURNING id::text AS id, event_type, tenant_id, payload, publish_attempts
     """
 )
 
 
-def publish_event(client: DownstreamClient, event: dict[str, Any]) -> bool:
+def publish_event(client: DownstreamClient, event: RowMapping) -> bool:
     """Publish one claimed event to the notification sink. Return whether it had it already."""
     return client.publish_notification(
-        str(event["id"]), event["event_type"], event["tenant_id"], event["payload"]
+        event["id"], event["event_type"], event["tenant_id"], event["payload"]
     )
 
 
@@ -93,7 +94,7 @@ RECORD_PUBLISH_RESULTS = sa.text(
            AS r(id, attempt, state, delay_s, code)
      WHERE e.id = r.id AND e.published_at IS NULL AND e.dead_lettered_at IS NULL
        AND e.publish_attempts = r.attempt
-    RETURNING e.id, r.state
+    RETURNING e.id::text AS id, r.state
     """
 )
 
@@ -123,9 +124,9 @@ MARK_NOTIFICATIONS_SENT = sa.text(
 )
 
 
-def publish_columns(decisions: list[Decision]) -> dict[str, list[Any]]:
+def publish_columns(decisions: list[Decision]) -> dict[str, str]:
     """Build the error columns RECORD_PUBLISH_RESULTS takes beside ids, attempts, states, delays."""
-    return {"codes": [one_line(r.code, 60) if r.code else None for r, _ in decisions]}
+    return {"codes": text_array([one_line(r.code, 60) if r.code else None for r, _ in decisions])}
 
 
 EVENTS = ClaimedCalls(

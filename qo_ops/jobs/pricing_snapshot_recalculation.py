@@ -26,6 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from qo_ops.db.arrays import int_array
 from qo_ops.db.schema import quote
 from qo_ops.errors import ClassifiedError
 from qo_ops.platform.job.options import Limits
@@ -39,7 +40,7 @@ from qo_ops.platform.job.spec import (
     Presentation,
     Signals,
 )
-from qo_ops.platform.run.selection import id_array, with_selection
+from qo_ops.platform.run.selection import with_selection
 
 CHECK_NAME = "current_snapshot_for_every_quote"
 
@@ -145,7 +146,7 @@ def recalculate_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -
     row = conn.execute(
         RECALCULATE_BATCH,
         {
-            "ids": id_array(ids),
+            "ids": int_array(ids),
             "tenant": ctx.scope.tenant_id,
             "run": ctx.job_run_id,
             "last": int(ids[-1]),

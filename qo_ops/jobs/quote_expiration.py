@@ -13,6 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from qo_ops.db.arrays import int_array
 from qo_ops.db.schema import quote
 from qo_ops.platform.calls.outbox import transitions_with_events
 from qo_ops.platform.job.options import Limits
@@ -28,7 +29,6 @@ from qo_ops.platform.job.spec import (
 )
 from qo_ops.platform.run.selection import (
     after_position,
-    id_array,
     seconds_or_none,
     without_parallel_workers,
 )
@@ -98,7 +98,7 @@ def expire_quote_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) 
     """Expire the selected quotes and append their QuoteExpired events."""
     row = conn.execute(
         EXPIRE_QUOTE_BATCH,
-        {"ids": id_array(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]},
+        {"ids": int_array(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]},
     ).one()
     outcome = transitions_with_events(
         SIDE_EFFECT, selected=len(ids), changed=row.expired, events=row.events

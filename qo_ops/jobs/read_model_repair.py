@@ -21,6 +21,7 @@ from typing import Any, cast
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from qo_ops.db.arrays import int_array
 from qo_ops.db.schema import customer_order, order_read_model
 from qo_ops.platform.job.options import Limits
 from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, OutcomeCheck
@@ -33,7 +34,7 @@ from qo_ops.platform.job.spec import (
     Presentation,
     SkipLocked,
 )
-from qo_ops.platform.run.selection import after_position, id_array, with_selection
+from qo_ops.platform.run.selection import after_position, with_selection
 
 # Drift by kind: the row is missing, or a column derived from the order differs.
 _DRIFT_KINDS: dict[str, sa.ColumnElement[bool]] = {
@@ -144,7 +145,7 @@ def repair_read_model_batch(
     """Recompute the selected orders' read-model rows."""
     row = conn.execute(
         REPAIR_READ_MODEL_BATCH,
-        {"ids": id_array(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]},
+        {"ids": int_array(ids), "tenant": ctx.scope.tenant_id, "last_id": ids[-1]},
     ).one()
     return BatchOutcome(
         succeeded=row.repaired,

@@ -80,6 +80,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from qo_ops.config import whole_number
+from qo_ops.db.arrays import int_array
 from qo_ops.db.audit import AuditEntry, append_audit
 from qo_ops.db.schema import job_run, temp_file
 from qo_ops.errors import ClassifiedError, ConfigError
@@ -105,7 +106,7 @@ from qo_ops.platform.job.spec import (
     Signals,
 )
 from qo_ops.platform.run.faults import crash_point
-from qo_ops.platform.run.selection import after_position, id_array, seconds_or_none
+from qo_ops.platform.run.selection import after_position, seconds_or_none
 
 SIDE_EFFECT = "object_delete"  # a file removed from the object store (job_side_effects_total)
 RETENTION_ENV = "QO_OPS_TEMP_FILE_RETENTION_DAYS"
@@ -385,7 +386,7 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
     settings = run_settings(ctx)
     if ctx.run_state(CleanupRun).gate is None:
         _anomaly_gate(conn, ctx)
-    files = conn.execute(_BATCH_FILES, {"ids": id_array(ids), "tenant": ctx.scope.tenant_id}).all()
+    files = conn.execute(_BATCH_FILES, {"ids": int_array(ids), "tenant": ctx.scope.tenant_id}).all()
     with ObjectStore(settings.objects_root) as store:  # each object gives (safe, sha256)
         work = [
             DecidedFile(f.id, f.storage_path, f.created_at, *store.sha256(f.storage_path))
@@ -396,7 +397,7 @@ def decide_batch(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Bat
         conn.execute(
             _WRITE_INTENTS,
             {
-                "ids": id_array([w.id for w in hashed]),
+                "ids": int_array([w.id for w in hashed]),
                 "shas": digest_array([w.sha256 for w in hashed]),
                 "run": str(ctx.job_run_id),
                 "reason": _reason(ctx),
@@ -454,7 +455,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) 
         conn.execute(
             _DELETE_ROWS,
             {
-                "ids": id_array(list(safe)),
+                "ids": int_array(list(safe)),
                 "tenant": ctx.scope.tenant_id,
                 "start": start,
                 "end": end,
@@ -474,7 +475,7 @@ def remove_batch(conn: Connection, ctx: BatchContext, files: list[DecidedFile]) 
     with ObjectStore(settings.objects_root) as store:
         intact = [i for i in kept if store.exists(safe[i])]
         if intact:
-            conn.execute(_FORGET_INTENTS, {"ids": id_array(intact)})
+            conn.execute(_FORGET_INTENTS, {"ids": int_array(intact)})
         crash_point(CRASH_BEFORE_OBJECT_DELETE)
         for row in sorted(gone, key=lambda r: r.temp_file_id):
             # Safe in step 1. A directory swapped for a symlink since then raises and rolls back.

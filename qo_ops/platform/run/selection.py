@@ -3,7 +3,6 @@ small pieces the jobs' selections share."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -59,14 +58,6 @@ def with_selection(
     own query, so the statement takes exactly the rows a batch of ids would have held."""
     compiled = selection.compile(dialect=_NAMED, compile_kwargs={"render_postcompile": True})
     return sa.text(statement.replace("{selection}", str(compiled))), dict(compiled.params)
-
-
-def id_array(ids: Sequence[Any]) -> str:
-    """A batch's integer ids as one array value (``{3,1,2}``), bound for
-    ``CAST(:ids AS bigint[])``. psycopg dumps a list element by element, and this is one
-    string instead (bench/TUNING.md has the figure). Each id goes through ``int()``, so
-    nothing but digits goes in."""
-    return "{" + ",".join([str(int(i)) for i in ids]) + "}"
 
 
 # No parallel workers for the rest of the caller's transaction (SET LOCAL, value bound).
