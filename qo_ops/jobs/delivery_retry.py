@@ -65,8 +65,8 @@ CLAIM_DELIVERY_BATCH = sa.text(
      WHERE i.id = ANY(CAST(:ids AS uuid[])) AND i.tenant_id = :tenant
        AND i.status IN ('READY', 'IN_PROGRESS') AND i.next_attempt_at <= now()
        AND o.id = i.order_id
-    RETURNING i.id::text AS id, i.business_key, i.tenant_id, i.attempt_count, i.max_attempts, i.payload,
-              o.order_number
+    RETURNING i.id::text AS id, i.business_key, i.tenant_id, i.attempt_count, i.max_attempts,
+              i.payload, o.order_number
     """
 )
 
