@@ -25,7 +25,7 @@ DEFAULT_RETENTION_DAYS = 365
 MAX_RETENTION_DAYS = 36_500
 # One file per batch, at the default batch size. This keeps a batch's row locks brief and
 # bounds the memory a batch holds (figures in bench/TUNING.md).
-MAX_ROWS_PER_FILE = 5_000
+MAX_ROWS_PER_FILE = 4_000
 ARCHIVE_DIR = "archive"  # under QO_OPS_HOME
 
 
