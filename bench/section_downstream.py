@@ -12,8 +12,9 @@ Per job and concurrency (32, 64), alternating bare client and job, ``profile.rep
   every item delivered/published after exactly one attempt, and the simulator holds each
   exactly once from one request each.
 * the limit: :func:`bare_rate` — no qo-ops, no database: keep-alive connections posting the
-  same requests, the faster of ``bench/bare_client.py``'s two kinds (asyncio raw streams, a
-  thread per ``http.client`` connection), verified the same way on the simulator's counters.
+  same requests, the fastest of ``bench/bare_client.py``'s three kinds (asyncio raw streams,
+  a thread per ``http.client`` connection, a thread per raw socket), verified the same way on
+  the simulator's counters.
 * the ideal: concurrency ÷ latency (every call exactly the added latency, always
   ``concurrency`` in flight).
 
@@ -350,10 +351,11 @@ def run(profile: Profile) -> Section:
         f"Against one `qo-ops downstream --latency-ms {LATENCY_MS}` process (reset before each "
         "measurement). The job: `run_job` in a process of its own on a clone of the loaded "
         "database (default batch size), rate = items ÷ the run's duration_ms, CPU = that "
-        "process's CPU time during run_job ÷ items. The limit: the faster of an asyncio "
-        "raw-stream client and a thread per keep-alive `http.client` connection "
-        "(`bench/bare_client.py`), no qo-ops and no database, measured in the same run. Verified: every item done after "
-        "one attempt, and the simulator holds each once from one request.",
+        "process's CPU time during run_job ÷ items. The limit: the fastest of an asyncio "
+        "raw-stream client, a thread per keep-alive `http.client` connection and a thread "
+        "per raw keep-alive socket (`bench/bare_client.py`), no qo-ops and no database, "
+        "measured in the same run. Verified: every item done after one attempt, and the "
+        "simulator holds each once from one request.",
     )
     fleet = measure_fleet()  # one rate limit for 8 runs at once (bench/fleet_rate_limit.py)
     rows.append(fleet_row(fleet))

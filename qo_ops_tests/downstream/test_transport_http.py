@@ -52,7 +52,10 @@ def _read_request(conn: socket.socket, pending: bytearray) -> bytes | None:
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
     while len(pending) < end + length:
-        pending += conn.recv(65536)
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        pending += chunk
     del pending[: end + length]
     return head
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from qo_ops.config import load_settings
+from qo_ops.db.arrays import text_array
 from qo_ops.errors import ClassifiedError
 
 OBJECTS_DIR = "objects"  # this directory under QO_OPS_HOME stands in for the object store
@@ -270,15 +271,13 @@ _READ_CHUNK = 64 * 1024  # below malloc's mmap threshold, so a read costs no mma
 
 def digest_array(digests: Sequence[str | None]) -> str:
     """Turn digests from :meth:`ObjectStore.sha256` into one array value, bound for
-    ``CAST(:shas AS text[])``.
-
-    A None digest means the object was gone. ``selection.id_array`` does the same for ids,
-    because psycopg dumps a list element by element. A digest is lowercase hex, so there is
-    nothing to quote. This is checked."""
+    ``CAST(:shas AS text[])`` (:func:`~qo_ops.db.arrays.text_array`: psycopg dumps a list
+    element by element). A None digest means the object was gone. Each is checked to be
+    lowercase hex first."""
     for d in digests:
         if d is not None and not all(c in "0123456789abcdef" for c in d):
             raise ValueError("a checksum is not a lowercase hex digest")
-    return "{" + ",".join("NULL" if d is None else d for d in digests) + "}"
+    return text_array(digests)
 
 
 def _digest(fd: int, size: int) -> str:

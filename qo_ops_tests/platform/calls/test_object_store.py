@@ -83,7 +83,7 @@ def test_a_batchs_digests_go_as_one_array_value_and_nothing_but_hex_goes_in():
     digest is refused before it could change the literal's shape."""
     sha = hashlib.sha256(b"x").hexdigest()
     literal = object_store.digest_array([sha, None])
-    assert literal == "{" + sha + ",NULL}"
+    assert literal == '{"' + sha + '",NULL}'
     for bad in ['a","b', "ABC", "1,2", "{}"]:
         with pytest.raises(ValueError):
             object_store.digest_array([bad])
