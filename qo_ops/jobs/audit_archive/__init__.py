@@ -5,17 +5,18 @@ Each file gets a checksum manifest and is verified. Only then are the records de
 The window is the UTC day the records *occurred* on. The eligible records are the tenant's
 records of the window older than the retention (``QO_OPS_AUDIT_RETENTION_DAYS``, default 365
 days). Each archive file holds one tenant-day chunk of at most ``batch_size`` records,
-ordered by id. The default of 5,000 gives one file per batch, and keeps a batch short enough
-that it holds its locks briefly. A file lives at
+ordered by id. The default of 4,000 (``MAX_ROWS_PER_FILE``) gives one file per batch, and
+keeps a batch short enough that it holds its locks briefly. A file lives at
 ``QO_OPS_HOME/archive/<tenant>/<day>/<manifest id>.parquet``. Its columns are those of
 ``audit_record``, with ``details`` as the JSON text PostgreSQL stores.
 
 One batch of the runner is one chunk, or one chunk per day when a batch spans several days:
 
-1. **select** runs in batch transaction 1, guarded by the lease. It locks the next eligible
-   ids, by UTC day then id, read off the index ``ix_audit_record_tenant_day_id`` without a
-   sort. Their id range is copied out (``COPY … TO STDOUT`` as CSV, parsed by Arrow into
-   the archive's columns), and exactly the selected ids of it are kept. A chunk is
+1. **select** runs in batch transaction 1, guarded by the lease, as one statement
+   (``Batching.claims``: ``format.COPY_CLAIMED``). It locks the next eligible records, by
+   UTC day then id, read off the index ``ix_audit_record_tenant_day_id`` without a sort,
+   and copies exactly those out (``COPY … TO STDOUT`` as CSV, parsed by Arrow into the
+   archive's columns); their ids make no round trip through Python. A chunk is
    therefore "every eligible record of (tenant, day) with an id in [min, max]", which is
    what its manifest states. If an earlier run left a WRITTEN manifest for exactly this
    chunk, the step adopts it instead of writing a new file. A manifest that overlaps the
@@ -42,6 +43,14 @@ One batch of the runner is one chunk, or one chunk per day when a batch spans se
    deleted, and the manifest is marked ``FAILED`` instead. The run then stops with error
    code ``archive_verification_failed``. Each of the two digests is computed on its own
    side.
+
+The runner pipelines the batches (``ExternalPhase(pipelined=True)``,
+``qo_ops/platform/run/pipeline.py``): a batch's external and record steps run on a second
+thread and connection while the next batch's select runs, so the delete of one batch and
+the COPY of the next use two server processes at once. The select's position (the last day
+and id it took) is where the next select starts, and the last pass from the start waits for
+the batch in flight. A select that is never followed by its files (a stop, an error) left
+S0 and, at most, a retired manifest's file for the orphan sweep.
 
 The states of one chunk, and where a crash (SIGKILL) anywhere leaves it::
 
@@ -87,7 +96,7 @@ of ``ARCHIVE_CRASH_POINTS``, the process kills itself with SIGKILL at that point
 - ``archive_after_file_written`` (S1): the file is renamed into place, with no manifest.
 - ``archive_after_manifest_written`` (S2): WRITTEN is committed, not verified.
 - ``archive_before_delete_commit`` (S2): the delete and VERIFIED are issued, not committed.
-- ``archive_after_delete_commit`` (S3): committed. It fires as the next batch starts.
+- ``archive_after_delete_commit`` (S3): committed. It fires as the next batch's files start.
 
 The runner's own ``after_external_call`` is the point "verified, nothing deleted yet" (S2).
 Its points before that (``after_batch_select``, ``before_commit``, ``after_commit``) leave
@@ -140,6 +149,7 @@ from qo_ops.jobs.audit_archive.steps import (
     ARCHIVE_CRASH_POINTS,
     SIDE_EFFECT,
     archivable_records,
+    claim_chunks,
     delete_verified,
     select_chunks,
     write_and_verify,
@@ -168,13 +178,15 @@ SPEC = JobSpec(
     partitioning="tenant_day",
     eligible=archivable_records,
     transition=select_chunks,
-    then=ExternalPhase(call=write_and_verify, record=delete_verified),
+    then=ExternalPhase(call=write_and_verify, record=delete_verified, pipelined=True),
     check=check_archive,
     checks=(ACCOUNTS_FOR_EVERY_RECORD, ARCHIVES_VERIFY),
     defaults=Limits(batch_size=MAX_ROWS_PER_FILE),
     destructive=True,
     validate_settings=archive_settings,  # the retention and a writable archive directory
-    batching=Batching(locks=SkipLocked(of=audit_record), positions=Positions()),
+    batching=Batching(
+        locks=SkipLocked(of=audit_record), positions=Positions(), claims=claim_chunks
+    ),
     presentation=Presentation(
         outcome_asset="audit_records",
         change="archived to a verified Parquet file, then deleted",

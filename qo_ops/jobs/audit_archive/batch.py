@@ -66,5 +66,5 @@ class ArchiveRun:
 
     baseline: int | None = None  # the window's records at the first batch (for the check)
     failure: str | None = None  # why a file failed verification (the next batch stops the run)
-    deleted: bool = False  # the last batch deleted rows, for a crash point at the next selection
+    deleted: bool = False  # the last batch deleted rows, for a crash point at the next files
     swept_days: set[date] = field(default_factory=set)  # days whose orphans this run swept

@@ -93,31 +93,64 @@ COPY_BATCH = sa.text(
 )
 
 
+# The batch's claim in one statement (``Batching.claims``): the runner's selection of the
+# next batch (``{selection}``: the eligible records, by day then id, with its LIMIT and
+# ``FOR UPDATE SKIP LOCKED``) locks the records, and the same COPY writes exactly those out,
+# as COPY_BATCH does. Their ids make no round trip through Python, and the copy takes no
+# record of the id range that was not selected.
+COPY_CLAIMED = """
+    COPY (SELECT id, tenant_id,
+                 to_char(occurred_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+                 actor_ref, action, entity_type, entity_id, details::text,
+                 (occurred_at AT TIME ZONE 'UTC')::date::text AS day
+            FROM audit_record
+           WHERE id = ANY(array(SELECT claimed.id FROM ({selection}) AS claimed))
+             AND tenant_id = :t
+           ORDER BY id)
+      TO STDOUT WITH (FORMAT csv)
+    """
+
+
 def copy_batch(conn: Connection, ids: Sequence[int], tenant_id: str) -> pa.Table:
     """Run ``COPY_BATCH`` in the caller's transaction for the tenant's records among ``ids``.
 
     It returns an Arrow table of ``archive_schema()`` with a trailing ``day`` column (ISO
     date, UTC), sorted by day, then id.
     """
+    params = {"lo": min(ids), "hi": max(ids), "t": tenant_id}
+    return rows_of_csv(_copy_out(conn, COPY_BATCH, params), ids)
+
+
+def copy_claimed(
+    conn: Connection, statement: sa.TextClause, params: dict[str, Any]
+) -> pa.Table | None:
+    """Run ``COPY_CLAIMED`` (with its selection in, ``statement``) in the caller's
+    transaction. It returns what ``copy_batch`` returns, for the records it locked, or None
+    when it locked none."""
+    csv = _copy_out(conn, statement, params)
+    return rows_of_csv(csv, None) if csv.getbuffer().nbytes else None
+
+
+def _copy_out(conn: Connection, statement: sa.TextClause, params: dict[str, Any]) -> io.BytesIO:
+    """Run a ``COPY … TO STDOUT`` in the caller's transaction and return its bytes."""
     # PostgreSQL's COPY takes no bind parameters, so psycopg's copy() merges them into the
-    # text client-side, as literals it quotes itself. This is the package's one statement run
-    # that way. It is compiled here from SQLAlchemy's :name to psycopg's %(name)s.
-    compiled = COPY_BATCH.compile(dialect=conn.dialect)
-    params = compiled.construct_params({"lo": min(ids), "hi": max(ids), "t": tenant_id})
+    # text client-side, as literals it quotes itself. These are the package's statements run
+    # that way. They are compiled here from SQLAlchemy's :name to psycopg's %(name)s.
+    compiled = statement.compile(dialect=conn.dialect)
     raw = conn.connection.driver_connection
     assert raw is not None
     buffer = io.BytesIO()
-    with raw.cursor() as cur, cur.copy(str(compiled), params) as copy:
+    with raw.cursor() as cur, cur.copy(str(compiled), compiled.construct_params(params)) as copy:
         for block in copy:
             buffer.write(block)
     buffer.seek(0)
-    return rows_of_csv(buffer, ids)
+    return buffer
 
 
-def rows_of_csv(csv: io.BytesIO, ids: Sequence[int]) -> pa.Table:
+def rows_of_csv(csv: io.BytesIO, ids: Sequence[int] | None) -> pa.Table:
     """Parse ``COPY_BATCH``'s CSV as an Arrow table, sorted by day, then id.
 
-    Only the rows of ``ids`` are kept, and all of them must be there.
+    With ``ids``, only their rows are kept, and all of them must be there.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -135,11 +168,12 @@ def rows_of_csv(csv: io.BytesIO, ids: Sequence[int]) -> pa.Table:
         ),
     )
     table = table.cast(copy_schema)  # NOT NULL as in the table, where none can be
-    selected = _int_array(ids, "q")
-    # Rows of the range that were not selected (another run's, or not eligible) stay out.
-    table = table.filter(pc.is_in(table.column("id"), value_set=selected))
-    if table.num_rows != len(selected):  # this transaction locked them, so none can be missing
-        raise ArchiveError(f"copied {table.num_rows} of {len(selected)} selected records")
+    if ids is not None:
+        selected = _int_array(ids, "q")
+        # Rows of the range that were not selected (another run's, or not eligible) stay out.
+        table = table.filter(pc.is_in(table.column("id"), value_set=selected))
+        if table.num_rows != len(selected):  # this transaction locked them: none can be missing
+            raise ArchiveError(f"copied {table.num_rows} of {len(selected)} selected records")
     return table.sort_by([("day", "ascending"), ("id", "ascending")]).combine_chunks()
 
 

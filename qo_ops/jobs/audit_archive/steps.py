@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dtime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -32,8 +32,10 @@ from qo_ops.jobs.audit_archive.errors import (
     ArchiveVerificationFailed,
 )
 from qo_ops.jobs.audit_archive.format import (
+    COPY_CLAIMED,
     DELETE_DIGESTED,
     copy_batch,
+    copy_claimed,
     load_arrow,
     parquet_bytes,
     read_table,
@@ -52,7 +54,10 @@ from qo_ops.platform.job.outcome import BatchContext, BatchOutcome, SideEffectRe
 from qo_ops.platform.job.scope import Scope
 from qo_ops.platform.run.faults import crash_point
 from qo_ops.platform.run.lease import LeaseLost
-from qo_ops.platform.run.selection import after_position
+from qo_ops.platform.run.selection import after_position, with_selection
+
+if TYPE_CHECKING:  # pyarrow is loaded by the functions that use it, never on import
+    import pyarrow as pa
 
 SIDE_EFFECT = "archive_file"  # one archive file written (job_side_effects_total)
 
@@ -91,10 +96,6 @@ def archivable_records(ctx: BatchContext) -> sa.Select[Any]:
     index and never sorts what is left of the window. The day bounds only let the index
     bound the scan.
     """
-    run = ctx.run_state(ArchiveRun)
-    if run.deleted:  # the previous batch's delete committed
-        run.deleted = False
-        crash_point("archive_after_delete_commit")
     if ctx.mode == "execute":  # Counted before the first batch. Arrow loads here, not in
         load_arrow()  # a batch that holds row locks. A dry run never loads it.
     start, end = ctx.scope.window_bounds()
@@ -165,15 +166,38 @@ _FENCING_TOKEN = sa.text("SELECT fencing_token FROM job_run WHERE id = :id")
 
 def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> BatchOutcome:
     """Read the selected (locked) records and cut them into per-day chunks."""
-    import pyarrow.compute as pc
+    _before_copy(conn, ctx)
+    return _chunked(conn, ctx, copy_batch(conn, [int(i) for i in ids], ctx.scope.tenant_id))
 
+
+def claim_chunks(conn: Connection, ctx: BatchContext, selection: sa.Select[Any]) -> BatchOutcome:
+    """Lock the batch's records and read them in one statement (``format.COPY_CLAIMED``),
+    then cut them into per-day chunks, as ``select_chunks`` does for selected ids."""
+    _before_copy(conn, ctx)
+    statement, params = with_selection(COPY_CLAIMED, selection)
+    table = copy_claimed(conn, statement, {**params, "t": ctx.scope.tenant_id})
+    if table is None:
+        return BatchOutcome()  # nothing selected, nothing written
+    outcome = _chunked(conn, ctx, table)
+    outcome.processed = table.num_rows
+    return outcome
+
+
+def _before_copy(conn: Connection, ctx: BatchContext) -> None:
+    """Stop at a failed verification; count the window's records at the first batch."""
     run = ctx.run_state(ArchiveRun)
     if run.failure:  # a file failed verification, so stop as a job's own stop
         raise ArchiveVerificationFailed(run.failure)
     if run.baseline is None:
         run.baseline = _baseline(conn, ctx.scope)
+
+
+def _chunked(conn: Connection, ctx: BatchContext, table: pa.Table) -> BatchOutcome:
+    """Cut the copied records (sorted by day, then id) into per-day chunks, adopting or
+    retiring the WRITTEN manifests of earlier runs over them."""
+    import pyarrow.compute as pc
+
     cutoff = conn.execute(sa.select(retention_cutoff(ctx))).scalar_one()  # this txn's now()
-    table = copy_batch(conn, [int(i) for i in ids], ctx.scope.tenant_id)
     chunks = []
     offset = 0
     for day_value in pc.unique(table.column("day")):  # in order, since the table is sorted by day
@@ -249,7 +273,8 @@ def select_chunks(conn: Connection, ctx: BatchContext, ids: Sequence[Any]) -> Ba
         min_file_age_s=ctx.limits.lease_ttl_s,
         chunks=chunks,
     )
-    return BatchOutcome(work=[work])
+    last = chunks[-1]  # the next claim starts after it, by day then id (the runner pipelines)
+    return BatchOutcome(work=[work], position={"day": last.day, "id": last.max_id})
 
 
 # ------------------------------------------------------------------------ external (files)
@@ -341,8 +366,14 @@ def verify_file(chunk: Chunk, sha: str) -> FileResult:
 
 def write_and_verify(ctx: BatchContext, work_items: list[Work]) -> list[FileResult]:
     """Write each chunk's file and WRITTEN manifest, then read the file back (no transaction)."""
+    run = ctx.run_state(ArchiveRun)
+    if run.deleted:  # the batch before's delete committed, and this is the next step
+        run.deleted = False
+        crash_point("archive_after_delete_commit")
+    if run.failure:  # the batch before failed verification: write no file of this one
+        raise ArchiveVerificationFailed(run.failure)
     results: list[FileResult] = []
-    swept = ctx.run_state(ArchiveRun).swept_days
+    swept = run.swept_days
     for work in work_items:
         for chunk in work.chunks:
             for retired in chunk.retired:  # their manifest rows are gone, committed
@@ -480,9 +511,6 @@ def delete_verified(conn: Connection, ctx: BatchContext, results: list[FileResul
                 f"verification: {result.reason}; nothing of it was deleted"
             )
     outcome.tally = {k: v for k, v in outcome.tally.items() if v}
-    if results:  # the next batch starts after this one's last record, by day then id
-        last = results[-1].chunk
-        outcome.position = {"day": last.day, "id": last.max_id}
     crash_point("archive_before_delete_commit")
     ctx.run_state(ArchiveRun).deleted = outcome.succeeded > 0
     return outcome

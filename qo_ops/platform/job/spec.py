@@ -66,11 +66,17 @@ class ExternalPhase:
     batch's calls are in flight (``qo_ops/platform/run/overlap.py``). Two batches' calls never
     overlap. A job sets it when its claim hides what it claimed until its record (or until
     the claim lapses) and its selection does not depend on the batch before (no positions,
-    no checkpoint)."""
+    no checkpoint).
+
+    With ``pipelined``, a batch's call and record run on a second thread and connection
+    while the run claims the next batch (``qo_ops/platform/run/pipeline.py``). A job sets it
+    when its claim returns the position the next claim starts from (``Positions``) and
+    commits nothing a later run needs from a batch never called."""
 
     call: Callable[[BatchContext, list[Any]], list[Any]]
     record: Record
     overlap: bool = False
+    pipelined: bool = False
 
 
 @dataclass(frozen=True)
@@ -277,6 +283,9 @@ class JobSpec:
             problems.append(
                 "an overlapping external phase needs a selection without positions or checkpoint"
             )
+        pipelined = isinstance(self.then, ExternalPhase) and self.then.pipelined
+        if pipelined and (overlaps or not self.batching.positions or self.batching.checkpoint):
+            problems.append("a pipelined external phase needs positions, no checkpoint, no overlap")
         if self.batching.claims is not None and self.batching.dry_run_scans:
             problems.append("batching.claims writes: a dry run that scans would run it")
         if self.recovery.requeue is not None and self.signals.dead_letters is None:

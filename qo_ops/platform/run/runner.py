@@ -26,12 +26,7 @@ from typing import Any
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from qo_ops.db.availability import (
-    UNAVAILABLE,
-    db_retry_s,
-    is_unavailable,
-    retry_while_unavailable,
-)
+from qo_ops.db.availability import UNAVAILABLE, db_retry_s, is_unavailable, retry_while_unavailable
 from qo_ops.errors import DatabaseUnavailable
 from qo_ops.platform.job.counts import PROGRESS, SPAN, Counts
 from qo_ops.platform.job.options import RunOptions
@@ -53,6 +48,7 @@ from qo_ops.platform.run.faults import crash_point, hold_point
 from qo_ops.platform.run.lease import Heartbeat, Lease, LeaseLost, acquire
 from qo_ops.platform.run.liveness import Liveness
 from qo_ops.platform.run.overlap import overlapped_batches
+from qo_ops.platform.run.pipeline import pipelined_batches
 from qo_ops.platform.run.report import add_report
 from qo_ops.platform.run.selection import count_eligible, select_batch, take_batch
 from qo_ops.platform.run.stopping import TERMINATED, StopSignals, Terminated, stop_grace_s
@@ -387,6 +383,8 @@ class JobRun:
         if isinstance(then, ExternalPhase) and then.overlap:
             overlapped_batches(self, conn, then)  # claims and records while calls are in flight
             return
+        if isinstance(then, ExternalPhase) and then.pipelined:  # records on a second connection
+            return pipelined_batches(self, conn, then, self.engine.connect)
         while (room := self.room()) > 0:
             number = self.summary.batches + 1
             with (
