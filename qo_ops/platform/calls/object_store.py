@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import stat
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -275,9 +276,12 @@ def digest_array(digests: Sequence[str | None]) -> str:
     element by element). A None digest means the object was gone. Each is checked to be
     lowercase hex first."""
     for d in digests:
-        if d is not None and not all(c in "0123456789abcdef" for c in d):
+        if d is not None and not _HEX.fullmatch(d):
             raise ValueError("a checksum is not a lowercase hex digest")
     return text_array(digests)
+
+
+_HEX = re.compile(r"[0-9a-f]*")  # fullmatch: one C call a digest, not one Python call a char
 
 
 def _digest(fd: int, size: int) -> str:
