@@ -1,6 +1,7 @@
 """Pipelined batches (qo_ops.platform.run.pipeline): a batch's call and record run on a
 second thread and connection while the run claims the next batch. Through audit_archive,
-the job that declares it: real PostgreSQL, real files, a real SIGTERM.
+the job that declares it: real PostgreSQL, real files, a real SIGTERM, and a real SIGKILL
+while two batches are open (one in its record, the next claimed ahead).
 
 The job's own tests (qo_ops_tests/jobs/test_audit_archive.py: every SIGKILL point, failed
 verifications, the orphan sweep) run in this shape too. Each of the pipeline's three rules
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -21,15 +24,22 @@ import sqlalchemy as sa
 
 from qo_ops.jobs.audit_archive import SPEC, steps
 from qo_ops.platform.job.spec import Batching, ExternalPhase, Positions
+from qo_ops_tests.conftest import base_env
 from qo_ops_tests.jobs import test_audit_archive as archive_tests
 from qo_ops_tests.jobs.test_audit_archive import (
+    DAY,
+    PYTHON_RUN,
     ROWS_ON_DAY,
+    TENANT,
     _archived_ids,
+    _assert_exact,
+    _audit_digest,
     _checks,
     _day_ids,
     _execute,
     _files,
     _statuses,
+    _wait_for_lease_expiry,
 )
 
 home, seeded = archive_tests.home, archive_tests.seeded  # the job's test fixtures
@@ -119,3 +129,60 @@ def test_a_pipelined_phase_needs_positions_and_no_checkpoint_or_overlap():
     with pytest.raises(ValueError, match="pipelined external phase needs positions"):
         replace(SPEC, then=replace(both, overlap=True, pipelined=True))
     assert replace(SPEC, batching=Batching(positions=Positions())).then == SPEC.then
+
+
+# The run of PYTHON_RUN, killed by SIGKILL in batch 1's record once batch 2's claim committed:
+# two batches open, one WRITTEN and not deleted, the other claimed and not yet called.
+KILLED_WITH_TWO_OPEN = (
+    """
+import os, signal, sys, threading
+from qo_ops.jobs.audit_archive import steps
+from qo_ops.platform.run import runner
+
+second_claim = threading.Event()
+claims = []
+real_claim, real_delete = runner.JobRun.claim, steps._delete_if_equal
+
+def claim(self, conn, room):
+    claimed = real_claim(self, conn, room)  # committed when it returns
+    claims.append(claimed)
+    if len(claims) == 2:
+        second_claim.set()
+    return claimed
+
+def delete(conn, result):
+    if not second_claim.wait(20):
+        sys.exit("batch 2 was never claimed while batch 1 was recorded")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+runner.JobRun.claim, steps._delete_if_equal = claim, delete
+"""
+    + PYTHON_RUN
+)
+
+
+def test_a_sigkill_with_two_batches_open_leaves_one_written_chunk_and_the_rerun_is_exact(
+    seeded, home
+):
+    db = seeded
+    original_ids, original_digest = _day_ids(db.engine), _audit_digest(db.engine)
+    env = base_env(QO_OPS_DATABASE_URL=db.env_url, QO_OPS_HOME=str(home))
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_WITH_TWO_OPEN, DAY.isoformat(), TENANT, "300"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    killed_at = time.monotonic()
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-800:]
+    # batch 1: its file and WRITTEN manifest, nothing deleted; batch 2: claimed, nothing written
+    assert len(_files(home)) == 1 and _statuses(db.engine) == {"WRITTEN": 1}
+    assert _day_ids(db.engine) == original_ids and _audit_digest(db.engine) == original_digest
+
+    _wait_for_lease_expiry(db.engine, killed_at)
+    rerun = _execute(db.engine, batch_size=300)
+    assert (rerun.status, rerun.counts.succeeded) == ("success", ROWS_ON_DAY)
+    assert rerun.tally.get("archives_adopted") == 1  # batch 1's file re-verified, not rewritten
+    _assert_exact(db, home, original_ids, original_digest)
