@@ -25,7 +25,7 @@ run changes, and the record runs on the run's second connection.
 - **A stop** (a signal, the deadline, a cancel) ends claiming; the batch in flight is still
   called and recorded. **On an error** the run waits for the batch in flight to end (its
   record commits or rolls back) before the error ends the run, unless a stop's grace is
-  over.
+  over; a record that committed is taken into the run's counters all the same.
 
 Each batch is one ``batch`` span, from its call's start to its record being taken in.
 ``batch_ms`` is a batch's own work: its claim plus its call and record, without the wait
@@ -111,6 +111,10 @@ class _InFlight:
         assert self._outcome is not None
         return self._outcome
 
+    def recorded_well(self) -> bool:
+        """Whether the batch's record ended and committed (no error)."""
+        return self._done.is_set() and self._error is None and self._outcome is not None
+
     def taken(self) -> None:
         """The run took the batch in (or gave up on it): its span may end."""
         self._taken.set()
@@ -133,7 +137,8 @@ def pipelined_batches(
                     started = time.perf_counter()
                     claimed = _claim(run, conn, flight, claims)
                     if flight is not None:
-                        halted, flight = _take_in(run, flight), None
+                        landed, flight = flight, None
+                        halted = _take_in(run, landed)
                         if halted or run.room() <= 0:  # a record halted it, a stop, the deadline
                             return  # the batch claimed ahead is dropped: its claim is harmless
                     if claimed is _AFTER_FLIGHT:
@@ -148,7 +153,10 @@ def pipelined_batches(
                     flight = _InFlight(claims, claimed, claim_ms).take_off(run, phase, second)
         except BaseException:
             if flight is not None:  # its record commits or rolls back before the run ends
-                flight.wait(run.stop.remaining_s() if run.stop.requested else None)
+                if flight.wait(run.stop.remaining_s() if run.stop.requested else None) and (
+                    flight.recorded_well()
+                ):
+                    _take_in(run, flight)  # a committed record counts, whatever ended the run
                 flight.taken()
             raise
 

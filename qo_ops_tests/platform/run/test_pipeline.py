@@ -186,3 +186,40 @@ def test_a_sigkill_with_two_batches_open_leaves_one_written_chunk_and_the_rerun_
     assert (rerun.status, rerun.counts.succeeded) == ("success", ROWS_ON_DAY)
     assert rerun.tally.get("archives_adopted") == 1  # batch 1's file re-verified, not rewritten
     _assert_exact(db, home, original_ids, original_digest)
+
+
+def test_a_claim_that_fails_while_the_batch_before_is_recorded_still_counts_that_record(
+    seeded, home, monkeypatch
+):
+    """Batch 1's file fails verification; batch 2's claim sees that only once batch 1's
+    record has marked it (forced here) and stops the run. The record committed, so the run's
+    counters still hold it: 300 failed, one batch, as the sequential shape reports."""
+    db = seeded
+    real_write, real_before = steps.write_file, steps._before_copy
+
+    def write_then_flip_a_byte(path: Any, data: bytes) -> None:
+        real_write(path, data)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        path.write_bytes(bytes(raw))
+
+    def claim_after_the_failure(conn: sa.Connection, ctx: Any) -> None:
+        run = ctx.run_state(steps.ArchiveRun)
+        if run.baseline is not None:  # batch 2's claim: wait for batch 1's verdict
+            deadline = time.monotonic() + 30
+            while run.failure is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert run.failure is not None
+        real_before(conn, ctx)
+
+    monkeypatch.setattr(steps, "write_file", write_then_flip_a_byte)
+    monkeypatch.setattr(steps, "_before_copy", claim_after_the_failure)
+    failed = _execute(db.engine, batch_size=300)
+    assert (failed.status, failed.error_code) == ("failed", "archive_verification_failed")
+    assert (failed.counts.succeeded, failed.counts.failed, failed.batches) == (0, 300, 1)
+    assert _statuses(db.engine) == {"FAILED": 1} and len(_day_ids(db.engine)) == ROWS_ON_DAY
+    with db.engine.connect() as conn:
+        recorded = conn.execute(
+            sa.text("SELECT failed_count, status FROM job_run ORDER BY started_at DESC LIMIT 1")
+        ).one()
+    assert tuple(recorded) == (300, "failed")
