@@ -148,7 +148,8 @@ def _copy_out(conn: Connection, statement: sa.TextClause, params: dict[str, Any]
 
 
 def rows_of_csv(csv: io.BytesIO, ids: Sequence[int] | None) -> pa.Table:
-    """Parse ``COPY_BATCH``'s CSV as an Arrow table, sorted by day, then id.
+    """Parse the CSV of ``COPY_BATCH`` or ``COPY_CLAIMED`` as an Arrow table, sorted by day,
+    then id.
 
     With ``ids``, only their rows are kept, and all of them must be there.
     """

@@ -262,7 +262,6 @@ def _chunked(conn: Connection, ctx: BatchContext, table: pa.Table) -> BatchOutco
                 retired=retired,
             )
         )
-    del table  # the chunks hold their slices
     fence = conn.execute(_FENCING_TOKEN, {"id": ctx.job_run_id}).scalar()
     work = Work(
         engine=conn.engine,

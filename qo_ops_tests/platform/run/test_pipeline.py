@@ -24,6 +24,7 @@ import sqlalchemy as sa
 
 from qo_ops.jobs.audit_archive import SPEC, steps
 from qo_ops.platform.job.spec import Batching, ExternalPhase, Positions
+from qo_ops.platform.run import runner
 from qo_ops_tests.conftest import base_env
 from qo_ops_tests.jobs import test_audit_archive as archive_tests
 from qo_ops_tests.jobs.test_audit_archive import (
@@ -48,24 +49,45 @@ _PID = sa.text("SELECT pg_backend_pid()")
 
 
 class Intervals:
-    """When each claim's COPY and each record's delete ran, and on which server process."""
+    """When each claim's COPY and each record's delete ran, and on which server process.
+    Claim k (k >= 2) holds its transaction open until delete k - 1 has started, so that the
+    two overlap when, and only when, the runner lets them run at once."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.started = threading.Condition()
         self.spans: list[tuple[str, int, float, float]] = []
+        self.claims = self.deletes = 0
 
-    def wrap(self, kind: str, real: Any, pause_s: float = 0.0) -> Any:
+    def claim(self, real: Any) -> Any:
         def timed(conn: sa.Connection, *args: Any) -> Any:
-            pid = conn.execute(_PID).scalar_one()
-            started = time.monotonic()
+            pid, started = conn.execute(_PID).scalar_one(), time.monotonic()
+            with self.started:
+                self.claims += 1
+                before = self.claims - 1  # the delete of the batch before this claim's
+                self.started.wait_for(lambda: self.deletes >= before, timeout=10)
             try:
                 return real(conn, *args)
             finally:
-                time.sleep(pause_s)  # in the transaction, so the other side has time to run
-                with self.lock:
-                    self.spans.append((kind, pid, started, time.monotonic()))
+                self._add("claim", pid, started)
 
         return timed
+
+    def delete(self, real: Any) -> Any:
+        def timed(conn: sa.Connection, *args: Any) -> Any:
+            pid, started = conn.execute(_PID).scalar_one(), time.monotonic()
+            with self.started:
+                self.deletes += 1
+                self.started.notify_all()
+            try:
+                return real(conn, *args)
+            finally:
+                self._add("delete", pid, started)
+
+        return timed
+
+    def _add(self, kind: str, pid: int, started: float) -> None:
+        with self.started:
+            self.spans.append((kind, pid, started, time.monotonic()))
 
     def of(self, kind: str) -> list[tuple[str, int, float, float]]:
         return [s for s in self.spans if s[0] == kind]
@@ -76,8 +98,8 @@ def test_a_claim_runs_on_its_own_connection_while_the_batch_before_is_recorded(
 ):
     db = seeded
     seen = Intervals()
-    monkeypatch.setattr(steps, "copy_claimed", seen.wrap("claim", steps.copy_claimed, 0.25))
-    monkeypatch.setattr(steps, "_delete_if_equal", seen.wrap("delete", steps._delete_if_equal))
+    monkeypatch.setattr(steps, "copy_claimed", seen.claim(steps.copy_claimed))
+    monkeypatch.setattr(steps, "_delete_if_equal", seen.delete(steps._delete_if_equal))
     done = _execute(db.engine, batch_size=300)
     assert (done.status, done.counts.succeeded, done.batches) == ("success", ROWS_ON_DAY, 5)
     claims, deletes = seen.of("claim"), seen.of("delete")
@@ -96,16 +118,26 @@ def test_a_sigterm_records_the_batch_in_flight_and_drops_the_one_claimed_ahead(
     seeded, home, monkeypatch
 ):
     db = seeded
-    real_delete = steps._delete_if_equal
+    real_delete, real_claim = steps._delete_if_equal, runner.JobRun.claim
+    claimed: list[Any] = []
+    second_claimed = threading.Event()
     sent = []
 
+    def claim(self: runner.JobRun, conn: sa.Connection, room: int) -> Any:
+        outcome = real_claim(self, conn, room)  # committed when it returns
+        claimed.append(outcome)
+        if len(claimed) == 2:
+            second_claimed.set()
+        return outcome
+
     def delete_then_sigterm(conn: sa.Connection, result: Any) -> Any:
-        if not sent:  # the first batch's record: the second batch is claimed meanwhile
+        if not sent:  # the first batch's record, once the second batch is claimed ahead
             sent.append(True)
+            assert second_claimed.wait(30), "batch 2 was not claimed while batch 1 was recorded"
             os.kill(os.getpid(), signal.SIGTERM)  # handled by the run, on the main thread
-            time.sleep(0.3)  # the claim ahead is committed by now
         return real_delete(conn, result)
 
+    monkeypatch.setattr(runner.JobRun, "claim", claim)
     monkeypatch.setattr(steps, "_delete_if_equal", delete_then_sigterm)
     stopped = _execute(db.engine, batch_size=300)
     assert (stopped.status, stopped.status_reason) == ("cancelled", "terminated")
