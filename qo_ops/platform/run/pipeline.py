@@ -137,7 +137,7 @@ def pipelined_batches(
                     started = time.perf_counter()
                     claimed = _claim(run, conn, flight, claims)
                     if flight is not None:
-                        landed, flight = flight, None
+                        landed, flight = flight, None  # an error in its take-in: not twice
                         halted = _take_in(run, landed)
                         if halted or run.room() <= 0:  # a record halted it, a stop, the deadline
                             return  # the batch claimed ahead is dropped: its claim is harmless
